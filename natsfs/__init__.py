@@ -1,0 +1,1 @@
+"""natsfs: a FUSE filesystem over NATS JetStream Object Store buckets."""

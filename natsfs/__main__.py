@@ -1,0 +1,7 @@
+"""`python -m natsfs` is the `natsfs` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,357 @@
+"""ADR-20 (JetStream Object Store) exactly as nats.go speaks it, on top of `natsfs.streams.Streams`.
+
+Owns the wire format: stream and subject names, the meta JSON (parsed tolerantly, written the way
+nats.go writes it), digests, and the object operations (list buckets, watch metas, fetch chunks, map
+an object's chunks). Objects are `ObjectInfo`: compact, because an index holds one per live object.
+Meta `mtime` on the wire is ignored; the meta message's timestamp is the object's mtime.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidArgument, MalformedMeta, NotFound
+from .streams import StoredMsg, Streams, StreamState
+
+log = logging.getLogger(__name__)
+
+STREAM_PREFIX = "OBJ_"
+DEFAULT_CHUNK_SIZE = 128 * 1024
+BUCKET_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]+$")
+# Keys of a meta's `metadata` map that carry POSIX attributes written by natsfs.
+ATTR_MODE = "natsfs.mode"
+ATTR_UID = "natsfs.uid"
+ATTR_GID = "natsfs.gid"
+ATTR_MTIME = "natsfs.mtime_ns"
+DIGEST_PREFIX = "SHA-256="
+
+
+def stream_name(bucket: str) -> str:
+    return STREAM_PREFIX + bucket
+
+
+def encode_name(name: str) -> str:
+    """Meta subject token: URL-safe base64 with padding, of the UTF-8 name (as nats.go)."""
+    return base64.urlsafe_b64encode(name.encode("utf-8", "surrogatepass")).decode("ascii")
+
+
+def decode_token(token: str) -> str | None:
+    """The object name of a meta subject token, or None when it is not valid base64 of UTF-8."""
+    padded = token + "=" * (-len(token) % 4)
+    try:
+        return base64.urlsafe_b64decode(padded.encode("ascii")).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+
+
+def meta_subject(bucket: str, name: str) -> str:
+    return f"$O.{bucket}.M.{encode_name(name)}"
+
+
+def meta_filter(bucket: str) -> str:
+    return f"$O.{bucket}.M.>"
+
+
+def chunk_subject(bucket: str, nuid: str) -> str:
+    return f"$O.{bucket}.C.{nuid}"
+
+
+def valid_bucket_name(name: str) -> bool:
+    return bool(BUCKET_NAME_RE.match(name))
+
+
+def digest_of(data: bytes) -> str:
+    return DIGEST_PREFIX + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode("ascii")
+
+
+def format_digest(raw: bytes) -> str:
+    return DIGEST_PREFIX + base64.urlsafe_b64encode(raw).decode("ascii")
+
+
+def parse_digest(digest: str) -> bytes | None:
+    """The raw 32 bytes of a `SHA-256=` digest (any case of the prefix, padded or not), or None."""
+    if not digest or "=" not in digest:
+        return None
+    algo, _, value = digest.partition("=")
+    if algo.upper() != "SHA-256":
+        return None
+    value = value.strip()
+    try:
+        raw = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+    except (binascii.Error, ValueError):
+        return None
+    return raw if len(raw) == 32 else None
+
+
+@dataclass(slots=True, frozen=True)
+class Link:
+    bucket: str
+    name: str | None  # None: a link to the whole bucket
+
+
+@dataclass(slots=True, frozen=True)
+class PosixAttrs:
+    """POSIX attributes natsfs keeps in an object's metadata; None fields fall back to defaults."""
+
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    mtime_ns: int | None = None
+
+
+@dataclass(slots=True)
+class ObjectInfo:
+    """One object's meta, as much of it as the index needs to keep in memory."""
+
+    bucket: str
+    name: str
+    nuid: str
+    size: int
+    chunks: int
+    digest: str
+    mtime_ns: int  # the meta message's timestamp (or natsfs.mtime_ns when set)
+    revision: int  # stream sequence of the meta message
+    link: Link | None = None
+    deleted: bool = False
+    chunk_size: int = 0
+    attrs: PosixAttrs | None = None
+
+
+@dataclass
+class BucketStatus:
+    bucket: str
+    description: str
+    metadata: dict[str, str]
+    sealed: bool
+    size: int
+    max_bytes: int
+    storage: str
+    replicas: int
+    compressed: bool
+    ttl_ns: int
+    messages: int = 0
+    created_ns: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _attrs_from(metadata: dict[str, str]) -> PosixAttrs | None:
+    if not any(k.startswith("natsfs.") for k in metadata):
+        return None
+
+    def num(key: str, base: int = 10) -> int | None:
+        try:
+            v = int(metadata[key], base)
+        except (KeyError, ValueError):
+            return None
+        return v if v >= 0 else None
+
+    return PosixAttrs(num(ATTR_MODE, 8), num(ATTR_UID), num(ATTR_GID), num(ATTR_MTIME))
+
+
+def parse_meta(bucket: str, msg: StoredMsg) -> ObjectInfo:
+    """Parse a meta message leniently (all three clients' quirks); `MalformedMeta` when unusable."""
+    token = msg.subject.rsplit(".", 1)[-1] if msg.subject else ""
+    try:
+        doc = json.loads(msg.data)
+    except (ValueError, UnicodeDecodeError):
+        raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) is not JSON") from None
+    if not isinstance(doc, dict):
+        raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) is not a JSON object")
+    name = doc.get("name")
+    subject_name = decode_token(token)
+    if not isinstance(name, str):
+        if subject_name is None:
+            raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) has no name")
+        name = subject_name
+    elif subject_name is not None and subject_name != name:
+        raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) names {name!r}, its subject another name")
+
+    def integer(key: str) -> int:
+        v = doc.get(key, 0)
+        if v is None:
+            return 0
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise MalformedMeta(f"meta for {name!r} has a bad {key}: {v!r}")
+        return v
+
+    deleted = bool(doc.get("deleted", False))
+    options = doc.get("options") or {}
+    if not isinstance(options, dict):
+        options = {}
+    link = None
+    raw_link = options.get("link")
+    if isinstance(raw_link, dict) and raw_link.get("bucket"):
+        link_name = raw_link.get("name") or None
+        link = Link(str(raw_link["bucket"]), str(link_name) if link_name is not None else None)
+    size, chunks = integer("size"), integer("chunks")
+    nuid = doc.get("nuid") or ""
+    if not isinstance(nuid, str):
+        raise MalformedMeta(f"meta for {name!r} has a bad nuid: {nuid!r}")
+    if not deleted and link is None:
+        if (chunks or size) and not nuid:
+            raise MalformedMeta(f"meta for {name!r} claims {chunks} chunks but has no nuid")
+        if nuid and not re.fullmatch(r"[A-Za-z0-9_-]+", nuid):
+            raise MalformedMeta(f"meta for {name!r} has an unusable nuid {nuid!r}")
+        if chunks == 0 and size > 0:
+            raise MalformedMeta(f"meta for {name!r} has {size} bytes in 0 chunks")
+    digest = doc.get("digest") or ""
+    if not isinstance(digest, str):
+        digest = ""
+    metadata = doc.get("metadata") or {}
+    attrs = _attrs_from(metadata) if isinstance(metadata, dict) else None
+    chunk_size = options.get("max_chunk_size") or 0
+    mtime_ns = msg.time_ns
+    if attrs is not None and attrs.mtime_ns is not None:
+        mtime_ns = attrs.mtime_ns
+    return ObjectInfo(
+        bucket=bucket, name=name, nuid=nuid, size=size, chunks=chunks, digest=digest, mtime_ns=mtime_ns,
+        revision=msg.seq, link=link, deleted=deleted,
+        chunk_size=chunk_size if isinstance(chunk_size, int) else 0, attrs=attrs,
+    )
+
+
+def bucket_status(bucket: str, st: StreamState) -> BucketStatus:
+    cfg = st.config
+    return BucketStatus(
+        bucket=bucket,
+        description=cfg.get("description") or "",
+        metadata={k: v for k, v in (cfg.get("metadata") or {}).items() if not k.startswith("_nats")},
+        sealed=st.sealed,
+        size=st.bytes,
+        max_bytes=st.max_bytes,
+        storage=str(cfg.get("storage", "file")),
+        replicas=int(cfg.get("num_replicas", 1)),
+        compressed=str(cfg.get("compression", "none")) not in ("none", ""),
+        ttl_ns=int(cfg.get("max_age", 0)),
+        messages=st.messages,
+        created_ns=st.created_ns,
+        config=cfg,
+    )
+
+
+class ObjectStore:
+    """The ADR-20 operations the filesystem uses, over any `Streams`."""
+
+    def __init__(self, streams: Streams, *, chunk_size: int = DEFAULT_CHUNK_SIZE):
+        self.streams = streams
+        self.chunk_size = chunk_size
+
+    # ---------------------------------------------------------------- buckets
+    async def list_buckets(self) -> list[str]:
+        names = await self.streams.stream_names()
+        return sorted(n[len(STREAM_PREFIX):] for n in names
+                      if n.startswith(STREAM_PREFIX) and valid_bucket_name(n[len(STREAM_PREFIX):]))
+
+    async def bucket_status(self, bucket: str) -> BucketStatus:
+        if not valid_bucket_name(bucket):
+            raise NotFound(f"no bucket {bucket!r}")
+        return bucket_status(bucket, await self.streams.stream_info(stream_name(bucket)))
+
+    async def create_bucket(self, bucket: str, *, description: str = "", storage: str = "file",
+                            replicas: int = 1, compression: bool = False, max_bytes: int = -1,
+                            ttl_ns: int = 0, metadata: dict[str, str] | None = None) -> BucketStatus:
+        """Create a bucket with the stream config nats.go's CreateObjectStore uses."""
+        if not valid_bucket_name(bucket):
+            raise InvalidArgument(f"invalid bucket name {bucket!r} (letters, digits, - and _ only)")
+        config: dict[str, Any] = {
+            "name": stream_name(bucket),
+            "description": description or None,
+            "subjects": [f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"],
+            "retention": "limits",
+            "max_consumers": -1,
+            "max_msgs": -1,
+            "max_bytes": max_bytes if max_bytes > 0 else -1,
+            "max_age": ttl_ns,
+            "max_msgs_per_subject": -1,
+            "max_msg_size": -1,
+            "storage": storage,
+            "num_replicas": replicas,
+            "discard": "new",
+            "duplicate_window": 120 * 10**9,
+            "allow_rollup_hdrs": True,
+            "allow_direct": True,
+            "compression": "s2" if compression else "none",
+        }
+        if metadata:
+            config["metadata"] = metadata
+        config = {k: v for k, v in config.items() if v is not None}
+        return bucket_status(bucket, await self.streams.create_stream(config))
+
+    async def delete_bucket(self, bucket: str) -> None:
+        await self.streams.delete_stream(stream_name(bucket))
+
+    async def seal_bucket(self, bucket: str) -> BucketStatus:
+        st = await self.streams.stream_info(stream_name(bucket))
+        config = dict(st.config, sealed=True)
+        return bucket_status(bucket, await self.streams.update_stream(config))
+
+    # ---------------------------------------------------------------- metas
+    async def get_info(self, bucket: str, name: str) -> ObjectInfo | None:
+        """The current meta of `name` (tombstones included), or None if the name was never used."""
+        msg = await self.streams.last_msg(stream_name(bucket), meta_subject(bucket, name))
+        if msg is None:
+            return None
+        return parse_meta(bucket, msg)
+
+    async def get_meta_doc(self, bucket: str, name: str) -> tuple[dict[str, Any], int] | None:
+        """The raw meta JSON of `name` and its revision, for rewrites that must keep every field."""
+        msg = await self.streams.last_msg(stream_name(bucket), meta_subject(bucket, name))
+        if msg is None:
+            return None
+        try:
+            doc = json.loads(msg.data)
+        except ValueError:
+            raise MalformedMeta(f"meta of {name!r} in {bucket} is not JSON") from None
+        if not isinstance(doc, dict):
+            raise MalformedMeta(f"meta of {name!r} in {bucket} is not a JSON object")
+        return doc, msg.seq
+
+    async def watch_metas(self, bucket: str):  # -> Watch
+        return await self.streams.watch(stream_name(bucket), meta_filter(bucket), last_per_subject=True)
+
+    async def live_objects(self, bucket: str) -> dict[str, ObjectInfo]:
+        """Every live object of a bucket (one pass of a last-per-subject watch)."""
+        watch = await self.watch_metas(bucket)
+        live: dict[str, ObjectInfo] = {}
+        try:
+            while True:
+                batch = await watch.next_batch(timeout=5.0)
+                for m in batch.msgs:
+                    try:
+                        info = parse_meta(bucket, m)
+                    except MalformedMeta:
+                        continue
+                    if info.deleted:
+                        live.pop(info.name, None)
+                    else:
+                        live[info.name] = info
+                if batch.caught_up:
+                    return live
+        finally:
+            await watch.close()
+
+    async def live_object_count(self, bucket: str) -> int:
+        return len(await self.live_objects(bucket))
+
+    # ---------------------------------------------------------------- chunks
+    async def fetch_chunks(self, bucket: str, nuid: str, start_seq: int, count: int,
+                           max_bytes: int) -> list[StoredMsg]:
+        """Up to `count` chunks of object `nuid`, starting at stream sequence `start_seq`."""
+        return await self.streams.get_batch(stream_name(bucket), chunk_subject(bucket, nuid), start_seq,
+                                            count, max_bytes)
+
+    async def chunk_index(self, bucket: str, nuid: str) -> list[tuple[int, int]]:
+        """(sequence, size) of every chunk of object `nuid`, in order, without their data."""
+        return await self.streams.subject_index(stream_name(bucket), chunk_subject(bucket, nuid))
+
+
+def sum_sizes(index: Sequence[tuple[int, int]]) -> int:
+    return sum(size for _, size in index)

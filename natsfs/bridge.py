@@ -1,0 +1,408 @@
+"""The one place asyncio and nats-py live: an asyncio loop on its own thread, and trio-flavoured calls.
+
+nats-py only runs on asyncio while the daemon is trio (pyfuse3). `Bridge` starts a daemon thread
+running an asyncio loop, connects nats-py there, and offers `async` methods that trio code awaits.
+Each call schedules a coroutine on the loop and parks the trio task until it finishes; when trio
+cancels the waiting task, the asyncio task is cancelled too. Messages for subscriptions are queued
+on the asyncio side and handed to trio in batches, so a burst of messages costs one wakeup.
+
+Nothing outside this module imports asyncio or nats; nats exceptions become `natsfs.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+import trio
+
+from .errors import JetStreamAPIError, NatsFSError, NotFound, Unavailable
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# One pending flush of publishes may hold this many bytes before nats-py flushes it itself.
+_PENDING_SIZE = 64 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class Msg:
+    """A message as the layers above see it: no nats-py types leak out of the bridge."""
+
+    subject: str
+    reply: str
+    headers: dict[str, str] | None
+    data: bytes
+
+    @property
+    def status(self) -> str | None:
+        return self.headers.get("Status") if self.headers else None
+
+
+def _convert(m: Any) -> Msg:
+    return Msg(m.subject, m.reply or "", dict(m.headers) if m.headers else None, m.data or b"")
+
+
+class Subscription:
+    """Messages on one subject, delivered to trio in batches. Flow-control requests are answered here."""
+
+    def __init__(self, bridge: Bridge, subject: str):
+        self.subject = subject
+        self._bridge = bridge
+        self._queue: collections.deque[Msg] = collections.deque()
+        self._wake = trio.Event()
+        self._wake_scheduled = False
+        self._lock = threading.Lock()
+        self._sub: Any = None
+        self.closed = False
+
+    # ---- asyncio side ----
+    async def _on_msg(self, m: Any) -> None:
+        msg = _convert(m)
+        if msg.status == "100" and msg.reply:
+            # JetStream flow control: answer at once, from the loop that owns the connection.
+            await self._bridge._nc.publish(msg.reply, b"")
+        stalled = msg.headers.get("Nats-Consumer-Stalled") if msg.headers else None
+        if stalled:
+            await self._bridge._nc.publish(stalled, b"")
+        with self._lock:
+            self._queue.append(msg)
+            if self._wake_scheduled:
+                return
+            self._wake_scheduled = True
+        self._bridge._to_trio(self._set_wake)
+
+    # ---- trio side ----
+    def _set_wake(self) -> None:
+        with self._lock:
+            self._wake_scheduled = False
+        self._wake.set()
+
+    async def next_batch(self, timeout: float | None = None) -> list[Msg]:
+        """Everything queued so far; waits up to `timeout` seconds for at least one message."""
+        if not self._queue:
+            self._wake = trio.Event()
+            if not self._queue:
+                if timeout is None:
+                    await self._wake.wait()
+                else:
+                    with trio.move_on_after(timeout):
+                        await self._wake.wait()
+        with self._lock:
+            batch = list(self._queue)
+            self._queue.clear()
+        return batch
+
+    async def unsubscribe(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        sub = self._sub
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await self._bridge._run(sub.unsubscribe())
+
+
+class Bridge:
+    """A nats-py connection on an asyncio loop thread, used from trio."""
+
+    def __init__(
+        self,
+        servers: Sequence[str],
+        *,
+        name: str = "natsfs",
+        request_timeout: float = 10.0,
+        connect_timeout: float = 5.0,
+        on_disconnect: Callable[[], None] | None = None,
+        on_reconnect: Callable[[], None] | None = None,
+        user_credentials: str | None = None,
+    ):
+        self.servers = list(servers)
+        self.name = name
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.on_disconnect = on_disconnect
+        self.on_reconnect = on_reconnect
+        self.user_credentials = user_credentials
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._nc: Any = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._mux_prefix = ""
+        self._collectors: dict[str, _Collector] = {}
+        self._next_token = 0
+        self.connected = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def connect(self) -> None:
+        """Start the loop thread and connect; raises `Unavailable` with a readable reason."""
+        self._token = trio.lowlevel.current_trio_token()
+        ready = threading.Event()
+
+        def loop_main() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            ready.set()
+            loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=loop_main, name="natsfs-asyncio", daemon=True)
+        self._thread.start()
+        ready.wait()
+        try:
+            await self._run(self._connect())
+        except BaseException:
+            await self.close()
+            raise
+        self.connected = True
+
+    async def _connect(self) -> None:
+        first_error: list[BaseException] = []
+
+        async def error_cb(e: Exception) -> None:
+            if not first_error:
+                first_error.append(e)
+            log.debug("nats: %s", e)
+
+        async def disconnected_cb() -> None:
+            if self.connected:
+                log.warning("lost connection to NATS; reconnecting")
+            self.connected = False
+            if self.on_disconnect:
+                self._to_trio(self.on_disconnect)
+
+        async def reconnected_cb() -> None:
+            self.connected = True
+            log.warning("reconnected to NATS at %s", self._nc.connected_url.netloc if self._nc else "?")
+            if self.on_reconnect:
+                self._to_trio(self.on_reconnect)
+
+        options: dict[str, Any] = {
+            "servers": self.servers,
+            "name": self.name,
+            "connect_timeout": self.connect_timeout,
+            "allow_reconnect": True,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.5,
+            "error_cb": error_cb,
+            "disconnected_cb": disconnected_cb,
+            "reconnected_cb": reconnected_cb,
+            "pending_size": _PENDING_SIZE,
+        }
+        if self.user_credentials:
+            options["user_credentials"] = self.user_credentials
+        try:
+            # The first connect must fail fast and say why, instead of retrying forever.
+            options_first = dict(options, max_reconnect_attempts=0, allow_reconnect=False)
+            nc = await nats.connect(**options_first)
+            await nc.close()
+            self._nc = await nats.connect(**options)
+        except (TimeoutError, nats.errors.NoServersError, OSError, nats.errors.Error) as e:
+            reason = first_error[0] if first_error else e
+            raise Unavailable(f"cannot connect to NATS at {', '.join(self.servers)}: {reason}") from None
+        self._mux_prefix = self._nc.new_inbox()
+        await self._nc.subscribe(self._mux_prefix + ".*", cb=self._on_mux, pending_bytes_limit=0)
+
+    async def close(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._run(self._close_nc())
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            await trio.to_thread.run_sync(self._thread.join, 5.0)
+        self._loop = None
+        self.connected = False
+
+    async def _close_nc(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._nc.drain(), 2.0)
+        with contextlib.suppress(Exception):
+            await self._nc.close()
+
+    # ------------------------------------------------------------------ plumbing
+    def _to_trio(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the trio thread soon (from the asyncio thread); ignore a finished trio run."""
+        if self._token is None:
+            return
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(fn)
+
+    async def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await an asyncio coroutine from trio; trio cancellation cancels the asyncio task."""
+        loop = self._loop
+        if loop is None:
+            coro.close()
+            raise Unavailable("not connected to NATS")
+        fut = asyncio.run_coroutine_threadsafe(coro, loop)
+        done = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def wake(_: Any) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(done.set)
+
+        fut.add_done_callback(wake)
+        try:
+            await done.wait()
+        except BaseException:
+            fut.cancel()
+            raise
+        return fut.result()
+
+    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run an arbitrary nats-py coroutine factory on the loop (for tests and tools)."""
+
+        async def wrapper() -> T:
+            return await fn()
+
+        return await self._run(wrapper())
+
+    async def _on_mux(self, m: Any) -> None:
+        token = m.subject[len(self._mux_prefix) + 1 :]
+        collector = self._collectors.get(token)
+        if collector is not None:
+            collector.add(_convert(m))
+
+    # ------------------------------------------------------------------ requests
+    async def request(
+        self, subject: str, payload: bytes = b"", headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Msg:
+        return await self._run(self._request(subject, payload, headers, timeout or self.request_timeout))
+
+    async def _request(self, subject: str, payload: bytes, headers: dict[str, str] | None,
+                       timeout: float) -> Msg:
+        try:
+            m = await self._nc.request(subject, payload, timeout=timeout, headers=headers)
+        except nats.errors.NoRespondersError:
+            raise NotFound(f"no responders on {subject}") from None
+        except (TimeoutError, nats.errors.TimeoutError):
+            raise Unavailable(f"request on {subject} timed out after {timeout:g}s") from None
+        except nats.errors.Error as e:
+            raise Unavailable(f"request on {subject} failed: {e}") from None
+        return _convert(m)
+
+    async def request_many(self, subject: str, payload: bytes = b"", timeout: float | None = None) -> list[Msg]:
+        """A request answered by several messages, ending with a status message (direct get batch)."""
+        return await self._run(self._request_many(subject, payload, timeout or self.request_timeout))
+
+    async def _request_many(self, subject: str, payload: bytes, timeout: float) -> list[Msg]:
+        self._next_token += 1
+        token = str(self._next_token)
+        collector = _Collector()
+        self._collectors[token] = collector
+        try:
+            await self._nc.publish(subject, payload, reply=f"{self._mux_prefix}.{token}")
+            try:
+                await asyncio.wait_for(collector.done, timeout)
+            except TimeoutError:
+                raise Unavailable(f"request on {subject} timed out after {timeout:g}s") from None
+            return collector.msgs
+        except nats.errors.Error as e:
+            raise Unavailable(f"request on {subject} failed: {e}") from None
+        finally:
+            del self._collectors[token]
+
+    async def api(self, subject: str, body: dict[str, Any] | None = None, timeout: float | None = None
+                  ) -> dict[str, Any]:
+        """A JetStream API request (`$JS.API.` + subject) with a JSON body; raises on an error reply."""
+        payload = json.dumps(body).encode() if body is not None else b""
+        m = await self.request("$JS.API." + subject, payload, timeout=timeout)
+        return _parse_api_reply(m.data, subject)
+
+    async def publish(self, subject: str, payload: bytes = b"", headers: dict[str, str] | None = None) -> None:
+        """Core NATS publish, no acknowledgement."""
+        await self._run(self._nc.publish(subject, payload, headers=headers))
+
+    async def js_publish(self, subject: str, payload: bytes, headers: dict[str, str] | None = None,
+                         timeout: float | None = None) -> dict[str, Any]:
+        """Publish into a stream and wait for its ack (`{"stream", "seq", ...}`)."""
+        m = await self.request(subject, payload, headers, timeout)
+        return _parse_api_reply(m.data, subject)
+
+    async def js_publish_many(
+        self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]], window: int = 32,
+        timeout: float | None = None,
+    ) -> list[dict[str, Any] | NatsFSError]:
+        """Publish many stream messages with at most `window` acks outstanding; results in order."""
+        return await self._run(self._js_publish_many(msgs, window, timeout or self.request_timeout))
+
+    async def _js_publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]], window: int,
+                               timeout: float) -> list[dict[str, Any] | NatsFSError]:
+        sem = asyncio.Semaphore(window)
+
+        async def one(subject: str, data: bytes, headers: dict[str, str] | None) -> dict[str, Any] | NatsFSError:
+            async with sem:
+                try:
+                    m = await self._request(subject, data, headers, timeout)
+                    return _parse_api_reply(m.data, subject)
+                except NatsFSError as e:
+                    return e
+
+        return list(await asyncio.gather(*(one(s, d, h) for s, d, h in msgs)))
+
+    async def subscribe(self, subject: str) -> Subscription:
+        sub = Subscription(self, subject)
+
+        async def do() -> None:
+            sub._sub = await self._nc.subscribe(subject, cb=sub._on_msg, pending_bytes_limit=0,
+                                                pending_msgs_limit=0)
+
+        await self._run(do())
+        return sub
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        try:
+            await self._run(self._nc.flush(timeout))
+        except (TimeoutError, nats.errors.Error) as e:
+            raise Unavailable(f"flush failed: {e}") from None
+
+    def new_inbox(self) -> str:
+        return self._nc.new_inbox()
+
+
+class _Collector:
+    """Gathers the replies of one multi-message request until its end-of-batch status."""
+
+    __slots__ = ("done", "msgs")
+
+    def __init__(self) -> None:
+        self.msgs: list[Msg] = []
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def add(self, msg: Msg) -> None:
+        if self.done.done():
+            return
+        status = msg.status
+        if status is not None and not msg.data:
+            # 204 EOB ends a batch; 404/408/other statuses end it too (kept for the caller).
+            if status != "204":
+                self.msgs.append(msg)
+            self.done.set_result(None)
+            return
+        self.msgs.append(msg)
+
+
+def _parse_api_reply(data: bytes, subject: str) -> dict[str, Any]:
+    try:
+        reply = json.loads(data) if data else {}
+    except ValueError:
+        raise Unavailable(f"unreadable JetStream reply on {subject}: {data[:80]!r}") from None
+    err = reply.get("error") if isinstance(reply, dict) else None
+    if err:
+        raise JetStreamAPIError(str(err.get("description", "error")), code=int(err.get("code", 0)),
+                                err_code=int(err.get("err_code", 0)))
+    return reply

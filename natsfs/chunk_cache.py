@@ -1,0 +1,307 @@
+"""Chunk-aligned reads: where each chunk of an object lives, a byte-bounded cache, shared fetches, readahead.
+
+Chunks are cached under `(bucket, nuid, chunk index)`. A nuid is fresh on every put, so a replaced
+object can never be served from the cache of its predecessor. The cache is a cachetools LRU bounded in
+bytes. Concurrent misses on one chunk share one fetch (an in-flight table of trio Events).
+
+Where chunks live (`Layout`: stream sequence and end offset of each chunk) is learned lazily: a read
+from the front walks forward with batched direct gets that return data and sequences together; a read
+far from what is known maps the whole object with one headers-only scan (no payloads), then fetches
+just the chunks it touches. Chunk sizes are never assumed equal. Readahead runs in the background,
+bounded by a capacity limiter, and its failures are left for the foreground read to report.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+from array import array
+from collections.abc import Iterable
+
+import cachetools
+import trio
+
+from .adr20 import ObjectInfo, ObjectStore
+from .errors import Corrupt, NatsFSError, Stale
+
+log = logging.getLogger(__name__)
+
+ChunkKey = tuple[str, str, int]
+
+
+class Layout:
+    """Stream sequence and end offset of the chunks of one object that are known so far, in order."""
+
+    __slots__ = ("complete", "ends", "lock", "seqs")
+
+    def __init__(self) -> None:
+        self.seqs = array("q")
+        self.ends = array("q")
+        self.complete = False
+        self.lock = trio.Lock()
+
+    @property
+    def known_bytes(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def chunk_at(self, offset: int) -> int:
+        return bisect.bisect_right(self.ends, offset)
+
+    def start_of(self, idx: int) -> int:
+        return self.ends[idx - 1] if idx else 0
+
+    def size_of(self, idx: int) -> int:
+        return self.ends[idx] - self.start_of(idx)
+
+    def append(self, seq: int, size: int) -> None:
+        self.seqs.append(seq)
+        self.ends.append(self.known_bytes + size)
+
+
+class CacheStats:
+    """Counters a bench or `natsfs status` reads (via the root's user.natsfs.stats xattr)."""
+
+    def __init__(self) -> None:
+        self.fetch_requests = 0
+        self.chunks_fetched = 0
+        self.bytes_fetched = 0
+        self.index_scans = 0
+        self.hits = 0
+        self.misses = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class ChunkCache:
+    def __init__(self, store: ObjectStore, *, cache_bytes: int, batch_bytes: int = 4 << 20,
+                 parallelism: int = 4):
+        self.store = store
+        self.cache_bytes = cache_bytes
+        self.batch_bytes = max(batch_bytes, 128 * 1024)
+        self._data: cachetools.LRUCache[ChunkKey, bytes] = cachetools.LRUCache(cache_bytes, getsizeof=len)
+        self._layouts: cachetools.LRUCache[tuple[str, str], Layout] = cachetools.LRUCache(4096)
+        self._inflight: dict[ChunkKey, trio.Event] = {}
+        self._limiter = trio.CapacityLimiter(parallelism)
+        self._nursery: trio.Nursery | None = None
+        self.stats = CacheStats()
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Background readahead runs in `nursery`; without one, reads still work, just without it."""
+        self._nursery = nursery
+
+    @property
+    def cached_bytes(self) -> int:
+        return int(self._data.currsize)
+
+    # ------------------------------------------------------------------ reading
+    async def read(self, info: ObjectInfo, offset: int, size: int, readahead: int = 0) -> bytes:
+        """Bytes [offset, offset+size) of `info`'s version (short at EOF); prefetch `readahead` beyond."""
+        end = min(offset + size, info.size)
+        if offset >= end:
+            return b""
+        layout = await self._layout_covering(info, offset, end)
+        first, last = layout.chunk_at(offset), layout.chunk_at(end - 1)
+        pieces: list[bytes] = []
+        fetched: dict[int, bytes] = {}
+        for idx in range(first, last + 1):
+            data = fetched.get(idx)
+            if data is None:
+                data = self._data.get((info.bucket, info.nuid, idx))
+                if data is None:
+                    # Keep what came along for this read even if the cache is too small to hold it.
+                    fetched.update(await self._get_missing(info, layout, idx, last + 1))
+                    data = fetched[idx]
+                else:
+                    self.stats.hits += 1
+            pieces.append(data)
+        if readahead > 0:
+            self._prefetch(info, layout, last + 1, min(end + readahead, info.size))
+        if len(pieces) == 1:
+            chunk_start = layout.start_of(first)
+            data = pieces[0]
+            if offset == chunk_start and end - offset == len(data):
+                return data  # the whole chunk: no copy
+            return data[offset - chunk_start : end - chunk_start]
+        joined = b"".join(pieces)
+        base = layout.start_of(first)
+        return joined[offset - base : end - base]
+
+    async def _get_missing(self, info: ObjectInfo, layout: Layout, idx: int, stop: int) -> dict[int, bytes]:
+        """Chunk `idx` (and any missing ones after it, up to `stop`), sharing fetches already in flight."""
+        for _ in range(3):
+            key = (info.bucket, info.nuid, idx)
+            data = self._data.get(key)
+            if data is not None:
+                return {idx: data}
+            event = self._inflight.get(key)
+            if event is not None:
+                await event.wait()
+                continue
+            self.stats.misses += 1
+            run = self._claim(info, layout, idx, stop)
+            return await self._fetch_claimed(info, layout, *run)
+        # Others kept fetching it and it kept being evicted: fetch our own copy.
+        run = self._claim(info, layout, idx, idx + 1, force=True)
+        return await self._fetch_claimed(info, layout, *run)
+
+    # ------------------------------------------------------------------ layout
+    async def _layout_covering(self, info: ObjectInfo, offset: int, end: int) -> Layout:
+        key = (info.bucket, info.nuid)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = Layout()
+            self._layouts[key] = layout
+        while layout.known_bytes < end and not layout.complete:
+            async with layout.lock:
+                if layout.known_bytes >= end or layout.complete:
+                    break
+                if offset <= layout.known_bytes + self.batch_bytes:
+                    await self._extend(info, layout, end)
+                else:
+                    await self._map_all(info, layout)
+        if layout.known_bytes < end:
+            raise Corrupt(f"{info.bucket}/{info.name}: chunks hold {layout.known_bytes} bytes, "
+                          f"meta says {info.size}")
+        return layout
+
+    def _chunk_guess(self, info: ObjectInfo) -> int:
+        if info.chunks:
+            return max(1, -(-info.size // info.chunks))
+        return self.store.chunk_size
+
+    async def _extend(self, info: ObjectInfo, layout: Layout, want_end: int) -> None:
+        """Walk forward from the last known chunk with one batched direct get (data comes along)."""
+        remaining = info.chunks - len(layout.seqs)
+        if remaining <= 0:
+            self._finish(info, layout)
+            return
+        want = max(self.batch_bytes, want_end - layout.known_bytes)
+        count = min(remaining, max(1, want // self._chunk_guess(info)))
+        start_seq = layout.seqs[-1] + 1 if layout.seqs else 1
+        msgs = await self._fetch(info, start_seq, count, want)
+        if not msgs:
+            raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
+        first_idx = len(layout.seqs)
+        for i, m in enumerate(msgs):
+            layout.append(m.seq, len(m.data))
+            self._store(info, first_idx + i, m.data)
+        if len(layout.seqs) >= info.chunks:
+            self._finish(info, layout)
+
+    async def _map_all(self, info: ObjectInfo, layout: Layout) -> None:
+        """Learn every chunk's sequence and size with one headers-only scan."""
+        self.stats.index_scans += 1
+        index = await self.store.chunk_index(info.bucket, info.nuid)
+        if not index and info.chunks:
+            raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
+        known = len(layout.seqs)
+        if known and (len(index) < known or index[known - 1][0] != layout.seqs[known - 1]):
+            raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} changed under us")
+        for seq, size in index[known:]:
+            layout.append(seq, size)
+        self._finish(info, layout)
+
+    def _finish(self, info: ObjectInfo, layout: Layout) -> None:
+        layout.complete = True
+        if len(layout.seqs) != info.chunks or layout.known_bytes != info.size:
+            log.error("object %s/%s: meta says %d bytes in %d chunks, the stream holds %d bytes in %d",
+                      info.bucket, info.name, info.size, info.chunks, layout.known_bytes, len(layout.seqs))
+            raise Corrupt(f"{info.bucket}/{info.name}: chunks do not match the meta")
+
+    # ------------------------------------------------------------------ fetching
+    async def _fetch(self, info: ObjectInfo, start_seq: int, count: int, max_bytes: int):
+        self.stats.fetch_requests += 1
+        msgs = await self.store.fetch_chunks(info.bucket, info.nuid, start_seq, count, max_bytes)
+        self.stats.chunks_fetched += len(msgs)
+        self.stats.bytes_fetched += sum(len(m.data) for m in msgs)
+        return msgs
+
+    def _store(self, info: ObjectInfo, idx: int, data: bytes) -> None:
+        # A chunk larger than the whole cache (ValueError) is served uncached.
+        with contextlib.suppress(ValueError):
+            self._data[(info.bucket, info.nuid, idx)] = data
+
+    def _claim(self, info: ObjectInfo, layout: Layout, start: int, stop: int,
+               force: bool = False) -> tuple[int, int, list[trio.Event]]:
+        """Mark a run of missing chunks [start, end) as in flight; stops at one cached or claimed."""
+        events: list[trio.Event] = []
+        end = start
+        budget = self.batch_bytes
+        while end < stop and end < len(layout.seqs):
+            key = (info.bucket, info.nuid, end)
+            if end > start and (key in self._inflight or key in self._data):
+                break
+            if end > start and budget <= 0:
+                break
+            budget -= layout.size_of(end)
+            if key not in self._inflight and not force:
+                ev = trio.Event()
+                self._inflight[key] = ev
+                events.append(ev)
+            end += 1
+        return start, end, events
+
+    async def _fetch_claimed(self, info: ObjectInfo, layout: Layout, start: int, end: int,
+                             events: list[trio.Event]) -> dict[int, bytes]:
+        out: dict[int, bytes] = {}
+        try:
+            wanted = layout.ends[end - 1] - layout.start_of(start)
+            msgs = await self._fetch(info, layout.seqs[start], end - start, max(wanted, self.batch_bytes))
+            if not msgs or msgs[0].seq != layout.seqs[start]:
+                raise Stale(f"{info.bucket}/{info.name}: chunk {start} of version {info.nuid} is gone")
+            for i, m in enumerate(msgs):
+                idx = start + i
+                if idx >= end:
+                    break
+                if m.seq != layout.seqs[idx]:
+                    raise Stale(f"{info.bucket}/{info.name}: chunk {idx} of version {info.nuid} is gone")
+                if len(m.data) != layout.size_of(idx):
+                    raise Corrupt(f"{info.bucket}/{info.name}: chunk {idx} changed size")
+                out[idx] = m.data
+                self._store(info, idx, m.data)
+        finally:
+            for k in range(start, end):
+                ev = self._inflight.get((info.bucket, info.nuid, k))
+                if ev is not None and ev in events:
+                    del self._inflight[(info.bucket, info.nuid, k)]
+                    ev.set()
+        return out
+
+    # ------------------------------------------------------------------ readahead
+    def _prefetch(self, info: ObjectInfo, layout: Layout, from_idx: int, to_offset: int) -> None:
+        if self._nursery is None or to_offset <= layout.start_of(min(from_idx, len(layout.seqs))):
+            return
+        if layout.known_bytes < to_offset and not layout.complete:
+            if not layout.lock.locked():
+                self._nursery.start_soon(self._prefetch_layout, info, layout, to_offset)
+            return
+        stop = layout.chunk_at(to_offset - 1) + 1
+        idx = from_idx
+        while idx < stop:
+            key = (info.bucket, info.nuid, idx)
+            if key in self._data or key in self._inflight:
+                idx += 1
+                continue
+            run = self._claim(info, layout, idx, stop)
+            self._nursery.start_soon(self._prefetch_run, info, layout, run)
+            idx = run[1]
+
+    async def _prefetch_layout(self, info: ObjectInfo, layout: Layout, to_offset: int) -> None:
+        try:
+            async with self._limiter:
+                await self._layout_covering(info, layout.known_bytes, to_offset)
+        except NatsFSError as e:
+            log.debug("readahead of %s/%s stopped: %s", info.bucket, info.name, e)
+
+    async def _prefetch_run(self, info: ObjectInfo, layout: Layout, run: tuple[int, int, list[trio.Event]]) -> None:
+        try:
+            async with self._limiter:
+                await self._fetch_claimed(info, layout, *run)
+        except NatsFSError as e:
+            log.debug("readahead of %s/%s stopped: %s", info.bucket, info.name, e)
+
+    def forget_objects(self, keys: Iterable[tuple[str, str]]) -> None:
+        for key in keys:
+            self._layouts.pop(key, None)

@@ -1,0 +1,122 @@
+"""Domain exceptions: every failure the daemon knows about carries an errno and a log level.
+
+Only `natsfs.fs` turns these into `pyfuse3.FUSEError`; everything below raises these. Keeping
+the errno next to the cause means the boundary never has to guess what went wrong.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import logging
+
+
+class NatsFSError(Exception):
+    """Base of all expected failures. `errno` is what the caller of the syscall sees."""
+
+    errno: int = _errno.EIO
+    log_level: int = logging.ERROR
+
+    def __init__(self, message: str = "", *, errno: int | None = None, log_level: int | None = None):
+        super().__init__(message or self.__class__.__name__)
+        if errno is not None:
+            self.errno = errno
+        if log_level is not None:
+            self.log_level = log_level
+
+
+class NotFound(NatsFSError):
+    errno = _errno.ENOENT
+    log_level = logging.DEBUG
+
+
+class AlreadyExists(NatsFSError):
+    errno = _errno.EEXIST
+    log_level = logging.DEBUG
+
+
+class NotADirectory(NatsFSError):
+    errno = _errno.ENOTDIR
+    log_level = logging.DEBUG
+
+
+class IsADirectory(NatsFSError):
+    errno = _errno.EISDIR
+    log_level = logging.DEBUG
+
+
+class InvalidArgument(NatsFSError):
+    errno = _errno.EINVAL
+    log_level = logging.INFO
+
+
+class ReadOnly(NatsFSError):
+    errno = _errno.EROFS
+    log_level = logging.INFO
+
+
+class NotEmpty(NatsFSError):
+    errno = _errno.ENOTEMPTY
+    log_level = logging.DEBUG
+
+
+class NoSpace(NatsFSError):
+    errno = _errno.ENOSPC
+    log_level = logging.WARNING
+
+
+class Stale(NatsFSError):
+    """The version a handle was reading has been replaced and its chunks purged."""
+
+    errno = _errno.ESTALE
+    log_level = logging.WARNING
+
+
+class Corrupt(NatsFSError):
+    """Data read back does not match its meta (digest, size, chunk count)."""
+
+    errno = _errno.EIO
+    log_level = logging.ERROR
+
+
+class Conflict(NatsFSError):
+    """Another client changed an object since this mount read it (optimistic concurrency)."""
+
+    errno = _errno.EBUSY
+    log_level = logging.WARNING
+
+
+class Unavailable(NatsFSError):
+    """The server could not be reached or did not answer in time."""
+
+    errno = _errno.EIO
+    log_level = logging.ERROR
+
+
+class MalformedMeta(NatsFSError):
+    """A meta message that is not valid ADR-20 (bad JSON, missing nuid, ...)."""
+
+    errno = _errno.EIO
+    log_level = logging.WARNING
+
+
+class JetStreamAPIError(NatsFSError):
+    """An error reply from the JetStream API, with the server's codes kept for callers to inspect."""
+
+    def __init__(self, description: str, *, code: int = 0, err_code: int = 0):
+        super().__init__(f"{description} (code {code}, err_code {err_code})")
+        self.description = description
+        self.code = code
+        self.err_code = err_code
+        if code == 404:
+            self.errno = _errno.ENOENT
+            self.log_level = logging.DEBUG
+
+
+# JetStream err_codes the daemon reacts to (from nats-server's errors.json).
+ERR_STREAM_NOT_FOUND = 10059
+ERR_WRONG_LAST_SEQUENCE = 10071
+ERR_STREAM_SEALED = 10109
+ERR_STORE_FAILED = 10077  # "insufficient resources" / maximum bytes exceeded comes as 10077
+ERR_MAX_BYTES = 10028
+ERR_NO_MESSAGE_FOUND = 10037
+ERR_STREAM_NAME_IN_USE = 10058

@@ -1,0 +1,121 @@
+"""Composition: build the layers for one mount, run pyfuse3 under trio, and tear down cleanly.
+
+Owns the trio nursery every background task lives in, the mount/unmount calls, signal handling
+(SIGTERM/SIGINT → `pyfuse3.terminate()`), the embedded server's lifetime, and readiness reporting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from .adr20 import ObjectStore
+from .bridge import Bridge
+from .chunk_cache import ChunkCache
+from .config import Config
+from .errors import NatsFSError, NotFound
+from .fs import Operations
+from .jetstream import JetStreams
+from .namespace import Namespace
+from .server import EmbeddedServer
+
+log = logging.getLogger(__name__)
+
+
+class MountError(Exception):
+    """A mount that cannot start; the message is the one sentence the user sees."""
+
+
+def check_mountpoint(mountpoint: Path) -> None:
+    if not os.path.exists("/dev/fuse"):
+        raise MountError("/dev/fuse is missing: this machine cannot mount FUSE filesystems")
+    if not mountpoint.exists():
+        raise MountError(f"mountpoint {mountpoint} does not exist")
+    if not mountpoint.is_dir():
+        raise MountError(f"mountpoint {mountpoint} is not a directory")
+    if os.path.ismount(mountpoint):
+        raise MountError(f"mountpoint {mountpoint} is already a mount point (busy)")
+
+
+def fuse_options(config: Config) -> set[str]:
+    options = set(pyfuse3.default_options)
+    options |= {"fsname=natsfs", "subtype=natsfs"}
+    if config.read_only:
+        options.add("ro")
+    options |= set(config.fuse_options)
+    return options
+
+
+async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> None:
+    """Mount and serve until unmounted or signalled. Raises `MountError` if the mount cannot start."""
+    mountpoint = config.mountpoint.resolve()
+    check_mountpoint(mountpoint)
+    embedded: EmbeddedServer | None = None
+    servers = list(config.servers)
+    if not servers:
+        embedded = EmbeddedServer(config.data_dir)
+        try:
+            servers = [await trio.to_thread.run_sync(embedded.start)]
+        except NatsFSError as e:
+            raise MountError(f"could not start the embedded nats-server: {e}") from None
+    try:
+        await _serve(config, mountpoint, servers, on_ready)
+    finally:
+        if embedded is not None:
+            await trio.to_thread.run_sync(embedded.stop)
+
+
+async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready: Callable[[], None]) -> None:
+    bridge = Bridge(servers, request_timeout=config.request_timeout)
+    try:
+        await bridge.connect()
+    except NatsFSError as e:
+        raise MountError(str(e)) from None
+    try:
+        store = ObjectStore(JetStreams(bridge), chunk_size=config.chunk_size)
+        if config.bucket is not None:
+            try:
+                await store.bucket_status(config.bucket)
+            except NotFound:
+                raise MountError(f"no bucket named {config.bucket!r} on {', '.join(servers)}") from None
+        namespace = Namespace(store, bucket=config.bucket)
+        cache = ChunkCache(store, cache_bytes=config.cache_size, batch_bytes=config.fetch_batch_bytes,
+                           parallelism=config.fetch_parallelism)
+        ops = Operations(namespace, cache, config)
+        async with trio.open_nursery() as nursery:
+            try:
+                await namespace.start(nursery)
+            except NatsFSError as e:
+                raise MountError(f"cannot read buckets: {e}") from None
+            cache.start(nursery)
+            try:
+                pyfuse3.init(ops, str(mountpoint), fuse_options(config))
+            except RuntimeError as e:
+                raise MountError(f"cannot mount {mountpoint}: {e}") from None
+            log.info("mounted %s on %s", config.bucket or "all buckets", mountpoint)
+            try:
+                nursery.start_soon(_terminate_on_signal)
+                on_ready()
+                await pyfuse3.main()
+            finally:
+                with trio.CancelScope(shield=True):
+                    pyfuse3.close(unmount=True)
+                log.info("unmounted %s", mountpoint)
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await bridge.close()
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received %s: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return

