@@ -16,7 +16,7 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import InvalidArgument, MalformedMeta, NotFound
 from .streams import StoredMsg, Streams, StreamState
@@ -348,9 +348,34 @@ class ObjectStore:
         return await self.streams.get_batch(stream_name(bucket), chunk_subject(bucket, nuid), start_seq,
                                             count, max_bytes)
 
+    async def stream_chunks(self, bucket: str, nuid: str, start_seq: int, count: int, max_bytes: int) -> ChunkBatches:
+        """Like `fetch_chunks`, handing chunks over as they arrive when the streams can."""
+        opener = getattr(self.streams, "stream_batch", None)
+        if opener is None:
+            return _OneBatch(await self.fetch_chunks(bucket, nuid, start_seq, count, max_bytes))
+        return await opener(stream_name(bucket), chunk_subject(bucket, nuid), start_seq, count, max_bytes)
+
     async def chunk_index(self, bucket: str, nuid: str) -> list[tuple[int, int]]:
         """(sequence, size) of every chunk of object `nuid`, in order, without their data."""
         return await self.streams.subject_index(stream_name(bucket), chunk_subject(bucket, nuid))
+
+
+class ChunkBatches(Protocol):
+    async def next(self) -> list[StoredMsg] | None: ...
+
+    async def close(self) -> None: ...
+
+
+class _OneBatch:
+    def __init__(self, msgs: list[StoredMsg]):
+        self._msgs: list[StoredMsg] | None = msgs
+
+    async def next(self) -> list[StoredMsg] | None:
+        msgs, self._msgs = self._msgs, None
+        return msgs
+
+    async def close(self) -> None:
+        self._msgs = None
 
 
 def sum_sizes(index: Sequence[tuple[int, int]]) -> int:

@@ -33,13 +33,19 @@ ChunkKey = tuple[str, str, int]
 class Layout:
     """Stream sequence and end offset of the chunks of one object that are known so far, in order."""
 
-    __slots__ = ("complete", "ends", "lock", "seqs")
+    __slots__ = ("busy", "complete", "ends", "error", "grew", "seqs")
 
     def __init__(self) -> None:
         self.seqs = array("q")
         self.ends = array("q")
         self.complete = False
-        self.lock = trio.Lock()
+        self.busy = False  # a walk or scan is under way; wait on `grew`
+        self.grew = trio.Event()
+        self.error: NatsFSError | None = None
+
+    def wake(self) -> None:
+        grew, self.grew = self.grew, trio.Event()
+        grew.set()
 
     @property
     def known_bytes(self) -> int:
@@ -69,6 +75,8 @@ class CacheStats:
         self.index_scans = 0
         self.hits = 0
         self.misses = 0
+        self.reads = 0
+        self.read_bytes = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -101,7 +109,9 @@ class ChunkCache:
         end = min(offset + size, info.size)
         if offset >= end:
             return b""
-        layout = await self._layout_covering(info, offset, end)
+        self.stats.reads += 1
+        self.stats.read_bytes += end - offset
+        layout = await self._layout_covering(info, offset, end, end + readahead)
         first, last = layout.chunk_at(offset), layout.chunk_at(end - 1)
         pieces: list[bytes] = []
         fetched: dict[int, bytes] = {}
@@ -126,6 +136,8 @@ class ChunkCache:
             return data[offset - chunk_start : end - chunk_start]
         joined = b"".join(pieces)
         base = layout.start_of(first)
+        if offset == base and end - base == len(joined):
+            return joined
         return joined[offset - base : end - base]
 
     async def _get_missing(self, info: ObjectInfo, layout: Layout, idx: int, stop: int) -> dict[int, bytes]:
@@ -147,20 +159,33 @@ class ChunkCache:
         return await self._fetch_claimed(info, layout, *run)
 
     # ------------------------------------------------------------------ layout
-    async def _layout_covering(self, info: ObjectInfo, offset: int, end: int) -> Layout:
+    async def _layout_covering(self, info: ObjectInfo, offset: int, end: int, want_end: int = 0) -> Layout:
+        """The object's layout, known at least up to `end` (walking forward up to `want_end` if it must)."""
         key = (info.bucket, info.nuid)
         layout = self._layouts.get(key)
         if layout is None:
             layout = Layout()
             self._layouts[key] = layout
         while layout.known_bytes < end and not layout.complete:
-            async with layout.lock:
-                if layout.known_bytes >= end or layout.complete:
-                    break
-                if offset <= layout.known_bytes + self.batch_bytes:
-                    await self._extend(info, layout, end)
+            if layout.error is not None:
+                error, layout.error = layout.error, None
+                raise error
+            if layout.busy:
+                await layout.grew.wait()
+            elif offset <= layout.known_bytes + self.batch_bytes:
+                if self._nursery is None:
+                    layout.busy = True
+                    await self._extend(info, layout, max(end, want_end))
                 else:
+                    self._start_extend(info, layout, max(end, want_end))
+                    await layout.grew.wait()
+            else:
+                layout.busy = True
+                try:
                     await self._map_all(info, layout)
+                finally:
+                    layout.busy = False
+                    layout.wake()
         if layout.known_bytes < end:
             raise Corrupt(f"{info.bucket}/{info.name}: chunks hold {layout.known_bytes} bytes, "
                           f"meta says {info.size}")
@@ -171,24 +196,46 @@ class ChunkCache:
             return max(1, -(-info.size // info.chunks))
         return self.store.chunk_size
 
+    def _start_extend(self, info: ObjectInfo, layout: Layout, want_end: int) -> None:
+        assert self._nursery is not None
+        layout.busy = True
+        self._nursery.start_soon(self._extend, info, layout, want_end)
+
     async def _extend(self, info: ObjectInfo, layout: Layout, want_end: int) -> None:
-        """Walk forward from the last known chunk with one batched direct get (data comes along)."""
-        remaining = info.chunks - len(layout.seqs)
-        if remaining <= 0:
-            self._finish(info, layout)
-            return
-        want = max(self.batch_bytes, want_end - layout.known_bytes)
-        count = min(remaining, max(1, want // self._chunk_guess(info)))
-        start_seq = layout.seqs[-1] + 1 if layout.seqs else 1
-        msgs = await self._fetch(info, start_seq, count, want)
-        if not msgs:
-            raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
-        first_idx = len(layout.seqs)
-        for i, m in enumerate(msgs):
-            layout.append(m.seq, len(m.data))
-            self._store(info, first_idx + i, m.data)
-        if len(layout.seqs) >= info.chunks:
-            self._finish(info, layout)
+        """Walk forward from the last known chunk with one batched direct get whose chunks are taken
+        (into the layout and the cache) as they arrive, so readers never wait for the whole batch."""
+        try:
+            remaining = info.chunks - len(layout.seqs)
+            if remaining <= 0:
+                self._finish(info, layout)
+                return
+            want = max(self.batch_bytes, want_end - layout.known_bytes)
+            count = min(remaining, -(-want // self._chunk_guess(info)))
+            start_seq = layout.seqs[-1] + 1 if layout.seqs else 1
+            self.stats.fetch_requests += 1
+            batches = await self.store.stream_chunks(info.bucket, info.nuid, start_seq, count, want)
+            got = 0
+            try:
+                while (msgs := await batches.next()) is not None:
+                    for m in msgs:
+                        self._store(info, len(layout.seqs), m.data)
+                        layout.append(m.seq, len(m.data))
+                        self.stats.chunks_fetched += 1
+                        self.stats.bytes_fetched += len(m.data)
+                    got += len(msgs)
+                    if msgs:
+                        layout.wake()
+            finally:
+                await batches.close()
+            if not got:
+                raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
+            if len(layout.seqs) >= info.chunks:
+                self._finish(info, layout)
+        except NatsFSError as e:
+            layout.error = e
+        finally:
+            layout.busy = False
+            layout.wake()
 
     async def _map_all(self, info: ObjectInfo, layout: Layout) -> None:
         """Learn every chunk's sequence and size with one headers-only scan."""
@@ -274,8 +321,8 @@ class ChunkCache:
         if self._nursery is None or to_offset <= layout.start_of(min(from_idx, len(layout.seqs))):
             return
         if layout.known_bytes < to_offset and not layout.complete:
-            if not layout.lock.locked():
-                self._nursery.start_soon(self._prefetch_layout, info, layout, to_offset)
+            if not layout.busy:
+                self._start_extend(info, layout, to_offset)
             return
         stop = layout.chunk_at(to_offset - 1) + 1
         idx = from_idx
@@ -287,13 +334,6 @@ class ChunkCache:
             run = self._claim(info, layout, idx, stop)
             self._nursery.start_soon(self._prefetch_run, info, layout, run)
             idx = run[1]
-
-    async def _prefetch_layout(self, info: ObjectInfo, layout: Layout, to_offset: int) -> None:
-        try:
-            async with self._limiter:
-                await self._layout_covering(info, layout.known_bytes, to_offset)
-        except NatsFSError as e:
-            log.debug("readahead of %s/%s stopped: %s", info.bucket, info.name, e)
 
     async def _prefetch_run(self, info: ObjectInfo, layout: Layout, run: tuple[int, int, list[trio.Event]]) -> None:
         try:

@@ -73,6 +73,8 @@ class Config:
     readahead_max: int = 32 * 1024 * 1024
     # How many chunk batches may be in flight for one mount, and how big one batch is.
     fetch_parallelism: int = 4
+    # Kernel readahead for the mount (sysfs bdi setting; needs root): lets reads arrive 1 MiB at a time.
+    kernel_readahead_kb: int = 1024
     fetch_batch_bytes: int = 4 * 1024 * 1024
     request_timeout: float = 10.0
     uid: int = 0

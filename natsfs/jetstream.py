@@ -168,6 +168,13 @@ class JetStreams:
                 raise Unavailable(f"direct get batch {stream} {subject}: status {m.status}")
         return out
 
+    async def stream_batch(self, stream: str, subject: str, start_seq: int, batch: int,
+                           max_bytes: int) -> BatchStream:
+        """Like `get_batch`, but hands messages over as they arrive instead of all at the end."""
+        body = {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
+        sub = await self.bridge.request_stream(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode())
+        return BatchStream(sub, self.bridge.request_timeout, f"{stream} {subject}")
+
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
         """(sequence, payload size) of every message on `subject`, without fetching payloads."""
         scan = _ConsumerStream(self.bridge, stream, subject, deliver_policy="all", headers_only=True)
@@ -193,6 +200,39 @@ class JetStreams:
                             deliver_policy="last_per_subject" if last_per_subject else "all")
         await w.start()
         return w
+
+
+class BatchStream:
+    """The replies of one batched direct get, in arrival order; `next()` is None after the last."""
+
+    def __init__(self, sub: Subscription, timeout: float, what: str):
+        self._sub = sub
+        self._timeout = timeout
+        self._what = what
+        self.done = False
+
+    async def next(self) -> list[StoredMsg] | None:
+        if self.done:
+            return None
+        msgs = await self._sub.next_batch(self._timeout)
+        if not msgs:
+            await self.close()
+            raise Unavailable(f"direct get batch {self._what}: no reply in {self._timeout:g}s")
+        out: list[StoredMsg] = []
+        for m in msgs:
+            if m.headers and "Nats-Sequence" in m.headers:
+                out.append(_direct_msg(m))
+                continue
+            self.done = True
+            await self.close()
+            if m.status not in ("204", "404", "408"):
+                raise Unavailable(f"direct get batch {self._what}: status {m.status}")
+            break
+        return out
+
+    async def close(self) -> None:
+        self.done = True
+        await self._sub.unsubscribe()
 
 
 def _direct_msg(m: Msg) -> StoredMsg:

@@ -1,0 +1,181 @@
+"""Test helpers: a mount in a child process, and other NATS clients (nats-py, our ADR-20 layer)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+T = TypeVar("T")
+
+
+class Mount:
+    """`natsfs mount --foreground` in a child process, ready when the mountpoint is a mount."""
+
+    def __init__(self, url: str, mountpoint: Path, args: list[str], *, log_file: Path, cache_dir: Path):
+        self.url = url
+        self.path = Path(mountpoint)
+        self.args = args
+        self.log_file = log_file
+        self.cache_dir = cache_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        cmd = [sys.executable, "-m", "natsfs", "mount", str(self.path), "--foreground",
+               "--log-level", "debug", "--log-file", str(self.log_file), "--cache-dir", str(self.cache_dir),
+               *(["--server", self.url] if self.url else []), *self.args]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.ismount(self.path):
+                return
+            if self.proc.poll() is not None:
+                out = self.proc.stdout.read().decode(errors="replace") if self.proc.stdout else ""
+                raise RuntimeError(f"mount exited with {self.proc.returncode}: {out}\n{self.log()}")
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"mount did not come up in {timeout}s\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if os.path.ismount(self.path):
+            r = subprocess.run(["fusermount3", "-u", str(self.path)], capture_output=True)
+            if r.returncode != 0:
+                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+        if self.proc is not None:
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            if self.proc.stdout:
+                self.proc.stdout.close()
+            self.proc = None
+
+    def remount(self) -> None:
+        self.stop()
+        self.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and os.path.ismount(self.path)
+
+    def __truediv__(self, other: str) -> Path:
+        return self.path / other
+
+
+# ---------------------------------------------------------------- other clients
+def with_nats(url: str, fn: Callable[[Any, Any], Awaitable[T]]) -> T:
+    """Run `fn(nc, js)` with a nats-py connection (the 'other client')."""
+    import nats
+
+    async def main() -> T:
+        nc = await nats.connect(url)
+        try:
+            return await fn(nc, nc.jetstream())
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
+
+
+def with_store(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
+    """Run `fn(store)` with our own ADR-20 layer (natsfs.adr20.ObjectStore) under trio."""
+    from natsfs.adr20 import ObjectStore
+    from natsfs.bridge import Bridge
+    from natsfs.jetstream import JetStreams
+
+    async def main() -> T:
+        bridge = Bridge([url])
+        await bridge.connect()
+        try:
+            return await fn(ObjectStore(JetStreams(bridge)))
+        finally:
+            await bridge.close()
+
+    return trio.run(main)
+
+
+def create_bucket(url: str, bucket: str, **kwargs: Any) -> None:
+    with_store(url, lambda s: s.create_bucket(bucket, **kwargs))
+
+
+def nats_py_put(url: str, bucket: str, name: str, data: bytes, *, create: bool = True) -> None:
+    async def fn(nc: Any, js: Any) -> None:
+        if create:
+            try:
+                obs = await js.object_store(bucket)
+            except Exception:
+                obs = await js.create_object_store(bucket)
+        else:
+            obs = await js.object_store(bucket)
+        await obs.put(name, data)
+
+    with_nats(url, fn)
+
+
+def nats_py_get(url: str, bucket: str, name: str) -> bytes:
+    async def fn(nc: Any, js: Any) -> bytes:
+        obs = await js.object_store(bucket)
+        res = await asyncio.wait_for(obs.get(name), 60)
+        return res.data
+
+    return with_nats(url, fn)
+
+
+def raw_put(url: str, bucket: str, name: str, chunks: list[bytes], *, nuid: str | None = None,
+            meta_extra: dict[str, Any] | None = None) -> None:
+    """Publish an object by hand with exactly these chunks (uneven sizes allowed), as nats.go would."""
+    import hashlib
+    import secrets
+
+    nuid = nuid or secrets.token_hex(11)
+    data = b"".join(chunks)
+    digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+    meta = {"name": name, "bucket": bucket, "nuid": nuid, "size": len(data), "chunks": len(chunks),
+            "mtime": "0001-01-01T00:00:00Z", "digest": digest, **(meta_extra or {})}
+    enc = base64.urlsafe_b64encode(name.encode()).decode()
+
+    async def fn(nc: Any, js: Any) -> None:
+        for c in chunks:
+            await js.publish(f"$O.{bucket}.C.{nuid}", c)
+        await js.publish(f"$O.{bucket}.M.{enc}", json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
+
+    with_nats(url, fn)
+
+
+def replay_fixtures(url: str, *names: str) -> None:
+    from conftest import FIXTURES
+
+    sys.path.insert(0, str(FIXTURES))
+    from replay import replay  # type: ignore[import-not-found]
+
+    async def fn(nc: Any, js: Any) -> None:
+        for n in names:
+            await replay(js, str(FIXTURES / n))
+
+    with_nats(url, fn)
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
