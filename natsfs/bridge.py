@@ -217,8 +217,10 @@ class Bridge:
             options["user_credentials"] = self.user_credentials
         try:
             # The first connect must fail fast and say why, instead of retrying forever.
-            options_first = dict(options, max_reconnect_attempts=0, allow_reconnect=False)
-            nc = await nats.connect(**options_first)
+            # (nats-py treats 0 attempts as "forever", hence 1.)
+            options_first = dict(options, max_reconnect_attempts=1, allow_reconnect=False)
+            limit = (self.connect_timeout + 1) * 2 * len(self.servers) + 2
+            nc = await asyncio.wait_for(nats.connect(**options_first), limit)
             await nc.close()
             self._nc = await nats.connect(**options)
         except (TimeoutError, nats.errors.NoServersError, OSError, nats.errors.Error) as e:

@@ -14,7 +14,9 @@ bounded by a capacity limiter, and its failures are left for the foreground read
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import contextlib
+import hashlib
 import logging
 from array import array
 from collections.abc import Iterable
@@ -22,18 +24,35 @@ from collections.abc import Iterable
 import cachetools
 import trio
 
-from .adr20 import ObjectInfo, ObjectStore
+from .adr20 import ObjectInfo, ObjectStore, format_digest, parse_digest
 from .errors import Corrupt, NatsFSError, Stale
 
 log = logging.getLogger(__name__)
 
 ChunkKey = tuple[str, str, int]
 
+# One worker hashes every version's chunks, in submission order, off the trio thread (hashlib drops
+# the GIL on large buffers, so hashing overlaps with serving requests).
+_HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="natsfs-sha256")
+
+
+async def _await_future(fut: concurrent.futures.Future) -> object:
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def wake(_: object) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(done.set)
+
+    fut.add_done_callback(wake)
+    await done.wait()
+    return fut.result()
+
 
 class Layout:
     """Stream sequence and end offset of the chunks of one object that are known so far, in order."""
 
-    __slots__ = ("busy", "complete", "ends", "error", "grew", "seqs")
+    __slots__ = ("busy", "complete", "ends", "error", "grew", "hash_pos", "hasher", "seqs", "verdict")
 
     def __init__(self) -> None:
         self.seqs = array("q")
@@ -42,6 +61,10 @@ class Layout:
         self.busy = False  # a walk or scan is under way; wait on `grew`
         self.grew = trio.Event()
         self.error: NatsFSError | None = None
+        # Digest check of this version: chunks are hashed in order as they become available.
+        self.hasher = hashlib.sha256()
+        self.hash_pos = 0  # index of the next chunk to hash
+        self.verdict: bool | None = None  # None: not (yet) verified
 
     def wake(self) -> None:
         grew, self.grew = self.grew, trio.Event()
@@ -112,6 +135,8 @@ class ChunkCache:
         self.stats.reads += 1
         self.stats.read_bytes += end - offset
         layout = await self._layout_covering(info, offset, end, end + readahead)
+        if layout.verdict is False:
+            raise Corrupt(f"{info.bucket}/{info.name}: version {info.nuid} failed its digest check")
         first, last = layout.chunk_at(offset), layout.chunk_at(end - 1)
         pieces: list[bytes] = []
         fetched: dict[int, bytes] = {}
@@ -128,6 +153,8 @@ class ChunkCache:
             pieces.append(data)
         if readahead > 0:
             self._prefetch(info, layout, last + 1, min(end + readahead, info.size))
+        if end == info.size and layout.verdict is None:
+            await self._verify(info, layout)
         if len(pieces) == 1:
             chunk_start = layout.start_of(first)
             data = pieces[0]
@@ -218,8 +245,8 @@ class ChunkCache:
             try:
                 while (msgs := await batches.next()) is not None:
                     for m in msgs:
-                        self._store(info, len(layout.seqs), m.data)
                         layout.append(m.seq, len(m.data))
+                        self._store(info, len(layout.seqs) - 1, m.data, layout)
                         self.stats.chunks_fetched += 1
                         self.stats.bytes_fetched += len(m.data)
                     got += len(msgs)
@@ -265,10 +292,49 @@ class ChunkCache:
         self.stats.bytes_fetched += sum(len(m.data) for m in msgs)
         return msgs
 
-    def _store(self, info: ObjectInfo, idx: int, data: bytes) -> None:
+    def _store(self, info: ObjectInfo, idx: int, data: bytes, layout: Layout | None = None) -> None:
         # A chunk larger than the whole cache (ValueError) is served uncached.
         with contextlib.suppress(ValueError):
             self._data[(info.bucket, info.nuid, idx)] = data
+        if layout is not None and idx == layout.hash_pos:
+            self._hash_forward(info, layout, data)
+
+    def _hash_forward(self, info: ObjectInfo, layout: Layout, data: bytes | None) -> None:
+        """Hash chunk `hash_pos` (given, or from the cache) and every cached chunk after it."""
+        while layout.hash_pos < len(layout.seqs):
+            if data is None:
+                data = self._data.get((info.bucket, info.nuid, layout.hash_pos))
+                if data is None:
+                    return
+            _HASHER.submit(layout.hasher.update, data)
+            layout.hash_pos += 1
+            data = None
+
+    async def _verify(self, info: ObjectInfo, layout: Layout) -> None:
+        """Finish the digest check of a version whose last byte is being served, when every chunk
+        has passed (or can still pass) through in order; a read pattern that never had some chunk
+        in hand (random access with eviction) is left unverified rather than refetched."""
+        expected = parse_digest(info.digest)
+        if expected is None:
+            return
+        while layout.hash_pos < info.chunks and layout.complete:
+            before = layout.hash_pos
+            self._hash_forward(info, layout, None)
+            if layout.hash_pos == before:
+                event = self._inflight.get((info.bucket, info.nuid, layout.hash_pos))
+                if event is None:
+                    return
+                await event.wait()
+        if layout.hash_pos < info.chunks or layout.verdict is not None:
+            return
+        raw = await _await_future(_HASHER.submit(layout.hasher.digest))
+        if layout.verdict is not None:
+            return
+        layout.verdict = raw == expected
+        if not layout.verdict:
+            log.error("digest mismatch for %s/%s: meta says %s, data hashes to %s", info.bucket, info.name,
+                      info.digest, format_digest(raw))  # type: ignore[arg-type]
+            raise Corrupt(f"{info.bucket}/{info.name}: version {info.nuid} failed its digest check")
 
     def _claim(self, info: ObjectInfo, layout: Layout, start: int, stop: int,
                force: bool = False) -> tuple[int, int, list[trio.Event]]:
@@ -307,7 +373,7 @@ class ChunkCache:
                 if len(m.data) != layout.size_of(idx):
                     raise Corrupt(f"{info.bucket}/{info.name}: chunk {idx} changed size")
                 out[idx] = m.data
-                self._store(info, idx, m.data)
+                self._store(info, idx, m.data, layout)
         finally:
             for k in range(start, end):
                 ev = self._inflight.get((info.bucket, info.nuid, k))

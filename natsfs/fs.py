@@ -18,12 +18,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import pyfuse3
+import trio
 
 from .chunk_cache import ChunkCache
 from .config import Config
-from .errors import NatsFSError, NotFound, ReadOnly
-from .handles import DirHandle, HandleTable, ReadHandle, Verifier
+from .errors import Corrupt, NatsFSError, NotFound, ReadOnly
+from .handles import DirHandle, HandleTable, ReadHandle
 from .inodes import InodeTable
+from .kernel import KernelNotifier
 from .names import escape, placement
 from .namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 
@@ -69,6 +71,11 @@ class Operations(pyfuse3.Operations):
         self.inodes = InodeTable()
         self.handles = HandleTable()
         self.writable = False  # this build serves buckets read-only
+        self.kernel = KernelNotifier()
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Background work of the operations (kernel invalidations) runs in `nursery`."""
+        self.kernel.start(nursery)
 
     # ------------------------------------------------------------------ attributes
     def _attr(self, ino: int, node: Node) -> pyfuse3.EntryAttributes:
@@ -197,7 +204,7 @@ class Operations(pyfuse3.Operations):
                               log_level=logging.DEBUG)
         info = node.info
         assert info is not None
-        handle = ReadHandle(inode, info, Verifier(info))
+        handle = ReadHandle(inode, info)
         fh = self.handles.add(handle)
         # Unchanged since the kernel last cached it: let the page cache serve rereads.
         keep = self.inodes.cached_version.get(inode) == info.nuid
@@ -210,9 +217,13 @@ class Operations(pyfuse3.Operations):
         if not isinstance(handle, ReadHandle):
             raise NatsFSError("bad file handle", errno=errno.EBADF)
         ra = handle.plan_readahead(off, size, self.config.readahead_min, self._readahead_max())
-        data = await self.cache.read(handle.info, off, size, ra)
-        await handle.verifier.feed(off, data)
-        return data
+        try:
+            return await self.cache.read(handle.info, off, size, ra)
+        except Corrupt:
+            # The cache refuses this version from now on; drop whatever the kernel cached of it.
+            self.inodes.cached_version.pop(handle.ino, None)
+            self.kernel.inode(handle.ino)
+            raise
 
     def _readahead_max(self) -> int:
         return max(self.config.readahead_min, min(self.config.readahead_max, self.cache.cache_bytes // 4))
@@ -241,10 +252,10 @@ class Operations(pyfuse3.Operations):
             files = 0
         if total <= 0:
             total = used + PETABYTE
-        free = max(0, total - used)
+        used_blocks = -(-used // bsize)
         s.f_bsize = s.f_frsize = bsize
-        s.f_blocks = total // bsize
-        s.f_bfree = s.f_bavail = free // bsize
+        s.f_blocks = max(-(-total // bsize), used_blocks)
+        s.f_bfree = s.f_bavail = s.f_blocks - used_blocks
         s.f_files = files + 1_000_000
         s.f_ffree = s.f_favail = 1_000_000
         s.f_namemax = 255

@@ -94,6 +94,7 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             except NatsFSError as e:
                 raise MountError(f"cannot read buckets: {e}") from None
             cache.start(nursery)
+            ops.start(nursery)
             try:
                 pyfuse3.init(ops, str(mountpoint), fuse_options(config))
             except RuntimeError as e:

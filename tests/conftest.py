@@ -19,7 +19,7 @@ from natsfs.server import NatsServer
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import Mount  # noqa: E402
+from helpers import Mount
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "adr20"
 _counter = itertools.count()

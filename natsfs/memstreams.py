@@ -1,0 +1,624 @@
+"""`Streams` in memory: the JetStream semantics the ADR-20 layer relies on, without a server or a kernel.
+
+`MemoryStreams` owns streams kept in process memory and behaves like nats-server where natsfs can tell:
+stream configs (subjects with `*`/`>` wildcards, `max_bytes`/`max_msgs` with discard new or old,
+`max_msgs_per_subject`, `sealed`), one monotonically increasing sequence per stream, message timestamps,
+the headers `Nats-Rollup` and `Nats-Expected-Last-Subject-Sequence`/`Nats-Expected-Stream`, subject purges,
+direct gets (last per subject, batched next-by-subject with `max_bytes`), headers-only subject scans and
+ordered watches (last per subject, or everything, then live). It raises the `natsfs.errors` exceptions
+`natsfs.jetstream.JetStreams` raises for the same causes. Every operation is a trio checkpoint, so
+concurrent callers interleave as they would over a network. Tests can count calls (`calls`), inject
+failures (`fail_next`, `fail_next_publish`) and restart watches (`reset_watches`).
+
+The module also holds TEST FIXTURE writers (`put_object`, `put_link`, `delete_object`, `rename_object`)
+that publish ADR-20 objects the way nats.go does, over any `Streams`. The daemon never calls them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from .adr20 import (
+    DEFAULT_CHUNK_SIZE,
+    ObjectInfo,
+    chunk_subject,
+    digest_of,
+    meta_subject,
+    parse_meta,
+    stream_name,
+)
+from .errors import AlreadyExists, Conflict, InvalidArgument, JetStreamAPIError, NoSpace, NotFound, ReadOnly
+from .streams import (
+    EXPECTED_LAST_SUBJECT_SEQ,
+    EXPECTED_STREAM,
+    ROLLUP,
+    AccountLimits,
+    StoredMsg,
+    StreamState,
+    WatchBatch,
+)
+
+# Defaults nats-server fills into a stream config (so equal configs compare equal however they were written).
+_CONFIG_DEFAULTS: dict[str, Any] = {
+    "retention": "limits", "max_consumers": -1, "max_msgs": -1, "max_bytes": -1, "max_age": 0,
+    "max_msgs_per_subject": -1, "max_msg_size": -1, "discard": "old", "storage": "file", "num_replicas": 1,
+    "duplicate_window": 120 * 10**9, "sealed": False, "deny_delete": False, "deny_purge": False,
+    "allow_rollup_hdrs": False, "allow_direct": False, "compression": "none",
+}
+ERR_STREAM_SUBJECT_OVERLAP = 10065
+ERR_STREAM_MISMATCH = 10060
+ERR_ROLLUP_NOT_PERMITTED = 10115
+ERR_MSG_TOO_BIG = 10054
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, `>` one or more trailing tokens."""
+    ptoks, stoks = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(ptoks):
+        if tok == ">":
+            return len(stoks) > i
+        if i >= len(stoks) or (tok != "*" and tok != stoks[i]):
+            return False
+    return len(ptoks) == len(stoks)
+
+
+def subjects_overlap(a: str, b: str) -> bool:
+    """Whether some subject matches both patterns."""
+    ta, tb = a.split("."), b.split(".")
+    for i in range(max(len(ta), len(tb))):
+        if i >= len(ta) or i >= len(tb):
+            return False
+        x, y = ta[i], tb[i]
+        if x == ">" or y == ">":
+            return True
+        if x != y and "*" not in (x, y):
+            return False
+    return True
+
+
+def stored_size(subject: str, headers: dict[str, str] | None, data: bytes) -> int:
+    """Bytes a message counts against limits (nats-server's memory store: subject + headers + data + 16)."""
+    hdr = 0
+    if headers:
+        hdr = len("NATS/1.0\r\n\r\n") + sum(len(k) + len(v) + 4 for k, v in headers.items())
+    return len(subject) + hdr + len(data) + 16
+
+
+def _normalize(config: dict[str, Any]) -> dict[str, Any]:
+    if not config.get("name"):
+        raise InvalidArgument("stream config has no name")
+    name = str(config["name"])
+    if any(c in name for c in ".*> \t\r\n/\\"):
+        raise InvalidArgument(f"invalid stream name {name!r}")
+    out = dict(_CONFIG_DEFAULTS)
+    out.update({k: v for k, v in config.items() if v is not None})
+    out["subjects"] = list(out.get("subjects") or [name])
+    return out
+
+
+class _Stream:
+    __slots__ = ("by_subject", "bytes", "changed", "config", "created_ns", "deleted", "last_seq", "last_ts",
+                 "msgs", "name", "watches")
+
+    def __init__(self, config: dict[str, Any], created_ns: int):
+        self.name: str = config["name"]
+        self.config = config
+        self.created_ns = created_ns
+        self.msgs: dict[int, StoredMsg] = {}  # insertion order is sequence order
+        self.by_subject: dict[str, list[int]] = {}
+        self.last_seq = 0
+        self.last_ts = 0
+        self.bytes = 0
+        self.deleted = False
+        self.changed = trio.Event()
+        self.watches: set[MemoryWatch] = set()
+
+    def wake(self) -> None:
+        changed, self.changed = self.changed, trio.Event()
+        changed.set()
+
+    def takes(self, subject: str) -> bool:
+        return any(subject_matches(p, subject) for p in self.config["subjects"])
+
+    def remove(self, seq: int) -> None:
+        m = self.msgs.pop(seq)
+        self.bytes -= stored_size(m.subject, m.headers, m.data)
+        seqs = self.by_subject[m.subject]
+        del seqs[bisect.bisect_left(seqs, seq)]
+        if not seqs:
+            del self.by_subject[m.subject]
+
+    def purge(self, subject: str, keep_last: int = 0) -> int:
+        seqs = self.by_subject.get(subject, [])
+        doomed = seqs[: len(seqs) - keep_last] if keep_last else list(seqs)
+        for seq in doomed:
+            self.remove(seq)
+        return len(doomed)
+
+    def state(self) -> StreamState:
+        first = next(iter(self.msgs)) if self.msgs else (self.last_seq + 1 if self.last_seq else 0)
+        return StreamState(name=self.name, config=dict(self.config), messages=len(self.msgs), bytes=self.bytes,
+                           first_seq=first, last_seq=self.last_seq, created_ns=self.created_ns)
+
+    def on_subject(self, subject: str, start_seq: int) -> list[int]:
+        seqs = self.by_subject.get(subject, [])
+        return seqs[bisect.bisect_left(seqs, start_seq):]
+
+
+class MemoryStreams:
+    """The `natsfs.streams.Streams` protocol over streams held in memory."""
+
+    def __init__(self, *, max_storage: int = -1, max_memory: int = -1, clock: Callable[[], int] = time.time_ns,
+                 delay: float = 0.0, watch_batch: int = 256, stream_group: int = 1):
+        self.max_storage = max_storage
+        self.max_memory = max_memory
+        self.clock = clock
+        self.delay = delay  # seconds every operation sleeps (trio time), to widen races in tests
+        self.watch_batch = watch_batch  # most messages one watch batch delivers
+        self.stream_group = stream_group  # messages per `next()` of a `stream_batch`
+        self.calls: Counter[str] = Counter()
+        self._streams: dict[str, _Stream] = {}
+        self._faults: list[tuple[str, str | None, BaseException]] = []
+
+    # ------------------------------------------------------------------ faults
+    def fail_next(self, op: str, exc: BaseException, *, subject: str | None = None, times: int = 1) -> None:
+        """Make the next `times` calls of operation `op` (a method name) raise `exc`.
+
+        For "publish" the fault applies per message (also inside `publish_many`), and with `subject` only
+        to messages whose subject matches that pattern.
+        """
+        self._faults.extend((op, subject, exc) for _ in range(times))
+
+    def fail_next_publish(self, exc: BaseException, *, subject: str | None = None) -> None:
+        self.fail_next("publish", exc, subject=subject)
+
+    def _fault(self, op: str, subject: str | None = None) -> None:
+        for i, (fop, pattern, exc) in enumerate(self._faults):
+            if fop == op and (pattern is None or subject is None or subject_matches(pattern, subject)):
+                del self._faults[i]
+                raise exc
+
+    async def _enter(self, op: str) -> None:
+        self.calls[op] += 1
+        if self.delay > 0:
+            await trio.sleep(self.delay)
+        else:
+            await trio.lowlevel.checkpoint()
+        if op != "publish":
+            self._fault(op)
+
+    def reset_watches(self, stream: str | None = None) -> None:
+        """Make open watches start over (as after a lost consumer): next batch has `reset=True`."""
+        for st in self._streams.values():
+            if stream is None or st.name == stream:
+                for w in st.watches:
+                    w.reset_pending = True
+                st.wake()
+
+    def _get(self, name: str) -> _Stream:
+        st = self._streams.get(name)
+        if st is None:
+            raise NotFound(f"no stream {name}")
+        return st
+
+    # ------------------------------------------------------------------ streams
+    async def stream_names(self) -> list[str]:
+        await self._enter("stream_names")
+        return sorted(self._streams)
+
+    async def stream_info(self, name: str) -> StreamState:
+        await self._enter("stream_info")
+        return self._get(name).state()
+
+    def _check_subjects(self, config: dict[str, Any], exclude: str | None = None) -> None:
+        for other in self._streams.values():
+            if other.name == exclude:
+                continue
+            for a in config["subjects"]:
+                for b in other.config["subjects"]:
+                    if subjects_overlap(a, b):
+                        raise JetStreamAPIError(f"subjects overlap with an existing stream ({other.name})",
+                                                code=400, err_code=ERR_STREAM_SUBJECT_OVERLAP)
+
+    async def create_stream(self, config: dict[str, Any]) -> StreamState:
+        await self._enter("create_stream")
+        cfg = _normalize(config)
+        existing = self._streams.get(cfg["name"])
+        if existing is not None:
+            if existing.config != cfg:
+                raise AlreadyExists(f"stream {cfg['name']} exists with a different configuration")
+            return existing.state()
+        self._check_subjects(cfg)
+        st = _Stream(cfg, self.clock())
+        self._streams[st.name] = st
+        return st.state()
+
+    async def update_stream(self, config: dict[str, Any]) -> StreamState:
+        await self._enter("update_stream")
+        cfg = _normalize(config)
+        st = self._get(cfg["name"])
+        if st.config.get("sealed") and not cfg.get("sealed"):
+            raise InvalidArgument(f"stream {st.name} is sealed and cannot be unsealed")
+        if cfg.get("storage") != st.config.get("storage"):
+            raise InvalidArgument(f"stream {st.name}: the storage type cannot change")
+        self._check_subjects(cfg, exclude=st.name)
+        st.config = cfg
+        return st.state()
+
+    async def delete_stream(self, name: str) -> None:
+        await self._enter("delete_stream")
+        st = self._streams.pop(name, None)
+        if st is None:
+            raise NotFound(f"no stream {name}")
+        st.deleted = True
+        st.wake()
+
+    async def account_limits(self) -> AccountLimits:
+        await self._enter("account_limits")
+        return AccountLimits(max_storage=self.max_storage, max_memory=self.max_memory,
+                             storage_used=self._used("file"), memory_used=self._used("memory"))
+
+    def _used(self, storage: str) -> int:
+        return sum(st.bytes for st in self._streams.values() if st.config.get("storage") == storage)
+
+    # ------------------------------------------------------------------ messages
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
+        await self._enter("publish")
+        return self._publish(subject, bytes(data), headers)
+
+    async def publish_many(self, msgs: Sequence[tuple[str, bytes]], window: int = 32) -> list[int]:
+        await self._enter("publish_many")
+        return [self._publish(subject, bytes(data), None) for subject, data in msgs]
+
+    def _publish(self, subject: str, data: bytes, headers: dict[str, str] | None) -> int:
+        self._fault("publish", subject)
+        st = next((s for s in self._streams.values() if s.takes(subject)), None)
+        if st is None:
+            raise NotFound(f"no stream takes {subject}")
+        cfg = st.config
+        headers = dict(headers) if headers else None
+        h = headers or {}
+        if cfg.get("sealed"):
+            raise ReadOnly(f"{subject}: stream {st.name} is sealed")
+        if EXPECTED_STREAM in h and h[EXPECTED_STREAM] != st.name:
+            raise JetStreamAPIError("expected stream does not match", code=400, err_code=ERR_STREAM_MISMATCH)
+        if EXPECTED_LAST_SUBJECT_SEQ in h:
+            seqs = st.by_subject.get(subject)
+            last = seqs[-1] if seqs else 0
+            if int(h[EXPECTED_LAST_SUBJECT_SEQ]) != last:
+                raise Conflict(f"{subject}: wrong last sequence: {last}")
+        rollup = h.get(ROLLUP)
+        if rollup is not None:
+            if not cfg.get("allow_rollup_hdrs"):
+                raise JetStreamAPIError("rollup not permitted", code=400, err_code=ERR_ROLLUP_NOT_PERMITTED)
+            if rollup not in ("sub", "all"):
+                raise JetStreamAPIError(f"rollup value invalid: {rollup!r}", code=400)
+        size = stored_size(subject, headers, data)
+        max_msg_size = int(cfg.get("max_msg_size", -1))
+        if 0 <= max_msg_size < len(data):
+            raise JetStreamAPIError("message size exceeds maximum allowed", code=400, err_code=ERR_MSG_TOO_BIG)
+        max_bytes, max_msgs = int(cfg.get("max_bytes", -1)), int(cfg.get("max_msgs", -1))
+        discard_new = cfg.get("discard") == "new"
+        if discard_new and max_bytes > 0 and st.bytes + size > max_bytes:
+            raise NoSpace(f"{subject}: maximum bytes exceeded in stream {st.name}")
+        if discard_new and max_msgs > 0 and len(st.msgs) + 1 > max_msgs:
+            raise NoSpace(f"{subject}: maximum messages exceeded in stream {st.name}")
+        limit = self.max_memory if cfg.get("storage") == "memory" else self.max_storage
+        if limit > 0 and self._used(str(cfg.get("storage"))) + size > limit:
+            raise NoSpace(f"{subject}: insufficient resources")
+        st.last_seq += 1
+        st.last_ts = max(self.clock(), st.last_ts)
+        seq = st.last_seq
+        st.msgs[seq] = StoredMsg(seq, subject, headers, data, st.last_ts)
+        st.by_subject.setdefault(subject, []).append(seq)
+        st.bytes += size
+        if rollup == "sub":
+            st.purge(subject, keep_last=1)
+        elif rollup == "all":
+            for s in [s for s in st.msgs if s != seq]:
+                st.remove(s)
+        per_subject = int(cfg.get("max_msgs_per_subject", -1))
+        if per_subject > 0:
+            st.purge(subject, keep_last=per_subject)
+        while st.msgs and ((max_bytes > 0 and st.bytes > max_bytes) or (max_msgs > 0 and len(st.msgs) > max_msgs)):
+            st.remove(next(iter(st.msgs)))  # discard old
+        st.wake()
+        return seq
+
+    async def purge_subject(self, stream: str, subject: str) -> None:
+        await self._enter("purge_subject")
+        st = self._get(stream)
+        if st.config.get("sealed"):
+            raise ReadOnly(f"stream {stream} is sealed")
+        if st.config.get("deny_purge"):
+            raise JetStreamAPIError("stream purge not permitted", code=400)
+        matching = [s for s in st.by_subject if subject_matches(subject, s)]
+        for s in matching:
+            st.purge(s)
+
+    async def last_msg(self, stream: str, subject: str) -> StoredMsg | None:
+        await self._enter("last_msg")
+        st = self._get(stream)
+        seqs = st.by_subject.get(subject)
+        return st.msgs[seqs[-1]] if seqs else None
+
+    def _select(self, st: _Stream, subject: str, start_seq: int, batch: int, max_bytes: int) -> list[StoredMsg]:
+        out: list[StoredMsg] = []
+        total = 0
+        for seq in st.on_subject(subject, max(start_seq, 1)):
+            if len(out) >= batch or (out and max_bytes > 0 and total >= max_bytes):
+                break
+            m = st.msgs[seq]
+            out.append(m)
+            total += len(m.data)
+        return out
+
+    async def get_batch(self, stream: str, subject: str, start_seq: int, batch: int,
+                        max_bytes: int) -> list[StoredMsg]:
+        await self._enter("get_batch")
+        return self._select(self._get(stream), subject, start_seq, batch, max_bytes)
+
+    async def stream_batch(self, stream: str, subject: str, start_seq: int, batch: int,
+                           max_bytes: int) -> MemoryBatchStream:
+        """Like `get_batch`, handing the messages over a few at a time (as `JetStreams.stream_batch`)."""
+        await self._enter("stream_batch")
+        return MemoryBatchStream(self._select(self._get(stream), subject, start_seq, batch, max_bytes),
+                                 self.stream_group)
+
+    async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
+        await self._enter("subject_index")
+        st = self._get(stream)
+        return [(seq, len(st.msgs[seq].data)) for seq in st.by_subject.get(subject, [])]
+
+    async def watch(self, stream: str, filter_subject: str, *, last_per_subject: bool = True) -> MemoryWatch:
+        await self._enter("watch")
+        return MemoryWatch(self, self._get(stream), filter_subject, last_per_subject)
+
+    # ------------------------------------------------------------------ inspection (tests)
+    def messages(self, stream: str) -> list[StoredMsg]:
+        """Every message a stream holds, in sequence order."""
+        return list(self._get(stream).msgs.values())
+
+    def subjects(self, stream: str) -> dict[str, int]:
+        """Message count per subject."""
+        return {s: len(q) for s, q in self._get(stream).by_subject.items()}
+
+
+class MemoryBatchStream:
+    """The messages of one batched get, `group` per `next()`; None after the last."""
+
+    def __init__(self, msgs: list[StoredMsg], group: int):
+        self._msgs = msgs
+        self._group = max(1, group)
+        self._pos = 0
+        self.done = False
+
+    async def next(self) -> list[StoredMsg] | None:
+        await trio.lowlevel.checkpoint()
+        if self.done or self._pos >= len(self._msgs):
+            self.done = True
+            return None
+        out = self._msgs[self._pos : self._pos + self._group]
+        self._pos += len(out)
+        return out
+
+    async def close(self) -> None:
+        self.done = True
+
+
+class MemoryWatch:
+    """An ordered consumer: the snapshot (last per subject, or all), then every later message, live."""
+
+    def __init__(self, owner: MemoryStreams, stream: _Stream, filter_subject: str, last_per_subject: bool):
+        self._owner = owner
+        self._stream = stream
+        self.filter_subject = filter_subject
+        self.last_per_subject = last_per_subject
+        self.caught_up = False
+        self.reset_pending = False
+        self.closed = False
+        self._snapshot: list[int] = []
+        self._pos = 0
+        self._next_live = 0
+        self._start()
+        stream.watches.add(self)
+
+    def _start(self) -> None:
+        st = self._stream
+        subjects = [s for s in st.by_subject if subject_matches(self.filter_subject, s)]
+        if self.last_per_subject:
+            self._snapshot = sorted(st.by_subject[s][-1] for s in subjects)
+        else:
+            self._snapshot = sorted(seq for s in subjects for seq in st.by_subject[s])
+        self._pos = 0
+        self._next_live = st.last_seq + 1
+        self.caught_up = False
+
+    def _take_snapshot(self, out: WatchBatch) -> None:
+        st = self._stream
+        while self._pos < len(self._snapshot) and len(out.msgs) < self._owner.watch_batch:
+            m = st.msgs.get(self._snapshot[self._pos])
+            self._pos += 1
+            if m is not None:  # purged since the watch started
+                out.msgs.append(m)
+        if self._pos >= len(self._snapshot):
+            self.caught_up = True
+
+    def _take_live(self, out: WatchBatch) -> None:
+        st = self._stream
+        while self._next_live <= st.last_seq and len(out.msgs) < self._owner.watch_batch:
+            m = st.msgs.get(self._next_live)
+            self._next_live += 1
+            if m is not None and subject_matches(self.filter_subject, m.subject):
+                out.msgs.append(m)
+
+    async def next_batch(self, timeout: float | None = None) -> WatchBatch:
+        await self._owner._enter("watch_next")
+        deadline = trio.current_time() + timeout if timeout is not None else float("inf")
+        while True:
+            if self._stream.deleted:
+                raise NotFound(f"no stream {self._stream.name}")
+            out = WatchBatch()
+            if self.closed:
+                out.caught_up = self.caught_up
+                return out
+            if self.reset_pending:
+                self.reset_pending = False
+                self._start()
+                out.reset = True
+            if not self.caught_up:
+                self._take_snapshot(out)
+                out.caught_up = self.caught_up
+                return out
+            self._take_live(out)
+            out.caught_up = True
+            if out.msgs or out.reset:
+                return out
+            changed = self._stream.changed
+            with trio.move_on_at(deadline) as scope:
+                await changed.wait()
+            if scope.cancelled_caught:
+                if self._stream.deleted:
+                    raise NotFound(f"no stream {self._stream.name}")
+                return out
+
+    async def close(self) -> None:
+        self.closed = True
+        self._stream.watches.discard(self)
+
+
+# ====================================================================== TEST FIXTURES
+# Writers of ADR-20 objects exactly as nats.go publishes them, for tests only (the read-only daemon never
+# writes). They work over any `Streams`: MemoryStreams in unit tests, JetStreams against a real server.
+
+ZERO_TIME = "0001-01-01T00:00:00Z"  # what nats.go writes as `mtime`
+_NUID_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_NUID_PREFIX = "".join(secrets.choice(_NUID_ALPHABET) for _ in range(12))
+_nuid_counter = itertools.count(1)
+
+
+def fixture_nuid() -> str:
+    """TEST FIXTURE: a fresh 22-character nuid (random prefix, counting suffix, like nats.go's nuid)."""
+    n = next(_nuid_counter)
+    tail = ""
+    for _ in range(10):
+        n, r = divmod(n, 62)
+        tail = _NUID_ALPHABET[r] + tail
+    return _NUID_PREFIX + tail
+
+
+def _go_meta_json(doc: dict[str, Any]) -> bytes:
+    """Meta JSON with nats.go's key order and compact separators; empty optional fields omitted."""
+    order = ["name", "description", "headers", "metadata", "options", "bucket", "nuid", "size", "mtime", "chunks",
+             "digest", "deleted"]
+    optional = {"description", "headers", "metadata", "options", "digest", "deleted"}
+    out = {k: doc[k] for k in order if k in doc and not (k in optional and not doc[k])}
+    out.update({k: v for k, v in doc.items() if k not in out and k not in order})
+    return json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _split(data: bytes, chunk_size: int, chunk_sizes: Sequence[int] | None) -> list[bytes]:
+    if chunk_sizes is None:
+        return [data[i : i + chunk_size] for i in range(0, len(data), chunk_size)]
+    if sum(chunk_sizes) != len(data) or any(n <= 0 for n in chunk_sizes):
+        raise ValueError(f"chunk sizes {list(chunk_sizes)} do not split {len(data)} bytes")
+    out, pos = [], 0
+    for n in chunk_sizes:
+        out.append(data[pos : pos + n])
+        pos += n
+    return out
+
+
+async def _current_doc(streams: Any, bucket: str, name: str) -> dict[str, Any] | None:
+    msg = await streams.last_msg(stream_name(bucket), meta_subject(bucket, name))
+    if msg is None:
+        return None
+    try:
+        doc = json.loads(msg.data)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+async def _info(streams: Any, bucket: str, name: str) -> ObjectInfo:
+    msg = await streams.last_msg(stream_name(bucket), meta_subject(bucket, name))
+    assert msg is not None
+    return parse_meta(bucket, msg)
+
+
+async def put_object(streams: Any, bucket: str, name: str, data: bytes, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                     chunk_sizes: Sequence[int] | None = None, description: str = "",
+                     metadata: dict[str, str] | None = None, headers: dict[str, list[str]] | None = None,
+                     nuid: str | None = None, digest: str | None = None) -> ObjectInfo:
+    """TEST FIXTURE: put `data` as nats.go's Put does and return the object's parsed meta.
+
+    Chunks of `chunk_size` (or exactly `chunk_sizes`, for uneven chunks) on a fresh nuid's chunk subject,
+    then the meta with `Nats-Rollup: sub`, then a purge of the previous version's chunks. `digest`
+    overrides the computed one (to fake corruption).
+    """
+    old = await _current_doc(streams, bucket, name)
+    nuid = nuid or fixture_nuid()
+    subject = chunk_subject(bucket, nuid)
+    pieces = _split(data, chunk_size, chunk_sizes)
+    for piece in pieces:
+        await streams.publish(subject, piece)
+    doc = {"name": name, "description": description, "headers": headers, "metadata": metadata,
+           "options": {"max_chunk_size": chunk_size}, "bucket": bucket, "nuid": nuid, "size": len(data),
+           "mtime": ZERO_TIME, "chunks": len(pieces), "digest": digest if digest is not None else digest_of(data)}
+    await streams.publish(meta_subject(bucket, name), _go_meta_json(doc), {ROLLUP: "sub"})
+    if old is not None and not old.get("deleted") and old.get("nuid") and old.get("nuid") != nuid:
+        await streams.purge_subject(stream_name(bucket), chunk_subject(bucket, str(old["nuid"])))
+    return await _info(streams, bucket, name)
+
+
+async def put_link(streams: Any, bucket: str, name: str, target_bucket: str, target_name: str | None = None, *,
+                   style: str = "go") -> ObjectInfo:
+    """TEST FIXTURE: a link object. `style="go"`: fresh nuid, size 0, rollup (nats.go's AddLink);
+    `style="js"`: no nuid/size/chunks and no rollup header (nats.js's quirk)."""
+    link: dict[str, str] = {"bucket": target_bucket}
+    if target_name is not None:
+        link["name"] = target_name
+    if style == "js":
+        payload = json.dumps({"name": name, "bucket": bucket, "options": {"link": link}}, separators=(",", ":"))
+        await streams.publish(meta_subject(bucket, name), payload.encode())
+    elif style == "go":
+        doc = {"name": name, "options": {"link": link}, "bucket": bucket, "nuid": fixture_nuid(), "size": 0,
+               "mtime": ZERO_TIME, "chunks": 0}
+        await streams.publish(meta_subject(bucket, name), _go_meta_json(doc), {ROLLUP: "sub"})
+    else:
+        raise ValueError(f"unknown link style {style!r}")
+    return await _info(streams, bucket, name)
+
+
+async def delete_object(streams: Any, bucket: str, name: str) -> None:
+    """TEST FIXTURE: nats.go's Delete: a tombstone meta (deleted, size/chunks 0, no digest), then purge chunks."""
+    doc = await _current_doc(streams, bucket, name)
+    if doc is None or doc.get("deleted"):
+        raise NotFound(f"no object {name!r} in {bucket}")
+    tomb = dict(doc, size=0, chunks=0, digest="", deleted=True, mtime=ZERO_TIME)
+    await streams.publish(meta_subject(bucket, name), _go_meta_json(tomb), {ROLLUP: "sub"})
+    if doc.get("nuid"):
+        await streams.purge_subject(stream_name(bucket), chunk_subject(bucket, str(doc["nuid"])))
+
+
+async def rename_object(streams: Any, bucket: str, old: str, new: str) -> ObjectInfo:
+    """TEST FIXTURE: nats.go's UpdateMeta with a new name: meta under `new` (same nuid), then purge `old`'s meta."""
+    doc = await _current_doc(streams, bucket, old)
+    if doc is None or doc.get("deleted"):
+        raise NotFound(f"no object {old!r} in {bucket}")
+    target = await _current_doc(streams, bucket, new)
+    if target is not None and not target.get("deleted"):
+        raise AlreadyExists(f"object {new!r} exists in {bucket}")
+    await streams.publish(meta_subject(bucket, new), _go_meta_json(dict(doc, name=new)), {ROLLUP: "sub"})
+    await streams.purge_subject(stream_name(bucket), meta_subject(bucket, old))
+    return await _info(streams, bucket, new)
+

@@ -1,0 +1,119 @@
+"""The `natsfs` command: background mounts, one-sentence failures, the embedded server, umount."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from helpers import create_bucket, nats_py_put, wait_for
+
+NATSFS = [sys.executable, "-m", "natsfs"]
+
+
+def run(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*NATSFS, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env or os.environ.copy())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_sentence(proc: subprocess.CompletedProcess) -> str:
+    err = proc.stderr.strip()
+    assert proc.returncode != 0
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("natsfs: ")
+    return err
+
+
+def test_background_mount_returns_when_live_and_umount_unmounts(nats_url, bucket_name, tmp_path):
+    nats_py_put(nats_url, bucket_name, "hello.txt", b"hi\n")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    try:
+        r = run("mount", str(mp), "--server", nats_url, "--data-dir", str(tmp_path / "data"))
+        assert r.returncode == 0, r.stderr
+        assert os.path.ismount(mp)
+        assert (mp / bucket_name / "hello.txt").read_bytes() == b"hi\n"
+        r = run("umount", str(mp))
+        assert r.returncode == 0, r.stderr
+        assert wait_for(lambda: not os.path.ismount(mp))
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def test_unreachable_server_is_one_clear_sentence(tmp_path):
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    r = run("mount", str(mp), "--server", f"nats://127.0.0.1:{free_port()}", "--data-dir", str(tmp_path))
+    err = _one_sentence(r)
+    assert "cannot connect" in err
+    assert not os.path.ismount(mp)
+
+
+def test_missing_bucket_missing_mountpoint_and_busy_mountpoint(nats_url, bucket_name, tmp_path, mounter):
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    err = _one_sentence(run("mount", str(mp), "--server", nats_url, "--bucket", "nope_" + bucket_name,
+                            "--data-dir", str(tmp_path)))
+    assert "no bucket" in err
+    err = _one_sentence(run("mount", str(tmp_path / "absent"), "--server", nats_url))
+    assert "does not exist" in err
+    m = mounter(nats_url)
+    err = _one_sentence(run("mount", str(m.path), "--server", nats_url))
+    assert "already a mount point" in err
+
+
+def test_foreground_mount_stops_cleanly_on_sigterm(nats_url, tmp_path):
+    import signal
+
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    proc = subprocess.Popen([*NATSFS, "mount", str(mp), "--server", nats_url, "--foreground",
+                             "--log-file", str(tmp_path / "log")])
+    try:
+        assert wait_for(lambda: os.path.ismount(mp), 30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not os.path.ismount(mp)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def test_embedded_server_when_nothing_is_configured(tmp_path):
+    """No --server and no NATS_URL: the mount runs its own nats-server and stops it at unmount."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+    try:
+        r = run("mount", str(mp), "--data-dir", str(data), env=env)
+        assert r.returncode == 0, r.stderr
+        url = __import__("json").loads((data / "server.json").read_text())["url"]
+        create_bucket(url, "embedded")
+        nats_py_put(url, "embedded", "e.txt", b"embedded\n", create=False)
+        assert wait_for(lambda: (mp / "embedded").exists(), 10)
+        assert (mp / "embedded" / "e.txt").read_bytes() == b"embedded\n"
+        server_pid = __import__("json").loads((data / "server.json").read_text())["pid"]
+        assert run("umount", str(mp)).returncode == 0
+        assert wait_for(lambda: not os.path.exists(f"/proc/{server_pid}") or _zombie(server_pid), 20)
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+        time.sleep(0.1)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except OSError:
+        return True
