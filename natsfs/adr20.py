@@ -47,7 +47,7 @@ def decode_token(token: str) -> str | None:
     """The object name of a meta subject token, or None when it is not valid base64 of UTF-8."""
     padded = token + "=" * (-len(token) % 4)
     try:
-        return base64.urlsafe_b64decode(padded.encode("ascii")).decode("utf-8")
+        return base64.b64decode(padded.encode("ascii"), altchars=b"-_", validate=True).decode("utf-8")
     except (binascii.Error, UnicodeDecodeError, ValueError):
         return None
 
@@ -147,9 +147,12 @@ def _attrs_from(metadata: dict[str, str]) -> PosixAttrs | None:
         return None
 
     def num(key: str, base: int = 10) -> int | None:
+        raw = metadata.get(key)
+        if not isinstance(raw, str):
+            return None  # absent, or not the string another client should have written
         try:
-            v = int(metadata[key], base)
-        except (KeyError, ValueError):
+            v = int(raw, base)
+        except ValueError:
             return None
         return v if v >= 0 else None
 
@@ -161,7 +164,7 @@ def parse_meta(bucket: str, msg: StoredMsg) -> ObjectInfo:
     token = msg.subject.rsplit(".", 1)[-1] if msg.subject else ""
     try:
         doc = json.loads(msg.data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) is not JSON") from None
     if not isinstance(doc, dict):
         raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) is not a JSON object")
@@ -173,6 +176,11 @@ def parse_meta(bucket: str, msg: StoredMsg) -> ObjectInfo:
         name = subject_name
     elif subject_name is not None and subject_name != name:
         raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) names {name!r}, its subject another name")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON allows lone surrogates ("\ud800"); no client can address such a name by subject.
+        raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) has a name that is not valid UTF-8") from None
 
     def integer(key: str) -> int:
         v = doc.get(key, 0)

@@ -25,7 +25,7 @@ import cachetools
 import trio
 
 from .adr20 import ObjectInfo, ObjectStore, format_digest, parse_digest
-from .errors import Corrupt, NatsFSError, Stale
+from .errors import Corrupt, NatsFSError, Stale, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +245,10 @@ class ChunkCache:
             try:
                 while (msgs := await batches.next()) is not None:
                     for m in msgs:
+                        if len(layout.seqs) >= info.chunks or layout.known_bytes + len(m.data) > info.size:
+                            layout.verdict = False  # never serve bytes the meta does not account for
+                            raise Corrupt(f"{info.bucket}/{info.name}: the stream holds more than the meta's "
+                                          f"{info.size} bytes in {info.chunks} chunks")
                         layout.append(m.seq, len(m.data))
                         self._store(info, len(layout.seqs) - 1, m.data, layout)
                         self.stats.chunks_fetched += 1
@@ -260,6 +264,9 @@ class ChunkCache:
                 self._finish(info, layout)
         except NatsFSError as e:
             layout.error = e
+        except Exception as e:
+            log.exception("fetching %s/%s failed unexpectedly", info.bucket, info.name)
+            layout.error = Unavailable(f"{info.bucket}/{info.name}: fetch failed: {e!r}")
         finally:
             layout.busy = False
             layout.wake()
@@ -280,6 +287,7 @@ class ChunkCache:
     def _finish(self, info: ObjectInfo, layout: Layout) -> None:
         layout.complete = True
         if len(layout.seqs) != info.chunks or layout.known_bytes != info.size:
+            layout.verdict = False  # refused from now on, like a failed digest
             log.error("object %s/%s: meta says %d bytes in %d chunks, the stream holds %d bytes in %d",
                       info.bucket, info.name, info.size, info.chunks, layout.known_bytes, len(layout.seqs))
             raise Corrupt(f"{info.bucket}/{info.name}: chunks do not match the meta")
@@ -332,9 +340,8 @@ class ChunkCache:
             return
         layout.verdict = raw == expected
         if not layout.verdict:
-            log.error("digest mismatch for %s/%s: meta says %s, data hashes to %s", info.bucket, info.name,
-                      info.digest, format_digest(raw))  # type: ignore[arg-type]
-            raise Corrupt(f"{info.bucket}/{info.name}: version {info.nuid} failed its digest check")
+            raise Corrupt(f"digest mismatch for {info.bucket}/{info.name}: meta says {info.digest}, "
+                          f"data hashes to {format_digest(raw)}")  # type: ignore[arg-type]
 
     def _claim(self, info: ObjectInfo, layout: Layout, start: int, stop: int,
                force: bool = False) -> tuple[int, int, list[trio.Event]]:
@@ -407,6 +414,8 @@ class ChunkCache:
                 await self._fetch_claimed(info, layout, *run)
         except NatsFSError as e:
             log.debug("readahead of %s/%s stopped: %s", info.bucket, info.name, e)
+        except Exception:
+            log.exception("readahead of %s/%s failed unexpectedly", info.bucket, info.name)
 
     def forget_objects(self, keys: Iterable[tuple[str, str]]) -> None:
         for key in keys:

@@ -124,9 +124,6 @@ class BucketIndex:
         if path is None:
             self._hide(info, "its name cannot be a file name (a segment over 255 bytes)")
             return
-        if escaped:
-            log.info("bucket %s: object %r is shown as %r", self.bucket, info.name, path[0])
-            self.escaped.add(info.name)
         node = self.root
         for depth, seg in enumerate(path[:-1]):
             child = node.children.get(seg)
@@ -164,14 +161,17 @@ class BucketIndex:
                 return
         node.children[last] = info
         self.hidden.pop(info.name, None)
+        if escaped:
+            log.info("bucket %s: object %r is shown as %r", self.bucket, info.name, path[0])
+            self.escaped.add(info.name)
         self._changed(path)
 
     def _unplace(self, info: ObjectInfo) -> None:
+        self.escaped.discard(info.name)
         if self.hidden.pop(info.name, None) is not None:
             return
         marker = is_marker(info)
         path, _ = placement(info.name, marker_candidate=marker)
-        self.escaped.discard(info.name)
         if path is None:
             return
         trail: list[tuple[Dir, str]] = []

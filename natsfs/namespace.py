@@ -176,6 +176,11 @@ class Namespace:
         except MalformedMeta as e:
             log.warning("bucket %s: skipping malformed meta: %s", index.bucket, e)
             return
+        except Exception:
+            # Bad input is normal input: one meta must never stop the bucket's index.
+            log.exception("bucket %s: skipping meta %s (seq %d) that could not be parsed", index.bucket,
+                          m.subject, m.seq)
+            return
         index.apply(info)
 
     def _changed(self, bucket: str, path: Path) -> None:

@@ -19,9 +19,8 @@ from natsfs.server import NatsServer
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import Mount
+from helpers import FIXTURES, Mount  # noqa: F401 - FIXTURES re-exported for test modules
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "adr20"
 _counter = itertools.count()
 
 
@@ -90,9 +89,12 @@ def mounter(tmp_path):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _no_mount_left_behind():
+def _no_mount_left_behind(tmp_path_factory):
+    """Safety net: unmount natsfs mounts this session left under its own temp dirs (and only those)."""
+    base = str(tmp_path_factory.getbasetemp())
     yield
     with open("/proc/mounts") as f:
-        left = [line.split()[1] for line in f if "natsfs" in line.split()[0]]
+        left = [line.split()[1] for line in f
+                if line.split()[0] == "natsfs" and line.split()[1].startswith(base)]
     for mp in left:
         subprocess.run(["fusermount3", "-u", "-z", mp], check=False)

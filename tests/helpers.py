@@ -17,6 +17,9 @@ import trio
 
 T = TypeVar("T")
 
+# A copy of ../shared/fixtures/adr20, so a clean checkout tests on its own.
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "adr20"
+
 
 class Mount:
     """`natsfs mount --foreground` in a child process, ready when the mountpoint is a mount."""
@@ -160,8 +163,6 @@ def raw_put(url: str, bucket: str, name: str, chunks: list[bytes], *, nuid: str 
 
 
 def replay_fixtures(url: str, *names: str) -> None:
-    from conftest import FIXTURES
-
     sys.path.insert(0, str(FIXTURES))
     from replay import replay  # type: ignore[import-not-found]
 

@@ -7,8 +7,7 @@ import json
 import os
 
 import pytest
-from conftest import FIXTURES
-from helpers import replay_fixtures
+from helpers import FIXTURES, replay_fixtures
 
 
 def _objects_in_fixture() -> dict[str, dict]:

@@ -1,0 +1,247 @@
+"""adr20: meta parsing with every client's quirks, subject tokens, digests."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+
+import pytest
+
+from natsfs.adr20 import (
+    Link,
+    decode_token,
+    digest_of,
+    encode_name,
+    format_digest,
+    meta_subject,
+    parse_digest,
+    parse_meta,
+    valid_bucket_name,
+)
+from natsfs.errors import MalformedMeta
+from natsfs.streams import StoredMsg
+
+TS = 1_700_000_000_123_456_789
+HELLO_DIGEST = "SHA-256=-H6CURjrqvpYrE8uyh09eei2ZBqqxNqER_cA-N1yW1A="
+
+
+def msg(name: str, doc: dict | bytes | str, *, seq: int = 7, subject: str | None = None) -> StoredMsg:
+    data = doc if isinstance(doc, bytes) else (doc if isinstance(doc, str) else json.dumps(doc)).encode()
+    return StoredMsg(seq, subject or meta_subject("b", name), {"Nats-Rollup": "sub"}, data, TS)
+
+
+def test_nats_go_meta_zero_mtime_uses_message_time():
+    raw = (b'{"name":"go/hello.txt","description":"put by nats.go","options":{"max_chunk_size":131072},'
+           b'"bucket":"interop","nuid":"XJUQgBOZuHryLbuazQNi9y","size":14,"mtime":"0001-01-01T00:00:00Z",'
+           b'"chunks":1,"digest":"SHA-256=-H6CURjrqvpYrE8uyh09eei2ZBqqxNqER_cA-N1yW1A="}')
+    info = parse_meta("b", msg("go/hello.txt", raw, seq=2))
+    assert (info.name, info.nuid, info.size, info.chunks) == ("go/hello.txt", "XJUQgBOZuHryLbuazQNi9y", 14, 1)
+    assert info.mtime_ns == TS
+    assert info.revision == 2
+    assert info.digest == HELLO_DIGEST
+    assert info.chunk_size == 131072
+    assert info.link is None and not info.deleted and info.attrs is None
+    assert info.bucket == "b"
+
+
+@pytest.mark.parametrize("mtime", ["2026-11-21T22:35:45.512982+00:00", "", None, "garbage", 12])
+def test_wire_mtime_is_ignored(mtime):
+    doc = {"name": "py/x.txt", "bucket": "b", "nuid": "ai8ouFdaJeGol96Lh0S24H", "size": 12, "mtime": mtime,
+           "chunks": 1, "digest": "", "deleted": False}
+    info = parse_meta("b", msg("py/x.txt", doc))
+    assert info.mtime_ns == TS
+    assert info.size == 12
+
+
+def test_nats_py_tombstone_with_empty_mtime_and_digest():
+    doc = {"name": "py/deleted.txt", "bucket": "b", "nuid": "ai8ouFdaJeGol96Lh0S2Np", "size": 0, "mtime": "",
+           "chunks": 0, "digest": "", "deleted": True, "options": {"max_chunk_size": 131072}}
+    info = parse_meta("b", msg("py/deleted.txt", doc))
+    assert info.deleted
+    assert info.digest == ""
+
+
+def test_nats_js_link_without_nuid_size_chunks():
+    doc = {"name": "js/link-to-a", "bucket": "interop", "options": {"link": {"bucket": "interop", "name": "js/a.txt"}}}
+    info = parse_meta("interop", msg("js/link-to-a", doc, subject=meta_subject("interop", "js/link-to-a")))
+    assert info.link == Link("interop", "js/a.txt")
+    assert (info.nuid, info.size, info.chunks) == ("", 0, 0)
+    assert not info.deleted
+
+
+def test_bucket_link_has_no_name():
+    doc = {"bucket": "interop", "nuid": "iEUW3CnYSml1Gn16NNo3TT", "size": 0, "chunks": 0, "name": "js/bucket-link",
+           "description": "", "options": {"link": {"bucket": "other"}, "max_chunk_size": 131072}}
+    info = parse_meta("b", msg("js/bucket-link", doc))
+    assert info.link == Link("other", None)
+
+
+def test_link_with_empty_name_is_a_bucket_link():
+    doc = {"name": "l", "options": {"link": {"bucket": "other", "name": ""}}}
+    assert parse_meta("b", msg("l", doc)).link == Link("other", None)
+
+
+def test_link_without_bucket_is_not_a_link():
+    doc = {"name": "l", "nuid": "abc", "size": 0, "chunks": 0, "options": {"link": {"name": "x"}}}
+    assert parse_meta("b", msg("l", doc)).link is None
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"a string"', b"null", b"42"])
+def test_unusable_payloads_are_malformed(raw):
+    with pytest.raises(MalformedMeta):
+        parse_meta("b", msg("bad-json", raw))
+
+
+def test_bad_json_message_names_subject_and_seq():
+    with pytest.raises(MalformedMeta, match=r"is not JSON") as e:
+        parse_meta("b", msg("bad-json", b"{not json", seq=65))
+    assert "65" in str(e.value)
+
+
+def test_missing_nuid_with_chunks_is_malformed():
+    with pytest.raises(MalformedMeta, match="no nuid"):
+        parse_meta("b", msg("no-nuid", {"name": "no-nuid", "bucket": "b", "size": 5, "chunks": 1}))
+
+
+def test_missing_nuid_on_empty_object_is_fine():
+    info = parse_meta("b", msg("e", {"name": "e", "bucket": "b", "size": 0, "chunks": 0}))
+    assert (info.nuid, info.size) == ("", 0)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"name": "x", "nuid": "../etc", "size": 1, "chunks": 1},
+        {"name": "x", "nuid": "a.b", "size": 1, "chunks": 1},
+        {"name": "x", "nuid": "a>", "size": 1, "chunks": 1},
+        {"name": "x", "nuid": 5, "size": 1, "chunks": 1},
+        {"name": "x", "nuid": "abc", "size": -1, "chunks": 1},
+        {"name": "x", "nuid": "abc", "size": "12", "chunks": 1},
+        {"name": "x", "nuid": "abc", "size": True, "chunks": 1},
+        {"name": "x", "nuid": "abc", "size": 1.5, "chunks": 1},
+        {"name": "x", "nuid": "abc", "size": 10, "chunks": 0},
+        {"name": "x", "nuid": "abc", "size": 10, "chunks": -2},
+    ],
+)
+def test_bad_fields_are_malformed(doc):
+    with pytest.raises(MalformedMeta):
+        parse_meta("b", msg("x", doc))
+
+
+def test_name_subject_mismatch_is_malformed():
+    doc = {"name": "other.txt", "nuid": "abc", "size": 1, "chunks": 1}
+    with pytest.raises(MalformedMeta, match="subject"):
+        parse_meta("b", msg("x.txt", doc))
+
+
+def test_name_comes_from_subject_when_missing():
+    info = parse_meta("b", msg("from-subject.txt", {"nuid": "abc", "size": 1, "chunks": 1}))
+    assert info.name == "from-subject.txt"
+
+
+def test_no_name_anywhere_is_malformed():
+    with pytest.raises(MalformedMeta, match="no name"):
+        parse_meta("b", msg("", {"nuid": "abc", "size": 1, "chunks": 1}, subject="$O.b.M.!!!notbase64"))
+
+
+def test_unpadded_subject_token_matches_name():
+    subject = "$O.b.M." + encode_name("ab").rstrip("=")
+    info = parse_meta("b", msg("ab", {"name": "ab", "nuid": "n", "size": 1, "chunks": 1}, subject=subject))
+    assert info.name == "ab"
+
+
+def test_null_and_odd_optional_fields_are_tolerated():
+    doc = {"name": "x", "nuid": "abc", "size": 3, "chunks": None, "digest": 5, "options": "garbage",
+           "metadata": "garbage", "headers": [1], "description": None}
+    with pytest.raises(MalformedMeta):  # chunks None -> 0 with size 3
+        parse_meta("b", msg("x", doc))
+    doc["chunks"] = 1
+    info = parse_meta("b", msg("x", doc))
+    assert info.digest == "" and info.attrs is None and info.chunk_size == 0
+
+
+def test_natsfs_attributes_in_metadata():
+    doc = {"name": "x", "nuid": "abc", "size": 1, "chunks": 1,
+           "metadata": {"natsfs.mode": "640", "natsfs.uid": "1000", "natsfs.gid": "bad", "natsfs.mtime_ns": "42",
+                        "other": "kept out"}}
+    info = parse_meta("b", msg("x", doc))
+    assert info.attrs is not None
+    assert (info.attrs.mode, info.attrs.uid, info.attrs.gid, info.attrs.mtime_ns) == (0o640, 1000, None, 42)
+    assert info.mtime_ns == 42
+
+
+def test_negative_natsfs_attributes_are_ignored():
+    doc = {"name": "x", "nuid": "abc", "size": 1, "chunks": 1, "metadata": {"natsfs.uid": "-1"}}
+    info = parse_meta("b", msg("x", doc))
+    assert info.attrs is not None and info.attrs.uid is None
+    assert info.mtime_ns == TS
+
+
+@pytest.mark.parametrize("value", [420, None, ["644"]])
+def test_non_string_natsfs_metadata_never_escapes_as_typeerror(value):
+    doc = {"name": "x", "nuid": "abc", "size": 1, "chunks": 1, "metadata": {"natsfs.mode": value}}
+    try:
+        info = parse_meta("b", msg("x", doc))
+    except MalformedMeta:
+        return
+    assert info.attrs is None or info.attrs.mode is None
+
+
+def test_deeply_nested_json_is_malformed():
+    with pytest.raises(MalformedMeta):
+        parse_meta("b", msg("deep", b"[" * 100_000 + b"]" * 100_000))
+
+
+# ---------------------------------------------------------------- names on subjects
+@pytest.mark.parametrize("name", ["go/hello.txt", "ünïcödé.txt", "a", "ab", "abc", "../escape.txt", "x" * 300,
+                                  "new\nline.txt", "", "?>*.", "\x00"])
+def test_encode_decode_roundtrip(name):
+    token = encode_name(name)
+    assert "." not in token and "*" not in token and ">" not in token and " " not in token
+    assert decode_token(token) == name
+    assert decode_token(token.rstrip("=")) == name
+
+
+def test_encode_name_is_padded_urlsafe_base64():
+    assert encode_name("go/hello.txt") == "Z28vaGVsbG8udHh0"
+    assert encode_name("go/renamed.txt") == "Z28vcmVuYW1lZC50eHQ="
+    assert encode_name("js/small-chunks.bin") == "anMvc21hbGwtY2h1bmtzLmJpbg=="
+    assert encode_name("\xff\xfe\xfd") == base64.urlsafe_b64encode("\xff\xfe\xfd".encode()).decode()
+    assert "+" not in encode_name("\xfb\xff") and "/" not in encode_name("\xfb\xff")
+    assert meta_subject("interop", ".") == "$O.interop.M.Lg=="
+
+
+@pytest.mark.parametrize("token", ["/w==", "gA==", "é", "!!!notbase64"])
+def test_decode_token_rejects_non_base64_or_non_utf8(token):
+    assert decode_token(token) is None
+
+
+@pytest.mark.parametrize("token", ["!!!", "Z28vaGVsbG8udHh0!", "Z28v!aGVsbG8udHh0"])
+def test_decode_token_rejects_characters_outside_the_alphabet(token):
+    assert decode_token(token) is None
+
+
+# ---------------------------------------------------------------- digests
+def test_digest_of_and_parse_digest():
+    raw = hashlib.sha256(b"hello, world!\n").digest()
+    d = digest_of(b"hello, world!\n")
+    assert d.startswith("SHA-256=") and d.endswith("=")
+    assert parse_digest(d) == raw
+    assert format_digest(raw) == d
+    assert parse_digest("sha-256=" + d[len("SHA-256="):]) == raw
+    assert parse_digest(d.rstrip("=")) == raw
+    assert parse_digest(digest_of(b"")) == hashlib.sha256(b"").digest()
+
+
+@pytest.mark.parametrize("bad", ["", "SHA-256=", "SHA-1=" + base64.urlsafe_b64encode(b"x" * 20).decode(),
+                                 "SHA-256=" + base64.urlsafe_b64encode(b"x" * 31).decode(), "SHA-256=!!!!",
+                                 "no-equals-sign", "MD5=abc"])
+def test_parse_digest_rejects(bad):
+    assert parse_digest(bad) is None
+
+
+@pytest.mark.parametrize(("name", "ok"), [("interop", True), ("a_b-c9", True), ("", False), ("a.b", False),
+                                          ("a b", False), ("a*", False), ("ü", False)])
+def test_valid_bucket_name(name, ok):
+    assert valid_bucket_name(name) is ok

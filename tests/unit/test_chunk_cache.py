@@ -1,0 +1,350 @@
+"""chunk_cache.ChunkCache over MemoryStreams + ObjectStore: uneven chunks, far reads, shared fetches, bounds."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from natsfs.adr20 import ObjectInfo, ObjectStore, chunk_subject, digest_of, stream_name
+from natsfs.chunk_cache import ChunkCache
+from natsfs.errors import Corrupt, Stale
+from natsfs.memstreams import MemoryStreams, put_object
+
+KiB = 1024
+RNG = random.Random(20)
+
+
+def blob(n: int) -> bytes:
+    return RNG.randbytes(n)
+
+
+def run(body: Callable[[MemoryStreams, ObjectStore, ChunkCache], Awaitable[Any]], *, cache_bytes: int = 64 << 20,
+        batch_bytes: int = 128 * KiB, background: bool = True, **streams_kw: Any) -> Any:
+    """Run `body(streams, store, cache)` under trio with a fresh bucket `b`."""
+
+    async def main() -> Any:
+        ms = MemoryStreams(**streams_kw)
+        store = ObjectStore(ms)
+        await store.create_bucket("b")
+        cache = ChunkCache(store, cache_bytes=cache_bytes, batch_bytes=batch_bytes)
+        async with trio.open_nursery() as nursery:
+            if background:
+                cache.start(nursery)
+            try:
+                return await body(ms, store, cache)
+            finally:
+                nursery.cancel_scope.cancel()
+
+    return trio.run(main)
+
+
+UNEVEN = [1, 100_000, 7, 131_072, 50_000, 3, 131_072, 131_072, 12_345, 1]
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_uneven_chunks_read_exactly(background):
+    data = blob(sum(UNEVEN))
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "u.bin", data, chunk_sizes=UNEVEN)
+        assert info.chunks == len(UNEVEN)
+        assert await cache.read(info, 0, len(data)) == data
+        # Every chunk boundary, +-1, with reads that straddle it.
+        ends = [sum(UNEVEN[: i + 1]) for i in range(len(UNEVEN))]
+        for e in ends:
+            for off in (e - 2, e - 1, e, e + 1):
+                if 0 <= off < len(data):
+                    assert await cache.read(info, off, 5) == data[off : off + 5], off
+        rng = random.Random(1)
+        for _ in range(200):
+            off = rng.randrange(len(data))
+            size = rng.choice([1, 100, 4096, 131_072, 300_000])
+            assert await cache.read(info, off, size) == data[off : off + size]
+
+    run(body, background=background)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_uneven_chunks_fresh_cache_random_order(background):
+    data = blob(sum(UNEVEN))
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "u.bin", data, chunk_sizes=UNEVEN)
+        for off in [600_000, 3, 100_001, 0, len(data) - 1, 300_000]:
+            fresh = ChunkCache(store, cache_bytes=1 << 20, batch_bytes=128 * KiB)
+            assert await fresh.read(info, off, 70_000) == data[off : off + 70_000]
+
+    run(body, background=background)
+
+
+def test_reads_at_and_past_eof():
+    data = blob(1000)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "s", data, chunk_size=300)
+        assert await cache.read(info, 990, 100) == data[990:]
+        assert await cache.read(info, 1000, 10) == b""
+        assert await cache.read(info, 5000, 10) == b""
+        assert await cache.read(info, 0, 0) == b""
+        empty = await put_object(ms, "b", "e", b"")
+        assert empty.chunks == 0
+        assert await cache.read(empty, 0, 4096) == b""
+
+    run(body)
+
+
+def test_far_random_read_uses_one_index_scan_and_fetches_only_touched_chunks():
+    sizes = [RNG.randrange(40_000, 90_000) for _ in range(40)]
+    data = blob(sum(sizes))
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    off = ends[29] - 50  # straddles chunks 29 and 30, far beyond the first batch
+    assert off > 1 << 20
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "far.bin", data, chunk_sizes=sizes)
+        ms.calls.clear()
+        got = await cache.read(info, off, 100)
+        assert got == data[off : off + 100]
+        s = cache.stats
+        assert s.index_scans == 1
+        assert ms.calls["subject_index"] == 1
+        assert s.fetch_requests == 1
+        assert s.chunks_fetched == 2
+        assert s.bytes_fetched == sizes[29] + sizes[30]
+        # Another far read of a chunk not yet fetched: no second scan, one more small fetch.
+        off2 = ends[9] + 10
+        assert await cache.read(info, off2, 10) == data[off2 : off2 + 10]
+        assert s.index_scans == 1 and ms.calls["subject_index"] == 1
+        assert s.fetch_requests == 2 and s.chunks_fetched == 3
+        # A cached chunk: a hit, nothing fetched.
+        assert await cache.read(info, off + 10, 20) == data[off + 10 : off + 30]
+        assert s.fetch_requests == 2 and s.hits >= 1
+
+    run(body, batch_bytes=128 * KiB)
+
+
+def test_concurrent_misses_on_one_chunk_share_one_fetch():
+    sizes = [100_000] * 30
+    data = blob(sum(sizes))
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "c.bin", data, chunk_sizes=sizes)
+        # Learn the layout (one scan) from a far read of another chunk.
+        assert await cache.read(info, 2_500_000, 10) == data[2_500_000:2_500_010]
+        before = (cache.stats.fetch_requests, cache.stats.chunks_fetched, cache.stats.index_scans)
+        results: list[bytes] = []
+
+        async def reader(off: int) -> None:
+            results.append(await cache.read(info, off, 1000))
+
+        async with trio.open_nursery() as n:
+            for k in range(8):
+                n.start_soon(reader, 1_500_000 + k * 1000)
+        assert sorted(results) == sorted(data[1_500_000 + k * 1000 : 1_501_000 + k * 1000] for k in range(8))
+        after = (cache.stats.fetch_requests, cache.stats.chunks_fetched, cache.stats.index_scans)
+        assert after == (before[0] + 1, before[1] + 1, before[2])
+
+    run(body, delay=0.001)
+
+
+def test_concurrent_first_reads_far_away_share_the_scan_and_the_fetch():
+    sizes = [100_000] * 30
+    data = blob(sum(sizes))
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "c.bin", data, chunk_sizes=sizes)
+        ms.calls.clear()
+        out: dict[int, bytes] = {}
+
+        async def reader(k: int) -> None:
+            out[k] = await cache.read(info, 2_000_000 + k, 500)
+
+        async with trio.open_nursery() as n:
+            for k in range(5):
+                n.start_soon(reader, k)
+        assert all(out[k] == data[2_000_000 + k : 2_000_500 + k] for k in range(5))
+        assert cache.stats.index_scans == 1 and ms.calls["subject_index"] == 1
+        assert cache.stats.chunks_fetched == 1
+
+    run(body, delay=0.001)
+
+
+def test_cache_is_bounded_in_bytes():
+    data = blob(2_000_000)
+    limit = 300_000
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "big", data, chunk_size=64 * KiB)
+        for off in range(0, len(data), 50_000):
+            assert await cache.read(info, off, 50_000) == data[off : off + 50_000]
+            assert cache.cached_bytes <= limit
+        for off in range(len(data) - 50_000, -1, -170_000):
+            assert await cache.read(info, off, 50_000) == data[off : off + 50_000]
+            assert cache.cached_bytes <= limit
+        assert cache.cached_bytes > 0
+
+    run(body, cache_bytes=limit, background=False)
+
+
+def test_chunk_larger_than_the_cache_is_served_uncached():
+    data = blob(500_000)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "huge-chunk", data, chunk_size=500_000)
+        assert await cache.read(info, 0, len(data)) == data
+        assert await cache.read(info, 123, 456) == data[123:579]
+        assert cache.cached_bytes == 0
+
+    run(body, cache_bytes=100_000)
+
+
+def test_purged_object_raises_stale_on_a_fresh_cache():
+    data = blob(400_000)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "p", data, chunk_size=100_000)
+        await ms.purge_subject(stream_name("b"), chunk_subject("b", info.nuid))
+        with pytest.raises(Stale):
+            await cache.read(info, 0, 10)
+        far = ChunkCache(store, cache_bytes=1 << 20, batch_bytes=128 * KiB)
+        with pytest.raises(Stale):
+            await far.read(info, 350_000, 10)
+
+    run(body)
+
+
+def test_replaced_object_raises_stale_for_chunks_not_cached():
+    data = blob(400_000)
+
+    async def body(ms, store, cache):
+        old = await put_object(ms, "b", "p", data, chunk_size=100_000)
+        assert await cache.read(old, 0, 10) == data[:10]
+        new = await put_object(ms, "b", "p", b"new version")  # purges the old nuid's chunks
+        assert new.nuid != old.nuid
+        with pytest.raises(Stale):
+            await cache.read(old, 390_000, 10)
+        assert await cache.read(new, 0, 100) == b"new version"
+
+    run(body, cache_bytes=150_000, background=False)
+
+
+def _with(info: ObjectInfo, **changes: Any) -> ObjectInfo:
+    return ObjectInfo(**{**{f: getattr(info, f) for f in info.__slots__}, **changes})
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_meta_claiming_more_than_the_chunks_hold_is_corrupt(background):
+    data = blob(1000)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "c", data, chunk_size=400)
+        with pytest.raises(Corrupt):
+            await cache.read(_with(info, size=1500), 0, 1500)
+        with pytest.raises(Corrupt):
+            await cache.read(_with(info, nuid=info.nuid, chunks=4, size=1500), 1200, 100)
+
+    run(body, background=background)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_chunks_holding_more_than_the_meta_says_is_corrupt(background):
+    data = blob(1000)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "c", data, chunk_size=400)
+        with pytest.raises(Corrupt):
+            await cache.read(_with(info, size=900), 0, 900)
+
+    run(body, background=background)
+
+
+@pytest.mark.parametrize("op", ["stream_batch", "subject_index", "get_batch"])
+def test_fetch_failure_is_reported_and_the_next_read_works(op):
+    sizes = [100_000] * 10
+    data = blob(sum(sizes))
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "f", data, chunk_sizes=sizes)
+        if op == "get_batch":
+            assert await cache.read(info, 900_000, 10) == data[900_000:900_010]  # layout known, one chunk cached
+        ms.fail_next(op, Stale("injected"))
+        off = 0 if op == "stream_batch" else 500_000
+        with pytest.raises(Stale, match="injected"):
+            await cache.read(info, off, 10)
+        assert await cache.read(info, off, 10) == data[off : off + 10]
+        assert not ms._faults
+
+    run(body, batch_bytes=128 * KiB)
+
+
+# ---------------------------------------------------------------- digest checks (per version, in the cache)
+def test_good_digest_read_start_to_end_in_pieces():
+    data = blob(sum(UNEVEN))
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "g", data, chunk_sizes=UNEVEN)
+        out = b""
+        for off in range(0, len(data), 4096):
+            out += await cache.read(info, off, 4096)
+        assert out == data
+        assert await cache.read(info, 0, len(data)) == data
+
+    run(body)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_digest_mismatch_raises_corrupt_naming_both_digests(background):
+    data = blob(sum(UNEVEN))
+    claimed = digest_of(b"not these bytes")
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "bad", data, chunk_sizes=UNEVEN, digest=claimed)
+        assert await cache.read(info, 0, 100_000) == data[:100_000]  # not at the end yet: served
+        with pytest.raises(Corrupt) as e:
+            await cache.read(info, 100_000, len(data))
+        assert "bad" in str(e.value)
+        assert claimed in str(e.value) and digest_of(data) in str(e.value)
+        # The version is refused from now on, wherever the read is.
+        with pytest.raises(Corrupt):
+            await cache.read(info, 0, 10)
+        # Another version of the same name (new nuid) is judged on its own.
+        good = await put_object(ms, "b", "bad", data, chunk_sizes=UNEVEN)
+        assert await cache.read(good, 0, len(data)) == data
+
+    run(body, background=background)
+
+
+def test_out_of_order_reads_verify_once_every_chunk_has_passed():
+    sizes = [50_000] * 8
+    data = blob(sum(sizes))
+
+    async def body(ms, store, cache):
+        good = await put_object(ms, "b", "good", data, chunk_sizes=sizes)
+        bad = await put_object(ms, "b", "bad", data, chunk_sizes=sizes, digest=digest_of(b"x"))
+        order = [7, 3, 0, 5, 1, 6, 2, 4]
+        for info in (good, bad):
+            for k in order:
+                assert await cache.read(info, k * 50_000, 50_000) == data[k * 50_000 : (k + 1) * 50_000]
+        # Every chunk has been through the cache: the next read of the last byte settles the check.
+        assert await cache.read(good, len(data) - 1, 1) == data[-1:]
+        with pytest.raises(Corrupt):
+            await cache.read(bad, len(data) - 1, 1)
+
+    run(body, batch_bytes=128 * KiB, background=False)
+
+
+def test_object_without_digest_is_served_unchecked():
+    data = blob(10_000)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "nodigest", data, chunk_size=3000, digest="")
+        assert await cache.read(info, 0, len(data)) == data
+        odd = await put_object(ms, "b", "odd", data, chunk_size=3000, digest="MD5=abc")
+        assert await cache.read(odd, 0, len(data)) == data
+
+    run(body)

@@ -1,0 +1,247 @@
+"""index.BucketIndex: placement, escaping, collisions, markers, overwrite/delete/remove, change paths."""
+
+from __future__ import annotations
+
+import itertools
+
+from natsfs.adr20 import Link, ObjectInfo
+from natsfs.index import BucketIndex, Dir
+
+_rev = itertools.count(1)
+
+
+def obj(name: str, size: int = 5, *, deleted: bool = False, rev: int | None = None, link: Link | None = None,
+        nuid: str | None = None) -> ObjectInfo:
+    r = next(_rev) if rev is None else rev
+    return ObjectInfo(bucket="b", name=name, nuid=nuid or f"n{r}", size=0 if deleted else size,
+                      chunks=0 if deleted or size == 0 else 1, digest="", mtime_ns=1000 + r, revision=r, link=link,
+                      deleted=deleted)
+
+
+def tree(d: Dir) -> dict:
+    """The tree as nested dicts: directory -> dict, file -> object name."""
+    return {k: tree(v) if isinstance(v, Dir) else v.name for k, v in d.children.items()}
+
+
+def make(*infos: ObjectInfo) -> tuple[BucketIndex, list[tuple[str, ...]]]:
+    idx = BucketIndex("b")
+    changes: list[tuple[str, ...]] = []
+    idx.on_change = changes.append
+    for i in infos:
+        idx.apply(i)
+    return idx, changes
+
+
+def test_paths_and_directories_from_slashes():
+    idx, _ = make(obj("a/b/c.txt"), obj("a/d.txt"), obj("top.txt"))
+    assert tree(idx.root) == {"a": {"b": {"c.txt": "a/b/c.txt"}, "d.txt": "a/d.txt"}, "top.txt": "top.txt"}
+    assert isinstance(idx.get(("a", "b")), Dir)
+    assert idx.get(("a", "b", "c.txt")).name == "a/b/c.txt"
+    assert idx.get(("a", "x")) is None
+    assert idx.get(("top.txt", "below")) is None
+    assert idx.get(()) is idx.root
+    assert len(idx) == 3
+    assert sorted(i.name for i in idx.walk_files()) == ["a/b/c.txt", "a/d.txt", "top.txt"]
+
+
+def test_new_directory_gets_the_mtime_of_the_object_that_made_it():
+    idx, _ = make(obj("d/x", rev=500))
+    assert idx.get(("d",)).mtime_ns == 1500
+
+
+def test_hostile_names_are_escaped_flat_at_the_top():
+    names = ["../escape.txt", "/abs/path.txt", "a//double.txt", ".", "..", "d/./e.txt", "dir-marker/"]
+    idx, _ = make(*(obj(n) for n in names))
+    assert tree(idx.root) == {"..%2Fescape.txt": "../escape.txt", "%2Fabs%2Fpath.txt": "/abs/path.txt",
+                              "a%2F%2Fdouble.txt": "a//double.txt", "%2E": ".", "%2E%2E": "..",
+                              "d%2F.%2Fe.txt": "d/./e.txt", "dir-marker%2F": "dir-marker/"}
+    assert idx.escaped == set(names)
+    assert not idx.hidden
+
+
+def test_unshowable_name_is_hidden():
+    idx, changes = make(obj("x" * 300), obj("ok"))
+    assert tree(idx.root) == {"ok": "ok"}
+    assert "x" * 300 in idx.hidden
+    assert len(idx) == 2  # still a live object, just not shown
+    assert changes == [("ok",)]
+
+
+def test_real_name_beats_escaped_name_either_order():
+    idx, _ = make(obj("."), obj("%2E"))
+    assert idx.get(("%2E",)).name == "%2E"
+    assert "." in idx.hidden
+    idx2, _ = make(obj("%2E"), obj("."))
+    assert idx2.get(("%2E",)).name == "%2E"
+    assert "." in idx2.hidden
+    # The real one goes away: the escaped one is shown again.
+    idx.apply(obj("%2E", deleted=True))
+    assert idx.get(("%2E",)).name == "."
+    assert not idx.hidden
+
+
+def test_directory_beats_file_and_the_file_returns():
+    idx, changes = make(obj("clash"), obj("clash/inner.txt"))
+    assert tree(idx.root) == {"clash": {"inner.txt": "clash/inner.txt"}}
+    assert "clash" in idx.hidden
+    assert ("clash",) in changes
+    changes.clear()
+    idx.apply(obj("clash/inner.txt", deleted=True))
+    assert tree(idx.root) == {"clash": "clash"}
+    assert not idx.hidden
+    assert ("clash", "inner.txt") in changes and ("clash",) in changes
+
+
+def test_directory_beats_file_arriving_later():
+    idx, _ = make(obj("clash/inner.txt"), obj("clash"))
+    assert tree(idx.root) == {"clash": {"inner.txt": "clash/inner.txt"}}
+    assert "clash" in idx.hidden
+    idx.remove("clash/inner.txt")
+    assert tree(idx.root) == {"clash": "clash"}
+
+
+def test_deep_collision_file_in_the_way_of_a_deeper_path():
+    idx, _ = make(obj("a/b"), obj("a/b/c/d"))
+    assert tree(idx.root) == {"a": {"b": {"c": {"d": "a/b/c/d"}}}}
+    idx.apply(obj("a/b/c/d", deleted=True))
+    assert tree(idx.root) == {"a": {"b": "a/b"}}
+
+
+def test_hidden_file_overwritten_while_hidden_stays_hidden_then_returns_new_version():
+    idx, _ = make(obj("clash"), obj("clash/x"))
+    newer = obj("clash", size=9)
+    idx.apply(newer)
+    assert isinstance(idx.get(("clash",)), Dir)
+    idx.apply(obj("clash/x", deleted=True))
+    assert idx.get(("clash",)) is newer
+
+
+def test_hidden_file_deleted_while_hidden_does_not_come_back():
+    idx, _ = make(obj("clash"), obj("clash/x"))
+    idx.apply(obj("clash", deleted=True))
+    idx.apply(obj("clash/x", deleted=True))
+    assert tree(idx.root) == {}
+    assert not idx.hidden and len(idx) == 0
+
+
+def test_empty_marker_is_a_directory():
+    idx, changes = make(obj("a/b/", size=0))
+    assert tree(idx.root) == {"a": {"b": {}}}
+    d = idx.get(("a", "b"))
+    assert isinstance(d, Dir) and d.marker is not None and d.marker.name == "a/b/"
+    assert ("a", "b") in changes
+    assert list(idx.walk_files()) == []
+
+
+def test_marker_with_content_is_an_escaped_file():
+    idx, _ = make(obj("a/b/", size=3))
+    assert tree(idx.root) == {"a%2Fb%2F": "a/b/"}
+
+
+def test_marker_keeps_directory_after_its_files_go():
+    idx, _ = make(obj("d/", size=0), obj("d/f"))
+    idx.apply(obj("d/f", deleted=True))
+    assert tree(idx.root) == {"d": {}}
+    idx.apply(obj("d/", size=0, deleted=True))
+    assert tree(idx.root) == {}
+
+
+def test_marker_removed_directory_stays_while_files_remain():
+    idx, _ = make(obj("d/", size=0), obj("d/f"))
+    idx.apply(obj("d/", deleted=True))
+    assert tree(idx.root) == {"d": {"f": "d/f"}}
+    assert idx.get(("d",)).marker is None
+    idx.apply(obj("d/f", deleted=True))
+    assert tree(idx.root) == {}
+
+
+def test_marker_beats_file_at_same_path():
+    idx, _ = make(obj("m"), obj("m/", size=0))
+    assert isinstance(idx.get(("m",)), Dir)
+    assert "m" in idx.hidden
+    idx.apply(obj("m/", deleted=True))
+    assert idx.get(("m",)).name == "m"
+
+
+def test_marker_becoming_content_turns_into_escaped_file():
+    idx, _ = make(obj("m/", size=0))
+    idx.apply(obj("m/", size=4))
+    assert tree(idx.root) == {"m%2F": "m/"}
+
+
+def test_overwrite_replaces_in_place_and_old_revisions_are_ignored():
+    first = obj("f", rev=10)
+    idx, changes = make(first)
+    second = obj("f", size=99, rev=20)
+    assert idx.apply(second)
+    assert idx.get(("f",)) is second
+    assert not idx.apply(obj("f", size=1, rev=15))  # older than what we hold
+    assert not idx.apply(obj("f", size=1, rev=20))  # same revision: replayed
+    assert idx.get(("f",)).size == 99
+    assert changes == [("f",), ("f",), ("f",)]  # placed, unplaced, placed again
+
+
+def test_delete_drops_and_prunes_empty_directories():
+    idx, changes = make(obj("a/b/c"))
+    changes.clear()
+    assert idx.apply(obj("a/b/c", deleted=True))
+    assert tree(idx.root) == {}
+    assert changes == [("a", "b", "c"), ("a", "b"), ("a",)]
+    assert not idx.apply(obj("never/seen", deleted=True))
+    assert not idx.apply(obj("a/b/c", deleted=True))
+
+
+def test_delete_keeps_directories_with_other_children():
+    idx, _ = make(obj("a/b/c"), obj("a/x"))
+    idx.apply(obj("a/b/c", deleted=True))
+    assert tree(idx.root) == {"a": {"x": "a/x"}}
+
+
+def test_remove_for_a_purged_meta_subject():
+    idx, changes = make(obj("go/old-name.txt"), obj("go/other"))
+    changes.clear()
+    assert idx.remove("go/old-name.txt")
+    assert not idx.remove("go/old-name.txt")
+    assert tree(idx.root) == {"go": {"other": "go/other"}}
+    assert changes == [("go", "old-name.txt")]
+
+
+def test_links_are_entries():
+    idx, _ = make(obj("js/link", size=0, link=Link("other", "t.txt")))
+    entry = idx.get(("js", "link"))
+    assert entry.link == Link("other", "t.txt")
+
+
+def test_clear_forgets_everything():
+    idx, _ = make(obj("a/b"), obj("."), obj("x" * 300))
+    idx.clear()
+    assert tree(idx.root) == {} and not idx.hidden and not idx.escaped and len(idx) == 0
+
+
+def test_change_paths_for_new_nested_object():
+    _, changes = make(obj("p/q/r.txt"))
+    assert changes == [("p",), ("p", "q"), ("p", "q", "r.txt")]
+
+
+def test_interop_fixture_order_gives_the_documented_tree():
+    names = ["go/hello.txt", "go/multi.bin", "go/renamed.txt", "go/overwritten.txt", "js/a.txt", "clash",
+             "clash/inner.txt", "dir-marker/", "..", ".", "py/empty.txt", "x" * 300]
+    idx, _ = make(*(obj(n, size=0 if n == "py/empty.txt" else 5) for n in names))
+    t = tree(idx.root)
+    assert sorted(t) == ["%2E", "%2E%2E", "clash", "dir-marker%2F", "go", "js", "py"]
+    assert t["clash"] == {"inner.txt": "clash/inner.txt"}
+    assert sorted(idx.hidden) == ["clash", "x" * 300]
+
+
+def test_escaped_set_holds_shown_names():
+    idx, _ = make(obj("."), obj("a//b"))
+    assert idx.escaped == {".", "a//b"}
+    idx.apply(obj(".", deleted=True))
+    assert idx.escaped == {"a//b"}
+
+
+def test_escaped_set_forgets_a_hidden_escaped_object_when_deleted():
+    idx, _ = make(obj("%2E"), obj("."))
+    assert "." in idx.hidden
+    idx.apply(obj(".", deleted=True))
+    assert "." not in idx.escaped
