@@ -11,6 +11,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 import trio.testing
+from helpers import FIXTURES
 
 from natsfs.adr20 import ObjectStore
 from natsfs.chunk_cache import ChunkCache
@@ -19,7 +20,8 @@ from natsfs.fs import Operations
 from natsfs.memstreams import MemoryStreams
 from natsfs.namespace import Namespace
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "adr20"
+__all__ = ["FIXTURES"]
+
 ROOT = pyfuse3.ROOT_INODE
 # Replay keeps what replay.py keeps of a dumped stream config.
 _KEEP = {"name", "subjects", "retention", "max_consumers", "max_msgs", "max_bytes", "max_age", "max_msgs_per_subject",
