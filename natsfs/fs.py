@@ -76,6 +76,28 @@ class Operations(pyfuse3.Operations):
     def start(self, nursery: trio.Nursery) -> None:
         """Background work of the operations (kernel invalidations) runs in `nursery`."""
         self.kernel.start(nursery)
+        self.ns.on_change = self.entry_changed
+
+    def entry_changed(self, bucket: str, rel: tuple[str, ...] | None) -> None:
+        """The namespace says an entry appeared, changed or vanished: drop what the kernel cached of it.
+
+        Unchanged objects keep their page cache; a changed one loses its attributes, pages and name
+        entry, so the next access comes back to us and sees the new version.
+        """
+        if rel is None:
+            if self.ns.single_bucket is None:
+                self.kernel.entry(pyfuse3.ROOT_INODE, os.fsencode(bucket))
+                self.kernel.inode(pyfuse3.ROOT_INODE, attr_only=True)
+            return
+        path = self.ns.mount_path(bucket, rel)
+        ino = self.inodes.known(path)
+        if ino is not None:
+            self.inodes.cached_version.pop(ino, None)
+            self.kernel.inode(ino)
+        if path:
+            parent = self.inodes.known(path[:-1])
+            if parent is not None:
+                self.kernel.entry(parent, os.fsencode(path[-1]))
 
     # ------------------------------------------------------------------ attributes
     def _attr(self, ino: int, node: Node) -> pyfuse3.EntryAttributes:
