@@ -14,12 +14,16 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Sequence
+import secrets
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .errors import InvalidArgument, MalformedMeta, NotFound
-from .streams import StoredMsg, Streams, StreamState
+import trio
+
+from .errors import Conflict, InvalidArgument, MalformedMeta, NatsFSError, NotFound
+from .streams import EXPECTED_LAST_SUBJECT_SEQ, ROLLUP, StoredMsg, Streams, StreamState
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,70 @@ ATTR_UID = "natsfs.uid"
 ATTR_GID = "natsfs.gid"
 ATTR_MTIME = "natsfs.mtime_ns"
 DIGEST_PREFIX = "SHA-256="
+# nats.go never stores a real time in `mtime` (publishMeta zeroes it); neither do we.
+ZERO_TIME = "0001-01-01T00:00:00Z"
+_NUID_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+# Key order of nats.go's ObjectInfo JSON; keys other clients add are kept after these.
+_META_KEYS = ("name", "description", "headers", "metadata", "options", "bucket", "nuid", "size", "mtime",
+              "chunks", "digest", "deleted")
+
+
+def new_nuid() -> str:
+    """A fresh 22-character base62 identifier, the shape of a NATS nuid (unique per put)."""
+    n = int.from_bytes(secrets.token_bytes(17), "big")
+    out = []
+    for _ in range(22):
+        n, r = divmod(n, 62)
+        out.append(_NUID_ALPHABET[r])
+    return "".join(out)
+
+
+def meta_doc(*, name: str, bucket: str, nuid: str, size: int, chunks: int, digest: str,
+             base: dict[str, Any] | None = None, chunk_size: int | None = None, deleted: bool = False,
+             link: dict[str, str] | None = None) -> dict[str, Any]:
+    """A meta as nats.go writes it, keeping every field of `base` (description, headers, metadata,
+    options, and keys this code does not know) that the new values do not replace."""
+    base = base or {}
+    doc: dict[str, Any] = {"name": name}
+    for key in ("description", "headers", "metadata"):
+        if base.get(key):
+            doc[key] = base[key]
+    options = dict(base.get("options") or {}) if isinstance(base.get("options"), dict) else {}
+    options.pop("link", None)
+    if link is not None:
+        options = {"link": link}
+    elif chunk_size:
+        options["max_chunk_size"] = chunk_size
+    if options:
+        doc["options"] = options
+    doc.update(bucket=bucket, nuid=nuid, size=size, mtime=ZERO_TIME, chunks=chunks)
+    if digest:
+        doc["digest"] = digest
+    if deleted:
+        doc["deleted"] = True
+    for key, value in base.items():
+        if key not in _META_KEYS:
+            doc[key] = value
+    return doc
+
+
+def set_posix_attrs(doc: dict[str, Any], attrs: PosixAttrs, defaults: PosixAttrs) -> None:
+    """Record POSIX attributes in the meta's metadata, only where they differ from the defaults."""
+    metadata = dict(doc.get("metadata") or {})
+    for key, value, default, fmt in (
+        (ATTR_MODE, attrs.mode, defaults.mode, "o"),
+        (ATTR_UID, attrs.uid, defaults.uid, "d"),
+        (ATTR_GID, attrs.gid, defaults.gid, "d"),
+        (ATTR_MTIME, attrs.mtime_ns, None, "d"),
+    ):
+        if value is None or value == default:
+            metadata.pop(key, None)
+        else:
+            metadata[key] = format(value, fmt)
+    if metadata:
+        doc["metadata"] = metadata
+    else:
+        doc.pop("metadata", None)
 
 
 def stream_name(bucket: str) -> str:
@@ -366,6 +434,217 @@ class ObjectStore:
     async def chunk_index(self, bucket: str, nuid: str) -> list[tuple[int, int]]:
         """(sequence, size) of every chunk of object `nuid`, in order, without their data."""
         return await self.streams.subject_index(stream_name(bucket), chunk_subject(bucket, nuid))
+
+
+    # ---------------------------------------------------------------- writes
+    async def publish_meta(self, bucket: str, doc: dict[str, Any], *, expected_revision: int | None = None
+                           ) -> ObjectInfo:
+        """Publish a meta with `Nats-Rollup: sub`; with `expected_revision`, only if the name's meta
+        subject still ends at that sequence (0: never written), else `Conflict`."""
+        headers = {ROLLUP: "sub"}
+        if expected_revision is not None:
+            headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_revision)
+        subject = meta_subject(bucket, doc["name"])
+        seq = await self.streams.publish(subject, json.dumps(doc).encode(), headers)
+        stored = await self.streams.last_msg(stream_name(bucket), subject)
+        msg = stored if stored is not None and stored.seq == seq else StoredMsg(
+            seq, subject, headers, json.dumps(doc).encode(), time.time_ns())
+        return parse_meta(bucket, msg)
+
+    def start_put(self, bucket: str, chunk_size: int | None = None, window: int = 64) -> PutSession:
+        """Begin a put whose chunks can be sent as they become available (see `PutSession`)."""
+        return PutSession(self, bucket, chunk_size or self.chunk_size, window)
+
+    async def put(self, bucket: str, name: str, source: ChunkSource, *, base: dict[str, Any] | None = None,
+                  expected_revision: int | None = None, old_nuid: str = "", chunk_size: int | None = None,
+                  window: int = 64, extra: Callable[[dict[str, Any]], None] | None = None,
+                  replace_tombstone: bool = False) -> ObjectInfo:
+        """Store an object the way nats.go's Put does: chunks on a fresh nuid (pipelined, at most
+        `window` acks outstanding), then the meta (rollup; optimistic concurrency when
+        `expected_revision` is given), then purge of the old nuid's chunks. If anything fails before
+        the meta is stored, the new chunks are purged and the previous version stays intact.
+        With `replace_tombstone`, a new name (expected revision 0) may replace a deleted object."""
+        session = self.start_put(bucket, chunk_size, window)
+        try:
+            async with trio.open_nursery() as nursery:
+                send, receive = trio.open_memory_channel[list[bytes]](2)
+
+                async def produce() -> None:
+                    async with send:
+                        while batch := await source.read_batch(session.chunk_size, max(1, window // 2)):
+                            await send.send(batch)
+
+                nursery.start_soon(produce)
+                async with receive:
+                    async for batch in receive:
+                        await session.send(batch)
+            return await session.commit(name, source.digest(), base=base, expected_revision=expected_revision,
+                                        old_nuid=old_nuid, extra=extra, replace_tombstone=replace_tombstone)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await session.abort()
+            raise
+
+    async def _publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
+                                 replace_tombstone: bool) -> ObjectInfo:
+        try:
+            return await self.publish_meta(bucket, doc, expected_revision=expected_revision)
+        except Conflict:
+            if not (replace_tombstone and expected_revision == 0):
+                raise
+            current = await self.get_info(bucket, doc["name"])
+            if current is None or not current.deleted:
+                raise
+            return await self.publish_meta(bucket, doc, expected_revision=current.revision)
+
+    async def delete(self, bucket: str, name: str, *, expected_revision: int | None = None,
+                     purge_chunks: bool = True) -> ObjectInfo:
+        """ADR-20 delete: a tombstone meta (rollup), then purge of the object's chunks."""
+        current = await self.get_meta_doc(bucket, name)
+        if current is None:
+            raise NotFound(f"{bucket}/{name}")
+        doc, revision = current
+        if doc.get("deleted"):
+            raise NotFound(f"{bucket}/{name} is already deleted")
+        nuid = str(doc.get("nuid") or "")
+        tomb = meta_doc(name=name, bucket=bucket, nuid=nuid, size=0, chunks=0, digest="", base=doc,
+                        deleted=True, link=(doc.get("options") or {}).get("link"))
+        info = await self.publish_meta(bucket, tomb, expected_revision=revision if expected_revision is None
+                                       else expected_revision)
+        if purge_chunks and nuid:
+            await self._purge_quietly(bucket, chunk_subject(bucket, nuid))
+        return info
+
+    async def rename(self, bucket: str, old: str, new: str, *, expected_revision: int | None = None,
+                     target_revision: int = 0, change: Callable[[dict[str, Any]], None] | None = None
+                     ) -> tuple[ObjectInfo, ObjectInfo]:
+        """Metadata-only rename (same nuid, no data moved), in an order where a crash between the
+        steps leaves the object reachable under at least one name:
+        1. the meta under the new name (rollup; expects the target's revision, so another
+           client's object there is never replaced unseen),
+        2. a tombstone under the old name (expects the old revision).
+        Returns (new info, old tombstone). The caller purges a replaced target's chunks."""
+        current = await self.get_meta_doc(bucket, old)
+        if current is None or current[0].get("deleted"):
+            raise NotFound(f"{bucket}/{old}")
+        doc, revision = current
+        if expected_revision is not None and revision != expected_revision:
+            raise Conflict(f"{bucket}/{old} changed since it was read")
+        moved = dict(doc, name=new, mtime=ZERO_TIME)
+        if change is not None:
+            change(moved)
+        new_info = await self._publish_replacing(bucket, moved, target_revision, True)
+        tomb = meta_doc(name=old, bucket=bucket, nuid=str(doc.get("nuid") or ""), size=0, chunks=0, digest="",
+                        base=doc, deleted=True, link=(doc.get("options") or {}).get("link"))
+        old_info = await self.publish_meta(bucket, tomb, expected_revision=revision)
+        return new_info, old_info
+
+    async def update_meta(self, bucket: str, name: str, change: Callable[[dict[str, Any]], None], *,
+                          expected_revision: int | None = None) -> ObjectInfo:
+        """Rewrite an object's meta in place (same nuid), keeping every field `change` leaves alone."""
+        current = await self.get_meta_doc(bucket, name)
+        if current is None or current[0].get("deleted"):
+            raise NotFound(f"{bucket}/{name}")
+        doc, revision = current
+        if expected_revision is not None and revision != expected_revision:
+            raise Conflict(f"{bucket}/{name} changed since it was read")
+        doc = dict(doc, mtime=ZERO_TIME)
+        change(doc)
+        return await self.publish_meta(bucket, doc, expected_revision=revision)
+
+    async def purge_chunks(self, bucket: str, nuid: str) -> None:
+        await self.streams.purge_subject(stream_name(bucket), chunk_subject(bucket, nuid))
+
+    async def _purge_quietly(self, bucket: str, subject: str) -> None:
+        try:
+            await self.streams.purge_subject(stream_name(bucket), subject)
+        except NatsFSError as e:
+            # Orphaned chunks waste space but never show; fsck removes them.
+            log.warning("could not purge %s (left for fsck): %s", subject, e)
+
+
+class PutSession:
+    """One put in progress: chunks on a fresh nuid, sent in batches, then committed with the meta.
+
+    The caller hashes the bytes it sends (on whatever thread reads them) and passes the digest to
+    `commit`. `abort` purges whatever was sent; a session that is neither committed nor aborted
+    leaves orphan chunks (fsck removes them).
+    """
+
+    def __init__(self, store: ObjectStore, bucket: str, chunk_size: int, window: int):
+        self.store = store
+        self.bucket = bucket
+        self.chunk_size = chunk_size
+        self.window = window
+        self.nuid = new_nuid()
+        self.subject = chunk_subject(bucket, self.nuid)
+        self.size = 0
+        self.chunks = 0
+        self.done = False
+
+    async def send(self, batch: list[bytes]) -> None:
+        if not batch:
+            return
+        self.chunks += len(batch)
+        self.size += sum(len(c) for c in batch)
+        await self.store.streams.publish_many([(self.subject, c) for c in batch], self.window)
+
+    async def commit(self, name: str, digest: bytes, *, base: dict[str, Any] | None = None,
+                     expected_revision: int | None = None, old_nuid: str = "",
+                     extra: Callable[[dict[str, Any]], None] | None = None,
+                     replace_tombstone: bool = False) -> ObjectInfo:
+        doc = meta_doc(name=name, bucket=self.bucket, nuid=self.nuid, size=self.size, chunks=self.chunks,
+                       digest=format_digest(digest), base=base, chunk_size=self.chunk_size)
+        if extra is not None:
+            extra(doc)
+        info = await self.store._publish_replacing(self.bucket, doc, expected_revision, replace_tombstone)
+        self.done = True
+        if old_nuid and old_nuid != self.nuid:
+            await self.store._purge_quietly(self.bucket, chunk_subject(self.bucket, old_nuid))
+        return info
+
+    async def abort(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.chunks:
+            await self.store._purge_quietly(self.bucket, self.subject)
+
+
+class ChunkSource(Protocol):
+    """Where a put reads its bytes: batches of chunks, hashed as they are read."""
+
+    size: int
+    chunks: int
+
+    async def read_batch(self, chunk_size: int, max_chunks: int) -> list[bytes]: ...
+
+    def digest(self) -> bytes: ...
+
+
+class BytesSource:
+    """A `ChunkSource` over bytes in memory (small objects, markers, tests)."""
+
+    def __init__(self, data: bytes):
+        self._data = data
+        self._pos = 0
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self.chunks = 0
+
+    async def read_batch(self, chunk_size: int, max_chunks: int) -> list[bytes]:
+        out = []
+        while self._pos < len(self._data) and len(out) < max_chunks:
+            piece = self._data[self._pos : self._pos + chunk_size]
+            self._pos += len(piece)
+            self._hash.update(piece)
+            self.size += len(piece)
+            self.chunks += 1
+            out.append(piece)
+        return out
+
+    def digest(self) -> bytes:
+        return self._hash.digest()
 
 
 class ChunkBatches(Protocol):

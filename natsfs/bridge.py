@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # One pending flush of publishes may hold this many bytes before nats-py flushes it itself.
-_PENDING_SIZE = 64 * 1024 * 1024
+_PENDING_SIZE = 8 * 1024 * 1024
 # nats-py reads its socket 32 KiB at a time through a StreamReader limited to 32 KiB, so a 128 KiB
 # chunk costs four reads and as many pause/resume cycles of the selector. Reading 1 MiB at a time
 # makes bulk transfers markedly cheaper; the value is a module global nats-py reads at call time.
@@ -71,6 +71,7 @@ class Subscription:
         self._lock = threading.Lock()
         self._sub: Any = None
         self._stream_token: str | None = None
+        self._interrupted = False
         self.closed = False
 
     # ---- asyncio side ----
@@ -100,17 +101,23 @@ class Subscription:
     async def next_batch(self, timeout: float | None = None) -> list[Msg]:
         """Everything queued so far; waits up to `timeout` seconds for at least one message."""
         deadline = trio.current_time() + timeout if timeout is not None else math.inf
-        while not self._queue and trio.current_time() < deadline:
+        while not self._queue and not self._interrupted and trio.current_time() < deadline:
             # A wakeup scheduled for an earlier batch may land on this event: hence the loop.
             self._wake = trio.Event()
             if self._queue:
                 break
             with trio.move_on_at(deadline):
                 await self._wake.wait()
+        self._interrupted = False
         with self._lock:
             batch = list(self._queue)
             self._queue.clear()
         return batch
+
+    def interrupt(self) -> None:
+        """Make a `next_batch` that is waiting return now (with whatever is queued, maybe nothing)."""
+        self._interrupted = True
+        self._wake.set()
 
     async def unsubscribe(self) -> None:
         if self.closed:
@@ -152,6 +159,7 @@ class Bridge:
         self._mux_prefix = ""
         self._collectors: dict[str, _Collector] = {}
         self._streams: dict[str, Subscription] = {}
+        self._acks: dict[str, asyncio.Future[Msg]] = {}
         self._closing = False
         self._next_token = 0
         self.connected = False
@@ -289,6 +297,11 @@ class Bridge:
 
     async def _on_mux(self, m: Any) -> None:
         token = m.subject[len(self._mux_prefix) + 1 :]
+        ack = self._acks.get(token)
+        if ack is not None:
+            if not ack.done():
+                ack.set_result(_convert(m))
+            return
         collector = self._collectors.get(token)
         if collector is not None:
             collector.add(_convert(m))
@@ -385,17 +398,40 @@ class Bridge:
 
     async def _js_publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]], window: int,
                                timeout: float) -> list[dict[str, Any] | NatsFSError]:
+        # Like nats.go's PublishAsync: plain publishes whose acks come back to our reply mux, at most
+        # `window` unacknowledged. Much cheaper per message than one nats-py request each.
+        loop = asyncio.get_running_loop()
+        results: list[dict[str, Any] | NatsFSError] = [Unavailable("not acknowledged")] * len(msgs)
         sem = asyncio.Semaphore(window)
+        pending: set[asyncio.Future[Msg]] = set()
 
-        async def one(subject: str, data: bytes, headers: dict[str, str] | None) -> dict[str, Any] | NatsFSError:
-            async with sem:
-                try:
-                    m = await self._request(subject, data, headers, timeout)
-                    return _parse_api_reply(m.data, subject)
-                except NatsFSError as e:
-                    return e
+        async def one(i: int, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+            await sem.acquire()
+            self._next_token += 1
+            token = f"a{self._next_token}"
+            fut: asyncio.Future[Msg] = loop.create_future()
+            self._acks[token] = fut
+            pending.add(fut)
+            fut.add_done_callback(lambda _: sem.release())
+            try:
+                await self._nc.publish(subject, data, reply=f"{self._mux_prefix}.{token}", headers=headers)
+                m = await asyncio.wait_for(fut, timeout)
+                results[i] = _parse_api_reply(m.data, subject) if m.data else NotFound(
+                    f"no stream takes {subject}") if m.status == "503" else Unavailable(
+                    f"publish to {subject}: status {m.status}")
+            except TimeoutError:
+                results[i] = Unavailable(f"publish to {subject} not acknowledged in {timeout:g}s")
+            except NatsFSError as e:
+                results[i] = e
+            except nats.errors.Error as e:
+                results[i] = Unavailable(f"publish to {subject} failed: {e}")
+            finally:
+                self._acks.pop(token, None)
+                if not fut.done():
+                    fut.cancel()
 
-        return list(await asyncio.gather(*(one(s, d, h) for s, d, h in msgs)))
+        await asyncio.gather(*(one(i, s, d, h) for i, (s, d, h) in enumerate(msgs)))
+        return results
 
     async def subscribe(self, subject: str) -> Subscription:
         sub = Subscription(self, subject)

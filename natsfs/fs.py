@@ -20,14 +20,27 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
+from .adr20 import ObjectInfo, PosixAttrs
 from .chunk_cache import ChunkCache
 from .config import Config
-from .errors import Corrupt, NatsFSError, NotFound, ReadOnly
+from .errors import (
+    AlreadyExists,
+    Conflict,
+    Corrupt,
+    InvalidArgument,
+    IsADirectory,
+    NatsFSError,
+    NotADirectory,
+    NotFound,
+    ReadOnly,
+)
 from .handles import DirHandle, HandleTable, ReadHandle
 from .inodes import InodeTable
 from .kernel import KernelNotifier
+from .mutations import DIR_MODE, FILE_MODE, Mutations
 from .names import escape, placement
 from .namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
+from .staging import Spool, StagedFile, Staging
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +76,25 @@ def _name(raw: bytes) -> str:
 class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
 
-    def __init__(self, namespace: Namespace, cache: ChunkCache, config: Config):
+    def __init__(self, namespace: Namespace, cache: ChunkCache, config: Config, staging: Staging | None = None):
         super().__init__()
         self.ns = namespace
         self.cache = cache
         self.config = config
         self.inodes = InodeTable()
         self.handles = HandleTable()
-        self.writable = False  # this build serves buckets read-only
+        self.writable = not config.read_only
         self.kernel = KernelNotifier()
+        self.staging = staging or Staging(Spool(config.cache_dir, config.spool_size))
+        self.mut = Mutations(namespace, namespace.store, self.staging, config)
+        self._opens: dict[int, int] = {}  # open file handles per inode
+        self._quiet_ino: int | None = None  # an inode whose own upload is being applied
+        self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0}
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background work of the operations (kernel invalidations) runs in `nursery`."""
         self.kernel.start(nursery)
+        self.mut.start(nursery)
         self.ns.on_change = self.entry_changed
 
     def entry_changed(self, bucket: str, rel: tuple[str, ...] | None) -> None:
@@ -91,7 +110,10 @@ class Operations(pyfuse3.Operations):
             return
         path = self.ns.mount_path(bucket, rel)
         ino = self.inodes.known(path)
-        if ino is not None:
+        if ino is not None and ino == self._quiet_ino:
+            # Our own upload: the page cache holds exactly what was written; only attributes moved.
+            self.kernel.inode(ino, attr_only=True)
+        elif ino is not None:
             self.inodes.cached_version.pop(ino, None)
             self.kernel.inode(ino)
         if path:
@@ -108,11 +130,24 @@ class Operations(pyfuse3.Operations):
         a.attr_timeout = self.config.attr_timeout
         a.st_uid = self.config.uid
         a.st_gid = self.config.gid
-        a.st_blksize = self.cache.store.chunk_size
+        # Large enough that cp, cat and dd move 1 MiB per system call (fewer FUSE round trips).
+        a.st_blksize = max(self.cache.store.chunk_size, 1 << 20)
         a.st_rdev = 0
         size = 0
+        writable = self.writable and not (node.bucket is not None and self._known_sealed(node.bucket))
         if node.kind in (ROOT, BUCKET, DIR):
-            a.st_mode = stat.S_IFDIR | (0o755 if self.writable else 0o555)
+            mode = DIR_MODE
+            marker = node.dir.marker if node.dir is not None else None
+            if marker is not None and marker.attrs is not None:
+                if marker.attrs.mode is not None:
+                    mode = marker.attrs.mode & 0o7777
+                if marker.attrs.uid is not None:
+                    a.st_uid = marker.attrs.uid
+                if marker.attrs.gid is not None:
+                    a.st_gid = marker.attrs.gid
+            if node.kind == ROOT and self.ns.single_bucket is None:
+                mode = 0o755  # buckets are made with mkdir here
+            a.st_mode = stat.S_IFDIR | (mode if writable else mode & ~0o222)
             a.st_nlink = 2
         elif node.kind == LINK:
             assert node.info is not None
@@ -122,17 +157,15 @@ class Operations(pyfuse3.Operations):
         else:
             info = node.info
             assert info is not None
-            mode = 0o644 if self.writable else 0o444
+            mode = FILE_MODE
             if info.attrs is not None:
                 if info.attrs.mode is not None:
                     mode = info.attrs.mode & 0o7777
-                    if not self.writable:
-                        mode &= ~0o222
                 if info.attrs.uid is not None:
                     a.st_uid = info.attrs.uid
                 if info.attrs.gid is not None:
                     a.st_gid = info.attrs.gid
-            a.st_mode = stat.S_IFREG | mode
+            a.st_mode = stat.S_IFREG | (mode if writable else mode & ~0o222)
             a.st_nlink = 1
             size = info.size
         a.st_size = size
@@ -158,8 +191,44 @@ class Operations(pyfuse3.Operations):
         rel = path if path is not None else (escape(link.name),)
         return up + "/".join(self.ns.mount_path(link.bucket, rel))
 
+    def _known_sealed(self, bucket: str) -> bool:
+        cached = self.mut._sealed.get(bucket)
+        return bool(cached and cached[1])
+
     async def _node(self, ino: int) -> Node:
+        """What an inode is now: its staged state while that differs from the bucket, else the index."""
+        sf = self.staging.get(ino)
+        if sf is not None and not sf.closed and (sf.shadows_index or sf.unlinked):
+            return self._staged_node(sf)
         return await self.ns.resolve(self.inodes.path_of(ino))
+
+    async def _path_node(self, path: tuple[str, ...]) -> Node:
+        sf = self.staging.at_path(path)
+        if sf is not None:
+            return self._staged_node(sf)
+        return await self.ns.resolve(path)
+
+    async def _maybe_node(self, path: tuple[str, ...]) -> Node | None:
+        try:
+            return await self._path_node(path)
+        except NotFound:
+            return None
+
+    def _staged_node(self, sf: StagedFile) -> Node:
+        info = sf.as_info()
+        return Node(FILE, sf.bucket, self.ns.split(sf.path)[1], None, info, sf.mtime_ns)
+
+    def _refuse_if_read_only(self) -> None:
+        if self.config.read_only:
+            raise ReadOnly("this mount is read-only")
+
+    def _in_bucket(self, path: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+        """(bucket, path inside it) for a path where objects can live; EPERM at a multi-bucket root."""
+        bucket, rel = self.ns.split(path)
+        if bucket is None or not rel:
+            raise NatsFSError("only buckets (directories) live at the root", errno=errno.EPERM,
+                              log_level=logging.INFO)
+        return bucket, rel
 
     # ------------------------------------------------------------------ lookups
     @_boundary
@@ -169,7 +238,7 @@ class Operations(pyfuse3.Operations):
         path = (*parent, _name(name))
         if name in (b".", b".."):
             raise NotFound("dot lookups are answered by the kernel")
-        node = await self.ns.resolve(path)
+        node = await self._path_node(path)
         return self._attr(self.inodes.lookup(path), node)
 
     @_boundary
@@ -194,8 +263,11 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         path = self.inodes.path_of(inode)
-        listing = await self.ns.listdir(path)
-        return self.handles.add(DirHandle(inode, path, [(name, (*path, name), node) for name, node in listing]))
+        listing = dict(await self.ns.listdir(path))
+        for sf in self.staging.children(path):
+            listing[sf.path[-1]] = self._staged_node(sf)
+        entries = [(name, (*path, name), listing[name]) for name in sorted(listing)]
+        return self.handles.add(DirHandle(inode, path, entries))
 
     @_boundary
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -218,26 +290,93 @@ class Operations(pyfuse3.Operations):
     # ------------------------------------------------------------------ files
     @_boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-            raise ReadOnly("this mount is read-only")
         node = await self._node(inode)
         if node.kind != FILE:
             raise NatsFSError("not a regular file", errno=errno.EISDIR if node.kind != LINK else errno.ELOOP,
                               log_level=logging.DEBUG)
         info = node.info
+        assert info is not None and node.bucket is not None
+        writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        if writing or flags & (os.O_TRUNC | os.O_APPEND):
+            await self.mut.check_writable(node.bucket)
+        if flags & os.O_TRUNC:
+            sf = self._stage(inode, node)
+            async with sf.lock:
+                sf.filled = True  # nothing of the old content survives: no copy needed
+                await sf.truncate(0)
+            self.mut.after_write(sf, 0)
+        return self._open_handle(inode, node, writing)
+
+    def _open_handle(self, inode: int, node: Node, writing: bool) -> pyfuse3.FileInfo:
+        info = node.info
         assert info is not None
-        handle = ReadHandle(inode, info)
-        fh = self.handles.add(handle)
-        # Unchanged since the kernel last cached it: let the page cache serve rereads.
-        keep = self.inodes.cached_version.get(inode) == info.nuid
-        self.inodes.cached_version[inode] = info.nuid
+        fh = self.handles.add(ReadHandle(inode, info, writable=writing))
+        self._opens[inode] = self._opens.get(inode, 0) + 1
+        if self.staging.get(inode) is not None:
+            keep = True  # every byte of a staged file went through this kernel's page cache
+        else:
+            # Unchanged since the kernel last cached it: let the page cache serve rereads.
+            keep = self.inodes.cached_version.get(inode) == info.nuid
+            self.inodes.cached_version[inode] = info.nuid
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+
+    def _stage(self, inode: int, node: Node) -> StagedFile:
+        """The shared staged state of `inode`, created from the version `node` shows if there is none."""
+        sf = self.staging.get(inode)
+        if sf is not None and not sf.closed:
+            return sf
+        assert node.bucket is not None and node.info is not None
+        base = node.info if node.info.nuid or node.info.revision else None
+        attrs = node.info.attrs or PosixAttrs()
+        sf = StagedFile(self.staging.spool, ino=inode, path=self.inodes.path_of(inode), bucket=node.bucket,
+                        name=node.info.name, base=base,
+                        attrs=PosixAttrs(attrs.mode, attrs.uid, attrs.gid, node.info.mtime_ns))
+        self.staging.add(sf)
+        return sf
+
+    async def _fill(self, sf: StagedFile, upto: int | None = None) -> None:
+        """Copy-on-write: bring the base version's bytes into the spool before changing them."""
+        if sf.filled:
+            return
+        base = sf.base
+        assert base is not None
+
+        async def read(offset: int, size: int) -> bytes:
+            return await self.cache.read(base, offset, size)
+
+        await sf.fill(read, upto)
+
+    @_boundary
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+                     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self._refuse_if_read_only()
+        path = (*self.inodes.path_of(parent_inode), _name(name))
+        bucket, rel = self._in_bucket(path)
+        await self.mut.check_writable(bucket)
+        existing = await self._maybe_node(path)
+        if existing is not None:
+            if flags & os.O_EXCL:
+                raise AlreadyExists("/".join(path))
+            ino = self.inodes.lookup(path)
+            info = await self.open(ino, flags, ctx)
+            return info, self._attr(ino, await self._node(ino))
+        parent = await self._path_node(path[:-1])
+        if parent.kind not in (ROOT, BUCKET, DIR):
+            raise NotADirectory("/".join(path[:-1]))
+        ino = self.inodes.lookup(path)
+        sf = StagedFile(self.staging.spool, ino=ino, path=path, bucket=bucket, name="/".join(rel), base=None,
+                        attrs=PosixAttrs(mode & 0o7777, ctx.uid, ctx.gid, None))
+        sf.dirty = True  # an empty new file is still a file: close creates the object
+        self.staging.add(sf)
+        node = self._staged_node(sf)
+        return self._open_handle(ino, node, True), self._attr(ino, node)
 
     @_boundary
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        handle = self.handles.get(fh)
-        if not isinstance(handle, ReadHandle):
-            raise NatsFSError("bad file handle", errno=errno.EBADF)
+        handle = self._file_handle(fh)
+        sf = self.staging.get(handle.ino)
+        if sf is not None and sf.filled and not sf.closed:
+            return await sf.read(off, size)
         ra = handle.plan_readahead(off, size, self.config.readahead_min, self._readahead_max())
         try:
             return await self.cache.read(handle.info, off, size, ra)
@@ -247,16 +386,300 @@ class Operations(pyfuse3.Operations):
             self.kernel.inode(handle.ino)
             raise
 
+    @_boundary
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        self._refuse_if_read_only()
+        handle = self._file_handle(fh)
+        if not handle.writable:
+            raise NatsFSError("file not open for writing", errno=errno.EBADF)
+        sf = self.staging.get(handle.ino)
+        if sf is None or sf.closed:
+            sf = self._stage(handle.ino, Node(FILE, handle.info.bucket, (), None, handle.info))
+        async with sf.lock:
+            await self._fill(sf)
+            written = await sf.write(off, buf)
+        self.mut.after_write(sf, off)
+        self.counters["writes"] += 1
+        self.counters["write_bytes"] += written
+        return written
+
+    def _file_handle(self, fh: int) -> ReadHandle:
+        handle = self.handles.get(fh)
+        if not isinstance(handle, ReadHandle):
+            raise NatsFSError("bad file handle", errno=errno.EBADF)
+        return handle
+
     def _readahead_max(self) -> int:
         return max(self.config.readahead_min, min(self.config.readahead_max, self.cache.cache_bytes // 4))
 
     @_boundary
     async def flush(self, fh: int) -> None:
-        return None
+        handle = self._file_handle(fh)
+        await self._upload(handle.ino)
+
+    @_boundary
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self._file_handle(fh)
+        await self._upload(handle.ino)
+
+    async def _upload(self, ino: int) -> None:
+        sf = self.staging.get(ino)
+        if sf is None or not sf.dirty or sf.unlinked or sf.closed:
+            return
+        self._quiet_ino = ino
+        try:
+            info = await self.mut.upload(sf, self.config.chunk_size)
+        except Conflict as e:
+            self.counters["conflicts"] += 1
+            self.mut.discard_stream(sf)
+            kept = sf.keep()
+            self.staging.remove(sf)
+            log.warning("%s/%s: not stored, another client changed it meanwhile; your bytes are kept at %s",
+                        sf.bucket, sf.name, kept)
+            raise Conflict(f"{e} (kept at {kept})", log_level=logging.DEBUG) from None
+        finally:
+            self._quiet_ino = None
+        if info is not None:
+            self.inodes.cached_version[ino] = info.nuid
+            self.counters["uploads"] += 1
+            self.counters["upload_bytes"] += info.size
 
     @_boundary
     async def release(self, fh: int) -> None:
-        self.handles.pop(fh)
+        handle = self.handles.pop(fh)
+        if not isinstance(handle, ReadHandle):
+            return
+        count = self._opens.get(handle.ino, 1) - 1
+        if count > 0:
+            self._opens[handle.ino] = count
+            return
+        self._opens.pop(handle.ino, None)
+        sf = self.staging.get(handle.ino)
+        if sf is None:
+            return
+        self.staging.remove(sf)
+        if sf.dirty and not sf.unlinked and not sf.closed:
+            self.mut.discard_stream(sf)
+            kept = sf.keep()
+            log.error("%s/%s: closed without a successful upload; the bytes are kept at %s", sf.bucket, sf.name,
+                      kept)
+        else:
+            self.mut.discard(sf)
+
+    # ------------------------------------------------------------------ attributes
+    @_boundary
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._refuse_if_read_only()
+        node = await self._node(inode)
+        if node.kind in (ROOT, BUCKET):
+            if fields.update_size:
+                raise IsADirectory("a bucket")
+            return self._attr(inode, node)  # bucket directories keep no attributes: accepted, not stored
+        assert node.bucket is not None
+        await self.mut.check_writable(node.bucket)
+        if fields.update_size:
+            if node.kind != FILE:
+                raise IsADirectory("/".join(node.rel))
+            sf = self._stage(inode, node)
+            async with sf.lock:
+                await self._fill(sf, upto=attr.st_size)
+                await sf.truncate(attr.st_size)
+            self.mut.after_write(sf, attr.st_size)
+        if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_mtime:
+            await self._set_posix(inode, node, attr, fields)
+        if fields.update_size and not self._opens.get(inode):
+            # truncate(2) on a path: nothing will close it, so store it now.
+            await self._upload(inode)
+            sf = self.staging.get(inode)
+            if sf is not None:
+                self.staging.remove(sf)
+                self.mut.discard(sf)
+        return self._attr(inode, await self._node(inode))
+
+    async def _set_posix(self, inode: int, node: Node, attr: pyfuse3.EntryAttributes,
+                         fields: pyfuse3.SetattrFields) -> None:
+        def merged(current: PosixAttrs | None, default_mode: int) -> PosixAttrs:
+            cur = current or PosixAttrs()
+            return PosixAttrs(
+                (attr.st_mode & 0o7777) if fields.update_mode else (cur.mode if cur.mode is not None else default_mode),
+                attr.st_uid if fields.update_uid else cur.uid,
+                attr.st_gid if fields.update_gid else cur.gid,
+                attr.st_mtime_ns if fields.update_mtime else cur.mtime_ns,
+            )
+
+        assert node.bucket is not None
+        if node.kind == DIR:
+            assert node.dir is not None
+            marker = node.dir.marker
+            await self.mut.set_dir_attrs(node.bucket, node.rel, node.dir,
+                                         merged(marker.attrs if marker else None, DIR_MODE))
+            return
+        if node.kind == LINK:
+            return  # symlinks have no mode of their own; times on links are not stored
+        sf = self.staging.get(inode)
+        if sf is not None and not sf.closed and not sf.unlinked and (sf.dirty or not sf.uploaded):
+            # Stored together with the data at the next upload.
+            if fields.update_mode:
+                sf.mode = attr.st_mode & 0o7777
+            if fields.update_uid:
+                sf.uid = attr.st_uid
+            if fields.update_gid:
+                sf.gid = attr.st_gid
+            if fields.update_mtime:
+                sf.mtime_ns = attr.st_mtime_ns
+                sf.mtime_explicit = True
+            return
+        assert node.info is not None
+        current = node.info.attrs
+        new = merged(current, FILE_MODE)
+        if not fields.update_mtime:
+            new = PosixAttrs(new.mode, new.uid, new.gid, current.mtime_ns if current else None)
+        info = await self.mut.set_attrs(node.bucket, node.info, new, self.mut.file_defaults)
+        if sf is not None and not sf.closed:
+            sf.uploaded_as(info)
+
+    # ------------------------------------------------------------------ namespace changes
+    @_boundary
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._refuse_if_read_only()
+        path = (*self.inodes.path_of(parent_inode), _name(name))
+        bucket, _ = self._in_bucket(path)
+        node = await self._path_node(path)
+        if node.kind in (DIR, BUCKET, ROOT):
+            raise IsADirectory("/".join(path))
+        await self.mut.check_writable(bucket)
+        ino = self.inodes.known(path)
+        sf = self.staging.get(ino) if ino is not None else None
+        stored = await self._index_info(path)
+        if stored is not None:
+            await self.mut.delete(bucket, stored)
+        elif sf is None or sf.closed:
+            raise NotFound("/".join(path))
+        if sf is not None:
+            sf.unlinked = True  # writes through open handles now go nowhere, as on a local disk
+        self.inodes.detach(path)
+
+    async def _index_info(self, path: tuple[str, ...]) -> ObjectInfo | None:
+        """The object the bucket (not the staging area) has at `path`, if any."""
+        try:
+            node = await self.ns.resolve(path)
+        except NotFound:
+            return None
+        return node.info if node.kind in (FILE, LINK) else None
+
+    @_boundary
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+                    ) -> pyfuse3.EntryAttributes:
+        self._refuse_if_read_only()
+        path = (*self.inodes.path_of(parent_inode), _name(name))
+        bucket, rel = self.ns.split(path)
+        if bucket is None or not rel:
+            return await self._make_bucket(path, mode)
+        if await self._maybe_node(path) is not None:
+            raise AlreadyExists("/".join(path))
+        parent = await self._path_node(path[:-1])
+        if parent.kind not in (ROOT, BUCKET, DIR):
+            raise NotADirectory("/".join(path[:-1]))
+        await self.mut.mkdir(bucket, rel, PosixAttrs(mode & 0o7777, ctx.uid, ctx.gid, None))
+        node = await self.ns.resolve(path)
+        return self._attr(self.inodes.lookup(path), node)
+
+    async def _make_bucket(self, path: tuple[str, ...], mode: int) -> pyfuse3.EntryAttributes:
+        raise NatsFSError("creating buckets with mkdir is not supported yet", errno=errno.EPERM,
+                          log_level=logging.INFO)
+
+    @_boundary
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._refuse_if_read_only()
+        path = (*self.inodes.path_of(parent_inode), _name(name))
+        bucket, rel = self.ns.split(path)
+        node = await self._path_node(path)
+        if node.kind not in (DIR, BUCKET):
+            raise NotADirectory("/".join(path))
+        if bucket is None or not rel:
+            raise NatsFSError("removing buckets with rmdir is not supported yet", errno=errno.EPERM,
+                              log_level=logging.INFO)
+        assert node.dir is not None
+        await self.mut.rmdir(bucket, rel, node.dir, path)
+        self.inodes.detach(path)
+
+    @_boundary
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: pyfuse3.RequestContext) -> None:
+        self._refuse_if_read_only()
+        old = (*self.inodes.path_of(parent_inode_old), _name(name_old))
+        new = (*self.inodes.path_of(parent_inode_new), _name(name_new))
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise InvalidArgument("RENAME_EXCHANGE is not supported")
+        bucket_old, rel_old = self.ns.split(old)
+        bucket_new, rel_new = self.ns.split(new)
+        if bucket_old is None or bucket_new is None or not rel_old or not rel_new or bucket_old != bucket_new:
+            raise NatsFSError("rename across buckets (or of a bucket)", errno=errno.EXDEV, log_level=logging.DEBUG)
+        bucket = bucket_old
+        src = await self._path_node(old)
+        dst = await self._maybe_node(new)
+        if dst is not None and flags & pyfuse3.RENAME_NOREPLACE:
+            raise AlreadyExists("/".join(new))
+        if old == new:
+            return
+        await self.mut.check_writable(bucket)
+        if src.kind == DIR:
+            if dst is not None and dst.kind != DIR:
+                raise NotADirectory("/".join(new))
+            if new[: len(old)] == old:
+                raise InvalidArgument("cannot move a directory into itself")
+            assert src.dir is not None
+            await self.mut.rename_dir(bucket, rel_old, src.dir, rel_new, dst.dir if dst is not None else None)
+        else:
+            if dst is not None and dst.kind == DIR:
+                raise IsADirectory("/".join(new))
+            stored = await self._index_info(old)
+            target = await self._index_info(new)
+            if stored is not None:
+                await self.mut.rename_object(bucket, stored, "/".join(rel_new), target)
+            elif target is not None:
+                # A file that exists only in the staging area replaces an object: delete that one now;
+                # the staged bytes are stored under the new name when they are closed.
+                await self.mut.delete(bucket, target)
+            dst_ino = self.inodes.known(new)
+            dst_sf = self.staging.get(dst_ino) if dst_ino is not None else None
+            if dst_sf is not None:
+                dst_sf.unlinked = True
+        self._move_staged(bucket, old, new)
+        self.inodes.move(old, new)
+
+    def _move_staged(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+        """Staged files at or under `old` now belong to `new` (and to the renamed objects' revisions)."""
+        index = self.ns.loaded_index(bucket)
+        for sf in self.staging.all():
+            if sf.path[: len(old)] != old or sf.unlinked:
+                continue
+            sf.path = new + sf.path[len(old):]
+            sf.name = "/".join(self.ns.split(sf.path)[1])
+            if sf.base is not None and index is not None:
+                moved = index.objects.get(sf.name)
+                if moved is not None and moved.nuid == sf.base.nuid:
+                    sf.base = moved
+                    sf.base_revision = moved.revision
+
+    @_boundary
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+                   ) -> pyfuse3.EntryAttributes:
+        self._refuse_if_read_only()
+        raise NatsFSError("hard links are not supported", errno=errno.EPERM, log_level=logging.INFO)
+
+    @_boundary
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+                    ) -> pyfuse3.EntryAttributes:
+        self._refuse_if_read_only()
+        if not stat.S_ISREG(mode):
+            raise NatsFSError("device nodes, FIFOs and sockets are not supported", errno=errno.EPERM,
+                              log_level=logging.INFO)
+        info, attr = await self.create(parent_inode, name, mode, os.O_WRONLY | os.O_EXCL, ctx)
+        await self.flush(info.fh)
+        await self.release(info.fh)
+        return attr
 
     # ------------------------------------------------------------------ filesystem
     @_boundary
@@ -301,24 +724,17 @@ class Operations(pyfuse3.Operations):
         return {
             "cache": self.cache.stats.as_dict() | {"cached_bytes": self.cache.cached_bytes,
                                                    "cache_limit": self.cache.cache_bytes},
+            "fs": dict(self.counters),
+            "staged_files": len(self.staging),
+            "spool_bytes": self.staging.spool.used,
             "inodes": len(self.inodes),
             "handles": len(self.handles),
         }
 
-    # ------------------------------------------------------------------ writes (read-only build)
+    # ------------------------------------------------------------------ not yet supported
     async def _refuse(self, *args: Any) -> Any:
-        raise pyfuse3.FUSEError(errno.EROFS)
+        raise pyfuse3.FUSEError(errno.EROFS if self.config.read_only else errno.EPERM)
 
-    setattr = _refuse  # type: ignore[assignment]
-    mknod = _refuse  # type: ignore[assignment]
-    mkdir = _refuse  # type: ignore[assignment]
-    unlink = _refuse  # type: ignore[assignment]
-    rmdir = _refuse  # type: ignore[assignment]
     symlink = _refuse  # type: ignore[assignment]
-    rename = _refuse  # type: ignore[assignment]
-    link = _refuse  # type: ignore[assignment]
-    create = _refuse  # type: ignore[assignment]
-    write = _refuse  # type: ignore[assignment]
     setxattr = _refuse  # type: ignore[assignment]
     removexattr = _refuse  # type: ignore[assignment]
-

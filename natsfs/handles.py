@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 class ReadHandle:
     ino: int
     info: ObjectInfo
+    writable: bool = False
     next_offset: int = 0
     readahead: int = 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,8 +25,12 @@ from .fs import Operations
 from .jetstream import JetStreams
 from .namespace import Namespace
 from .server import EmbeddedServer
+from .staging import Spool, Staging
 
 log = logging.getLogger(__name__)
+
+
+SWITCH_INTERVAL = 0.0005
 
 
 class MountError(Exception):
@@ -56,6 +61,9 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
     """Mount and serve until unmounted or signalled. Raises `MountError` if the mount cannot start."""
     mountpoint = config.mountpoint.resolve()
     check_mountpoint(mountpoint)
+    # The FUSE (trio) thread and the NATS (asyncio) thread hand the GIL back and forth all the
+    # time; the default 5 ms switch interval makes each FUSE request wait behind a NATS burst.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     embedded: EmbeddedServer | None = None
     servers = list(config.servers)
     if not servers:
@@ -87,7 +95,10 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
         namespace = Namespace(store, bucket=config.bucket)
         cache = ChunkCache(store, cache_bytes=config.cache_size, batch_bytes=config.fetch_batch_bytes,
                            parallelism=config.fetch_parallelism)
-        ops = Operations(namespace, cache, config)
+        spool = Spool(spool_root(config.cache_dir, mountpoint), config.spool_size)
+        for kept in spool.rescue_leftovers():
+            log.warning("staged bytes from a previous run of this mount are in %s", kept)
+        ops = Operations(namespace, cache, config, Staging(spool))
         async with trio.open_nursery() as nursery:
             try:
                 await namespace.start(nursery)
@@ -113,6 +124,11 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
     finally:
         with trio.CancelScope(shield=True):
             await bridge.close()
+
+
+def spool_root(cache_dir: Path, mountpoint: Path) -> Path:
+    """Each mountpoint stages in its own directory, so mounts sharing a cache dir never mix spools."""
+    return cache_dir / ("mnt" + str(mountpoint).replace("%", "%25").replace("/", "%2F"))
 
 
 async def raise_kernel_readahead(mountpoint: Path, kb: int) -> None:

@@ -113,9 +113,14 @@ def test_mtimes_come_from_the_meta_message_timestamp(fixture_mount):
     assert st.st_mtime > 1_600_000_000
 
 
-def test_read_only_mount_refuses_writes_with_erofs(fixture_mount):
+def test_read_only_mount_refuses_writes_with_erofs(fixture_mount, mounter, nats_server):
     import errno
 
-    with pytest.raises(OSError) as e:
-        (fixture_mount.path / "interop" / "new.txt").write_bytes(b"x")
-    assert e.value.errno in (errno.EROFS, errno.EACCES)
+    ro = mounter(nats_server.url, "--read-only")
+    for attempt in (lambda: (ro.path / "interop" / "new.txt").write_bytes(b"x"),
+                    lambda: (ro.path / "interop" / "go" / "hello.txt").unlink(),
+                    lambda: (ro.path / "interop" / "newdir").mkdir()):
+        with pytest.raises(OSError) as e:
+            attempt()
+        assert e.value.errno == errno.EROFS
+    assert (ro.path / "interop" / "go" / "hello.txt").read_bytes() == b"hello from go\n"

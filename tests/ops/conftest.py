@@ -29,7 +29,7 @@ Setup = Callable[[MemoryStreams, ObjectStore], Awaitable[None]]
 
 
 @pytest.fixture()
-def ops_env(monkeypatch):
+def ops_env(monkeypatch, tmp_path):
     """`run(body, setup=None, bucket=None, streams=None, **config)`: build the stack in trio, run `body(env)`."""
     monkeypatch.setattr(pyfuse3, "readdir_reply", fake_readdir_reply)
 
@@ -41,7 +41,7 @@ def ops_env(monkeypatch):
             if setup is not None:
                 await setup(ms, store)
             config = Config(mountpoint=Path("/nonexistent"), bucket=bucket, uid=1234, gid=5678,
-                            **({"cache_size": 64 << 20} | config_kw))
+                            **({"cache_size": 64 << 20, "cache_dir": tmp_path / "cache"} | config_kw))
             ns = Namespace(store, bucket=bucket)
             cache = ChunkCache(store, cache_bytes=config.cache_size, batch_bytes=config.fetch_batch_bytes,
                                parallelism=config.fetch_parallelism)

@@ -1,0 +1,331 @@
+"""Everything that changes a bucket: uploads of staged files, deletes, directories, renames, attributes.
+
+Each operation is the ADR-20 call (through `ObjectStore`) followed by applying its result to the
+bucket's live index at once, so the mount sees its own changes without waiting for the watch (which
+later delivers the same revisions and finds nothing new). Every meta rewrite carries the revision it
+was based on, so a concurrent change by another client is refused (`Conflict`), never overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any
+
+import trio
+
+from .adr20 import (
+    ATTR_MTIME,
+    BytesSource,
+    ObjectInfo,
+    ObjectStore,
+    PosixAttrs,
+    PutSession,
+    set_posix_attrs,
+)
+from .config import Config
+from .errors import AlreadyExists, Conflict, NatsFSError, NotEmpty, NotFound, ReadOnly
+from .index import BucketIndex, Dir
+from .namespace import Namespace
+from .staging import StagedFile, Staging, read_chunks
+
+log = logging.getLogger(__name__)
+
+Path = tuple[str, ...]
+FILE_MODE = 0o644
+# A growing file's chunks are streamed to the server in batches of this many bytes.
+STREAM_BATCH = 4 * 1024 * 1024
+DIR_MODE = 0o755
+_SEALED_TTL = 2.0
+
+
+class Mutations:
+    def __init__(self, namespace: Namespace, store: ObjectStore, staging: Staging, config: Config):
+        self.ns = namespace
+        self.store = store
+        self.staging = staging
+        self.config = config
+        self.file_defaults = PosixAttrs(FILE_MODE, config.uid, config.gid, None)
+        self.dir_defaults = PosixAttrs(DIR_MODE, config.uid, config.gid, None)
+        self._sealed: dict[str, tuple[float, bool]] = {}
+        self._nursery: trio.Nursery | None = None
+        # Called with (bucket, object info) after this mount changed an object itself.
+        self.on_local_change: Any = None
+
+    # ------------------------------------------------------------------ guards
+    async def check_writable(self, bucket: str) -> None:
+        if self.config.read_only:
+            raise ReadOnly("this mount is read-only")
+        if await self.sealed(bucket):
+            raise ReadOnly(f"bucket {bucket} is sealed")
+
+    async def sealed(self, bucket: str) -> bool:
+        now = time.monotonic()
+        cached = self._sealed.get(bucket)
+        if cached is not None and now - cached[0] < _SEALED_TTL:
+            return cached[1]
+        try:
+            sealed = (await self.store.bucket_status(bucket)).sealed
+        except NotFound:
+            sealed = False
+        self._sealed[bucket] = (now, sealed)
+        return sealed
+
+    def forget_sealed(self, bucket: str) -> None:
+        self._sealed.pop(bucket, None)
+
+    def _apply(self, bucket: str, *infos: ObjectInfo) -> None:
+        index = self.ns.loaded_index(bucket)
+        if index is None:
+            return
+        for info in infos:
+            index.apply(info)
+
+    def _shared_nuid(self, index: BucketIndex | None, info: ObjectInfo) -> bool:
+        """Does another live name use the same nuid (a rename interrupted between its steps)?"""
+        if index is None or not info.nuid:
+            return False
+        finder = getattr(index, "names_with_nuid", None)
+        if finder is not None:
+            return any(n != info.name for n in finder(info.nuid))
+        return any(o.nuid == info.nuid and o.name != info.name for o in index.objects.values())
+
+    # ------------------------------------------------------------------ files
+    def start(self, nursery: trio.Nursery) -> None:
+        """Streaming uploads run in `nursery`; without one, every upload happens at close."""
+        self._nursery = nursery
+
+    # ------------------------------------------------------------------ streaming uploads
+    def after_write(self, sf: StagedFile, offset: int) -> None:
+        """Called after every change of a staged file's content at `offset` (or a truncate to it)."""
+        if offset < sf.stream_claimed:
+            self._break_stream(sf)
+        elif (self._nursery is not None and not sf.stream_dead and sf.stream_running is None
+              and not sf.unlinked and sf.size - sf.stream_claimed >= STREAM_BATCH):
+            sf.stream_running = trio.Event()
+            self._nursery.start_soon(self._stream_ahead, sf)
+
+    async def _stream_ahead(self, sf: StagedFile) -> None:
+        """Send the staged file's full chunks that nobody will change any more (it grows at the end)."""
+        chunk = self.config.chunk_size
+        try:
+            while not sf.stream_dead and not sf.closed and sf.size - sf.stream_claimed >= STREAM_BATCH:
+                async with sf.lock:
+                    if sf.stream_dead or sf.closed or sf.unlinked:
+                        break
+                    if sf.stream is None:
+                        sf.stream = self.store.start_put(sf.bucket, chunk)
+                        sf.stream_hash = hashlib.sha256()
+                    start = sf.stream_claimed
+                    end = start + min(STREAM_BATCH * 2, (sf.size - start) // chunk * chunk)
+                    # Claimed before it is read: a write into [start, end) from now on breaks the stream,
+                    # so the read below needs no lock and writers never wait for it.
+                    sf.stream_claimed = end
+                    session, hasher = sf.stream, sf.stream_hash
+                batch = await trio.to_thread.run_sync(read_chunks, sf.fd, start, end, chunk, hasher)
+                if sf.stream is not session:
+                    break
+                await session.send(batch)
+        except NatsFSError as e:
+            log.info("%s/%s: streaming upload stopped (%s); the whole file is sent at close", sf.bucket,
+                     sf.name, e)
+            self._break_stream(sf)
+        finally:
+            running, sf.stream_running = sf.stream_running, None
+            if running is not None:
+                running.set()
+
+    def _break_stream(self, sf: StagedFile) -> None:
+        sf.stream_dead = True
+        session = sf.stream
+        running = sf.stream_running
+        sf.stream, sf.stream_hash, sf.stream_claimed = None, None, 0
+        if session is not None and self._nursery is not None:
+            self._nursery.start_soon(self._abort_after, session, running)
+
+    async def _abort_after(self, session: PutSession, running: trio.Event | None) -> None:
+        if running is not None:
+            await running.wait()  # a send in flight would re-create what a purge removed
+        with trio.CancelScope(shield=True):
+            await session.abort()
+
+    def discard_stream(self, sf: StagedFile) -> None:
+        """Chunks streamed for a version that will never be committed are purged."""
+        self._break_stream(sf)
+
+    def discard(self, sf: StagedFile) -> None:
+        """A staged file that will never be uploaded: drop its spool file and streamed chunks."""
+        self._break_stream(sf)
+        sf.discard()
+
+    # ------------------------------------------------------------------ files
+    async def upload(self, sf: StagedFile, chunk_size: int) -> ObjectInfo | None:
+        """Put a dirty staged file as one object; `Conflict` if the object changed since it was staged."""
+        if sf.stream_running is not None:
+            await sf.stream_running.wait()
+        async with sf.lock:
+            if not sf.dirty or sf.unlinked or sf.closed:
+                return None
+            await self.check_writable(sf.bucket)
+            base_doc = None
+            if sf.base is not None:
+                got = await self.store.get_meta_doc(sf.bucket, sf.name)
+                if got is None or got[1] != sf.base_revision:
+                    self._break_stream(sf)
+                    raise Conflict(f"{sf.bucket}/{sf.name} was changed by another client since it was opened")
+                base_doc = got[0]
+            attrs, defaults = sf.attrs(), self.file_defaults
+
+            def extra(doc: dict[str, Any]) -> None:
+                set_posix_attrs(doc, attrs, defaults)
+
+            common: dict[str, Any] = dict(base=base_doc, expected_revision=sf.base_revision,
+                                          old_nuid=sf.base.nuid if sf.base is not None else "", extra=extra,
+                                          replace_tombstone=sf.base is None)
+            session = sf.stream
+            try:
+                if session is not None and not sf.stream_dead and session.chunk_size == chunk_size:
+                    # The front was streamed while it was written: send the rest, then the meta.
+                    pos = sf.stream_claimed
+                    while pos < sf.size:
+                        end = min(sf.size, pos + STREAM_BATCH * 2)
+                        batch = await trio.to_thread.run_sync(read_chunks, sf.fd, pos, end, chunk_size,
+                                                              sf.stream_hash)
+                        await session.send(batch)
+                        pos = end
+                    info = await session.commit(sf.name, sf.stream_hash.digest(), **common)
+                else:
+                    self._break_stream(sf)
+                    info = await self.store.put(sf.bucket, sf.name, sf.source(), chunk_size=chunk_size, **common)
+            except BaseException:
+                if session is not None:
+                    with trio.CancelScope(shield=True):
+                        await session.abort()
+                raise
+            finally:
+                sf.reset_stream()
+            sf.uploaded_as(info)
+            self._apply(sf.bucket, info)
+            return info
+
+    async def delete(self, bucket: str, info: ObjectInfo) -> None:
+        """Delete an object (or link): tombstone, then purge its chunks unless another name shares them."""
+        await self.check_writable(bucket)
+        index = self.ns.loaded_index(bucket)
+        purge = not self._shared_nuid(index, info)
+        try:
+            tomb = await self.store.delete(bucket, info.name, expected_revision=info.revision, purge_chunks=purge)
+        except Conflict:
+            # Changed since we listed it: delete what is there now (rm means "this name").
+            current = await self.store.get_info(bucket, info.name)
+            if current is None or current.deleted:
+                raise NotFound(f"{bucket}/{info.name}") from None
+            purge = not self._shared_nuid(index, current)
+            tomb = await self.store.delete(bucket, info.name, expected_revision=current.revision,
+                                           purge_chunks=purge)
+        self._apply(bucket, tomb)
+
+    async def set_attrs(self, bucket: str, info: ObjectInfo, attrs: PosixAttrs, defaults: PosixAttrs) -> ObjectInfo:
+        """Store POSIX attributes in the meta (same nuid, no data moved)."""
+        await self.check_writable(bucket)
+        new = await self.store.update_meta(bucket, info.name, lambda doc: set_posix_attrs(doc, attrs, defaults),
+                                           expected_revision=info.revision)
+        self._apply(bucket, new)
+        return new
+
+    # ------------------------------------------------------------------ directories
+    async def mkdir(self, bucket: str, rel: Path, attrs: PosixAttrs) -> ObjectInfo:
+        """A directory that persists: an empty marker object named `<dir>/`."""
+        await self.check_writable(bucket)
+        name = "/".join(rel) + "/"
+        defaults = self.dir_defaults
+
+        def extra(doc: dict[str, Any]) -> None:
+            set_posix_attrs(doc, attrs, defaults)
+
+        try:
+            info = await self.store.put(bucket, name, BytesSource(b""), expected_revision=0, extra=extra,
+                                        replace_tombstone=True)
+        except Conflict:
+            raise AlreadyExists(f"{bucket}/{name}") from None
+        self._apply(bucket, info)
+        return info
+
+    async def rmdir(self, bucket: str, rel: Path, directory: Dir, mount_path: Path) -> None:
+        await self.check_writable(bucket)
+        if directory.children or self.staging.children(mount_path):
+            raise NotEmpty(f"{bucket}/{'/'.join(rel)}")
+        if directory.marker is not None:
+            await self.delete(bucket, directory.marker)
+
+    async def set_dir_attrs(self, bucket: str, rel: Path, directory: Dir, attrs: PosixAttrs) -> None:
+        if directory.marker is None:
+            await self.mkdir(bucket, rel, attrs)
+        else:
+            await self.set_attrs(bucket, directory.marker, attrs, self.dir_defaults)
+
+    # ------------------------------------------------------------------ renames
+    async def rename_object(self, bucket: str, info: ObjectInfo, new_name: str,
+                            target: ObjectInfo | None) -> ObjectInfo:
+        """Metadata-only rename; replaces `target` (a live object at the new name) as POSIX requires.
+
+        Order (see adr20.ObjectStore.rename): new meta, then the old name's tombstone, then the
+        replaced target's chunks are purged. A crash in between leaves the object reachable under
+        one name or both, and at worst orphaned chunks of the replaced target, never a loss.
+        """
+        await self.check_writable(bucket)
+        index = self.ns.loaded_index(bucket)
+        mtime_ns = info.mtime_ns
+
+        def keep_mtime(doc: dict[str, Any]) -> None:
+            # rename(2) keeps a file's mtime, but a new meta message gets a new timestamp.
+            metadata = dict(doc.get("metadata") or {})
+            metadata.setdefault(ATTR_MTIME, str(mtime_ns))
+            doc["metadata"] = metadata
+
+        new_info, tomb = await self.store.rename(
+            bucket, info.name, new_name, expected_revision=info.revision,
+            target_revision=target.revision if target is not None else 0,
+            change=None if info.link is not None or info.name.endswith("/") else keep_mtime)
+        self._apply(bucket, new_info, tomb)
+        if target is not None and target.nuid and target.nuid != info.nuid and not self._shared_nuid(index, target):
+            try:
+                await self.store.purge_chunks(bucket, target.nuid)
+            except NatsFSError as e:
+                log.warning("rename: could not purge the replaced %s/%s (left for fsck): %s", bucket,
+                            target.name, e)
+        return new_info
+
+    async def rename_dir(self, bucket: str, old_rel: Path, directory: Dir, new_rel: Path,
+                         target: Dir | None) -> None:
+        """Move every object under a directory (and its marker) to the new prefix, one object at a time."""
+        await self.check_writable(bucket)
+        if target is not None:
+            if target.children:
+                raise NotEmpty(f"{bucket}/{'/'.join(new_rel)}")
+            if target.marker is not None:
+                await self.delete(bucket, target.marker)
+        old_prefix = "/".join(old_rel) + "/"
+        new_prefix = "/".join(new_rel) + "/"
+        moves: list[ObjectInfo] = []
+        stack = [directory]
+        while stack:
+            d = stack.pop()
+            if d.marker is not None:
+                moves.append(d.marker)
+            for child in d.children.values():
+                if isinstance(child, Dir):
+                    stack.append(child)
+                else:
+                    moves.append(child)
+        # Objects first, the marker of the moved directory itself last: until the end the old
+        # directory stays visible and nothing is lost if the daemon stops half way.
+        moves.sort(key=lambda o: o.name == old_prefix)
+        for info in moves:
+            if not info.name.startswith(old_prefix):
+                log.warning("rename: %s/%r is shown under %s but named otherwise; left in place", bucket,
+                            info.name, old_prefix)
+                continue
+            await self.rename_object(bucket, info, new_prefix + info.name[len(old_prefix):], None)
+
