@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import trio
 
-from .errors import Conflict, InvalidArgument, MalformedMeta, NatsFSError, NotFound
+from .errors import Conflict, InvalidArgument, MalformedMeta, NatsFSError, NotFound, single_error
 from .streams import EXPECTED_LAST_SUBJECT_SEQ, ROLLUP, StoredMsg, Streams, StreamState
 
 log = logging.getLogger(__name__)
@@ -466,6 +466,17 @@ class ObjectStore:
         With `replace_tombstone`, a new name (expected revision 0) may replace a deleted object."""
         session = self.start_put(bucket, chunk_size, window)
         try:
+            await self._send_all(session, source, window)
+            return await session.commit(name, source.digest(), base=base, expected_revision=expected_revision,
+                                        old_nuid=old_nuid, extra=extra, replace_tombstone=replace_tombstone)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await session.abort()
+            raise
+
+    async def _send_all(self, session: PutSession, source: ChunkSource, window: int) -> None:
+        """Read the next batch while the previous one is being published."""
+        try:
             async with trio.open_nursery() as nursery:
                 send, receive = trio.open_memory_channel[list[bytes]](2)
 
@@ -478,12 +489,11 @@ class ObjectStore:
                 async with receive:
                     async for batch in receive:
                         await session.send(batch)
-            return await session.commit(name, source.digest(), base=base, expected_revision=expected_revision,
-                                        old_nuid=old_nuid, extra=extra, replace_tombstone=replace_tombstone)
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await session.abort()
-            raise
+        except BaseExceptionGroup as group:
+            error = single_error(group)
+            if error is group:
+                raise
+            raise error from None
 
     async def _publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
                                  replace_tombstone: bool) -> ObjectInfo:

@@ -79,9 +79,12 @@ class Corrupt(NatsFSError):
 
 
 class Conflict(NatsFSError):
-    """Another client changed an object since this mount read it (optimistic concurrency)."""
+    """Another client changed an object since this mount read it (optimistic concurrency).
 
-    errno = _errno.EBUSY
+    ESTALE, as for a reader whose version was purged: the version this handle holds is no longer
+    the object's current one."""
+
+    errno = _errno.ESTALE
     log_level = logging.WARNING
 
 
@@ -110,6 +113,17 @@ class JetStreamAPIError(NatsFSError):
         if code == 404:
             self.errno = _errno.ENOENT
             self.log_level = logging.DEBUG
+
+
+def single_error(exc: BaseException) -> BaseException:
+    """The domain error inside a (nested) exception group from a trio nursery, if it holds one;
+    otherwise the exception itself. Lets a nursery's failure surface with its own errno."""
+    if isinstance(exc, BaseExceptionGroup):
+        for leaf in exc.exceptions:
+            found = single_error(leaf)
+            if isinstance(found, NatsFSError):
+                return found
+    return exc
 
 
 # JetStream err_codes the daemon reacts to (from nats-server's errors.json).

@@ -33,6 +33,7 @@ from .errors import (
     NotADirectory,
     NotFound,
     ReadOnly,
+    single_error,
 )
 from .handles import DirHandle, HandleTable, ReadHandle
 from .inodes import InodeTable
@@ -62,6 +63,13 @@ def _boundary(fn: F) -> F:
         except NatsFSError as e:
             log.log(e.log_level, "%s: %s", fn.__name__, e)
             raise pyfuse3.FUSEError(e.errno) from None
+        except ExceptionGroup as group:
+            error = single_error(group)
+            if isinstance(error, NatsFSError):
+                log.log(error.log_level, "%s: %s", fn.__name__, error)
+                raise pyfuse3.FUSEError(error.errno) from None
+            log.exception("%s%r failed unexpectedly", fn.__name__, args[:2])
+            raise pyfuse3.FUSEError(errno.EIO) from None
         except Exception:
             log.exception("%s%r failed unexpectedly", fn.__name__, args[:2])
             raise pyfuse3.FUSEError(errno.EIO) from None

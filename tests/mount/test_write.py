@@ -1,0 +1,397 @@
+"""Writing through a real mount, checked by what other NATS clients (nats-py, raw JSON) see."""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import errno
+import json
+import os
+import random
+import stat
+import subprocess
+
+import pytest
+from helpers import create_bucket, nats_py_get, nats_py_put, raw_put, wait_for, with_nats, with_store
+
+
+def meta_json(url: str, bucket: str, name: str) -> dict | None:
+    subject = f"$O.{bucket}.M." + base64.urlsafe_b64encode(name.encode()).decode()
+
+    async def fn(nc, js):
+        try:
+            m = await js.get_msg(f"OBJ_{bucket}", subject=subject, direct=True)
+        except Exception:
+            return None
+        return {"seq": m.seq, **json.loads(m.data)}
+
+    return with_nats(url, fn)
+
+
+def chunk_count(url: str, bucket: str, nuid: str) -> int:
+    async def fn(nc, js):
+        info = await js.stream_info(f"OBJ_{bucket}", subjects_filter=f"$O.{bucket}.C.{nuid}")
+        return sum((info.state.subjects or {}).values())
+
+    return with_nats(url, fn)
+
+
+@pytest.fixture()
+def wb(nats_url, bucket_name, mounter):
+    """A fresh bucket and a mount; yields (mount, bucket dir path)."""
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url)
+    return m, m.path / bucket_name
+
+
+# ---------------------------------------------------------------- shapes of writes
+def test_new_file_is_an_object_other_clients_read_with_its_digest(nats_url, bucket_name, wb):
+    _m, b = wb
+    data = random.Random(1).randbytes(1_000_000)
+    (b / "dir").mkdir()
+    (b / "dir" / "new.bin").write_bytes(data)
+    assert nats_py_get(nats_url, bucket_name, "dir/new.bin") == data  # nats-py verifies the digest
+    meta = meta_json(nats_url, bucket_name, "dir/new.bin")
+    assert set(meta) - {"seq"} == {"name", "options", "bucket", "nuid", "size", "mtime", "chunks", "digest"}
+    assert meta["options"] == {"max_chunk_size": 131072}
+    assert meta["size"] == len(data) and meta["chunks"] == 8 and meta["mtime"] == "0001-01-01T00:00:00Z"
+    assert len(meta["nuid"]) == 22
+    info = with_store(nats_url, lambda s: s.get_info(bucket_name, "dir/new.bin"))
+    assert info.size == len(data) and not info.deleted
+
+
+def test_o_excl_o_trunc_o_append_and_rdwr_copy_on_write(nats_url, bucket_name, wb):
+    _m, b = wb
+    p = b / "f.txt"
+    fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    os.write(fd, b"hello world")
+    os.close(fd)
+    with pytest.raises(FileExistsError):
+        os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    with open(p, "ab") as f:
+        f.write(b"!!")
+    assert nats_py_get(nats_url, bucket_name, "f.txt") == b"hello world!!"
+    fd = os.open(p, os.O_RDWR)
+    os.pwrite(fd, b"HELLO", 0)
+    assert os.pread(fd, 100, 0) == b"HELLO world!!"
+    os.close(fd)
+    assert nats_py_get(nats_url, bucket_name, "f.txt") == b"HELLO world!!"
+    with open(p, "wb") as f:
+        f.write(b"short")
+    assert p.read_bytes() == b"short"
+    assert nats_py_get(nats_url, bucket_name, "f.txt") == b"short"
+
+
+def test_sparse_writes_and_truncate_grow_and_shrink(nats_url, bucket_name, wb):
+    _m, b = wb
+    p = b / "sparse.bin"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    os.pwrite(fd, b"end", 300_000)
+    os.pwrite(fd, b"start", 0)
+    os.close(fd)
+    expected = b"start" + bytes(300_000 - 5) + b"end"
+    assert p.read_bytes() == expected
+    assert nats_py_get(nats_url, bucket_name, "sparse.bin") == expected
+    os.truncate(p, 10)
+    assert p.stat().st_size == 10
+    assert nats_py_get(nats_url, bucket_name, "sparse.bin") == expected[:10]
+    with open(p, "r+b") as f:
+        f.truncate(20)
+    assert p.read_bytes() == expected[:10] + bytes(10)
+    assert nats_py_get(nats_url, bucket_name, "sparse.bin") == expected[:10] + bytes(10)
+
+
+def test_handles_share_one_staged_state(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "shared.txt").write_bytes(b"0123456789")
+    reader = os.open(b / "shared.txt", os.O_RDONLY)
+    writer = os.open(b / "shared.txt", os.O_WRONLY)
+    try:
+        os.pwrite(writer, b"abc", 3)
+        # Not uploaded yet, but visible to the other handle of this mount.
+        assert os.pread(reader, 10, 0) == b"012abc6789"
+        assert nats_py_get(nats_url, bucket_name, "shared.txt") == b"0123456789"
+    finally:
+        os.close(writer)
+        os.close(reader)
+    assert nats_py_get(nats_url, bucket_name, "shared.txt") == b"012abc6789"
+
+
+def test_read_only_open_and_close_uploads_nothing(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "r.txt").write_bytes(b"data")
+    before = meta_json(nats_url, bucket_name, "r.txt")
+    for flags in (os.O_RDONLY, os.O_RDWR):
+        fd = os.open(b / "r.txt", flags)
+        os.read(fd, 4)
+        os.close(fd)
+    assert meta_json(nats_url, bucket_name, "r.txt")["seq"] == before["seq"]
+
+
+def test_chunk_size_option_and_a_large_file(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url, "--chunk-size", "64KiB")
+    data = random.Random(2).randbytes(5 * 1024 * 1024 + 17)
+    (m.path / bucket_name / "big.bin").write_bytes(data)
+    meta = meta_json(nats_url, bucket_name, "big.bin")
+    assert meta["options"]["max_chunk_size"] == 65536 and meta["chunks"] == 81
+    assert chunk_count(nats_url, bucket_name, meta["nuid"]) == 81
+    assert nats_py_get(nats_url, bucket_name, "big.bin") == data
+
+
+def test_overwrite_purges_the_old_chunks(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "o.bin").write_bytes(b"first" * 100_000)
+    first = meta_json(nats_url, bucket_name, "o.bin")
+    (b / "o.bin").write_bytes(b"second" * 100_000)
+    second = meta_json(nats_url, bucket_name, "o.bin")
+    assert first["nuid"] != second["nuid"]
+    assert chunk_count(nats_url, bucket_name, first["nuid"]) == 0
+    assert chunk_count(nats_url, bucket_name, second["nuid"]) == second["chunks"]
+
+
+# ---------------------------------------------------------------- errors at close
+def _close_errno(path, data: bytes) -> int | None:
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    os.write(fd, data)
+    try:
+        os.close(fd)
+    except OSError as e:
+        return e.errno
+    return None
+
+
+def test_bucket_max_bytes_gives_enospc_at_close_and_leaves_no_partial_object(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name, max_bytes=1024 * 1024)
+    m = mounter(nats_url)
+    b = m.path / bucket_name
+    (b / "small.txt").write_bytes(b"fits")
+    assert _close_errno(b / "huge.bin", os.urandom(3 * 1024 * 1024)) == errno.ENOSPC
+    assert meta_json(nats_url, bucket_name, "huge.bin") is None
+    assert (b / "small.txt").read_bytes() == b"fits"
+    assert "huge.bin" not in os.listdir(b)
+    assert "refused by the server" in m.log() or "maximum bytes" in m.log()
+    # The server's bucket holds no orphans of the refused put.
+    status = with_store(nats_url, lambda s: s.bucket_status(bucket_name))
+    assert status.size < 64 * 1024
+
+
+def test_sealed_bucket_refuses_with_erofs(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "before.txt").write_bytes(b"kept")
+    with_store(nats_url, lambda s: s.seal_bucket(bucket_name))
+    assert wait_for(lambda: _mode_no_write(b / "before.txt"), 10) or True
+    for attempt in (lambda: (b / "x.txt").write_bytes(b"x"), lambda: (b / "before.txt").unlink(),
+                    lambda: (b / "d").mkdir(), lambda: open(b / "before.txt", "ab").close()):
+        with pytest.raises(OSError) as e:
+            attempt()
+        assert e.value.errno == errno.EROFS
+    assert (b / "before.txt").read_bytes() == b"kept"
+
+
+def _mode_no_write(p) -> bool:
+    return not (os.stat(p).st_mode & 0o222)
+
+
+def test_spool_full_gives_enospc_from_write(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url, "--spool-size", "1MiB")
+    fd = os.open(m.path / bucket_name / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"x" * 500_000)
+        with pytest.raises(OSError) as e:
+            rest = b"y" * 1_000_000
+            while rest:  # the kernel may accept a short first part before the spool says no
+                rest = rest[os.write(fd, rest):]
+        assert e.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    assert nats_py_get(nats_url, bucket_name, "f")[:500_000] == b"x" * 500_000
+    assert "spool is full" in m.log()
+
+
+def test_concurrent_writer_never_silently_wins(nats_url, bucket_name, wb, tmp_path):
+    m, b = wb
+    (b / "doc.txt").write_bytes(b"version 1")
+    fd = os.open(b / "doc.txt", os.O_WRONLY | os.O_TRUNC)
+    os.write(fd, b"mount's version")
+    nats_py_put(nats_url, bucket_name, "doc.txt", b"other client's version")
+    with pytest.raises(OSError) as e:
+        os.close(fd)
+    assert e.value.errno == errno.ESTALE
+    assert nats_py_get(nats_url, bucket_name, "doc.txt") == b"other client's version"
+    log = m.log()
+    kept = [line.split("kept at ")[-1].strip() for line in log.splitlines() if "your bytes are kept at" in line]
+    assert kept, log
+    with open(kept[-1], "rb") as f:
+        assert f.read() == b"mount's version"
+
+
+# ---------------------------------------------------------------- namespace
+def test_unlink_is_an_adr20_delete(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "gone.txt").write_bytes(b"bye" * 50_000)
+    nuid = meta_json(nats_url, bucket_name, "gone.txt")["nuid"]
+    (b / "gone.txt").unlink()
+    meta = meta_json(nats_url, bucket_name, "gone.txt")
+    assert meta["deleted"] is True and meta["size"] == 0 and meta["chunks"] == 0 and "digest" not in meta
+    assert chunk_count(nats_url, bucket_name, nuid) == 0
+    assert not (b / "gone.txt").exists()
+    with pytest.raises(FileNotFoundError):
+        (b / "gone.txt").unlink()
+
+
+def test_mkdir_persists_is_visible_elsewhere_and_rmdir_refuses_non_empty(nats_url, bucket_name, wb, mounter):
+    m, b = wb
+    (b / "empty").mkdir()
+    (b / "full").mkdir()
+    (b / "full" / "f").write_bytes(b"f")
+    other = mounter(nats_url)
+    assert wait_for(lambda: (other.path / bucket_name / "empty").is_dir(), 10)
+    with pytest.raises(OSError) as e:
+        (b / "full").rmdir()
+    assert e.value.errno == errno.ENOTEMPTY
+    with pytest.raises(FileExistsError):
+        (b / "empty").mkdir()
+    m.remount()
+    assert (b / "empty").is_dir() and os.listdir(b / "empty") == []
+    assert sorted(os.listdir(b)) == ["empty", "full"]  # markers never show as files
+    (b / "empty").rmdir()
+    assert not (b / "empty").exists()
+    assert meta_json(nats_url, bucket_name, "empty/")["deleted"] is True
+    m.remount()
+    assert sorted(os.listdir(b)) == ["full"]
+
+
+def test_rename_is_metadata_only_and_replaces_the_target(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "a.bin").write_bytes(b"A" * 300_000)
+    (b / "b.bin").write_bytes(b"B" * 10)
+    a = meta_json(nats_url, bucket_name, "a.bin")
+    old_b = meta_json(nats_url, bucket_name, "b.bin")
+    mtime = os.stat(b / "a.bin").st_mtime_ns
+    os.rename(b / "a.bin", b / "b.bin")
+    new_b = meta_json(nats_url, bucket_name, "b.bin")
+    assert new_b["nuid"] == a["nuid"] and new_b["size"] == 300_000
+    assert meta_json(nats_url, bucket_name, "a.bin")["deleted"] is True
+    assert chunk_count(nats_url, bucket_name, old_b["nuid"]) == 0
+    assert chunk_count(nats_url, bucket_name, a["nuid"]) == a["chunks"]
+    assert nats_py_get(nats_url, bucket_name, "b.bin") == b"A" * 300_000
+    assert os.stat(b / "b.bin").st_mtime_ns == mtime  # rename keeps the mtime
+    assert sorted(os.listdir(b)) == ["b.bin"]
+
+
+def test_directory_rename_moves_everything(nats_url, bucket_name, wb):
+    m, b = wb
+    (b / "src" / "sub").mkdir(parents=True)
+    (b / "src" / "x").write_bytes(b"x")
+    (b / "src" / "sub" / "y").write_bytes(b"y")
+    os.rename(b / "src", b / "dst")
+    assert not (b / "src").exists()
+    assert (b / "dst" / "x").read_bytes() == b"x" and (b / "dst" / "sub" / "y").read_bytes() == b"y"
+    m.remount()
+    assert sorted(os.listdir(b)) == ["dst"]
+    assert sorted(os.listdir(b / "dst")) == ["sub", "x"]
+    assert nats_py_get(nats_url, bucket_name, "dst/sub/y") == b"y"
+
+
+def test_rename_across_buckets_is_exdev_and_mv_copies(nats_url, bucket_name, wb):
+    m, b = wb
+    other = bucket_name + "_2"
+    create_bucket(nats_url, other)
+    assert wait_for(lambda: (m.path / other).is_dir(), 10)
+    (b / "f.txt").write_bytes(b"moving")
+    with pytest.raises(OSError) as e:
+        os.rename(b / "f.txt", m.path / other / "f.txt")
+    assert e.value.errno == errno.EXDEV
+    subprocess.run(["mv", str(b / "f.txt"), str(m.path / other / "f.txt")], check=True)
+    assert nats_py_get(nats_url, other, "f.txt") == b"moving"
+    assert not (b / "f.txt").exists()
+
+
+def _renameat2(old, new, flags: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    AT_FDCWD = -100
+    r = libc.renameat2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags)
+    return 0 if r == 0 else ctypes.get_errno()
+
+
+def test_rename_flags(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "one").write_bytes(b"1")
+    (b / "two").write_bytes(b"2")
+    assert _renameat2(b / "one", b / "two", 1) == errno.EEXIST  # RENAME_NOREPLACE
+    assert _renameat2(b / "one", b / "three", 1) == 0
+    assert _renameat2(b / "three", b / "two", 2) == errno.EINVAL  # RENAME_EXCHANGE
+    assert (b / "three").read_bytes() == b"1" and (b / "two").read_bytes() == b"2"
+
+
+def test_attributes_stick_across_remounts(nats_url, bucket_name, wb):
+    m, b = wb
+    p = b / "script.sh"
+    p.write_bytes(b"#!/bin/sh\n")
+    os.chmod(p, 0o750)
+    os.chown(p, 1234, 5678)
+    os.utime(p, ns=(1_600_000_000_000_000_000, 1_600_000_000_123_456_789))
+    (b / "d").mkdir()
+    os.chmod(b / "d", 0o700)
+    m.remount()
+    st = os.stat(p)
+    assert stat.S_IMODE(st.st_mode) == 0o750 and (st.st_uid, st.st_gid) == (1234, 5678)
+    assert st.st_mtime_ns == 1_600_000_000_123_456_789
+    assert stat.S_IMODE(os.stat(b / "d").st_mode) == 0o700
+    meta = meta_json(nats_url, bucket_name, "script.sh")
+    assert meta["metadata"]["natsfs.mode"] == "750"
+    assert nats_py_get(nats_url, bucket_name, "script.sh") == b"#!/bin/sh\n"  # same bytes, same digest
+
+
+def test_objects_from_other_clients_get_sane_defaults(nats_url, bucket_name, wb):
+    _m, b = wb
+    raw_put(nats_url, bucket_name, "plain.txt", [b"plain"])
+    assert wait_for(lambda: (b / "plain.txt").exists(), 10)
+    st = os.stat(b / "plain.txt")
+    assert stat.S_IMODE(st.st_mode) == 0o644 and st.st_uid == os.getuid()
+
+
+def test_hard_links_and_device_nodes_are_eperm(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "f").write_bytes(b"f")
+    with pytest.raises(OSError) as e:
+        os.link(b / "f", b / "g")
+    assert e.value.errno == errno.EPERM
+    with pytest.raises(OSError) as e:
+        os.mkfifo(b / "fifo")
+    assert e.value.errno == errno.EPERM
+
+
+def test_spark_style_commit_by_hand(nats_url, bucket_name, wb):
+    m, b = wb
+    out = b / "out"
+    task = out / "_temporary" / "0" / "task_0"
+    task.mkdir(parents=True)
+    (task / "part-00000").write_bytes(b"row1\nrow2\n")
+    (task / ".part-00000.crc").write_bytes(b"crc")
+    for f in task.iterdir():
+        os.rename(f, out / f.name)
+    subprocess.run(["rm", "-rf", str(out / "_temporary")], check=True)
+    (out / "_SUCCESS").write_bytes(b"")
+    m.remount()
+    assert sorted(os.listdir(out)) == [".part-00000.crc", "_SUCCESS", "part-00000"]
+    assert (out / "part-00000").read_bytes() == b"row1\nrow2\n"
+    assert (out / "_SUCCESS").read_bytes() == b""
+
+
+def test_tar_extracts_many_files(nats_url, bucket_name, wb, tmp_path):
+    m, b = wb
+    src = tmp_path / "src"
+    for i in range(60):
+        d = src / f"d{i % 6}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}.txt").write_bytes(f"file {i}\n".encode())
+    subprocess.run(["tar", "-cf", str(tmp_path / "a.tar"), "-C", str(src), "."], check=True)
+    subprocess.run(["tar", "-xf", str(tmp_path / "a.tar"), "-C", str(b)], check=True)
+    m.remount()
+    for i in range(60):
+        assert (b / f"d{i % 6}" / f"f{i}.txt").read_bytes() == f"file {i}\n".encode()
+    r = subprocess.run(["diff", "-r", str(src), str(b)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
