@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import trio
 
-from .errors import Conflict, InvalidArgument, MalformedMeta, NatsFSError, NotFound, single_error
+from .errors import AlreadyExists, Conflict, InvalidArgument, MalformedMeta, NatsFSError, NotFound, single_error
 from .streams import EXPECTED_LAST_SUBJECT_SEQ, ROLLUP, StoredMsg, Streams, StreamState
 
 log = logging.getLogger(__name__)
@@ -561,6 +561,28 @@ class ObjectStore:
         doc = dict(doc, mtime=ZERO_TIME)
         change(doc)
         return await self.publish_meta(bucket, doc, expected_revision=revision)
+
+    async def add_link(self, bucket: str, name: str, target_bucket: str, target_name: str | None) -> ObjectInfo:
+        """AddLink / AddBucketLink as nats.go writes them (fresh nuid, size 0, no chunks). The caller has
+        checked the target (a live object that is not a link, or a bucket); here the name is checked:
+        a live regular object there is `AlreadyExists`, a link or a deleted object is replaced."""
+        current = await self.get_meta_doc(bucket, name)
+        revision = 0
+        if current is not None:
+            doc, revision = current
+            is_link = isinstance(doc.get("options"), dict) and bool(doc["options"].get("link"))
+            if not doc.get("deleted") and not is_link:
+                raise AlreadyExists(f"{bucket}/{name} is an object")
+        link = {"bucket": target_bucket} | ({"name": target_name} if target_name else {})
+        doc = meta_doc(name=name, bucket=bucket, nuid=new_nuid(), size=0, chunks=0, digest="", link=link)
+        return await self.publish_meta(bucket, doc, expected_revision=revision)
+
+    async def update_bucket(self, bucket: str, change: Callable[[dict[str, Any]], None]) -> BucketStatus:
+        """Change a bucket's stream config (description, metadata) and keep the rest as it is."""
+        st = await self.streams.stream_info(stream_name(bucket))
+        config = dict(st.config)
+        change(config)
+        return bucket_status(bucket, await self.streams.update_stream(config))
 
     async def purge_chunks(self, bucket: str, nuid: str) -> None:
         await self.streams.purge_subject(stream_name(bucket), chunk_subject(bucket, nuid))

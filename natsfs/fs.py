@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from .adr20 import ObjectInfo, PosixAttrs
+from . import xattrs
+from .adr20 import ObjectInfo, PosixAttrs, valid_bucket_name
 from .chunk_cache import ChunkCache
 from .config import Config
 from .errors import (
@@ -38,7 +39,7 @@ from .errors import (
 from .handles import DirHandle, HandleTable, ReadHandle
 from .inodes import InodeTable
 from .kernel import KernelNotifier
-from .mutations import DIR_MODE, FILE_MODE, Mutations
+from .mutations import DIR_MODE, FILE_MODE, Mutations, check_meta_size
 from .names import escape, placement
 from .namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from .staging import Spool, StagedFile, Staging
@@ -247,6 +248,8 @@ class Operations(pyfuse3.Operations):
         if name in (b".", b".."):
             raise NotFound("dot lookups are answered by the kernel")
         node = await self._path_node(path)
+        if node.kind == BUCKET and node.bucket is not None:
+            await self.mut.sealed(node.bucket)  # cached: lets the bucket show without write bits
         return self._attr(self.inodes.lookup(path), node)
 
     @_boundary
@@ -594,8 +597,17 @@ class Operations(pyfuse3.Operations):
         return self._attr(self.inodes.lookup(path), node)
 
     async def _make_bucket(self, path: tuple[str, ...], mode: int) -> pyfuse3.EntryAttributes:
-        raise NatsFSError("creating buckets with mkdir is not supported yet", errno=errno.EPERM,
-                          log_level=logging.INFO)
+        """mkdir at the root of an all-buckets mount creates a bucket with the mount's defaults."""
+        if self.ns.single_bucket is not None or len(path) != 1:
+            raise AlreadyExists("/")
+        bucket = path[0]
+        if not valid_bucket_name(bucket):
+            raise InvalidArgument(f"invalid bucket name {bucket!r}: letters, digits, '-' and '_' only")
+        if await self.ns.bucket_exists(bucket):
+            raise AlreadyExists(f"bucket {bucket}")
+        await self.mut.create_bucket(bucket)
+        node = await self.ns.resolve(path)
+        return self._attr(self.inodes.lookup(path), node)
 
     @_boundary
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -606,8 +618,11 @@ class Operations(pyfuse3.Operations):
         if node.kind not in (DIR, BUCKET):
             raise NotADirectory("/".join(path))
         if bucket is None or not rel:
-            raise NatsFSError("removing buckets with rmdir is not supported yet", errno=errno.EPERM,
-                              log_level=logging.INFO)
+            if self.ns.single_bucket is not None or bucket is None:
+                raise NatsFSError("the root of the mount", errno=errno.EBUSY, log_level=logging.INFO)
+            await self.mut.delete_bucket(bucket)
+            self.inodes.detach(path)
+            return
         assert node.dir is not None
         await self.mut.rmdir(bucket, rel, node.dir, path)
         self.inodes.detach(path)
@@ -714,20 +729,6 @@ class Operations(pyfuse3.Operations):
         s.f_namemax = 255
         return s
 
-    # ------------------------------------------------------------------ xattrs
-    @_boundary
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        if inode == pyfuse3.ROOT_INODE and name == XATTR_STATS:
-            return json.dumps(self.stats()).encode()
-        raise NatsFSError("no such attribute", errno=pyfuse3.ENOATTR, log_level=logging.DEBUG)
-
-    @_boundary
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
-        if inode == pyfuse3.ROOT_INODE:
-            return [XATTR_STATS]
-        await self._node(inode)
-        return []
-
     def stats(self) -> dict[str, Any]:
         return {
             "cache": self.cache.stats.as_dict() | {"cached_bytes": self.cache.cached_bytes,
@@ -739,10 +740,141 @@ class Operations(pyfuse3.Operations):
             "handles": len(self.handles),
         }
 
-    # ------------------------------------------------------------------ not yet supported
-    async def _refuse(self, *args: Any) -> Any:
-        raise pyfuse3.FUSEError(errno.EROFS if self.config.read_only else errno.EPERM)
+    # ------------------------------------------------------------------ links
+    @_boundary
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+                      ) -> pyfuse3.EntryAttributes:
+        """`ln -s` makes an ADR-20 link (AddLink / AddBucketLink) to the object or bucket it names."""
+        self._refuse_if_read_only()
+        path = (*self.inodes.path_of(parent_inode), _name(name))
+        bucket, rel = self._in_bucket(path)
+        await self.mut.check_writable(bucket)
+        if await self._maybe_node(path) is not None:
+            raise AlreadyExists("/".join(path))
+        target_path = self._link_target_path(path[:-1], os.fsdecode(target))
+        target_bucket, target_rel = self.ns.split(target_path)
+        if target_bucket is None:
+            raise InvalidArgument("a link can name an object or a bucket, not the root of the mount")
+        if not target_rel:
+            if not await self.ns.bucket_exists(target_bucket):
+                raise NotFound(f"no bucket {target_bucket}")
+            await self.mut.add_link(bucket, "/".join(rel), target_bucket, None)
+        else:
+            node = await self._maybe_node(target_path)
+            if node is None:
+                raise NotFound(f"link target {'/'.join(target_path)} does not exist")
+            if node.kind == LINK:
+                raise InvalidArgument("ADR-20 links cannot point at links")
+            if node.kind != FILE:
+                raise InvalidArgument("ADR-20 links point at objects or buckets, not directories")
+            stored = await self._index_info(target_path)
+            if stored is None:
+                raise NotFound(f"link target {'/'.join(target_path)} is not stored yet (close it first)")
+            await self.mut.add_link(bucket, "/".join(rel), target_bucket, stored.name)
+        node = await self.ns.resolve(path)
+        return self._attr(self.inodes.lookup(path), node)
 
-    symlink = _refuse  # type: ignore[assignment]
-    setxattr = _refuse  # type: ignore[assignment]
-    removexattr = _refuse  # type: ignore[assignment]
+    def _link_target_path(self, directory: tuple[str, ...], target: str) -> tuple[str, ...]:
+        """The mount path a symlink target names, relative to the link's directory or absolute
+        under the mountpoint; `EXDEV` for anything outside the mount."""
+        outside = NatsFSError(f"link target {target!r} is outside the mount", errno=errno.EXDEV,
+                              log_level=logging.INFO)
+        if target.startswith("/"):
+            root = str(self.config.mountpoint.resolve())
+            if target != root and not target.startswith(root.rstrip("/") + "/"):
+                raise outside
+            parts: list[str] = []
+            segments = target[len(root):].split("/")
+        else:
+            parts = list(directory)
+            segments = target.split("/")
+        for seg in segments:
+            if seg in ("", "."):
+                continue
+            if seg == "..":
+                if not parts:
+                    raise outside
+                parts.pop()
+            else:
+                parts.append(seg)
+        return tuple(parts)
+
+    # ------------------------------------------------------------------ extended attributes
+    async def _meta_doc(self, node: Node) -> tuple[dict[str, Any], int]:
+        """The full meta document of a file or link (or what a staged new file will store)."""
+        assert node.info is not None and node.bucket is not None
+        ino = self.inodes.known(self.ns.mount_path(node.bucket, node.rel))
+        sf = self.staging.get(ino) if ino is not None else None
+        if sf is not None and not sf.closed and sf.base is None:
+            doc: dict[str, Any] = {"name": sf.name, "bucket": sf.bucket}
+            for change in sf.meta_changes:
+                change(doc)
+            return doc, 0
+        got = await self.ns.store.get_meta_doc(node.bucket, node.info.name)
+        if got is None or got[0].get("deleted"):
+            raise NotFound(f"{node.bucket}/{node.info.name}")
+        return got
+
+    @_boundary
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if inode == pyfuse3.ROOT_INODE and name == XATTR_STATS:
+            return json.dumps(self.stats()).encode()
+        node = await self._node(inode)
+        key = os.fsdecode(name)
+        if node.kind == BUCKET and node.bucket is not None:
+            st = await self.ns.store.bucket_status(node.bucket)
+            return xattrs.get_bucket(st.config, st.size, st.messages, key)
+        if node.kind in (FILE, LINK):
+            doc, revision = await self._meta_doc(node)
+            return xattrs.get_object(doc, revision, key)
+        raise xattrs.NoAttribute(key)
+
+    @_boundary
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
+        node = await self._node(inode)
+        names: list[bytes] = [XATTR_STATS] if inode == pyfuse3.ROOT_INODE else []
+        if node.kind == BUCKET and node.bucket is not None:
+            st = await self.ns.store.bucket_status(node.bucket)
+            names += xattrs.list_bucket(st.config, st.size, st.messages)
+        elif node.kind in (FILE, LINK):
+            doc, revision = await self._meta_doc(node)
+            names += xattrs.list_object(doc, revision)
+        return names
+
+    @_boundary
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._refuse_if_read_only()
+        await self._change_xattr(inode, os.fsdecode(name), value)
+
+    @_boundary
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._refuse_if_read_only()
+        await self._change_xattr(inode, os.fsdecode(name), None)
+
+    async def _change_xattr(self, inode: int, key: str, value: bytes | None) -> None:
+        node = await self._node(inode)
+        if node.kind == BUCKET and node.bucket is not None:
+            await self.mut.change_bucket(node.bucket, lambda config: xattrs.set_bucket(config, key, value))
+            return
+        if node.kind not in (FILE, LINK) or node.bucket is None or node.info is None:
+            raise NatsFSError("extended attributes live on files, links and buckets", errno=errno.EPERM,
+                              log_level=logging.INFO)
+        await self.mut.check_writable(node.bucket)
+
+        def change(doc: dict[str, Any]) -> None:
+            xattrs.set_object(doc, key, value)
+
+        sf = self.staging.get(inode)
+        if sf is not None and not sf.closed and sf.base is None:
+            # No object yet: check now, store with the data at close.
+            doc, _ = await self._meta_doc(node)
+            change(doc)
+            check_meta_size(doc, self.config.max_meta_bytes)
+            sf.meta_changes.append(change)
+            return
+        stored = await self._index_info(self.inodes.path_of(inode))
+        if stored is None:
+            raise NotFound("/".join(node.rel))
+        info = await self.mut.change_meta(node.bucket, stored, change)
+        if sf is not None and not sf.closed and sf.base is not None:
+            sf.base, sf.base_revision = info, info.revision  # our own change: not a conflict at upload

@@ -8,9 +8,12 @@ was based on, so a concurrent change by another client is refused (`Conflict`), 
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -25,7 +28,16 @@ from .adr20 import (
     set_posix_attrs,
 )
 from .config import Config
-from .errors import AlreadyExists, Conflict, NatsFSError, NotEmpty, NotFound, ReadOnly
+from .errors import (
+    ERR_STREAM_NAME_IN_USE,
+    AlreadyExists,
+    Conflict,
+    JetStreamAPIError,
+    NatsFSError,
+    NotEmpty,
+    NotFound,
+    ReadOnly,
+)
 from .index import BucketIndex, Dir
 from .namespace import Namespace
 from .staging import StagedFile, Staging, read_chunks
@@ -38,6 +50,13 @@ FILE_MODE = 0o644
 STREAM_BATCH = 4 * 1024 * 1024
 DIR_MODE = 0o755
 _SEALED_TTL = 2.0
+
+
+def check_meta_size(doc: dict[str, Any], limit: int) -> None:
+    size = len(json.dumps(doc).encode())
+    if size > limit:
+        raise NatsFSError(f"the meta of {doc.get('name')!r} would be {size} bytes, over --max-meta-bytes {limit}",
+                          errno=errno.E2BIG, log_level=logging.WARNING)
 
 
 class Mutations:
@@ -177,7 +196,11 @@ class Mutations:
                 base_doc = got[0]
             attrs, defaults = sf.attrs(), self.file_defaults
 
+            changes = list(sf.meta_changes)
+
             def extra(doc: dict[str, Any]) -> None:
+                for change in changes:
+                    change(doc)
                 set_posix_attrs(doc, attrs, defaults)
 
             common: dict[str, Any] = dict(base=base_doc, expected_revision=sf.base_revision,
@@ -206,6 +229,7 @@ class Mutations:
             finally:
                 sf.reset_stream()
             sf.uploaded_as(info)
+            sf.meta_changes.clear()
             self._apply(sf.bucket, info)
             return info
 
@@ -233,6 +257,54 @@ class Mutations:
                                            expected_revision=info.revision)
         self._apply(bucket, new)
         return new
+
+    async def change_meta(self, bucket: str, info: ObjectInfo, change: Callable[[dict[str, Any]], None]) -> ObjectInfo:
+        """Rewrite an object's meta (xattrs): same nuid, every other field kept, refused when the
+        result would be larger than --max-meta-bytes (nothing is stored then)."""
+        await self.check_writable(bucket)
+        limit = self.config.max_meta_bytes
+
+        def bounded(doc: dict[str, Any]) -> None:
+            change(doc)
+            check_meta_size(doc, limit)
+
+        new = await self.store.update_meta(bucket, info.name, bounded, expected_revision=info.revision)
+        self._apply(bucket, new)
+        return new
+
+    async def add_link(self, bucket: str, name: str, target_bucket: str, target_name: str | None) -> ObjectInfo:
+        await self.check_writable(bucket)
+        info = await self.store.add_link(bucket, name, target_bucket, target_name)
+        self._apply(bucket, info)
+        return info
+
+    # ------------------------------------------------------------------ buckets
+    async def create_bucket(self, bucket: str) -> None:
+        if self.config.read_only:
+            raise ReadOnly("this mount is read-only")
+        c = self.config
+        try:
+            await self.store.create_bucket(bucket, storage=c.storage, replicas=c.replicas, compression=c.compression,
+                                           max_bytes=c.max_bytes, ttl_ns=int(c.ttl * 1e9))
+        except JetStreamAPIError as e:
+            if "already in use" in e.description or e.err_code == ERR_STREAM_NAME_IN_USE:
+                raise AlreadyExists(f"bucket {bucket} exists") from None
+            raise
+        await self.ns.refresh_buckets()
+
+    async def delete_bucket(self, bucket: str) -> None:
+        """rmdir of a bucket directory: only when the bucket holds no live objects."""
+        if self.config.read_only:
+            raise ReadOnly("this mount is read-only")
+        if await self.store.live_object_count(bucket):
+            raise NotEmpty(f"bucket {bucket} holds objects")
+        await self.store.delete_bucket(bucket)
+        self.forget_sealed(bucket)
+        await self.ns.refresh_buckets()
+
+    async def change_bucket(self, bucket: str, change: Callable[[dict[str, Any]], None]) -> None:
+        await self.check_writable(bucket)
+        await self.store.update_bucket(bucket, change)
 
     # ------------------------------------------------------------------ directories
     async def mkdir(self, bucket: str, rel: Path, attrs: PosixAttrs) -> ObjectInfo:

@@ -157,6 +157,8 @@ class StagedFile:
         self.stream_claimed = 0  # bytes [0, claimed) have been read for sending
         self.stream_running: trio.Event | None = None
         self.stream_dead = False  # content below `claimed` changed: no streaming until the next upload
+        # Changes to the meta (xattrs) of a file that has no stored object yet, applied at upload.
+        self.meta_changes: list[Callable[[dict[str, Any]], None]] = []
 
     def reset_stream(self) -> None:
         self.stream = None

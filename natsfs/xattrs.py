@@ -1,0 +1,231 @@
+"""Object and bucket metadata as extended attributes: the mapping, in both directions.
+
+Pure functions over a meta document (the JSON dict of an object's meta) or a bucket's stream config:
+
+| attribute | is | writable |
+|---|---|---|
+| `user.<key>` | `metadata[key]` | yes |
+| `user.nats.description` | `description` | yes |
+| `user.nats.header.<Name>` | `headers[Name]`, values joined by newlines | yes |
+| `user.nats.digest` `.nuid` `.size` `.chunks` `.chunk_size` `.revision` `.bucket` `.name` `.link` | facts | no |
+
+Metadata keys natsfs uses for POSIX attributes (`natsfs.*`) are not shown; `user.natsfs.*` cannot be set.
+Bucket directories show the bucket's description and metadata the same way, and read-only facts
+(`user.nats.bucket.size`, `.max_bytes`, `.storage`, `.replicas`, `.sealed`, `.compression`, `.ttl`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+from typing import Any
+
+from .errors import NatsFSError
+
+USER = "user."
+NS = "user.nats."
+HEADER = "user.nats.header."
+DESCRIPTION = "user.nats.description"
+OWN_PREFIX = "natsfs."
+XATTR_CREATE = 1
+XATTR_REPLACE = 2
+ENOATTR = errno.ENODATA
+
+OBJECT_FACTS = ("digest", "nuid", "size", "chunks", "chunk_size", "revision", "bucket", "name", "link")
+BUCKET_FACTS = ("size", "max_bytes", "storage", "replicas", "sealed", "compression", "ttl", "messages")
+
+
+class NoAttribute(NatsFSError):
+    errno = ENOATTR
+    log_level = logging.DEBUG
+
+
+def _refuse(message: str, code: int) -> NatsFSError:
+    return NatsFSError(message, errno=code, log_level=logging.INFO)
+
+
+def _text(value: bytes) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _refuse("attribute values must be UTF-8 text (ADR-20 metadata is a string map)",
+                      errno.EINVAL) from None
+
+
+# ---------------------------------------------------------------- objects
+def object_facts(doc: dict[str, Any], revision: int) -> dict[str, str]:
+    options = doc.get("options") or {}
+    link = options.get("link") if isinstance(options, dict) else None
+    facts = {
+        "digest": str(doc.get("digest") or ""),
+        "nuid": str(doc.get("nuid") or ""),
+        "size": str(doc.get("size") or 0),
+        "chunks": str(doc.get("chunks") or 0),
+        "chunk_size": str((options.get("max_chunk_size") if isinstance(options, dict) else 0) or ""),
+        "revision": str(revision),
+        "bucket": str(doc.get("bucket") or ""),
+        "name": str(doc.get("name") or ""),
+        "link": json.dumps(link, separators=(",", ":")) if link else "",
+    }
+    return {k: v for k, v in facts.items() if v}
+
+
+def list_object(doc: dict[str, Any], revision: int) -> list[bytes]:
+    names = [USER + k for k in sorted(_metadata(doc)) if not k.startswith(OWN_PREFIX)]
+    if doc.get("description"):
+        names.append(DESCRIPTION)
+    names += [HEADER + h for h in sorted(_headers(doc))]
+    names += [NS + k for k in object_facts(doc, revision)]
+    return [n.encode() for n in names]
+
+
+def get_object(doc: dict[str, Any], revision: int, name: str) -> bytes:
+    if name == DESCRIPTION:
+        value = doc.get("description")
+    elif name.startswith(HEADER):
+        values = _headers(doc).get(name[len(HEADER):])
+        value = "\n".join(values) if values is not None else None
+    elif name.startswith(NS):
+        value = object_facts(doc, revision).get(name[len(NS):])
+    elif name.startswith(USER):
+        key = name[len(USER):]
+        value = None if key.startswith(OWN_PREFIX) else _metadata(doc).get(key)
+    else:
+        value = None
+    if value is None or value == "":
+        raise NoAttribute(name)
+    return str(value).encode()
+
+
+def set_object(doc: dict[str, Any], name: str, value: bytes | None, flags: int = 0) -> None:
+    """Apply a setxattr (value) or removexattr (None) to a meta document, in place."""
+    exists = _exists(doc, name)
+    if value is not None and flags & XATTR_CREATE and exists:
+        raise _refuse(f"{name} exists", errno.EEXIST)
+    if (value is None or flags & XATTR_REPLACE) and not exists:
+        raise NoAttribute(name)
+    if name == DESCRIPTION:
+        if value is None or not value:
+            doc.pop("description", None)
+        else:
+            doc["description"] = _text(value)
+    elif name.startswith(HEADER):
+        header = name[len(HEADER):]
+        if not header:
+            raise _refuse("empty header name", errno.EINVAL)
+        headers = dict(_headers(doc))
+        if value is None:
+            headers.pop(header, None)
+        else:
+            headers[header] = _text(value).split("\n")
+        _put(doc, "headers", headers)
+    elif name.startswith(NS) or name.startswith(USER + OWN_PREFIX):
+        raise _refuse(f"{name} is read-only", errno.EPERM)
+    elif name.startswith(USER):
+        key = name[len(USER):]
+        if not key:
+            raise _refuse("empty attribute name", errno.EINVAL)
+        metadata = dict(_metadata(doc))
+        if value is None:
+            metadata.pop(key, None)
+        else:
+            metadata[key] = _text(value)
+        _put(doc, "metadata", metadata)
+    else:
+        raise _refuse(f"only user.* attributes are supported ({name})", errno.EOPNOTSUPP)
+
+
+def _exists(doc: dict[str, Any], name: str) -> bool:
+    try:
+        get_object(doc, 0, name)
+    except NoAttribute:
+        return False
+    return True
+
+
+def _metadata(doc: dict[str, Any]) -> dict[str, str]:
+    m = doc.get("metadata")
+    return {str(k): str(v) for k, v in m.items()} if isinstance(m, dict) else {}
+
+
+def _headers(doc: dict[str, Any]) -> dict[str, list[str]]:
+    h = doc.get("headers")
+    if not isinstance(h, dict):
+        return {}
+    return {str(k): [str(x) for x in (v if isinstance(v, list) else [v])] for k, v in h.items()}
+
+
+def _put(doc: dict[str, Any], key: str, value: dict[str, Any]) -> None:
+    if value:
+        doc[key] = value
+    else:
+        doc.pop(key, None)
+
+
+# ---------------------------------------------------------------- buckets
+def bucket_facts(config: dict[str, Any], size: int, messages: int) -> dict[str, str]:
+    return {
+        "size": str(size),
+        "messages": str(messages),
+        "max_bytes": str(config.get("max_bytes", -1)),
+        "storage": str(config.get("storage", "file")),
+        "replicas": str(config.get("num_replicas", 1)),
+        "sealed": "true" if config.get("sealed") else "false",
+        "compression": str(config.get("compression") or "none"),
+        "ttl": str(int(config.get("max_age", 0)) // 10**9) + "s",
+    }
+
+
+def list_bucket(config: dict[str, Any], size: int, messages: int) -> list[bytes]:
+    meta = {k: v for k, v in (config.get("metadata") or {}).items() if not k.startswith("_nats")}
+    names = [USER + k for k in sorted(meta)]
+    if config.get("description"):
+        names.append(DESCRIPTION)
+    names += [NS + "bucket." + k for k in bucket_facts(config, size, messages)]
+    return [n.encode() for n in names]
+
+
+def get_bucket(config: dict[str, Any], size: int, messages: int, name: str) -> bytes:
+    value: Any = None
+    if name == DESCRIPTION:
+        value = config.get("description")
+    elif name.startswith(NS + "bucket."):
+        value = bucket_facts(config, size, messages).get(name[len(NS + "bucket."):])
+    elif name.startswith(USER) and not name.startswith(NS):
+        key = name[len(USER):]
+        value = None if key.startswith("_nats") else (config.get("metadata") or {}).get(key)
+    if value is None or value == "":
+        raise NoAttribute(name)
+    return str(value).encode()
+
+
+def set_bucket(config: dict[str, Any], name: str, value: bytes | None, flags: int = 0) -> None:
+    exists = True
+    try:
+        get_bucket(config, 0, 0, name)
+    except NoAttribute:
+        exists = False
+    if value is not None and flags & XATTR_CREATE and exists:
+        raise _refuse(f"{name} exists", errno.EEXIST)
+    if (value is None or flags & XATTR_REPLACE) and not exists:
+        raise NoAttribute(name)
+    if name == DESCRIPTION:
+        if value:
+            config["description"] = _text(value)
+        else:
+            config.pop("description", None)
+    elif name.startswith(NS):
+        raise _refuse(f"{name} is read-only", errno.EPERM)
+    elif name.startswith(USER):
+        key = name[len(USER):]
+        if not key or key.startswith("_nats"):
+            raise _refuse(f"cannot set {name}", errno.EPERM)
+        metadata = dict(config.get("metadata") or {})
+        if value is None:
+            metadata.pop(key, None)
+        else:
+            metadata[key] = _text(value)
+        config["metadata"] = metadata
+    else:
+        raise _refuse(f"only user.* attributes are supported ({name})", errno.EOPNOTSUPP)
