@@ -1,0 +1,235 @@
+"""Links as symlinks, metadata as xattrs, and buckets managed from a real mount (issue 4)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+from helpers import create_bucket, raw_put, wait_for, with_nats, with_store
+from test_write import meta_json
+
+
+@pytest.fixture()
+def wb(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url)
+    return m, m.path / bucket_name
+
+
+def _errno(fn) -> int:
+    with pytest.raises(OSError) as e:
+        fn()
+    return e.value.errno
+
+
+# ---------------------------------------------------------------- links
+def test_ln_s_makes_links_shaped_like_nats_go_addlink(nats_url, bucket_name, wb):
+    m, b = wb
+    (b / "dir").mkdir()
+    (b / "dir" / "target.txt").write_bytes(b"target bytes")
+    os.symlink("target.txt", b / "dir" / "obj-link")
+    os.symlink(f"../{bucket_name}", b / "bucket-link")
+    link = meta_json(nats_url, bucket_name, "dir/obj-link")
+    assert set(link) - {"seq"} == {"name", "options", "bucket", "nuid", "size", "mtime", "chunks"}
+    assert link["options"] == {"link": {"bucket": bucket_name, "name": "dir/target.txt"}}
+    assert link["size"] == 0 and link["chunks"] == 0 and len(link["nuid"]) == 22
+    assert meta_json(nats_url, bucket_name, "bucket-link")["options"] == {"link": {"bucket": bucket_name}}
+    p = b / "dir" / "obj-link"
+    st = os.lstat(p)
+    assert stat.S_ISLNK(st.st_mode) and st.st_size == len(os.readlink(p))
+    assert p.read_bytes() == b"target bytes"
+    assert (b / "bucket-link" / "dir" / "target.txt").read_bytes() == b"target bytes"
+    # Absolute targets inside the mount work too.
+    os.symlink(str(b / "dir" / "target.txt"), b / "abs-link")
+    assert (b / "abs-link").read_bytes() == b"target bytes"
+    # Removing a link removes only the link.
+    p.unlink()
+    assert not os.path.lexists(p) and (b / "dir" / "target.txt").read_bytes() == b"target bytes"
+    m.remount()
+    assert os.readlink(b / "bucket-link") == f"../{bucket_name}"
+    assert (b / "abs-link").read_bytes() == b"target bytes"
+
+
+def test_ln_s_follows_the_adr20_rules(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "obj").write_bytes(b"o")
+    (b / "dir").mkdir()
+    os.symlink("obj", b / "link")
+    assert _errno(lambda: os.symlink("link", b / "link-to-link")) == errno.EINVAL
+    assert _errno(lambda: os.symlink("missing", b / "dangling")) == errno.ENOENT
+    assert _errno(lambda: os.symlink("dir", b / "to-dir")) == errno.EINVAL
+    assert _errno(lambda: os.symlink("/etc/passwd", b / "outside")) == errno.EXDEV
+    assert _errno(lambda: os.symlink("../../..", b / "up")) == errno.EXDEV
+    assert _errno(lambda: os.symlink("obj", b / "obj")) == errno.EEXIST
+    (b / "gone").write_bytes(b"g")
+    os.symlink("gone", b / "to-gone")
+    (b / "gone").unlink()
+    # A link whose target was deleted is a dangling symlink, not an error.
+    assert os.path.islink(b / "to-gone") and not os.path.exists(b / "to-gone")
+    assert sorted(os.listdir(b)) == ["dir", "link", "obj", "to-gone"]
+
+
+def test_links_to_another_bucket(nats_url, bucket_name, wb):
+    m, b = wb
+    other = bucket_name + "_o"
+    create_bucket(nats_url, other)
+    raw_put(nats_url, other, "x/y.txt", [b"in the other bucket"])
+    assert wait_for(lambda: (m.path / other / "x" / "y.txt").exists(), 10)
+    os.symlink(f"../{other}/x/y.txt", b / "cross")
+    assert meta_json(nats_url, bucket_name, "cross")["options"]["link"] == {"bucket": other, "name": "x/y.txt"}
+    assert (b / "cross").read_bytes() == b"in the other bucket"
+
+
+# ---------------------------------------------------------------- xattrs
+def test_metadata_from_other_clients_shows_as_xattrs(nats_url, bucket_name, wb):
+    _m, b = wb
+    raw_put(nats_url, bucket_name, "tagged.txt", [b"t"], meta_extra={
+        "description": "a tagged file", "metadata": {"owner": "infra", "tier": "gold"},
+        "headers": {"Content-Type": ["text/plain"]}})
+    p = b / "tagged.txt"
+    assert wait_for(lambda: p.exists(), 10)
+    names = os.listxattr(p)
+    assert {"user.owner", "user.tier", "user.nats.description", "user.nats.header.Content-Type",
+            "user.nats.digest", "user.nats.revision"} <= set(names)
+    assert os.getxattr(p, "user.owner") == b"infra"
+    assert os.getxattr(p, "user.nats.description") == b"a tagged file"
+    assert os.getxattr(p, "user.nats.header.Content-Type") == b"text/plain"
+    if shutil.which("getfattr"):  # the attr package is optional on the test machine
+        out = subprocess.run(["getfattr", "-d", str(p)], capture_output=True, text=True)
+        assert 'user.owner="infra"' in out.stdout
+
+
+def test_setxattr_is_seen_by_other_clients_and_keeps_their_fields(nats_url, bucket_name, wb):
+    m, b = wb
+    raw_put(nats_url, bucket_name, "f.txt", [b"data"], meta_extra={
+        "description": "keep me", "metadata": {"from-go": "yes"}, "headers": {"X-A": ["1", "2"]},
+        "future_field": {"kept": True}})
+    p = b / "f.txt"
+    assert wait_for(lambda: p.exists(), 10)
+    before = meta_json(nats_url, bucket_name, "f.txt")
+    os.setxattr(p, "user.color", b"blue")
+    after = meta_json(nats_url, bucket_name, "f.txt")
+    assert after["nuid"] == before["nuid"]  # no data moved
+    assert after["metadata"] == {"from-go": "yes", "color": "blue"}
+    assert after["description"] == "keep me" and after["headers"] == {"X-A": ["1", "2"]}
+    assert after["future_field"] == {"kept": True}
+    os.removexattr(p, "user.from-go")
+    assert meta_json(nats_url, bucket_name, "f.txt")["metadata"] == {"color": "blue"}
+    os.setxattr(p, "user.nats.description", b"new description")
+    m.remount()
+    assert os.getxattr(p, "user.color") == b"blue"
+    assert os.getxattr(p, "user.nats.description") == b"new description"
+    assert p.read_bytes() == b"data"
+    assert _errno(lambda: os.setxattr(p, "user.nats.digest", b"x")) == errno.EPERM
+    assert _errno(lambda: os.getxattr(p, "user.nope")) == errno.ENODATA
+    assert _errno(lambda: os.setxattr(p, "user.color", b"red", os.XATTR_CREATE)) == errno.EEXIST
+    assert _errno(lambda: os.setxattr(p, "user.none", b"red", os.XATTR_REPLACE)) == errno.ENODATA
+
+
+def test_oversize_attribute_is_e2big_and_stores_nothing(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url, "--max-meta-bytes", "2KiB")
+    p = m.path / bucket_name / "f"
+    p.write_bytes(b"x")
+    os.setxattr(p, "user.small", b"ok")
+    before = meta_json(nats_url, bucket_name, "f")
+    assert _errno(lambda: os.setxattr(p, "user.big", b"y" * 3000)) == errno.E2BIG
+    after = meta_json(nats_url, bucket_name, "f")
+    assert after["seq"] == before["seq"] and "big" not in after["metadata"]
+    assert "over --max-meta-bytes" in m.log()
+
+
+def test_xattrs_on_a_file_not_yet_stored_are_stored_with_it(nats_url, bucket_name, wb):
+    _m, b = wb
+    fd = os.open(b / "new", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"content")
+    os.setxattr(b / "new", "user.stage", b"early")
+    os.close(fd)
+    assert meta_json(nats_url, bucket_name, "new")["metadata"] == {"stage": "early"}
+
+
+# ---------------------------------------------------------------- buckets
+def test_mkdir_and_rmdir_at_the_root_manage_buckets(nats_url, bucket_name, mounter):
+    m = mounter(nats_url, "--storage", "memory", "--max-bytes", "10MiB", "--ttl", "1h", "--compression")
+    name = bucket_name + "_new"
+    (m.path / name).mkdir()
+
+    async def info(nc, js):
+        return (await js.stream_info(f"OBJ_{name}")).config
+
+    cfg = with_nats(nats_url, info)
+    assert getattr(cfg.storage, "value", cfg.storage) == "memory" and cfg.max_bytes == 10 * 1024 * 1024
+    assert cfg.max_age == 3600 and cfg.allow_rollup_hdrs and cfg.allow_direct
+    assert getattr(cfg.discard, "value", cfg.discard) == "new"
+    assert cfg.subjects == [f"$O.{name}.C.>", f"$O.{name}.M.>"]
+    (m.path / name / "f").write_bytes(b"f")
+    assert _errno(lambda: (m.path / name).rmdir()) == errno.ENOTEMPTY
+    (m.path / name / "f").unlink()
+    (m.path / name).rmdir()
+    assert name not in os.listdir(m.path)
+    assert with_store(nats_url, lambda s: s.list_buckets()).count(name) == 0
+    assert _errno(lambda: (m.path / "bad.name").mkdir()) == errno.EINVAL
+    assert _errno(lambda: (m.path / "xxx").write_bytes(b"no files at the root")) in (errno.EPERM, errno.EACCES)
+
+
+def test_sealed_bucket_shows_read_only(nats_url, bucket_name, wb):
+    m, b = wb
+    (b / "f").write_bytes(b"f")
+    with_store(nats_url, lambda s: s.seal_bucket(bucket_name))
+    assert _errno(lambda: (b / "g").write_bytes(b"g")) == errno.EROFS
+    m.remount()
+    assert not os.stat(b).st_mode & 0o222
+    assert not os.stat(b / "f").st_mode & 0o222
+    assert os.getxattr(b, "user.nats.bucket.sealed") == b"true"
+
+
+def test_bucket_xattrs_and_df(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name, description="the bucket", metadata={"team": "infra"}, max_bytes=50 << 20)
+    m = mounter(nats_url)
+    b = m.path / bucket_name
+    assert os.getxattr(b, "user.nats.description") == b"the bucket"
+    assert os.getxattr(b, "user.team") == b"infra"
+    assert os.getxattr(b, "user.nats.bucket.max_bytes") == str(50 << 20).encode()
+    os.setxattr(b, "user.owner", b"me")
+
+    async def info(nc, js):
+        return (await js.stream_info(f"OBJ_{bucket_name}")).config.metadata
+
+    assert with_nats(nats_url, info)["owner"] == "me"
+    (b / "data").write_bytes(b"z" * 100_000)
+    single = mounter(nats_url, "--bucket", bucket_name)
+    st = os.statvfs(single.path)
+    assert st.f_blocks * st.f_frsize == 50 << 20
+    assert (st.f_blocks - st.f_bfree) * st.f_frsize >= 100_000
+
+
+def test_bucket_cli(nats_url, bucket_name):
+    env = dict(os.environ, NATS_URL=nats_url)
+
+    def natsfs(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "natsfs", "bucket", *args], capture_output=True, text=True,
+                              env=env, timeout=60)
+
+    assert natsfs("create", bucket_name, "--description", "cli", "--max-bytes", "1MiB").returncode == 0
+    assert bucket_name in natsfs("ls").stdout
+    raw_put(nats_url, bucket_name, "x", [b"x"])
+    r = natsfs("rm", bucket_name)
+    assert r.returncode == 1 and "holds objects" in r.stderr
+    assert natsfs("seal", bucket_name).returncode == 0
+    assert "sealed" in natsfs("ls").stdout
+    assert natsfs("rm", bucket_name, "--force").returncode == 0
+    assert bucket_name not in natsfs("ls").stdout
+    bad = natsfs("create", "no.dots")
+    assert bad.returncode == 1 and "invalid bucket name" in bad.stderr
+
+
+def test_json_of_stats_xattr(nats_url, wb):
+    m, _ = wb
+    stats = json.loads(os.getxattr(m.path, "user.natsfs.stats"))
+    assert {"cache", "fs", "inodes", "handles"} <= set(stats)
