@@ -426,7 +426,8 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def flush(self, fh: int) -> None:
         handle = self._file_handle(fh)
-        await self._upload(handle.ino)
+        if handle.writable:  # a reader closing must not store a writer's half-written bytes
+            await self._upload(handle.ino)
 
     @_boundary
     async def fsync(self, fh: int, datasync: bool) -> None:
