@@ -39,6 +39,11 @@ _PENDING_SIZE = 8 * 1024 * 1024
 # makes bulk transfers markedly cheaper; the value is a module global nats-py reads at call time.
 _READ_BUFFER = 1024 * 1024
 nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, _READ_BUFFER)
+# A paced subscription (a watch loading a huge bucket) may hold this many messages not yet taken by
+# trio before the connection stops reading for a moment (at most _PACE_WAIT s at a time): the rest
+# waits in the socket and on the server, instead of as Python objects that fragment the heap.
+_PACE_HIGH = 1000
+_PACE_WAIT = 0.05
 
 
 @dataclass(slots=True)
@@ -72,6 +77,10 @@ class Subscription:
         self._sub: Any = None
         self._stream_token: str | None = None
         self._interrupted = False
+        # Paced: answer flow-control requests when `next_batch` takes what came before them, not on
+        # arrival, and keep the backlog short (see _PACE_HIGH).
+        self.paced = False
+        self._drained: asyncio.Event | None = None
         self.closed = False
 
     # ---- asyncio side ----
@@ -79,7 +88,7 @@ class Subscription:
         await self._on_msg_converted(_convert(m))
 
     async def _on_msg_converted(self, msg: Msg) -> None:
-        if msg.status == "100" and msg.reply:
+        if msg.status == "100" and msg.reply and not self.paced:
             # JetStream flow control: answer at once, from the loop that owns the connection.
             await self._bridge._nc.publish(msg.reply, b"")
         stalled = msg.headers.get("Nats-Consumer-Stalled") if msg.headers else None
@@ -112,7 +121,40 @@ class Subscription:
         with self._lock:
             batch = list(self._queue)
             self._queue.clear()
+        if self.paced:
+            # Flow control answered only now that the messages before it are taken: the server never
+            # runs more than its flow-control window ahead of the consumer.
+            replies = [m.reply for m in batch if m.reply and m.status == "100"]
+            if replies:
+                await self._bridge._run(self._answer(replies))
+            if batch:
+                self._bridge._call_soon(self._set_drained)
         return batch
+
+    async def _answer(self, replies: list[str]) -> None:
+        for reply in replies:
+            await self._bridge._nc.publish(reply, b"")
+
+    # ---- pacing (asyncio side) ----
+    def backlog(self) -> int:
+        """Messages received and not yet taken by trio (ours, and nats-py's queue in front of ours)."""
+        queue = getattr(self._sub, "_pending_queue", None)
+        pending = queue.qsize() if queue is not None else 0
+        return len(self._queue) + pending
+
+    def _set_drained(self) -> None:
+        if self._drained is not None:
+            self._drained.set()
+
+    async def wait_drained(self) -> None:
+        """Called by the connection's reader: wait (briefly) while too much is waiting for trio."""
+        if self.closed or self.backlog() <= _PACE_HIGH:
+            return
+        if self._drained is None:
+            self._drained = asyncio.Event()
+        self._drained.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drained.wait(), _PACE_WAIT)
 
     def interrupt(self) -> None:
         """Make a `next_batch` that is waiting return now (with whatever is queued, maybe nothing)."""
@@ -127,6 +169,8 @@ class Subscription:
             self._bridge._streams.pop(self._stream_token, None)
         sub = self._sub
         if sub is not None:
+            self._bridge._paced.pop(getattr(sub, "_id", None), None)
+            self._bridge._call_soon(self._set_drained)
             with contextlib.suppress(Exception):
                 await self._bridge._run(sub.unsubscribe())
 
@@ -160,6 +204,7 @@ class Bridge:
         self._collectors: dict[str, _Collector] = {}
         self._streams: dict[str, Subscription] = {}
         self._acks: dict[str, asyncio.Future[Msg]] = {}
+        self._paced: dict[int, Subscription] = {}  # by nats-py subscription id
         self._closing = False
         self._next_token = 0
         self.connected = False
@@ -236,6 +281,7 @@ class Bridge:
             raise Unavailable(f"cannot connect to NATS at {', '.join(self.servers)}: {reason}") from None
         self._mux_prefix = self._nc.new_inbox()
         await self._nc.subscribe(self._mux_prefix + ".*", cb=self._on_mux, pending_bytes_limit=0)
+        self._install_pacing()
 
     async def close(self) -> None:
         loop = self._loop
@@ -433,15 +479,43 @@ class Bridge:
         await asyncio.gather(*(one(i, s, d, h) for i, (s, d, h) in enumerate(msgs)))
         return results
 
-    async def subscribe(self, subject: str) -> Subscription:
+    async def subscribe(self, subject: str, *, paced: bool = False) -> Subscription:
+        """Messages on `subject`, in batches (`Subscription.next_batch`). `paced`: for a JetStream push
+        consumer with flow control, whose backlog is kept short (see `_PACE_HIGH`)."""
         sub = Subscription(self, subject)
+        sub.paced = paced
 
         async def do() -> None:
             sub._sub = await self._nc.subscribe(subject, cb=sub._on_msg, pending_bytes_limit=0,
                                                 pending_msgs_limit=0)
+            if paced:
+                self._paced[sub._sub._id] = sub
 
         await self._run(do())
         return sub
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the asyncio loop soon (from any thread)."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(fn)
+
+    def _install_pacing(self) -> None:
+        """Let a paced subscription's backlog hold up the connection's reader for a moment.
+
+        nats-py's reader parses the socket and hands each message to `_process_msg`; waiting there
+        leaves the rest in the socket (and, bounded by the consumer's flow control, on the server)."""
+        process = self._nc._process_msg
+        paced = self._paced
+
+        async def process_msg(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+            await process(sid, subject, reply, data, headers)
+            sub = paced.get(sid)
+            if sub is not None:
+                await sub.wait_drained()
+
+        self._nc._process_msg = process_msg
 
     async def flush(self, timeout: float = 5.0) -> None:
         try:

@@ -119,6 +119,13 @@ class Operations(pyfuse3.Operations):
             return
         path = self.ns.mount_path(bucket, rel)
         ino = self.inodes.known(path)
+        if ino is not None and self._readers_left_behind(ino, bucket, rel):
+            # Open handles read the version they opened, but the path now shows another one (or
+            # nothing). The path gets a fresh inode at its next lookup; the old inode stays with those
+            # handles, with its own attributes and page cache, as a file replaced by rename(2) or
+            # unlinked while open does on a local disk. Neither ever sees the other's bytes or size.
+            self.inodes.detach(path)
+            ino = None
         if ino is not None and ino == self._quiet_ino:
             # Our own upload: the page cache holds exactly what was written; only attributes moved.
             self.kernel.inode(ino, attr_only=True)
@@ -129,6 +136,18 @@ class Operations(pyfuse3.Operations):
             parent = self.inodes.known(path[:-1])
             if parent is not None:
                 self.kernel.entry(parent, os.fsencode(path[-1]))
+
+    def _readers_left_behind(self, ino: int, bucket: str, rel: tuple[str, ...]) -> bool:
+        """Whether `ino` has handles open for reading a version the path no longer shows."""
+        if not self._opens.get(ino) or ino == self._quiet_ino or self.staging.get(ino) is not None:
+            return False
+        index = self.ns.loaded_index(bucket)
+        current = index.get(rel) if index is not None else None
+        nuid = current.nuid if isinstance(current, ObjectInfo) else None
+        return any(h.info.nuid != nuid for h in self._readers(ino))
+
+    def _readers(self, ino: int) -> list[ReadHandle]:
+        return [h for h in self.handles.values() if isinstance(h, ReadHandle) and h.ino == ino]
 
     # ------------------------------------------------------------------ attributes
     def _attr(self, ino: int, node: Node) -> pyfuse3.EntryAttributes:
@@ -254,7 +273,18 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext = None) -> pyfuse3.EntryAttributes:
-        return self._attr(inode, await self._node(inode))
+        try:
+            node = await self._node(inode)
+        except NotFound:
+            readers = self._readers(inode)
+            if not readers:
+                raise
+            # Replaced or deleted by another client while open: the version these handles read.
+            info = readers[0].info
+            attr = self._attr(inode, Node(FILE, info.bucket, (), None, info, info.mtime_ns))
+            attr.st_nlink = 0
+            return attr
+        return self._attr(inode, node)
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:  # type: ignore[override]
         try:
@@ -739,6 +769,8 @@ class Operations(pyfuse3.Operations):
             "spool_bytes": self.staging.spool.used,
             "inodes": len(self.inodes),
             "handles": len(self.handles),
+            "namespace": self.ns.stats(),
+            "kernel_invalidations": self.kernel.done,
         }
 
     # ------------------------------------------------------------------ links
@@ -820,8 +852,14 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if inode == pyfuse3.ROOT_INODE and name == XATTR_STATS:
             return json.dumps(self.stats()).encode()
-        node = await self._node(inode)
         key = os.fsdecode(name)
+        if not key.startswith(xattrs.USER):
+            # Only the user.* namespace exists here. `ls -l` asks every file for security.selinux and
+            # system.posix_acl_access; ENOTSUP (rather than ENODATA) tells it this filesystem has none
+            # of those at all, so it stops asking after the first file: no request per entry.
+            raise NatsFSError(f"{key}: only user.* attributes exist here", errno=errno.EOPNOTSUPP,
+                              log_level=logging.DEBUG)
+        node = await self._node(inode)
         if node.kind == BUCKET and node.bucket is not None:
             st = await self.ns.store.bucket_status(node.bucket)
             return xattrs.get_bucket(st.config, st.size, st.messages, key)

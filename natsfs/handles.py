@@ -62,3 +62,6 @@ class HandleTable:
 
     def __len__(self) -> int:
         return len(self._handles)
+
+    def values(self) -> list[ReadHandle | DirHandle]:
+        return list(self._handles.values())

@@ -1,11 +1,18 @@
 """A bucket's live tree of objects: names → entries, directories derived from `/` in names.
 
-`BucketIndex` holds every live meta of one bucket (tombstones dropped) and the directory tree the
-names rule (`natsfs.names`) places them in. It is pure data: `apply` takes one parsed meta at a time,
-in stream order, whether from the initial load or the live watch, and reports which paths changed so
-the layer above can invalidate kernel caches. Collisions are settled deterministically:
-a directory beats a file at the same path, a real name beats an escaped one; losers are hidden
-(one log line each) and come back when the path frees up.
+`BucketIndex` holds every live meta of one bucket and the directory tree the names rule
+(`natsfs.names`) places them in. It is pure data: `apply` takes one parsed meta at a time, in stream
+order, whether from the initial load or the live watch, and reports which paths changed so the layer
+above can invalidate kernel caches. Collisions are settled deterministically: a directory beats a file
+at the same path, a real name beats an escaped one; losers are hidden (one log line each) and come back
+when the path frees up.
+
+Besides the tree it keeps what the watcher (`natsfs.watcher`) needs to notice changes a consumer never
+delivers: which names share a nuid (a rename by another client publishes the new name with the old
+nuid, then purges the old meta subject), the revisions of tombstones (so a stale message never
+resurrects a deleted object) and the meta subjects whose last message is unusable, so that the number
+of meta subjects the index accounts for can be compared with the stream's. `changed_paths` compares two
+trees, for swapping in an index rebuilt from scratch.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ log = logging.getLogger(__name__)
 
 Path = tuple[str, ...]
 Entry = "Dir | ObjectInfo"
+# How many purged names are remembered (against stale messages resurrecting them).
+_PURGED_KEPT = 10_000
 
 
 class Dir:
@@ -49,6 +58,18 @@ class BucketIndex:
         self.created_ns = created_ns
         # Called with the path of every entry that appeared, changed or disappeared.
         self.on_change: Callable[[Path], None] | None = None
+        # nuid -> the live name holding it (a list when several do: a rename half done, or a copy).
+        self._by_nuid: dict[str, str | list[str]] = {}
+        # Deleted names whose meta subject holds a tombstone -> the tombstone's revision.
+        self.tombstones: dict[str, int] = {}
+        # Names dropped because their meta subject was purged -> the revision they had.
+        self.purged: dict[str, int] = {}
+        # Meta subjects whose last message could not be used (malformed), and live objects whose meta
+        # subject is not the canonical one for their name (unpadded base64 written by old clients).
+        self.malformed: set[str] = set()
+        self.odd_subjects: dict[str, str] = {}
+        # Highest stream sequence applied, and when (monotonic); read by the watcher.
+        self.last_revision = 0
 
     # ------------------------------------------------------------------ queries
     def get(self, path: Path) -> Dir | ObjectInfo | None:
@@ -75,38 +96,139 @@ class BucketIndex:
                 else:
                     yield child
 
+    def names_with_nuid(self, nuid: str) -> list[str]:
+        """Live names whose meta carries `nuid` (more than one: a rename half done, or a copy)."""
+        held = self._by_nuid.get(nuid) if nuid else None
+        if held is None:
+            return []
+        return [held] if isinstance(held, str) else list(held)
+
+    def other_names_with_nuid(self, nuid: str, name: str) -> tuple[str, ...]:
+        """Live names other than `name` holding `nuid` (usually none: fast)."""
+        held = self._by_nuid.get(nuid)
+        if held is None or held == name:
+            return ()
+        if isinstance(held, str):
+            return (held,)
+        return tuple(n for n in held if n != name)
+
+    def meta_subject_count(self) -> int:
+        """How many meta subjects the index accounts for: live objects, tombstones, unusable metas."""
+        return len(self.objects) + len(self.tombstones) + len(self.malformed)
+
     # ------------------------------------------------------------------ updates
     def apply(self, info: ObjectInfo) -> bool:
         """Take one meta (newer than what we hold); True when the index changed."""
-        old = self.objects.get(info.name)
-        if old is not None and info.revision <= old.revision:
-            return False
+        name = info.name
+        if info.revision > self.last_revision:
+            self.last_revision = info.revision
+        old = self.objects.get(name)
+        if old is not None:
+            if info.revision <= old.revision:
+                return False
+        elif self.tombstones or self.purged:
+            # A message older than the deletion we know of (a consumer replaying, or our own write
+            # applied before the watch delivered the previous revision) must not resurrect the name.
+            gone = max(self.tombstones.get(name, 0), self.purged.get(name, 0))
+            if gone and info.revision <= gone:
+                return False
+            self.purged.pop(name, None)
         if old is not None:
             self._unplace(old)
+            self._unmap_nuid(old)
         if info.deleted:
+            self.tombstones[name] = info.revision
             if old is None:
                 return False
-            del self.objects[info.name]
+            del self.objects[name]
             self._retry_hidden()
             return True
-        self.objects[info.name] = info
+        if self.tombstones:
+            self.tombstones.pop(name, None)
+        self.objects[name] = info
+        self._map_nuid(info)
         self._place(info)
         return True
 
     def remove(self, name: str) -> bool:
         """Drop `name` (its meta subject was purged, e.g. renamed away by another client)."""
+        self.tombstones.pop(name, None)
+        self.odd_subjects.pop(name, None)
         old = self.objects.pop(name, None)
         if old is None:
             return False
+        self.purged[name] = old.revision
+        if len(self.purged) > _PURGED_KEPT:
+            del self.purged[next(iter(self.purged))]  # the oldest: long overtaken by the watch
+        self._unmap_nuid(old)
         self._unplace(old)
         self._retry_hidden()
         return True
+
+    def forget(self, name: str, revision: int) -> bool:
+        """A deletion (tombstone) of `name` at `revision` known without its meta; True if it was shown."""
+        held = self.objects.get(name)
+        if held is not None and held.revision >= revision:
+            return False
+        self.tombstones[name] = max(revision, self.tombstones.get(name, 0))
+        if held is None:
+            return False
+        del self.objects[name]
+        self.odd_subjects.pop(name, None)
+        self._unmap_nuid(held)
+        self._unplace(held)
+        self._retry_hidden()
+        return True
+
+    def remove_if(self, name: str, revision: int) -> bool:
+        """`remove(name)` only if the index still holds it at `revision` (nothing newer arrived)."""
+        held = self.objects.get(name)
+        if held is None or held.revision != revision:
+            return False
+        return self.remove(name)
 
     def clear(self) -> None:
         self.objects.clear()
         self.root = Dir(self.created_ns)
         self.hidden.clear()
         self.escaped.clear()
+        self._by_nuid.clear()
+        self.tombstones.clear()
+        self.purged.clear()
+        self.malformed.clear()
+        self.odd_subjects.clear()
+
+    # ------------------------------------------------------------------ nuids
+    def _map_nuid(self, info: ObjectInfo) -> None:
+        nuid = info.nuid
+        if not nuid:
+            return
+        held = self._by_nuid.get(nuid)
+        if held is None:
+            self._by_nuid[nuid] = info.name
+        elif isinstance(held, str):
+            if held != info.name:
+                self._by_nuid[nuid] = [held, info.name]
+        elif info.name not in held:
+            held.append(info.name)
+
+    def _unmap_nuid(self, info: ObjectInfo) -> None:
+        nuid = info.nuid
+        if not nuid:
+            return
+        held = self._by_nuid.get(nuid)
+        if held is None:
+            return
+        if isinstance(held, str):
+            if held == info.name:
+                del self._by_nuid[nuid]
+            return
+        if info.name in held:
+            held.remove(info.name)
+        if len(held) == 1:
+            self._by_nuid[nuid] = held[0]
+        elif not held:
+            del self._by_nuid[nuid]
 
     # ------------------------------------------------------------------ placement
     def _changed(self, path: Path) -> None:
@@ -236,3 +358,42 @@ class BucketIndex:
         assert isinstance(node, Dir)
         existing = node.children.get(path[-1])
         return existing is None or (marker and isinstance(existing, Dir))
+
+
+def same_version(a: ObjectInfo, b: ObjectInfo) -> bool:
+    """Whether two metas show the same thing (the revision aside: a recreated stream renumbers)."""
+    return (a is b or (a.name == b.name and a.nuid == b.nuid and a.size == b.size and a.chunks == b.chunks
+                       and a.digest == b.digest and a.mtime_ns == b.mtime_ns and a.link == b.link
+                       and a.attrs == b.attrs and a.deleted == b.deleted))
+
+
+def changed_paths(old: Dir, new: Dir) -> list[Path]:
+    """Paths whose entry differs between two trees: appeared, vanished, changed kind or version.
+
+    Directories present in both are compared entry by entry (and reported themselves when their marker
+    changed); a vanished or replaced directory is reported once, not its contents.
+    """
+    out: list[Path] = []
+    stack: list[tuple[Path, Dir, Dir]] = [((), old, new)]
+    while stack:
+        prefix, a, b = stack.pop()
+        if a is b:
+            continue
+        if prefix and (a.marker is not b.marker and (a.marker is None or b.marker is None
+                                                     or not same_version(a.marker, b.marker))):
+            out.append(prefix)
+        bc = b.children
+        for name, x in a.children.items():
+            y = bc.get(name)
+            if y is None:
+                out.append((*prefix, name))
+            elif isinstance(x, Dir):
+                if isinstance(y, Dir):
+                    stack.append(((*prefix, name), x, y))
+                else:
+                    out.append((*prefix, name))
+            elif isinstance(y, Dir) or not same_version(x, y):
+                out.append((*prefix, name))
+        ac = a.children
+        out.extend((*prefix, name) for name in bc if name not in ac)
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,13 +77,27 @@ class JetStreams:
 
     def __init__(self, bridge: Bridge):
         self.bridge = bridge
+        # Open watches, told when the connection comes back (their consumers may be gone).
+        self._watches: weakref.WeakSet[_ConsumerStream] = weakref.WeakSet()
+        previous = bridge.on_reconnect
+
+        def reconnected() -> None:
+            for w in list(self._watches):
+                w.mark_stale()
+            if previous is not None:
+                previous()
+
+        bridge.on_reconnect = reconnected
+
+    async def _api(self, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await _api(self.bridge, subject, body)
 
     # ---------------------------------------------------------------- streams
     async def stream_names(self) -> list[str]:
         names: list[str] = []
         offset = 0
         while True:
-            reply = await self.bridge.api("STREAM.NAMES", {"offset": offset})
+            reply = await self._api("STREAM.NAMES", {"offset": offset})
             page = reply.get("streams") or []
             names.extend(page)
             offset += len(page)
@@ -90,29 +105,58 @@ class JetStreams:
                 return names
 
     async def stream_info(self, name: str) -> StreamState:
+        return await _stream_info(self.bridge, name)
+
+    async def subject_count(self, stream: str, filter_subject: str) -> int:
+        """How many subjects matching `filter_subject` hold messages, without listing them.
+
+        (STREAM.INFO with a subjects filter and an offset past the end: the server still counts, but
+        sends no subject names.)"""
+        reply = await self._stream_api(stream, {"subjects_filter": filter_subject, "offset": 1 << 31})
+        return int(reply.get("total", 0))
+
+    async def subject_counts(self, stream: str, filter_subject: str) -> tuple[dict[str, int], int, bool]:
+        """(message count per subject matching `filter_subject`, the stream's last sequence when listed,
+        whether the listing is one snapshot). Large listings come in pages of up to 100 000 subjects,
+        which are not one snapshot."""
+        counts: dict[str, int] = {}
+        offset, pages, last_seq = 0, 0, 0
+        while True:
+            reply = await self._stream_api(stream, {"subjects_filter": filter_subject, "offset": offset})
+            state = reply.get("state") or {}
+            page = state.get("subjects") or {}
+            if not pages:
+                last_seq = int(state.get("last_seq", 0))
+            pages += 1
+            counts.update(page)
+            offset += len(page)
+            if not page or offset >= int(reply.get("total", 0)):
+                return counts, last_seq, pages == 1
+
+    async def _stream_api(self, stream: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            return _stream_state(await self.bridge.api(f"STREAM.INFO.{name}"))
+            return await _api(self.bridge, f"STREAM.INFO.{stream}", body, max(self.bridge.request_timeout, 30.0))
         except JetStreamAPIError as e:
             if e.err_code == ERR_STREAM_NOT_FOUND or e.code == 404:
-                raise NotFound(f"no stream {name}") from None
+                raise NotFound(f"no stream {stream}") from None
             raise
 
     async def create_stream(self, config: dict[str, Any]) -> StreamState:
-        return _stream_state(await self.bridge.api(f"STREAM.CREATE.{config['name']}", config))
+        return _stream_state(await self._api(f"STREAM.CREATE.{config['name']}", config))
 
     async def update_stream(self, config: dict[str, Any]) -> StreamState:
-        return _stream_state(await self.bridge.api(f"STREAM.UPDATE.{config['name']}", config))
+        return _stream_state(await self._api(f"STREAM.UPDATE.{config['name']}", config))
 
     async def delete_stream(self, name: str) -> None:
         try:
-            await self.bridge.api(f"STREAM.DELETE.{name}")
+            await self._api(f"STREAM.DELETE.{name}")
         except JetStreamAPIError as e:
             if e.err_code == ERR_STREAM_NOT_FOUND or e.code == 404:
                 raise NotFound(f"no stream {name}") from None
             raise
 
     async def account_limits(self) -> AccountLimits:
-        info = await self.bridge.api("INFO")
+        info = await self._api("INFO")
         limits = info.get("limits") or {}
         return AccountLimits(
             max_storage=int(limits.get("max_storage", -1)),
@@ -143,7 +187,7 @@ class JetStreams:
         return seqs
 
     async def purge_subject(self, stream: str, subject: str) -> None:
-        await self.bridge.api(f"STREAM.PURGE.{stream}", {"filter": subject})
+        await self._api(f"STREAM.PURGE.{stream}", {"filter": subject})
 
     async def last_msg(self, stream: str, subject: str) -> StoredMsg | None:
         m = await self.bridge.request(f"$JS.API.DIRECT.GET.{stream}.{subject}")
@@ -198,7 +242,8 @@ class JetStreams:
     async def watch(self, stream: str, filter_subject: str, *, last_per_subject: bool = True) -> _ConsumerStream:
         w = _ConsumerStream(self.bridge, stream, filter_subject,
                             deliver_policy="last_per_subject" if last_per_subject else "all")
-        await w.start()
+        await w.start(stream_created_ns=(await self.stream_info(stream)).created_ns)
+        self._watches.add(w)
         return w
 
 
@@ -247,8 +292,11 @@ class _ConsumerStream:
     """An ordered push consumer: delivers every message in order, re-created on gaps and stalls.
 
     After a re-creation it resumes at the stream sequence after the last one delivered, so the
-    consumer of this stream never sees a message twice or misses one (unless the stream itself
-    lost it, in which case `reset` is reported and delivery starts over).
+    consumer of this stream never sees a message twice or misses one. When resuming is not sound
+    (the stream was deleted and created again, or lost the messages after the last one delivered, as
+    a server restarted with a memory store does) it starts over from the beginning and the next batch
+    says `reset`. Server and connection trouble never escapes `next_batch`: it is logged and retried
+    with a backoff while the batches come back empty; only a stream that is gone raises `NotFound`.
     """
 
     def __init__(self, bridge: Bridge, stream: str, filter_subject: str, *, deliver_policy: str,
@@ -259,29 +307,68 @@ class _ConsumerStream:
         self.deliver_policy = deliver_policy
         self.headers_only = headers_only
         self.caught_up = False
+        self.resets = 0
         self._sub: Subscription | None = None
         self._consumer: str | None = None
         self._cseq = 0
         self._last_sseq = 0
+        self._stream_created_ns = 0
         self._last_activity = time.monotonic()
         self._pending_reset = False
+        self._stale = False  # re-create before waiting again (the connection was re-established)
+        self._failures = 0
+        self._retry_at = 0.0
+        self._closed = False
 
     def idle_for(self) -> float:
         return time.monotonic() - self._last_activity
 
-    async def start(self) -> None:
+    def mark_stale(self) -> None:
+        """The connection was re-established: the consumer may be gone with the server; re-create it."""
+        self._stale = True
+        if self._sub is not None:
+            self._sub.interrupt()
+
+    async def start(self, *, stream_created_ns: int = 0) -> None:
+        """Create the consumer; `stream_created_ns` (the stream's creation time) lets a later resume
+        notice that the stream was deleted and created again in between."""
+        self._stream_created_ns = stream_created_ns
         await self._create(resume=False)
+
+    async def _resume_is_sound(self) -> bool:
+        """Whether the stream still holds everything after the last message delivered."""
+        st = await _stream_info(self.bridge, self.stream)
+        why = ""
+        if self._stream_created_ns and st.created_ns and st.created_ns != self._stream_created_ns:
+            why = "the stream was created again"
+        elif st.last_seq < self._last_sseq:
+            why = f"the stream ends at {st.last_seq}, before {self._last_sseq} which was delivered"
+        elif st.messages and st.first_seq > self._last_sseq + 1:
+            why = f"the stream lost messages {self._last_sseq + 1}..{st.first_seq - 1}"
+        if st.created_ns:
+            self._stream_created_ns = st.created_ns
+        if why:
+            log.warning("watch %s: %s; starting over", self.filter_subject, why)
+            return False
+        return True
 
     async def _create(self, *, resume: bool) -> None:
         if self._sub is not None:
             await self._drop()
+        if resume and self._last_sseq and not await self._resume_is_sound():
+            resume = False
+            self._last_sseq = 0
+            self._pending_reset = True
+            self.caught_up = False
+            self.resets += 1
         inbox = self.bridge.new_inbox()
-        self._sub = await self.bridge.subscribe(inbox)
+        self._sub = await self.bridge.subscribe(inbox, paced=True)
         config: dict[str, Any] = {
             "deliver_subject": inbox,
             "filter_subject": self.filter_subject,
             "ack_policy": "none",
             "replay_policy": "instant",
+            "flow_control": True,
             "idle_heartbeat": int(HEARTBEAT_S * 1e9),
             "mem_storage": True,
             "num_replicas": 1,
@@ -295,18 +382,19 @@ class _ConsumerStream:
         else:
             config["deliver_policy"] = self.deliver_policy
         try:
-            info = await self.bridge.api(f"CONSUMER.CREATE.{self.stream}",
-                                         {"stream_name": self.stream, "config": config})
-        except JetStreamAPIError as e:
-            await self._sub.unsubscribe()
-            self._sub = None
-            if e.err_code == ERR_STREAM_NOT_FOUND or e.code == 404:
+            info = await _api(self.bridge, f"CONSUMER.CREATE.{self.stream}",
+                              {"stream_name": self.stream, "config": config})
+        except BaseException as e:
+            sub, self._sub = self._sub, None
+            with trio.CancelScope(shield=True):
+                await sub.unsubscribe()
+            if isinstance(e, JetStreamAPIError) and (e.err_code == ERR_STREAM_NOT_FOUND or e.code == 404):
                 raise NotFound(f"no stream {self.stream}") from None
             raise
         self._consumer = info["name"]
         self._cseq = 0
         self._last_activity = time.monotonic()
-        if int(info.get("num_pending", 0)) == 0 and not resume:
+        if int(info.get("num_pending", 0)) == 0 and not (resume and self._last_sseq):
             self.caught_up = True
 
     async def _drop(self) -> None:
@@ -317,11 +405,12 @@ class _ConsumerStream:
         if name is not None:
             try:
                 with trio.move_on_after(2):
-                    await self.bridge.api(f"CONSUMER.DELETE.{self.stream}.{name}")
+                    await _api(self.bridge, f"CONSUMER.DELETE.{self.stream}.{name}")
             except NatsFSError:
                 pass  # it expires by itself (inactive_threshold)
 
     async def close(self) -> None:
+        self._closed = True
         with trio.CancelScope(shield=True):
             await self._drop()
 
@@ -329,15 +418,47 @@ class _ConsumerStream:
         """Resume from the last delivered sequence with a fresh consumer (after a gap, stall or reconnect)."""
         await self._create(resume=bool(self._last_sseq))
 
+    async def _try_recreate(self, why: str) -> bool:
+        """Re-create the consumer; False (logged, retried later with a backoff) when the server is not
+        answering. `NotFound` (the stream is gone) is raised."""
+        try:
+            await self.recreate()
+        except NotFound:
+            raise
+        except NatsFSError as e:
+            self._failures += 1
+            level = logging.WARNING if self._failures == 1 else logging.DEBUG
+            log.log(level, "watch %s: could not re-create the consumer (%s): %s; retrying",
+                    self.filter_subject, why, e)
+            self._retry_at = time.monotonic() + min(5.0, 0.5 * 2 ** min(self._failures, 4))
+            self._last_activity = time.monotonic()
+            return False
+        if self._failures:
+            log.warning("watch %s: consumer re-created after %d failed attempts", self.filter_subject,
+                        self._failures)
+        self._failures = 0
+        self._stale = False
+        return True
+
     async def next_batch(self, timeout: float | None = None) -> WatchBatch:
         out = WatchBatch()
+        wait = STALL_S if timeout is None else min(timeout, STALL_S)
+        if self._closed:
+            out.caught_up = self.caught_up
+            return out
+        if self._stale or self._sub is None:
+            now = time.monotonic()
+            if now < self._retry_at:
+                await trio.sleep(min(self._retry_at - now, wait))
+                out.caught_up = self.caught_up
+                return out
+            if not await self._try_recreate("reconnected" if self._stale else "no consumer"):
+                out.caught_up = self.caught_up
+                return out
         if self._pending_reset:
             self._pending_reset = False
             out.reset = True
-        if self._sub is None:
-            await self.recreate()
         assert self._sub is not None
-        wait = STALL_S if timeout is None else min(timeout, STALL_S)
         msgs = await self._sub.next_batch(wait)
         if msgs:
             self._last_activity = time.monotonic()
@@ -348,7 +469,8 @@ class _ConsumerStream:
                     if last_c is not None and int(last_c) != self._cseq:
                         log.info("watch %s: heartbeat shows missed messages; re-creating consumer",
                                  self.filter_subject)
-                        await self.recreate()
+                        await self._try_recreate("missed messages")
+                        out.caught_up = self.caught_up and not self._pending_reset
                         return out
                 continue
             if not m.reply.startswith("$JS.ACK."):
@@ -357,26 +479,38 @@ class _ConsumerStream:
             if cseq != self._cseq + 1:
                 log.info("watch %s: consumer sequence gap (%d after %d); re-creating", self.filter_subject,
                          cseq, self._cseq)
-                await self.recreate()
+                await self._try_recreate("sequence gap")
+                out.caught_up = self.caught_up and not self._pending_reset
                 return out
             self._cseq = cseq
             self._last_sseq = sseq
-            headers = m.headers
-            if headers is not None:
-                headers = {k: v for k, v in headers.items() if k != "Nats-Msg-Size" or self.headers_only}
-            out.msgs.append(StoredMsg(sseq, m.subject, headers or None, m.data, ts))
+            # (Nats-Msg-Size only comes with headers-only deliveries, where it is wanted.)
+            out.msgs.append(StoredMsg(sseq, m.subject, m.headers or None, m.data, ts))
             if pending == 0:
                 self.caught_up = True
         if self.caught_up:
             out.caught_up = True
-        if not msgs and self.idle_for() > STALL_S:
+        if not msgs and not self._stale and self.idle_for() > STALL_S:
             log.warning("watch %s: no heartbeat for %.1fs; re-creating consumer", self.filter_subject,
                         self.idle_for())
-            try:
-                await self.recreate()
-            except NotFound:
-                raise
-            except NatsFSError as e:
-                log.warning("watch %s: re-create failed: %s", self.filter_subject, e)
-                self._last_activity = time.monotonic()
+            await self._try_recreate("stalled")
         return out
+
+
+async def _api(bridge: Bridge, subject: str, body: dict[str, Any] | None = None,
+               timeout: float | None = None) -> dict[str, Any]:
+    """`bridge.api`, where "no responders" means JetStream is not answering (`Unavailable`), not that
+    something does not exist: only an error reply from the server says that."""
+    try:
+        return await bridge.api(subject, body, timeout)
+    except NotFound as e:
+        raise Unavailable(f"JetStream API {subject}: {e}") from None
+
+
+async def _stream_info(bridge: Bridge, name: str) -> StreamState:
+    try:
+        return _stream_state(await _api(bridge, f"STREAM.INFO.{name}"))
+    except JetStreamAPIError as e:
+        if e.err_code == ERR_STREAM_NOT_FOUND or e.code == 404:
+            raise NotFound(f"no stream {name}") from None
+        raise

@@ -2,8 +2,9 @@
 
 pyfuse3's invalidate calls block until the kernel has dropped what it held, and the kernel may need
 to wait for a FUSE request of ours to finish first, so calling them on the trio thread can deadlock.
-`KernelNotifier` queues invalidations and runs them one by one on a worker thread. Without a mounted
-kernel (tests of the operations class) it just records them.
+`KernelNotifier` queues invalidations and runs them one by one on a worker thread; one already
+waiting in the queue is not queued twice (a burst of changes to one entry costs one invalidation).
+Without a mounted kernel (tests of the operations class) it just records them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class KernelNotifier:
         self._send, self._recv = trio.open_memory_channel[tuple[str, int, bytes | None]](math.inf)
         self.running = False
         self.sent: list[tuple[str, int, bytes | None]] = []  # what was asked, for tests
+        self._waiting: set[tuple[str, int, bytes | None]] = set()
+        self.done = 0  # invalidations the kernel was asked for
 
     def start(self, nursery: trio.Nursery) -> None:
         self.running = True
@@ -40,11 +43,15 @@ class KernelNotifier:
         self.sent.append(item)
         if len(self.sent) > 1000:
             del self.sent[:500]
-        if self.running:
+        if self.running and item not in self._waiting:
+            self._waiting.add(item)
             self._send.send_nowait(item)
 
     async def _run(self) -> None:
-        async for kind, ino, name in self._recv:
+        async for item in self._recv:
+            self._waiting.discard(item)
+            kind, ino, name = item
+            self.done += 1
             try:
                 if kind == "entry":
                     assert name is not None

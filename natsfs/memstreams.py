@@ -379,6 +379,18 @@ class MemoryStreams:
         st = self._get(stream)
         return [(seq, len(st.msgs[seq].data)) for seq in st.by_subject.get(subject, [])]
 
+    async def subject_count(self, stream: str, filter_subject: str) -> int:
+        """How many subjects matching `filter_subject` hold messages (as `JetStreams.subject_count`)."""
+        await self._enter("subject_count")
+        return sum(1 for s in self._get(stream).by_subject if subject_matches(filter_subject, s))
+
+    async def subject_counts(self, stream: str, filter_subject: str) -> tuple[dict[str, int], int, bool]:
+        """(messages per matching subject, last sequence, one snapshot) as `JetStreams.subject_counts`."""
+        await self._enter("subject_counts")
+        st = self._get(stream)
+        counts = {s: len(q) for s, q in st.by_subject.items() if subject_matches(filter_subject, s)}
+        return counts, st.last_seq, True
+
     async def watch(self, stream: str, filter_subject: str, *, last_per_subject: bool = True) -> MemoryWatch:
         await self._enter("watch")
         return MemoryWatch(self, self._get(stream), filter_subject, last_per_subject)

@@ -1,9 +1,11 @@
 """The mount's tree: buckets at the root (or one bucket as the root), each bucket's live index.
 
 `Namespace` turns a mount-relative path into a `Node` and lists directories, always from memory
-once a bucket's index is loaded. It loads an index on first use, with one ordered consumer per bucket
-that first delivers the last meta of every object and then keeps delivering changes, which are applied
-to the index as they arrive. The set of buckets is refreshed by polling the stream list.
+once a bucket's index is loaded. A bucket's index is loaded on first use and then kept current by a
+`natsfs.watcher.BucketWatcher` (an ordered consumer on the bucket's metas, plus the checks for what a
+consumer never delivers). The set of buckets is refreshed by polling the stream list every
+`poll_interval` seconds (and on every listing of the root); a bucket that vanished from the list is
+confirmed gone before its directory is dropped and its watch stopped.
 """
 
 from __future__ import annotations
@@ -12,19 +14,22 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
-from .adr20 import ObjectInfo, ObjectStore, parse_meta, valid_bucket_name
-from .errors import MalformedMeta, NatsFSError, NotADirectory, NotFound
+from .adr20 import ObjectInfo, ObjectStore, valid_bucket_name
+from .errors import NatsFSError, NotADirectory, NotFound
 from .index import BucketIndex, Dir
-from .streams import StoredMsg
+from .watcher import RECONCILE_S, BucketWatcher, summary
 
 log = logging.getLogger(__name__)
 
 Path = tuple[str, ...]
 
 ROOT, BUCKET, DIR, FILE, LINK = "root", "bucket", "dir", "file", "link"
+# Seconds between two polls of the stream list (new and removed buckets at the root).
+BUCKET_POLL_S = 2.0
 
 
 @dataclass(slots=True)
@@ -37,23 +42,15 @@ class Node:
     mtime_ns: int = 0
 
 
-class _Loaded:
-    """One bucket's index and the state of its loader."""
-
-    def __init__(self, bucket: str):
-        self.index = BucketIndex(bucket)
-        self.ready = trio.Event()
-        self.error: NatsFSError | None = None
-        self.cancel = trio.CancelScope()
-
-
 class Namespace:
-    def __init__(self, store: ObjectStore, *, bucket: str | None = None, poll_interval: float = 2.0):
+    def __init__(self, store: ObjectStore, *, bucket: str | None = None, poll_interval: float = BUCKET_POLL_S,
+                 reconcile_interval: float = RECONCILE_S):
         self.store = store
         self.single_bucket = bucket
         self.poll_interval = poll_interval
+        self.reconcile_interval = reconcile_interval
         self.started_ns = time.time_ns()
-        self._buckets: dict[str, _Loaded] = {}
+        self._buckets: dict[str, BucketWatcher] = {}
         self._bucket_names: set[str] = set()
         self._nursery: trio.Nursery | None = None
         # Called with (bucket, path inside bucket) of every entry that changed, and with
@@ -68,10 +65,25 @@ class Namespace:
             await self.refresh_buckets()
             nursery.start_soon(self._poll_buckets)
 
+    def stats(self) -> dict[str, Any]:
+        """Counters of the bucket watchers (for the stats xattr)."""
+        return summary(list(self._buckets.values())) | {"buckets_watched": len(self._buckets)}
+
     # ------------------------------------------------------------------ buckets
     async def refresh_buckets(self) -> set[str]:
         names = set(await self.store.list_buckets())
         added, removed = names - self._bucket_names, self._bucket_names - names
+        for b in list(removed):
+            # A listing can miss a stream (a server still starting): drop a bucket only when the
+            # server says it does not exist.
+            try:
+                await self.store.bucket_status(b)
+            except NotFound:
+                continue
+            except NatsFSError:
+                pass
+            removed.discard(b)
+            names.add(b)
         self._bucket_names = names
         for b in removed:
             self._drop(b)
@@ -89,9 +101,22 @@ class Namespace:
                 log.debug("bucket poll failed: %s", e)
 
     def _drop(self, bucket: str) -> None:
-        loaded = self._buckets.pop(bucket, None)
-        if loaded is not None:
-            loaded.cancel.cancel()
+        watcher = self._buckets.pop(bucket, None)
+        if watcher is not None:
+            log.info("bucket %s is gone; its watch stops", bucket)
+            watcher.cancel.cancel()
+
+    def _gone(self, watcher: BucketWatcher) -> None:
+        """The watcher of a loaded bucket found the bucket deleted."""
+        bucket = watcher.bucket
+        if self._buckets.get(bucket) is watcher:
+            del self._buckets[bucket]
+        self._bucket_names.discard(bucket)
+        if self.on_change is not None:
+            if self.single_bucket is not None:
+                for name in list(watcher.index.root.children):
+                    self.on_change(bucket, (name,))
+            self.on_change(bucket, None)
 
     async def bucket_exists(self, bucket: str) -> bool:
         if bucket in self._bucket_names:
@@ -110,78 +135,29 @@ class Namespace:
 
     # ------------------------------------------------------------------ indexes
     async def index(self, bucket: str) -> BucketIndex:
-        loaded = self._buckets.get(bucket)
-        if loaded is None:
-            loaded = _Loaded(bucket)
-            self._buckets[bucket] = loaded
+        watcher = self._buckets.get(bucket)
+        if watcher is None:
+            watcher = BucketWatcher(self.store, bucket, on_change=lambda path: self._changed(bucket, path),
+                                    on_gone=self._gone, reconcile_interval=self.reconcile_interval,
+                                    default_created_ns=self.started_ns)
+            self._buckets[bucket] = watcher
             assert self._nursery is not None, "Namespace.start() was not called"
-            self._nursery.start_soon(self._watch, loaded)
-        await loaded.ready.wait()
-        if loaded.error is not None:
-            if self._buckets.get(bucket) is loaded:
+            self._nursery.start_soon(watcher.run)
+        await watcher.ready.wait()
+        if watcher.error is not None or watcher.gone:
+            if self._buckets.get(bucket) is watcher:
                 del self._buckets[bucket]
-            raise loaded.error
-        return loaded.index
+            raise watcher.error or NotFound(f"no bucket {bucket!r}")
+        return watcher.index
 
     def loaded_index(self, bucket: str) -> BucketIndex | None:
-        loaded = self._buckets.get(bucket)
-        return loaded.index if loaded is not None and loaded.ready.is_set() and loaded.error is None else None
+        watcher = self._buckets.get(bucket)
+        if watcher is None or not watcher.ready.is_set() or watcher.error is not None or watcher.gone:
+            return None
+        return watcher.index
 
-    async def _watch(self, loaded: _Loaded) -> None:
-        bucket = loaded.index.bucket
-        index = loaded.index
-        with loaded.cancel:
-            try:
-                status = await self.store.bucket_status(bucket)
-                index.created_ns = index.root.mtime_ns = status.created_ns or self.started_ns
-                watch = await self.store.watch_metas(bucket)
-            except NatsFSError as e:
-                loaded.error = e
-                loaded.ready.set()
-                return
-            index.on_change = lambda path: self._changed(bucket, path)
-            started = time.monotonic()
-            try:
-                while True:
-                    batch = await watch.next_batch(timeout=1.0)
-                    if batch.reset:
-                        index.clear()
-                    for m in batch.msgs:
-                        self._apply(index, m)
-                    if batch.caught_up and not loaded.ready.is_set():
-                        log.info("bucket %s: %d objects indexed in %.2fs", bucket, len(index),
-                                 time.monotonic() - started)
-                        loaded.ready.set()
-            except NotFound:
-                log.warning("bucket %s was deleted", bucket)
-                self._bucket_names.discard(bucket)
-                if self._buckets.get(bucket) is loaded:
-                    del self._buckets[bucket]
-                if self.on_change is not None:
-                    self.on_change(bucket, None)
-            except NatsFSError as e:
-                log.error("bucket %s: index watch failed: %s", bucket, e)
-                if not loaded.ready.is_set():
-                    loaded.error = e
-                if self._buckets.get(bucket) is loaded:
-                    del self._buckets[bucket]
-            finally:
-                loaded.ready.set()
-                with trio.CancelScope(shield=True):
-                    await watch.close()
-
-    def _apply(self, index: BucketIndex, m: StoredMsg) -> None:
-        try:
-            info = parse_meta(index.bucket, m)
-        except MalformedMeta as e:
-            log.warning("bucket %s: skipping malformed meta: %s", index.bucket, e)
-            return
-        except Exception:
-            # Bad input is normal input: one meta must never stop the bucket's index.
-            log.exception("bucket %s: skipping meta %s (seq %d) that could not be parsed", index.bucket,
-                          m.subject, m.seq)
-            return
-        index.apply(info)
+    def watcher(self, bucket: str) -> BucketWatcher | None:
+        return self._buckets.get(bucket)
 
     def _changed(self, bucket: str, path: Path) -> None:
         if self.on_change is not None:

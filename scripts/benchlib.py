@@ -327,6 +327,104 @@ async def raw_direct_get(nc: Any, bucket: str, nuid: str, *, batch: int = 64, ch
     return state["bytes"], state["n"], requests, elapsed
 
 
+# ---------------------------------------------------------------------------------------------- other clients
+class Publisher:
+    """Another client that stays connected: a nats-py connection on its own asyncio thread, so changes
+    can be timed from this (synchronous) process without paying a connect per change."""
+
+    def __init__(self, url: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="publisher", daemon=True)
+        self.thread.start()
+        self.nc = self.call(_connect(url))
+        self.js = self.nc.jetstream(publish_async_max_pending=4096)
+
+    def call(self, coro: Any, timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call(self.nc.close(), 10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def meta_json(bucket: str, name: str, nuid: str, size: int, chunks: int, digest: str, deleted: bool = False) -> bytes:
+    """A meta as nats.go writes it (compact JSON, zero mtime)."""
+    doc: dict[str, Any] = {"name": name, "bucket": bucket, "nuid": nuid, "size": size,
+                           "mtime": "0001-01-01T00:00:00Z", "chunks": chunks}
+    if digest:
+        doc["digest"] = digest
+    if deleted:
+        doc["deleted"] = True
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _digest(data: bytes) -> str:
+    return "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+
+
+async def put_chunks(js: Any, bucket: str, nuid: str, data: bytes) -> int:
+    """The chunks of a small object (one per 128 KiB); the number of chunks."""
+    n = 0
+    for i in range(0, len(data), CHUNK):
+        await js.publish(f"$O.{bucket}.C.{nuid}", data[i : i + CHUNK])
+        n += 1
+    return n
+
+
+async def put_meta(js: Any, bucket: str, name: str, nuid: str, data: bytes, chunks: int) -> None:
+    """The meta that makes a put visible (after its chunks), with `Nats-Rollup: sub`; waits for the ack."""
+    await js.publish(f"$O.{bucket}.M.{encode_name(name)}",
+                     meta_json(bucket, name, nuid, len(data), chunks, _digest(data)), headers={"Nats-Rollup": "sub"})
+
+
+async def delete_meta(js: Any, bucket: str, name: str, nuid: str) -> None:
+    """nats.go's Delete, first step: the tombstone (visible at once); the chunks are purged after."""
+    await js.publish(f"$O.{bucket}.M.{encode_name(name)}", meta_json(bucket, name, nuid, 0, 0, "", deleted=True),
+                     headers={"Nats-Rollup": "sub"})
+
+
+async def purge_chunks(js: Any, bucket: str, nuid: str) -> None:
+    await js.purge_stream(f"OBJ_{bucket}", subject=f"$O.{bucket}.C.{nuid}")
+
+
+async def populate_metas(nc: Any, bucket: str, names: Sequence[str], window: int = 8192) -> float:
+    """Publish metas under `names` as nats.go would for small objects (fresh nuid, a size of 1-4 KiB in
+    one chunk, a distinct digest, `options.max_chunk_size`), acks pipelined; the seconds it took.
+
+    Only the metas are published (no chunk data): enough for listings, which is what they are for."""
+    from nats.nuid import NUID
+
+    js = nc.jetstream(publish_async_max_pending=window)
+    nuid = NUID()
+    t0 = time.perf_counter()
+    futures: list[Any] = []
+    for i, name in enumerate(names):
+        digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(name.encode()).digest()).decode()
+        doc = {"name": name, "options": {"max_chunk_size": CHUNK}, "bucket": bucket, "nuid": nuid.next().decode(),
+               "size": 1024 + i % 3072, "mtime": "0001-01-01T00:00:00Z", "chunks": 1, "digest": digest}
+        meta = json.dumps(doc, separators=(",", ":")).encode()
+        futures.append(await js.publish_async(f"$O.{bucket}.M.{encode_name(name)}", meta,
+                                              headers={"Nats-Rollup": "sub"}, wait_stall=60))
+        if len(futures) >= window:
+            await asyncio.gather(*futures)
+            futures.clear()
+    await asyncio.gather(*futures)
+    return time.perf_counter() - t0
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, poll: float = 0.0005) -> float | None:
+    """Seconds until `pred()` holds (polled every `poll` s), or None after `timeout`."""
+    t0 = time.perf_counter()
+    while True:
+        if pred():
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout:
+            return None
+        time.sleep(poll)
+
+
 # ---------------------------------------------------------------------------------------------- processes
 def rss_kib(pid: int) -> tuple[int, int]:
     """(VmRSS, VmHWM) of `pid` in KiB; (0, 0) if it is gone."""

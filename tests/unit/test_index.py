@@ -245,3 +245,68 @@ def test_escaped_set_forgets_a_hidden_escaped_object_when_deleted():
     assert "." in idx.hidden
     idx.apply(obj(".", deleted=True))
     assert "." not in idx.escaped
+
+
+# ---------------------------------------------------------------- what the watcher relies on
+def test_names_sharing_a_nuid_are_tracked():
+    idx, _ = make(obj("a", nuid="N1"), obj("b", nuid="N2"))
+    assert idx.names_with_nuid("N1") == ["a"]
+    idx.apply(obj("renamed", nuid="N1"))  # first step of a rename by another client
+    assert idx.names_with_nuid("N1") == ["a", "renamed"]
+    assert idx.remove("a")
+    assert idx.names_with_nuid("N1") == ["renamed"]
+    idx.apply(obj("renamed", nuid="N3"))  # overwritten: a new nuid
+    assert idx.names_with_nuid("N1") == [] and idx.names_with_nuid("N3") == ["renamed"]
+    idx.apply(obj("b", deleted=True))
+    assert idx.names_with_nuid("N2") == []
+    assert idx.names_with_nuid("") == []
+
+
+def test_a_stale_message_never_resurrects_a_deleted_or_purged_name():
+    idx, _ = make(obj("f", rev=10))
+    assert idx.apply(obj("f", deleted=True, rev=20))
+    assert not idx.apply(obj("f", rev=15))  # delivered late, older than the tombstone
+    assert idx.get(("f",)) is None and idx.tombstones == {"f": 20}
+    assert idx.apply(obj("f", rev=30))  # a real new version
+    assert idx.tombstones == {}
+    assert idx.remove("f")
+    assert not idx.apply(obj("f", rev=30))
+    assert idx.apply(obj("f", rev=31))
+
+
+def test_remove_if_only_drops_the_revision_it_was_asked_about():
+    idx, _ = make(obj("f", rev=10))
+    assert not idx.remove_if("f", 9)
+    assert idx.remove_if("f", 10)
+    assert not idx.remove_if("f", 10)
+
+
+def test_forget_applies_a_deletion_known_only_by_revision():
+    idx, changes = make(obj("d/f", rev=10), obj("g", rev=11))
+    changes.clear()
+    assert not idx.forget("g", 5)  # older than what is shown
+    assert idx.forget("d/f", 12)
+    assert tree(idx.root) == {"g": "g"} and idx.tombstones == {"d/f": 12}
+    assert changes == [("d", "f"), ("d",)]
+
+
+def test_meta_subject_count_covers_live_tombstones_and_malformed():
+    idx, _ = make(obj("a"), obj("b"), obj("x" * 300))
+    idx.apply(obj("b", deleted=True))
+    idx.malformed.add("$O.b.M.garbage")
+    assert idx.meta_subject_count() == 4  # a, the hidden one, b's tombstone, the garbage
+
+
+def test_changed_paths_between_two_trees():
+    from natsfs.index import changed_paths
+
+    same = obj("keep/same", rev=1)
+    old, _ = make(same, obj("keep/changed", rev=2), obj("gone/deep/f", rev=3), obj("kind", rev=4),
+                  obj("m/", size=0, rev=5))
+    new, _ = make(obj("keep/same", rev=101, nuid=same.nuid), obj("keep/changed", size=9, rev=102),
+                  obj("kind/now-a-dir", rev=103), obj("fresh/x", rev=104), obj("m/", size=0, rev=105))
+    # Same version under a new revision (a recreated stream) is not a change; a marker's mtime is.
+    new.objects["keep/same"].mtime_ns = same.mtime_ns
+    assert sorted(changed_paths(old.root, new.root)) == [
+        ("fresh",), ("gone",), ("keep", "changed"), ("kind",), ("m",)]
+    assert changed_paths(old.root, old.root) == []

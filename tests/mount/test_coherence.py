@@ -1,0 +1,269 @@
+"""Live coherence through a real mount: other clients change the bucket while the mount is up.
+
+Other clients are nats-py (its ObjectStore), raw publishes, and the nats.go-style fixture writers of
+`natsfs.memstreams` over our own JetStream layer. Outcomes are asserted loosely: every change must show
+up eventually (generous timeouts), never how fast; the bench measures the latency.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import time
+
+import pytest
+from helpers import create_bucket, nats_py_put, raw_put, wait_for, with_nats, with_store
+
+from natsfs.adr20 import meta_subject, stream_name
+from natsfs.memstreams import delete_object, put_link, put_object, rename_object
+
+T = 30.0  # seconds any change may take to show on a loaded machine (the target is well under 1 s)
+
+
+def read_or_none(p) -> bytes | None:
+    try:
+        return p.read_bytes()
+    except OSError:
+        return None
+
+
+def exists(p) -> bool:
+    try:
+        os.stat(p)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def fixture_call(url: str, fn, *args):
+    """Run one of natsfs.memstreams's nats.go-style writers against the real server."""
+    return with_store(url, lambda store: fn(store.streams, *args))
+
+
+def test_puts_overwrites_deletes_and_links_by_other_clients_show_up(nats_url, bucket_name, mounter):
+    nats_py_put(nats_url, bucket_name, "dir/a.txt", b"first version\n")
+    m = mounter(nats_url)
+    b = m.path / bucket_name
+    a = b / "dir" / "a.txt"
+    # Read it: the kernel now caches its entry, attributes (60 s) and pages.
+    assert a.read_bytes() == b"first version\n"
+    assert a.stat().st_size == 14
+
+    # A new object appears (in listings and by name).
+    nats_py_put(nats_url, bucket_name, "dir/new.txt", b"new")
+    assert wait_for(lambda: "new.txt" in os.listdir(b / "dir"), T)
+    assert (b / "dir" / "new.txt").read_bytes() == b"new"
+
+    # An overwrite: never the old bytes once it is visible, despite the kernel's long timeouts.
+    nats_py_put(nats_url, bucket_name, "dir/a.txt", b"second, longer version\n")
+    assert wait_for(lambda: read_or_none(a) == b"second, longer version\n", T)
+    assert a.stat().st_size == 23
+
+    # A delete (nats.go style: tombstone, then the chunks are purged): gone from ls, stat is ENOENT.
+    fixture_call(nats_url, delete_object, bucket_name, "dir/a.txt")
+    assert wait_for(lambda: not exists(a), T)
+    with pytest.raises(FileNotFoundError):
+        os.stat(a)
+    assert os.listdir(b / "dir") == ["new.txt"]
+
+    # A new directory and a link, from raw publishes.
+    raw_put(nats_url, bucket_name, "deep/er/raw.bin", [b"r" * 1000, b"s" * 10])
+    fixture_call(nats_url, put_link, bucket_name, "deep/link", bucket_name, "dir/new.txt")
+    assert wait_for(lambda: exists(b / "deep" / "link"), T)
+    assert (b / "deep" / "link").is_symlink() and (b / "deep" / "link").read_bytes() == b"new"
+    assert (b / "deep" / "er" / "raw.bin").read_bytes() == b"r" * 1000 + b"s" * 10
+
+    # The last object of a directory goes: the directory goes too.
+    fixture_call(nats_url, delete_object, bucket_name, "deep/er/raw.bin")
+    assert wait_for(lambda: not exists(b / "deep" / "er"), T)
+    assert os.listdir(b / "deep") == ["link"]
+    assert m.alive
+
+
+def test_unchanged_objects_keep_their_page_cache(nats_url, bucket_name, mounter):
+    nats_py_put(nats_url, bucket_name, "stays.bin", random.Random(1).randbytes(1 << 20))
+    m = mounter(nats_url)
+    p = m.path / bucket_name / "stays.bin"
+    data = p.read_bytes()
+    import json
+
+    def reads() -> int:
+        return json.loads(os.getxattr(m.path, "user.natsfs.stats"))["cache"]["reads"]
+
+    before = reads()
+    for i in range(20):  # changes to other objects of the bucket
+        nats_py_put(nats_url, bucket_name, f"other-{i}", b"x")
+    assert wait_for(lambda: exists(m.path / bucket_name / "other-19"), T)
+    assert p.read_bytes() == data
+    assert reads() == before  # served by the kernel's page cache, not by the daemon
+
+
+def test_rename_by_another_client_moves_the_entry(nats_url, bucket_name, mounter):
+    nats_py_put(nats_url, bucket_name, "old/name.txt", b"renamed content")
+    m = mounter(nats_url)
+    b = m.path / bucket_name
+    assert (b / "old" / "name.txt").read_bytes() == b"renamed content"
+    # nats.go's UpdateMeta: the meta under the new name (same nuid), then a purge of the old meta subject.
+    fixture_call(nats_url, rename_object, bucket_name, "old/name.txt", "new/name.txt")
+    assert wait_for(lambda: exists(b / "new" / "name.txt") and not exists(b / "old"), T)
+    assert (b / "new" / "name.txt").read_bytes() == b"renamed content"
+    assert sorted(os.listdir(b)) == ["new"]
+
+
+def test_raw_purge_of_a_meta_subject_is_noticed(nats_url, bucket_name, mounter):
+    nats_py_put(nats_url, bucket_name, "purged.txt", b"p")
+    nats_py_put(nats_url, bucket_name, "kept.txt", b"k")
+    m = mounter(nats_url)
+    b = m.path / bucket_name
+    assert sorted(os.listdir(b)) == ["kept.txt", "purged.txt"]
+    # No consumer ever delivers a purge: the periodic reconciliation finds it (every few seconds).
+    with_store(nats_url, lambda s: s.streams.purge_subject(stream_name(bucket_name),
+                                                           meta_subject(bucket_name, "purged.txt")))
+    assert wait_for(lambda: not exists(b / "purged.txt"), T)
+    assert os.listdir(b) == ["kept.txt"]
+
+
+def test_buckets_appearing_and_disappearing_at_the_root(nats_url, bucket_name, mounter):
+    m = mounter(nats_url)
+    create_bucket(nats_url, bucket_name)
+    nats_py_put(nats_url, bucket_name, "f", b"in a new bucket", create=False)
+    assert wait_for(lambda: bucket_name in os.listdir(m.path), T)
+    assert (m.path / bucket_name / "f").read_bytes() == b"in a new bucket"  # its index is now watched
+
+    async def delete(nc, js):
+        await js.delete_object_store(bucket_name)
+
+    with_nats(nats_url, delete)
+    assert wait_for(lambda: not exists(m.path / bucket_name), T)
+    assert bucket_name not in os.listdir(m.path)
+    assert wait_for(lambda: f"bucket {bucket_name} was deleted" in m.log()
+                    or f"bucket {bucket_name} is gone" in m.log(), T)
+    assert m.alive
+
+
+# ---------------------------------------------------------------- open files under change
+def _versions(n_chunks: int) -> tuple[bytes, bytes]:
+    rnd = random.Random(n_chunks)
+    old = b"".join(bytes([0x41 + i % 26]) * 131072 for i in range(n_chunks))  # "AAAA...BBBB..."
+    return old, rnd.randbytes(n_chunks * 131072)
+
+
+def _read_on(f, got: list[bytes]) -> bool:
+    """Read `f` to its end into `got`; True if it ended with ESTALE."""
+    while True:
+        try:
+            piece = f.read(1 << 20)
+        except OSError as e:
+            assert e.errno == errno.ESTALE, e
+            return True
+        if not piece:
+            return False
+        got.append(piece)
+
+
+@pytest.mark.parametrize(("cache", "new_size"), [
+    ("256MiB", 64), ("1MiB", 64),
+    ("256MiB", 16),
+])
+def test_a_reader_keeps_its_version_or_gets_estale_never_a_mix(nats_url, bucket_name, mounter, cache, new_size):
+    old, new = _versions(64)  # 8 MiB
+    new = new[: new_size * 131072]  # the same size, or smaller: the reader must not see the new size either
+    nats_py_put(nats_url, bucket_name, "moving.bin", old)
+    m = mounter(nats_url, "--cache-size", cache)
+    p = m.path / bucket_name / "moving.bin"
+    with open(p, "rb", buffering=0) as f:
+        got = [f.read(131072)]
+        opened_mtime = os.fstat(f.fileno()).st_mtime_ns
+        # Another client overwrites it: new chunks, new meta, the old chunks purged.
+        nats_py_put(nats_url, bucket_name, "moving.bin", new)
+        assert wait_for(lambda: os.stat(p).st_mtime_ns != opened_mtime, T)  # the mount has seen it
+        stale = _read_on(f, got)
+    data = b"".join(got)
+    # What the reader got is a prefix of the version it opened: old bytes, then maybe ESTALE.
+    assert data == old[: len(data)]
+    assert stale or data == old
+    assert wait_for(lambda: read_or_none(p) == new, T)  # a new open sees the new version
+    assert m.alive
+
+
+def test_two_readers_of_two_versions_never_see_each_others_bytes(nats_url, bucket_name, mounter):
+    old, new = _versions(64)
+    nats_py_put(nats_url, bucket_name, "moving.bin", old)
+    m = mounter(nats_url)
+    p = m.path / bucket_name / "moving.bin"
+    with open(p, "rb", buffering=0) as f:
+        got = [f.read(131072)]
+        nats_py_put(nats_url, bucket_name, "moving.bin", new)
+        assert wait_for(lambda: read_or_none(p) == new, T)  # a second reader, of the new version
+        stale = _read_on(f, got)
+        assert read_or_none(p) == new
+    data = b"".join(got)
+    assert data == old[: len(data)]
+    assert stale or data == old
+    with open(p, "rb") as g:  # once the old reader is gone, the page cache serves the new version only
+        assert g.read() == new
+
+
+def test_deleted_file_open_for_reading(nats_url, bucket_name, mounter):
+    old, _ = _versions(16)
+    nats_py_put(nats_url, bucket_name, "doomed.bin", old)
+    m = mounter(nats_url, "--cache-size", "1MiB")
+    p = m.path / bucket_name / "doomed.bin"
+    with open(p, "rb", buffering=0) as f:
+        assert f.read(4096) == old[:4096]
+        fixture_call(nats_url, delete_object, bucket_name, "doomed.bin")
+        assert wait_for(lambda: not exists(p), T)
+        got: list[bytes] = []
+        stale = _read_on(f, got)
+        rest = b"".join(got)
+        assert rest == old[4096 : 4096 + len(rest)]
+        assert stale or rest == old[4096:]
+        assert os.fstat(f.fileno()).st_size == len(old)
+
+
+# ---------------------------------------------------------------- the server goes away
+def test_index_survives_a_server_restart(private_server, bucket_name, mounter):
+    url = private_server.url
+    nats_py_put(url, bucket_name, "before.txt", b"written before the restart")
+    nats_py_put(url, bucket_name, "dir/also.txt", b"also before")
+    m = mounter(url)
+    b = m.path / bucket_name
+    assert (b / "before.txt").read_bytes() == b"written before the restart"
+    listing = sorted(os.listdir(b))
+
+    private_server.stop()
+    # While the server is away, the tree is served from memory as it was: no phantom deletions.
+    time.sleep(1.5)
+    assert sorted(os.listdir(b)) == listing
+    assert (b / "before.txt").read_bytes() == b"written before the restart"  # page cache
+    private_server.start()  # same port, same store directory
+
+    nats_py_put(url, bucket_name, "after.txt", b"written after the restart")
+    assert wait_for(lambda: read_or_none(b / "after.txt") == b"written after the restart", 60)
+    assert (b / "dir" / "also.txt").read_bytes() == b"also before"
+    # Changes keep flowing: an overwrite and a delete after the restart.
+    nats_py_put(url, bucket_name, "before.txt", b"overwritten after")
+    fixture_call(url, delete_object, bucket_name, "dir/also.txt")
+    assert wait_for(lambda: read_or_none(b / "before.txt") == b"overwritten after" and not exists(b / "dir"), T)
+    assert m.alive
+
+
+def test_bucket_deleted_and_created_again_behind_the_mount_is_rebuilt(nats_url, bucket_name, mounter):
+    """The stream is deleted and created again behind the mount's back: the index starts over."""
+    url = nats_url
+    nats_py_put(url, bucket_name, "one.txt", b"1")
+    nats_py_put(url, bucket_name, "two.txt", b"2")
+    m = mounter(url, "--bucket", bucket_name)
+    assert sorted(os.listdir(m.path)) == ["one.txt", "two.txt"]
+
+    async def recreate(nc, js):
+        await js.delete_object_store(bucket_name)
+
+    with_nats(url, recreate)
+    create_bucket(url, bucket_name)
+    fixture_call(url, put_object, bucket_name, "two.txt", b"2 again")
+    fixture_call(url, put_object, bucket_name, "three.txt", b"3")
+    assert wait_for(lambda: sorted(os.listdir(m.path)) == ["three.txt", "two.txt"], T)
+    assert (m.path / "two.txt").read_bytes() == b"2 again"
+    assert m.alive
