@@ -83,6 +83,14 @@ def meta_doc(*, name: str, bucket: str, nuid: str, size: int, chunks: int, diges
     return doc
 
 
+def tombstone_doc(bucket: str, name: str, doc: dict[str, Any]) -> dict[str, Any]:
+    """The delete marker nats.go's Delete writes for an object: deleted, no size, chunks or digest."""
+    options = doc.get("options")
+    link = options.get("link") if isinstance(options, dict) else None
+    return meta_doc(name=name, bucket=bucket, nuid=str(doc.get("nuid") or ""), size=0, chunks=0, digest="",
+                    base=doc, deleted=True, link=link)
+
+
 def set_posix_attrs(doc: dict[str, Any], attrs: PosixAttrs, defaults: PosixAttrs) -> None:
     """Record POSIX attributes in the meta's metadata, only where they differ from the defaults."""
     metadata = dict(doc.get("metadata") or {})
@@ -517,10 +525,8 @@ class ObjectStore:
         if doc.get("deleted"):
             raise NotFound(f"{bucket}/{name} is already deleted")
         nuid = str(doc.get("nuid") or "")
-        tomb = meta_doc(name=name, bucket=bucket, nuid=nuid, size=0, chunks=0, digest="", base=doc,
-                        deleted=True, link=(doc.get("options") or {}).get("link"))
-        info = await self.publish_meta(bucket, tomb, expected_revision=revision if expected_revision is None
-                                       else expected_revision)
+        info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc),
+                                       expected_revision=revision if expected_revision is None else expected_revision)
         if purge_chunks and nuid:
             await self._purge_quietly(bucket, chunk_subject(bucket, nuid))
         return info
@@ -534,30 +540,28 @@ class ObjectStore:
            client's object there is never replaced unseen),
         2. a tombstone under the old name (expects the old revision).
         Returns (new info, old tombstone). The caller purges a replaced target's chunks."""
-        current = await self.get_meta_doc(bucket, old)
-        if current is None or current[0].get("deleted"):
-            raise NotFound(f"{bucket}/{old}")
-        doc, revision = current
-        if expected_revision is not None and revision != expected_revision:
-            raise Conflict(f"{bucket}/{old} changed since it was read")
+        doc, revision = await self._live_doc(bucket, old, expected_revision)
         moved = dict(doc, name=new, mtime=ZERO_TIME)
         if change is not None:
             change(moved)
         new_info = await self._publish_replacing(bucket, moved, target_revision, True)
-        tomb = meta_doc(name=old, bucket=bucket, nuid=str(doc.get("nuid") or ""), size=0, chunks=0, digest="",
-                        base=doc, deleted=True, link=(doc.get("options") or {}).get("link"))
-        old_info = await self.publish_meta(bucket, tomb, expected_revision=revision)
+        old_info = await self.publish_meta(bucket, tombstone_doc(bucket, old, doc), expected_revision=revision)
         return new_info, old_info
 
-    async def update_meta(self, bucket: str, name: str, change: Callable[[dict[str, Any]], None], *,
-                          expected_revision: int | None = None) -> ObjectInfo:
-        """Rewrite an object's meta in place (same nuid), keeping every field `change` leaves alone."""
+    async def _live_doc(self, bucket: str, name: str, expected_revision: int | None) -> tuple[dict[str, Any], int]:
+        """The meta of a live object, checked against the revision the caller read (`Conflict`)."""
         current = await self.get_meta_doc(bucket, name)
         if current is None or current[0].get("deleted"):
             raise NotFound(f"{bucket}/{name}")
         doc, revision = current
         if expected_revision is not None and revision != expected_revision:
             raise Conflict(f"{bucket}/{name} changed since it was read")
+        return doc, revision
+
+    async def update_meta(self, bucket: str, name: str, change: Callable[[dict[str, Any]], None], *,
+                          expected_revision: int | None = None) -> ObjectInfo:
+        """Rewrite an object's meta in place (same nuid), keeping every field `change` leaves alone."""
+        doc, revision = await self._live_doc(bucket, name, expected_revision)
         doc = dict(doc, mtime=ZERO_TIME)
         change(doc)
         return await self.publish_meta(bucket, doc, expected_revision=revision)

@@ -28,6 +28,7 @@ import nats.errors
 import trio
 
 from .errors import JetStreamAPIError, NatsFSError, NotFound, Unavailable
+from .futures import wait_future
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -317,21 +318,7 @@ class Bridge:
         if loop is None:
             coro.close()
             raise Unavailable("not connected to NATS")
-        fut = asyncio.run_coroutine_threadsafe(coro, loop)
-        done = trio.Event()
-        token = trio.lowlevel.current_trio_token()
-
-        def wake(_: Any) -> None:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(done.set)
-
-        fut.add_done_callback(wake)
-        try:
-            await done.wait()
-        except BaseException:
-            fut.cancel()
-            raise
-        return fut.result()
+        return await wait_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
     async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run an arbitrary nats-py coroutine factory on the loop (for tests and tools)."""

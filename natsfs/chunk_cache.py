@@ -26,6 +26,7 @@ import trio
 
 from .adr20 import ObjectInfo, ObjectStore, format_digest, parse_digest
 from .errors import Corrupt, NatsFSError, Stale, Unavailable
+from .futures import wait_future
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +35,6 @@ ChunkKey = tuple[str, str, int]
 # One worker hashes every version's chunks, in submission order, off the trio thread (hashlib drops
 # the GIL on large buffers, so hashing overlaps with serving requests).
 _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="natsfs-sha256")
-
-
-async def _await_future(fut: concurrent.futures.Future) -> object:
-    done = trio.Event()
-    token = trio.lowlevel.current_trio_token()
-
-    def wake(_: object) -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(done.set)
-
-    fut.add_done_callback(wake)
-    await done.wait()
-    return fut.result()
 
 
 class Layout:
@@ -335,7 +323,7 @@ class ChunkCache:
                 await event.wait()
         if layout.hash_pos < info.chunks or layout.verdict is not None:
             return
-        raw = await _await_future(_HASHER.submit(layout.hasher.digest))
+        raw = await wait_future(_HASHER.submit(layout.hasher.digest))
         if layout.verdict is not None:
             return
         layout.verdict = raw == expected

@@ -78,6 +78,17 @@ def _boundary(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _apply_owner(a: pyfuse3.EntryAttributes, attrs: PosixAttrs | None, default_mode: int) -> int:
+    """Set owner and group stored in an object's metadata; return the permission bits to use."""
+    if attrs is None:
+        return default_mode
+    if attrs.uid is not None:
+        a.st_uid = attrs.uid
+    if attrs.gid is not None:
+        a.st_gid = attrs.gid
+    return attrs.mode & 0o7777 if attrs.mode is not None else default_mode
+
+
 def _name(raw: bytes) -> str:
     return os.fsdecode(raw)
 
@@ -164,15 +175,8 @@ class Operations(pyfuse3.Operations):
         size = 0
         writable = self.writable and not (node.bucket is not None and self._known_sealed(node.bucket))
         if node.kind in (ROOT, BUCKET, DIR):
-            mode = DIR_MODE
             marker = node.dir.marker if node.dir is not None else None
-            if marker is not None and marker.attrs is not None:
-                if marker.attrs.mode is not None:
-                    mode = marker.attrs.mode & 0o7777
-                if marker.attrs.uid is not None:
-                    a.st_uid = marker.attrs.uid
-                if marker.attrs.gid is not None:
-                    a.st_gid = marker.attrs.gid
+            mode = _apply_owner(a, marker.attrs if marker is not None else None, DIR_MODE)
             if node.kind == ROOT and self.ns.single_bucket is None:
                 mode = 0o755  # buckets are made with mkdir here
             a.st_mode = stat.S_IFDIR | (mode if writable else mode & ~0o222)
@@ -185,14 +189,7 @@ class Operations(pyfuse3.Operations):
         else:
             info = node.info
             assert info is not None
-            mode = FILE_MODE
-            if info.attrs is not None:
-                if info.attrs.mode is not None:
-                    mode = info.attrs.mode & 0o7777
-                if info.attrs.uid is not None:
-                    a.st_uid = info.attrs.uid
-                if info.attrs.gid is not None:
-                    a.st_gid = info.attrs.gid
+            mode = _apply_owner(a, info.attrs, FILE_MODE)
             a.st_mode = stat.S_IFREG | (mode if writable else mode & ~0o222)
             a.st_nlink = 1
             size = info.size

@@ -1,0 +1,29 @@
+"""Waiting in trio for work that finishes on another thread (a `concurrent.futures.Future`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from typing import Any, TypeVar
+
+import trio
+
+T = TypeVar("T")
+
+
+async def wait_future(fut: concurrent.futures.Future[T]) -> T:
+    """The future's result, without blocking the trio thread; cancelling the waiter cancels the future."""
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def wake(_: Any) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(done.set)
+
+    fut.add_done_callback(wake)
+    try:
+        await done.wait()
+    except BaseException:
+        fut.cancel()
+        raise
+    return fut.result()
