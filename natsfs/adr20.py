@@ -13,6 +13,7 @@ import binascii
 import hashlib
 import json
 import logging
+import os
 import re
 import secrets
 import time
@@ -324,9 +325,11 @@ def bucket_status(bucket: str, st: StreamState) -> BucketStatus:
 class ObjectStore:
     """The ADR-20 operations the filesystem uses, over any `Streams`."""
 
-    def __init__(self, streams: Streams, *, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    def __init__(self, streams: Streams, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 file_sender: FileSender | None = None):
         self.streams = streams
         self.chunk_size = chunk_size
+        self.file_sender = file_sender
 
     # ---------------------------------------------------------------- buckets
     async def list_buckets(self) -> list[str]:
@@ -482,6 +485,17 @@ class ObjectStore:
                 await session.abort()
             raise
 
+    async def put_file(self, bucket: str, name: str, path: str, fd: int, size: int, **kwargs: Any) -> ObjectInfo:
+        """`put` of the first `size` bytes of a local file (a spool file), by the upload worker if any."""
+        session = self.start_put(bucket, kwargs.pop("chunk_size", None), kwargs.pop("window", 64))
+        try:
+            await session.send_file(path, fd, 0, size)
+            return await session.commit(name, await session.digest(), **kwargs)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await session.abort()
+            raise
+
     async def _send_all(self, session: PutSession, source: ChunkSource, window: int) -> None:
         """Read the next batch while the previous one is being published."""
         try:
@@ -599,12 +613,27 @@ class ObjectStore:
             log.warning("could not purge %s (left for fsck): %s", subject, e)
 
 
+class FileSender(Protocol):
+    """Publishes byte ranges of local files as chunks, hashing them (the upload worker)."""
+
+    alive: bool
+
+    async def send_range(self, session: str, subject: str, path: str, start: int, end: int, chunk_size: int,
+                         window: int) -> None: ...
+
+    async def digest(self, session: str) -> bytes: ...
+
+    async def drop(self, session: str) -> None: ...
+
+
 class PutSession:
     """One put in progress: chunks on a fresh nuid, sent in batches, then committed with the meta.
 
-    The caller hashes the bytes it sends (on whatever thread reads them) and passes the digest to
-    `commit`. `abort` purges whatever was sent; a session that is neither committed nor aborted
-    leaves orphan chunks (fsck removes them).
+    Chunks come either as bytes (`send`, hashed here by the caller's `hasher`) or as ranges of a
+    local file (`send_file`), which the store's `FileSender` (the upload worker) reads, hashes and
+    publishes when there is one, and this process does otherwise. A session uses one way throughout.
+    `abort` purges whatever was sent; a session neither committed nor aborted leaves orphan chunks
+    (fsck removes them).
     """
 
     def __init__(self, store: ObjectStore, bucket: str, chunk_size: int, window: int):
@@ -617,6 +646,10 @@ class PutSession:
         self.size = 0
         self.chunks = 0
         self.done = False
+        self.hasher = hashlib.sha256()
+        self.remote: bool | None = None  # hashed by the FileSender (True) or here (False)
+        self._next_start = 0  # local hashing takes file ranges strictly in order
+        self._advanced = trio.Event()
 
     async def send(self, batch: list[bytes]) -> None:
         if not batch:
@@ -624,6 +657,37 @@ class PutSession:
         self.chunks += len(batch)
         self.size += sum(len(c) for c in batch)
         await self.store.streams.publish_many([(self.subject, c) for c in batch], self.window)
+
+    async def send_file(self, path: str, fd: int, start: int, end: int) -> None:
+        """Send bytes [start, end) of a local file as chunks (start is on a chunk boundary)."""
+        if end <= start:
+            return
+        sender = self.store.file_sender
+        if self.remote is None:
+            self.remote = sender is not None and sender.alive
+        if self.remote:
+            assert sender is not None
+            self.chunks += -(-(end - start) // self.chunk_size)
+            self.size += end - start
+            await sender.send_range(self.nuid, self.subject, path, start, end, self.chunk_size, self.window)
+            return
+        while self._next_start != start:  # ranges may be sent concurrently; they are hashed in order
+            await self._advanced.wait()
+        pos = start
+        while pos < end:
+            stop = min(end, pos + self.chunk_size * max(1, self.window // 2))
+            batch = await trio.to_thread.run_sync(_read_chunks, fd, pos, stop, self.chunk_size, self.hasher)
+            await self.send(batch)
+            pos = stop
+        self._next_start = end
+        advanced, self._advanced = self._advanced, trio.Event()
+        advanced.set()
+
+    async def digest(self) -> bytes:
+        if self.remote:
+            assert self.store.file_sender is not None
+            return await self.store.file_sender.digest(self.nuid)
+        return self.hasher.digest()
 
     async def commit(self, name: str, digest: bytes, *, base: dict[str, Any] | None = None,
                      expected_revision: int | None = None, old_nuid: str = "",
@@ -635,6 +699,7 @@ class PutSession:
             extra(doc)
         info = await self.store._publish_replacing(self.bucket, doc, expected_revision, replace_tombstone)
         self.done = True
+        await self._forget()
         if old_nuid and old_nuid != self.nuid:
             await self.store._purge_quietly(self.bucket, chunk_subject(self.bucket, old_nuid))
         return info
@@ -645,6 +710,26 @@ class PutSession:
         self.done = True
         if self.chunks:
             await self.store._purge_quietly(self.bucket, self.subject)
+        await self._forget()
+
+    async def _forget(self) -> None:
+        if self.remote and self.store.file_sender is not None:
+            await self.store.file_sender.drop(self.nuid)
+
+
+def _read_chunks(fd: int, start: int, end: int, chunk_size: int, hasher: Any) -> list[bytes]:
+    """Bytes [start, end) of a file as chunks, fed to `hasher` in order (call on a worker thread)."""
+    out = []
+    pos = start
+    while pos < end:
+        n = min(chunk_size, end - pos)
+        data = os.pread(fd, n, pos)
+        if len(data) < n:  # a hole at the end of a sparse file reads short: zeros
+            data += bytes(n - len(data))
+        hasher.update(data)
+        out.append(data)
+        pos += n
+    return out
 
 
 class ChunkSource(Protocol):

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -546,3 +547,134 @@ def _parse_api_reply(data: bytes, subject: str) -> dict[str, Any]:
         raise JetStreamAPIError(str(err.get("description", "error")), code=int(err.get("code", 0)),
                                 err_code=int(err.get("err_code", 0)))
     return reply
+
+
+# ---------------------------------------------------------------------------------------------- upload worker
+# The daemon's FUSE thread and its NATS thread share one GIL, and bulk publishing (copying 128 KiB
+# chunks through nats-py and asyncio's transport) is the costliest thing the daemon does when files
+# are written. `python -m natsfs.bridge upload-worker URL[,URL]` is a helper process with its own
+# connection that reads chunks straight from spool files, hashes them and publishes them, pipelined,
+# so that work runs on another core. It speaks newline-delimited JSON on stdin/stdout
+# (see natsfs.uploader for the daemon's side); requests of one session are handled in order.
+
+_WORKER_WINDOW = 64
+
+
+class _WorkerSession:
+    """One put session in the worker: its hash, and the offset the next range must start at."""
+
+    def __init__(self, window: int):
+        import hashlib
+
+        self.hasher = hashlib.sha256()
+        self.next_start = 0
+        self.turn = asyncio.Condition()
+        self.window = asyncio.Semaphore(window)
+
+
+async def _worker_send(nc: Any, req: dict[str, Any], s: _WorkerSession, inbox: str,
+                       acks: dict[str, asyncio.Future[Any]]) -> dict[str, Any]:
+    """Publish a file range as chunks. Ranges of a session are hashed and published strictly in offset
+    order (a range waits for its turn); their acks are awaited outside that turn, so the next range is
+    already being sent while this one's acks come back."""
+    subject, path, start, end, chunk = req["subject"], req["path"], req["start"], req["end"], req["chunk_size"]
+    loop = asyncio.get_running_loop()
+    pending: list[asyncio.Future[Any]] = []
+    async with s.turn:
+        await asyncio.wait_for(s.turn.wait_for(lambda: s.next_start == start), 120)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            pos = start
+            while pos < end:
+                n = min(chunk, end - pos)
+                data = os.pread(fd, n, pos)
+                if len(data) < n:  # a hole at the end of a sparse file reads short: zeros
+                    data += bytes(n - len(data))
+                s.hasher.update(data)
+                await s.window.acquire()
+                token = f"{req['id']}_{len(pending)}"
+                fut = loop.create_future()
+                fut.add_done_callback(lambda _: s.window.release())
+                acks[token] = fut
+                pending.append(fut)
+                await nc.publish(subject, data, reply=f"{inbox}.{token}")
+                pos += n
+        finally:
+            os.close(fd)
+        s.next_start = end
+        s.turn.notify_all()
+    replies = await asyncio.wait_for(asyncio.gather(*pending), 30 + len(pending))
+    for m in replies:
+        if not m.data:
+            status = (m.headers or {}).get("Status", "")
+            code = 503 if status == "503" else int(status or 500)
+            return {"error": {"description": f"no stream takes {subject}" if status == "503" else f"status {status}",
+                              "code": code, "err_code": 0}}
+        try:
+            _parse_api_reply(m.data, subject)
+        except JetStreamAPIError as e:
+            return {"error": {"description": e.description, "code": e.code, "err_code": e.err_code}}
+        except NatsFSError as e:
+            return {"error": {"description": str(e), "code": 503, "err_code": 0}}
+    return {"chunks": len(pending), "bytes": end - start}
+
+
+async def _worker_main(servers: list[str]) -> None:
+    import sys
+
+    nc = await nats.connect(servers=servers, name="natsfs-upload-worker", pending_size=_PENDING_SIZE,
+                            max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    out = sys.stdout.buffer
+    inbox = nc.new_inbox()
+    acks: dict[str, asyncio.Future[Any]] = {}
+
+    async def on_ack(m: Any) -> None:
+        fut = acks.pop(m.subject[len(inbox) + 1:], None)
+        if fut is not None and not fut.done():
+            fut.set_result(m)
+
+    await nc.subscribe(inbox + ".*", cb=on_ack, pending_bytes_limit=0)
+    sessions: dict[str, _WorkerSession] = {}
+
+    async def handle(req: dict[str, Any]) -> None:
+        session = req.get("session", "")
+        try:
+            op = req["op"]
+            if op == "send":
+                s = sessions.setdefault(session, _WorkerSession(req.get("window", _WORKER_WINDOW)))
+                body = await _worker_send(nc, req, s, inbox, acks)
+            elif op == "digest":
+                s = sessions.setdefault(session, _WorkerSession(_WORKER_WINDOW))
+                body = {"digest": s.hasher.digest().hex(), "bytes": s.next_start}
+            elif op == "drop":
+                sessions.pop(session, None)
+                body = {}
+            else:
+                body = {"error": {"description": f"unknown op {op}", "code": 400, "err_code": 0}}
+        except Exception as e:  # the daemon falls back to publishing itself
+            body = {"error": {"description": f"worker: {e!r}", "code": 503, "err_code": 0}}
+        out.write(json.dumps({"id": req["id"], **body}).encode() + b"\n")
+        out.flush()
+
+    tasks = set()
+    while line := await reader.readline():
+        task = asyncio.ensure_future(handle(json.loads(line)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await nc.drain()
+
+
+def _main() -> None:
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "upload-worker":
+        asyncio.run(_worker_main(sys.argv[2].split(",")))
+    else:
+        raise SystemExit("usage: python -m natsfs.bridge upload-worker URL[,URL...]")
+
+
+if __name__ == "__main__":
+    _main()

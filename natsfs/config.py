@@ -77,6 +77,8 @@ class Config:
     kernel_readahead_kb: int = 1024
     fetch_batch_bytes: int = 4 * 1024 * 1024
     request_timeout: float = 10.0
+    # Publish written files from a helper process (its own connection, its own GIL).
+    upload_worker: bool = True
     uid: int = 0
     gid: int = 0
     # Bucket defaults for mkdir at the root (issue 4)

@@ -26,6 +26,7 @@ from .jetstream import JetStreams
 from .namespace import Namespace
 from .server import EmbeddedServer
 from .staging import Spool, Staging
+from .uploader import UploadWorker
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
     except NatsFSError as e:
         raise MountError(str(e)) from None
     try:
-        store = ObjectStore(JetStreams(bridge), chunk_size=config.chunk_size)
+        worker = UploadWorker(servers)
+        store = ObjectStore(JetStreams(bridge), chunk_size=config.chunk_size, file_sender=worker)
         if config.bucket is not None:
             try:
                 await store.bucket_status(config.bucket)
@@ -106,6 +108,8 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
                 raise MountError(f"cannot read buckets: {e}") from None
             cache.start(nursery)
             ops.start(nursery)
+            if config.upload_worker:
+                await worker.start(nursery)
             try:
                 pyfuse3.init(ops, str(mountpoint), fuse_options(config))
             except RuntimeError as e:
@@ -119,6 +123,7 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             finally:
                 with trio.CancelScope(shield=True):
                     pyfuse3.close(unmount=True)
+                    await worker.close()
                 log.info("unmounted %s", mountpoint)
             nursery.cancel_scope.cancel()
     finally:

@@ -9,7 +9,6 @@ was based on, so a concurrent change by another client is refused (`Conflict`), 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import time
@@ -37,10 +36,12 @@ from .errors import (
     NotEmpty,
     NotFound,
     ReadOnly,
+    Unavailable,
+    single_error,
 )
 from .index import BucketIndex, Dir
 from .namespace import Namespace
-from .staging import StagedFile, Staging, read_chunks
+from .staging import StagedFile, Staging
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ Path = tuple[str, ...]
 FILE_MODE = 0o644
 # A growing file's chunks are streamed to the server in batches of this many bytes.
 STREAM_BATCH = 4 * 1024 * 1024
+STREAM_PARALLEL = 3
 DIR_MODE = 0o755
 _SEALED_TTL = 2.0
 
@@ -126,40 +128,48 @@ class Mutations:
             self._nursery.start_soon(self._stream_ahead, sf)
 
     async def _stream_ahead(self, sf: StagedFile) -> None:
-        """Send the staged file's full chunks that nobody will change any more (it grows at the end)."""
+        """Send the staged file's full chunks that nobody will change any more (it grows at the end),
+        with a few ranges in flight at once."""
         chunk = self.config.chunk_size
+        in_flight = trio.Semaphore(STREAM_PARALLEL)
         try:
-            while not sf.stream_dead and not sf.closed and sf.size - sf.stream_claimed >= STREAM_BATCH:
-                async with sf.lock:
-                    if sf.stream_dead or sf.closed or sf.unlinked:
-                        break
-                    if sf.stream is None:
-                        sf.stream = self.store.start_put(sf.bucket, chunk)
-                        sf.stream_hash = hashlib.sha256()
-                    start = sf.stream_claimed
-                    end = start + min(STREAM_BATCH * 2, (sf.size - start) // chunk * chunk)
-                    # Claimed before it is read: a write into [start, end) from now on breaks the stream,
-                    # so the read below needs no lock and writers never wait for it.
-                    sf.stream_claimed = end
-                    session, hasher = sf.stream, sf.stream_hash
-                batch = await trio.to_thread.run_sync(read_chunks, sf.fd, start, end, chunk, hasher)
-                if sf.stream is not session:
-                    break
-                await session.send(batch)
-        except NatsFSError as e:
+            async with trio.open_nursery() as nursery:
+                while not sf.stream_dead and not sf.closed and sf.size - sf.stream_claimed >= STREAM_BATCH:
+                    await in_flight.acquire()
+                    async with sf.lock:
+                        if sf.stream_dead or sf.closed or sf.unlinked:
+                            in_flight.release()
+                            break
+                        if sf.stream is None:
+                            sf.stream = self.store.start_put(sf.bucket, chunk)
+                        start = sf.stream_claimed
+                        end = start + min(STREAM_BATCH, (sf.size - start) // chunk * chunk)
+                        # Claimed before it is read: a write into [start, end) from now on breaks the
+                        # stream, so sending needs no lock and writers never wait for it.
+                        sf.stream_claimed = end
+                        session = sf.stream
+                    nursery.start_soon(self._send_range, sf, session, start, end, in_flight)
+        except (NatsFSError, ExceptionGroup) as e:
             log.info("%s/%s: streaming upload stopped (%s); the whole file is sent at close", sf.bucket,
-                     sf.name, e)
+                     sf.name, single_error(e))
             self._break_stream(sf)
         finally:
             running, sf.stream_running = sf.stream_running, None
             if running is not None:
                 running.set()
 
+    async def _send_range(self, sf: StagedFile, session: PutSession, start: int, end: int,
+                          in_flight: trio.Semaphore) -> None:
+        try:
+            await session.send_file(str(sf.spool_path), sf.fd, start, end)
+        finally:
+            in_flight.release()
+
     def _break_stream(self, sf: StagedFile) -> None:
         sf.stream_dead = True
         session = sf.stream
         running = sf.stream_running
-        sf.stream, sf.stream_hash, sf.stream_claimed = None, None, 0
+        sf.stream, sf.stream_claimed = None, 0
         if session is not None and self._nursery is not None:
             self._nursery.start_soon(self._abort_after, session, running)
 
@@ -168,6 +178,10 @@ class Mutations:
             await running.wait()  # a send in flight would re-create what a purge removed
         with trio.CancelScope(shield=True):
             await session.abort()
+
+    async def _put_whole(self, sf: StagedFile, chunk_size: int, common: dict[str, Any]) -> ObjectInfo:
+        return await self.store.put_file(sf.bucket, sf.name, str(sf.spool_path), sf.fd, sf.size,
+                                         chunk_size=chunk_size, **common)
 
     def discard_stream(self, sf: StagedFile) -> None:
         """Chunks streamed for a version that will never be committed are purged."""
@@ -210,17 +224,18 @@ class Mutations:
             try:
                 if session is not None and not sf.stream_dead and session.chunk_size == chunk_size:
                     # The front was streamed while it was written: send the rest, then the meta.
-                    pos = sf.stream_claimed
-                    while pos < sf.size:
-                        end = min(sf.size, pos + STREAM_BATCH * 2)
-                        batch = await trio.to_thread.run_sync(read_chunks, sf.fd, pos, end, chunk_size,
-                                                              sf.stream_hash)
-                        await session.send(batch)
-                        pos = end
-                    info = await session.commit(sf.name, sf.stream_hash.digest(), **common)
+                    try:
+                        await session.send_file(str(sf.spool_path), sf.fd, sf.stream_claimed, sf.size)
+                        info = await session.commit(sf.name, await session.digest(), **common)
+                    except Unavailable:
+                        if not session.remote:
+                            raise
+                        # The upload worker went away mid-file: send the whole file from here.
+                        await session.abort()
+                        info = await self._put_whole(sf, chunk_size, common)
                 else:
                     self._break_stream(sf)
-                    info = await self.store.put(sf.bucket, sf.name, sf.source(), chunk_size=chunk_size, **common)
+                    info = await self._put_whole(sf, chunk_size, common)
             except BaseException:
                 if session is not None:
                     with trio.CancelScope(shield=True):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import logging
 import os
 import secrets
@@ -83,47 +82,6 @@ class Spool:
         return dest
 
 
-def read_chunks(fd: int, start: int, end: int, chunk_size: int, hasher: Any) -> list[bytes]:
-    """Bytes [start, end) of a spool file as chunks, fed to `hasher` in order (call on a worker thread)."""
-    out = []
-    pos = start
-    while pos < end:
-        n = min(chunk_size, end - pos)
-        data = os.pread(fd, n, pos)
-        if len(data) < n:  # a hole at the end of a sparse file reads short: zeros
-            data += bytes(n - len(data))
-        hasher.update(data)
-        out.append(data)
-        pos += n
-    return out
-
-
-class SpoolSource:
-    """Reads a spool file in chunk batches on a worker thread, hashing as it reads (a `ChunkSource`)."""
-
-    def __init__(self, fd: int, size: int):
-        self._fd = fd
-        self._end = size
-        self._pos = 0
-        self._hash = hashlib.sha256()
-        self.size = 0
-        self.chunks = 0
-
-    def _read(self, chunk_size: int, max_chunks: int) -> list[bytes]:
-        end = min(self._end, self._pos + chunk_size * max_chunks)
-        out = read_chunks(self._fd, self._pos, end, chunk_size, self._hash)
-        self._pos = end
-        self.size = self._pos
-        self.chunks += len(out)
-        return out
-
-    async def read_batch(self, chunk_size: int, max_chunks: int) -> list[bytes]:
-        return await trio.to_thread.run_sync(self._read, chunk_size, max_chunks)
-
-    def digest(self) -> bytes:
-        return self._hash.digest()
-
-
 class StagedFile:
     """The staged content and attributes of one file being written."""
 
@@ -153,7 +111,6 @@ class StagedFile:
         # Streaming upload: while a file grows from the front, its full chunks are sent as they are
         # written, so close only has to send the tail and the meta (see Mutations.stream_ahead).
         self.stream: PutSession | None = None
-        self.stream_hash: Any = None
         self.stream_claimed = 0  # bytes [0, claimed) have been read for sending
         self.stream_running: trio.Event | None = None
         self.stream_dead = False  # content below `claimed` changed: no streaming until the next upload
@@ -162,7 +119,6 @@ class StagedFile:
 
     def reset_stream(self) -> None:
         self.stream = None
-        self.stream_hash = None
         self.stream_claimed = 0
         self.stream_dead = False
 
@@ -237,9 +193,6 @@ class StagedFile:
         self.dirty = True
         self.mtime_ns = time.time_ns()
         self.mtime_explicit = False
-
-    def source(self) -> SpoolSource:
-        return SpoolSource(self.fd, self.size)
 
     def uploaded_as(self, info: ObjectInfo) -> None:
         self.base = info

@@ -395,3 +395,21 @@ def test_tar_extracts_many_files(nats_url, bucket_name, wb, tmp_path):
         assert (b / f"d{i % 6}" / f"f{i}.txt").read_bytes() == f"file {i}\n".encode()
     r = subprocess.run(["diff", "-r", str(src), str(b)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
+
+
+def test_writes_survive_the_upload_worker_dying(nats_url, bucket_name, wb):
+    """Bulk publishing runs in a helper process; if it dies, the mount publishes by itself."""
+    import signal
+
+    m, b = wb
+    children = subprocess.run(["pgrep", "-P", str(m.proc.pid), "-f", "upload-worker"], capture_output=True, text=True)
+    pids = [int(p) for p in children.stdout.split()]
+    assert pids, "the mount should run an upload worker"
+    big = random.Random(9).randbytes(9 * 1024 * 1024)
+    (b / "before.bin").write_bytes(big)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: "publishing in-process" in m.log(), 10)
+    (b / "after.bin").write_bytes(big[::-1])
+    assert nats_py_get(nats_url, bucket_name, "before.bin") == big
+    assert nats_py_get(nats_url, bucket_name, "after.bin") == big[::-1]
