@@ -622,8 +622,19 @@ async def _worker_send(nc: Any, req: dict[str, Any], s: _WorkerSession, inbox: s
 async def _worker_main(servers: list[str]) -> None:
     import sys
 
-    nc = await nats.connect(servers=servers, name="natsfs-upload-worker", pending_size=_PENDING_SIZE,
-                            max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+    async def quiet(e: Exception) -> None:
+        pass  # stderr is the daemon's; the daemon notices a dead worker and says so itself
+
+    options: dict[str, Any] = dict(servers=servers, name="natsfs-upload-worker", pending_size=_PENDING_SIZE,
+                                   error_cb=quiet, reconnect_time_wait=0.5, connect_timeout=5)
+    try:
+        # A probe that fails fast (nats-py retries a first connect forever otherwise): without a
+        # server the worker just exits and the daemon publishes in-process.
+        probe = await nats.connect(**options, allow_reconnect=False, max_reconnect_attempts=1)
+        await probe.close()
+        nc = await nats.connect(**options, allow_reconnect=True, max_reconnect_attempts=-1)
+    except Exception:
+        raise SystemExit(1) from None
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -664,7 +675,11 @@ async def _worker_main(servers: list[str]) -> None:
         task = asyncio.ensure_future(handle(json.loads(line)))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-    await nc.drain()
+    # stdin closed: the daemon is done with us. Don't linger if the server is gone.
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.drain(), 1)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), 1)
 
 
 def _main() -> None:

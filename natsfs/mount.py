@@ -116,11 +116,13 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
                 raise MountError(f"cannot mount {mountpoint}: {e}") from None
             log.info("mounted %s on %s", config.bucket or "all buckets", mountpoint)
             nursery.start_soon(raise_kernel_readahead, mountpoint, config.kernel_readahead_kb)
+            fuse = _FuseLoop()
             try:
-                nursery.start_soon(_terminate_on_signal)
+                nursery.start_soon(fuse.terminate_on_signal)
                 on_ready()
                 await pyfuse3.main()
             finally:
+                fuse.ended()  # from here on, a signal must not touch the (closing) FUSE session
                 with trio.CancelScope(shield=True):
                     pyfuse3.close(unmount=True)
                     await worker.close()
@@ -164,9 +166,23 @@ async def raise_kernel_readahead(mountpoint: Path, kb: int) -> None:
             return
 
 
-async def _terminate_on_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            log.info("received %s: unmounting", signal.Signals(signum).name)
-            pyfuse3.terminate()
-            return
+class _FuseLoop:
+    """Turns SIGTERM/SIGINT/SIGHUP into `pyfuse3.terminate()`, only while the FUSE loop runs
+    (terminating a session that has already ended, e.g. after a lazy unmount, crashes libfuse)."""
+
+    def __init__(self) -> None:
+        self.running = True
+        self._scope = trio.CancelScope()
+
+    def ended(self) -> None:
+        self.running = False
+        self._scope.cancel()
+
+    async def terminate_on_signal(self) -> None:
+        with self._scope, trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                if not self.running:
+                    return
+                log.info("received %s: unmounting", signal.Signals(signum).name)
+                pyfuse3.terminate()
+                return

@@ -117,3 +117,40 @@ def _zombie(pid: int) -> bool:
             return f.read().split()[2] == "Z"
     except OSError:
         return True
+
+
+def test_sigterm_unmounts_promptly_when_the_server_is_gone(private_server, tmp_path):
+    import signal
+
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    proc = subprocess.Popen([*NATSFS, "mount", str(mp), "--server", private_server.url, "--foreground",
+                             "--log-file", str(tmp_path / "log")])
+    try:
+        assert wait_for(lambda: os.path.ismount(mp), 30)
+        private_server.stop()
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not os.path.ismount(mp)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def test_sigterm_after_a_lazy_unmount_does_not_crash(nats_url, tmp_path):
+    import signal
+
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    proc = subprocess.Popen([*NATSFS, "mount", str(mp), "--server", nats_url, "--foreground",
+                             "--log-file", str(tmp_path / "log")])
+    try:
+        assert wait_for(lambda: os.path.ismount(mp), 30)
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # never a crash (SIGSEGV)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
