@@ -8,13 +8,14 @@ becomes EIO plus a logged traceback instead of taking the mount down. `forget` n
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -32,6 +33,7 @@ from .errors import (
     IsADirectory,
     NatsFSError,
     NotADirectory,
+    NotEmpty,
     NotFound,
     ReadOnly,
     single_error,
@@ -109,6 +111,14 @@ class Operations(pyfuse3.Operations):
         self.mut = Mutations(namespace, namespace.store, self.staging, config)
         self._opens: dict[int, int] = {}  # open file handles per inode
         self._quiet_ino: int | None = None  # an inode whose own upload is being applied
+        self._writers: dict[int, int] = {}  # open handles per inode that may write
+        # Paths this mount is changing itself right now (its own rename/unlink must not look like
+        # "another client replaced the file under its readers").
+        self._own_paths: list[tuple[str, ...]] = []
+        # Inodes unlinked (or replaced) here while open: their writes go nowhere, and the chunks of
+        # the version they hold are purged at their last close, not before.
+        self._unlinked: set[int] = set()
+        self._purge_later: dict[int, tuple[str, str]] = {}
         self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0}
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -130,7 +140,7 @@ class Operations(pyfuse3.Operations):
             return
         path = self.ns.mount_path(bucket, rel)
         ino = self.inodes.known(path)
-        if ino is not None and self._readers_left_behind(ino, bucket, rel):
+        if ino is not None and not self._is_own(path) and self._readers_left_behind(ino, bucket, rel):
             # Open handles read the version they opened, but the path now shows another one (or
             # nothing). The path gets a fresh inode at its next lookup; the old inode stays with those
             # handles, with its own attributes and page cache, as a file replaced by rename(2) or
@@ -147,6 +157,19 @@ class Operations(pyfuse3.Operations):
             parent = self.inodes.known(path[:-1])
             if parent is not None:
                 self.kernel.entry(parent, os.fsencode(path[-1]))
+
+    def _is_own(self, path: tuple[str, ...]) -> bool:
+        return any(path[: len(p)] == p for p in self._own_paths)
+
+    @contextlib.contextmanager
+    def _changing(self, *paths: tuple[str, ...]) -> Iterator[None]:
+        """Mark paths (and everything under them) as being changed by this mount itself."""
+        self._own_paths.extend(paths)
+        try:
+            yield
+        finally:
+            for p in paths:
+                self._own_paths.remove(p)
 
     def _readers_left_behind(self, ino: int, bucket: str, rel: tuple[str, ...]) -> bool:
         """Whether `ino` has handles open for reading a version the path no longer shows."""
@@ -350,6 +373,8 @@ class Operations(pyfuse3.Operations):
         assert info is not None
         fh = self.handles.add(ReadHandle(inode, info, writable=writing))
         self._opens[inode] = self._opens.get(inode, 0) + 1
+        if writing:
+            self._writers[inode] = self._writers.get(inode, 0) + 1
         if self.staging.get(inode) is not None:
             keep = True  # every byte of a staged file went through this kernel's page cache
         else:
@@ -369,6 +394,7 @@ class Operations(pyfuse3.Operations):
         sf = StagedFile(self.staging.spool, ino=inode, path=self.inodes.path_of(inode), bucket=node.bucket,
                         name=node.info.name, base=base,
                         attrs=PosixAttrs(attrs.mode, attrs.uid, attrs.gid, node.info.mtime_ns))
+        sf.unlinked = inode in self._unlinked
         self.staging.add(sf)
         return sf
 
@@ -432,7 +458,7 @@ class Operations(pyfuse3.Operations):
             raise NatsFSError("file not open for writing", errno=errno.EBADF)
         sf = self.staging.get(handle.ino)
         if sf is None or sf.closed:
-            sf = self._stage(handle.ino, Node(FILE, handle.info.bucket, (), None, handle.info))
+            sf = self._stage(handle.ino, await self._version_of(handle))
         async with sf.lock:
             await self._fill(sf)
             written = await sf.write(off, buf)
@@ -440,6 +466,21 @@ class Operations(pyfuse3.Operations):
         self.counters["writes"] += 1
         self.counters["write_bytes"] += written
         return written
+
+    async def _version_of(self, handle: ReadHandle) -> Node:
+        """What a handle's first write starts from: the object now at the inode's path if it is still
+        the version the handle opened (renamed or re-attributed by anyone: same nuid), else the pinned
+        version, whose upload then fails as a conflict instead of overwriting a newer object."""
+        pinned = Node(FILE, handle.info.bucket, (), None, handle.info)
+        if handle.ino in self._unlinked:
+            return pinned
+        try:
+            node = await self.ns.resolve(self.inodes.path_of(handle.ino))
+        except NatsFSError:
+            return pinned
+        if node.kind == FILE and node.info is not None and node.info.nuid == handle.info.nuid:
+            return node
+        return pinned
 
     def _file_handle(self, fh: int) -> ReadHandle:
         handle = self.handles.get(fh)
@@ -488,11 +529,21 @@ class Operations(pyfuse3.Operations):
         handle = self.handles.pop(fh)
         if not isinstance(handle, ReadHandle):
             return
+        if handle.writable:
+            writers = self._writers.get(handle.ino, 1) - 1
+            if writers > 0:
+                self._writers[handle.ino] = writers
+            else:
+                self._writers.pop(handle.ino, None)
         count = self._opens.get(handle.ino, 1) - 1
         if count > 0:
             self._opens[handle.ino] = count
             return
         self._opens.pop(handle.ino, None)
+        self._unlinked.discard(handle.ino)
+        later = self._purge_later.pop(handle.ino, None)
+        if later is not None:
+            await self.mut.purge_unused(*later)
         sf = self.staging.get(handle.ino)
         if sf is None:
             return
@@ -527,11 +578,11 @@ class Operations(pyfuse3.Operations):
             self.mut.after_write(sf, attr.st_size)
         if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_mtime:
             await self._set_posix(inode, node, attr, fields)
-        if fields.update_size and not self._opens.get(inode):
-            # truncate(2) on a path: nothing will close it, so store it now.
+        if fields.update_size and not self._writers.get(inode):
+            # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
             await self._upload(inode)
             sf = self.staging.get(inode)
-            if sf is not None:
+            if sf is not None and not self._opens.get(inode):
                 self.staging.remove(sf)
                 self.mut.discard(sf)
         return self._attr(inode, await self._node(inode))
@@ -591,13 +642,25 @@ class Operations(pyfuse3.Operations):
         ino = self.inodes.known(path)
         sf = self.staging.get(ino) if ino is not None else None
         stored = await self._index_info(path)
-        if stored is not None:
-            await self.mut.delete(bucket, stored)
-        elif sf is None or sf.closed:
-            raise NotFound("/".join(path))
+        open_here = ino is not None and bool(self._opens.get(ino))
+        with self._changing(path):
+            if stored is not None:
+                await self.mut.delete(bucket, stored, keep_chunks=open_here)
+            elif sf is None or sf.closed:
+                raise NotFound("/".join(path))
+        self._forget_open_version(ino, bucket, stored, open_here)
         if sf is not None:
             sf.unlinked = True  # writes through open handles now go nowhere, as on a local disk
         self.inodes.detach(path)
+
+    def _forget_open_version(self, ino: int | None, bucket: str, stored: ObjectInfo | None, open_here: bool) -> None:
+        """An object this mount deleted or replaced while it holds it open: like a local disk, those
+        handles keep reading (its chunks are purged at the last close) and their writes go nowhere."""
+        if ino is None or not open_here:
+            return
+        self._unlinked.add(ino)
+        if stored is not None and stored.nuid:
+            self._purge_later[ino] = (bucket, stored.nuid)
 
     async def _index_info(self, path: tuple[str, ...]) -> ObjectInfo | None:
         """The object the bucket (not the staging area) has at `path`, if any."""
@@ -675,30 +738,39 @@ class Operations(pyfuse3.Operations):
         if old == new:
             return
         await self.mut.check_writable(bucket)
+        with self._changing(old, new):
+            await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
+        self._move_staged(bucket, old, new)
+        self.inodes.move(old, new)
+
+    async def _rename(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...], rel_old: tuple[str, ...],
+                      rel_new: tuple[str, ...], src: Node, dst: Node | None) -> None:
         if src.kind == DIR:
             if dst is not None and dst.kind != DIR:
                 raise NotADirectory("/".join(new))
             if new[: len(old)] == old:
                 raise InvalidArgument("cannot move a directory into itself")
+            if dst is not None and self.staging.children(new):
+                raise NotEmpty("/".join(new))  # files being written there count
             assert src.dir is not None
             await self.mut.rename_dir(bucket, rel_old, src.dir, rel_new, dst.dir if dst is not None else None)
-        else:
-            if dst is not None and dst.kind == DIR:
-                raise IsADirectory("/".join(new))
-            stored = await self._index_info(old)
-            target = await self._index_info(new)
-            if stored is not None:
-                await self.mut.rename_object(bucket, stored, "/".join(rel_new), target)
-            elif target is not None:
-                # A file that exists only in the staging area replaces an object: delete that one now;
-                # the staged bytes are stored under the new name when they are closed.
-                await self.mut.delete(bucket, target)
-            dst_ino = self.inodes.known(new)
-            dst_sf = self.staging.get(dst_ino) if dst_ino is not None else None
-            if dst_sf is not None:
-                dst_sf.unlinked = True
-        self._move_staged(bucket, old, new)
-        self.inodes.move(old, new)
+            return
+        if dst is not None and dst.kind == DIR:
+            raise IsADirectory("/".join(new))
+        stored = await self._index_info(old)
+        target = await self._index_info(new)
+        dst_ino = self.inodes.known(new)
+        target_open = dst_ino is not None and bool(self._opens.get(dst_ino))
+        if stored is not None:
+            await self.mut.rename_object(bucket, stored, "/".join(rel_new), target, keep_target_chunks=target_open)
+        elif target is not None:
+            # A file that exists only in the staging area replaces an object: delete that one now;
+            # the staged bytes are stored under the new name when they are closed.
+            await self.mut.delete(bucket, target, keep_chunks=target_open)
+        self._forget_open_version(dst_ino, bucket, target, target_open)
+        dst_sf = self.staging.get(dst_ino) if dst_ino is not None else None
+        if dst_sf is not None:
+            dst_sf.unlinked = True
 
     def _move_staged(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...]) -> None:
         """Staged files at or under `old` now belong to `new` (and to the renamed objects' revisions)."""

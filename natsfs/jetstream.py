@@ -311,6 +311,7 @@ class _ConsumerStream:
         self.deliver_policy = deliver_policy
         self.headers_only = headers_only
         self.caught_up = False
+        self._caught_up_reported = False
         self.resets = 0
         self._sub: Subscription | None = None
         self._consumer: str | None = None
@@ -463,6 +464,8 @@ class _ConsumerStream:
             self._pending_reset = False
             out.reset = True
         assert self._sub is not None
+        if self.caught_up and not self._caught_up_reported:
+            wait = 0  # an empty snapshot: say so at once instead of after a wait for messages
         msgs = await self._sub.next_batch(wait)
         if msgs:
             self._last_activity = time.monotonic()
@@ -494,6 +497,7 @@ class _ConsumerStream:
                 self.caught_up = True
         if self.caught_up:
             out.caught_up = True
+            self._caught_up_reported = True
         if not msgs and not self._stale and self.idle_for() > STALL_S:
             log.warning("watch %s: no heartbeat for %.1fs; re-creating consumer", self.filter_subject,
                         self.idle_for())

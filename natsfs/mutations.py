@@ -248,11 +248,12 @@ class Mutations:
             self._apply(sf.bucket, info)
             return info
 
-    async def delete(self, bucket: str, info: ObjectInfo) -> None:
-        """Delete an object (or link): tombstone, then purge its chunks unless another name shares them."""
+    async def delete(self, bucket: str, info: ObjectInfo, *, keep_chunks: bool = False) -> None:
+        """Delete an object (or link): tombstone, then purge its chunks unless another name shares them
+        or `keep_chunks` (handles of this mount still read them: see `purge_unused`)."""
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
-        purge = not self._shared_nuid(index, info)
+        purge = not keep_chunks and not self._shared_nuid(index, info)
         try:
             tomb = await self.store.delete(bucket, info.name, expected_revision=info.revision, purge_chunks=purge)
         except Conflict:
@@ -260,10 +261,22 @@ class Mutations:
             current = await self.store.get_info(bucket, info.name)
             if current is None or current.deleted:
                 raise NotFound(f"{bucket}/{info.name}") from None
-            purge = not self._shared_nuid(index, current)
+            purge = not keep_chunks and not self._shared_nuid(index, current)
             tomb = await self.store.delete(bucket, info.name, expected_revision=current.revision,
                                            purge_chunks=purge)
         self._apply(bucket, tomb)
+
+    async def purge_unused(self, bucket: str, nuid: str) -> None:
+        """Purge the chunks of a deleted or replaced version once nothing here reads them and no live
+        name uses them (the last close of a file unlinked while open)."""
+        index = self.ns.loaded_index(bucket)
+        finder = getattr(index, "names_with_nuid", None) if index is not None else None
+        if finder is not None and finder(nuid):
+            return
+        try:
+            await self.store.purge_chunks(bucket, nuid)
+        except NatsFSError as e:
+            log.warning("could not purge the chunks of %s/%s (left for fsck): %s", bucket, nuid, e)
 
     async def set_attrs(self, bucket: str, info: ObjectInfo, attrs: PosixAttrs, defaults: PosixAttrs) -> ObjectInfo:
         """Store POSIX attributes in the meta (same nuid, no data moved)."""
@@ -354,7 +367,7 @@ class Mutations:
 
     # ------------------------------------------------------------------ renames
     async def rename_object(self, bucket: str, info: ObjectInfo, new_name: str,
-                            target: ObjectInfo | None) -> ObjectInfo:
+                            target: ObjectInfo | None, *, keep_target_chunks: bool = False) -> ObjectInfo:
         """Metadata-only rename; replaces `target` (a live object at the new name) as POSIX requires.
 
         Order (see adr20.ObjectStore.rename): new meta, then the old name's tombstone, then the
@@ -376,7 +389,8 @@ class Mutations:
             target_revision=target.revision if target is not None else 0,
             change=None if info.link is not None or info.name.endswith("/") else keep_mtime)
         self._apply(bucket, new_info, tomb)
-        if target is not None and target.nuid and target.nuid != info.nuid and not self._shared_nuid(index, target):
+        if (target is not None and target.nuid and target.nuid != info.nuid and not keep_target_chunks
+                and not self._shared_nuid(index, target)):
             try:
                 await self.store.purge_chunks(bucket, target.nuid)
             except NatsFSError as e:

@@ -55,8 +55,13 @@ class Mount:
         except OSError:
             return ""
 
+    def mounted(self) -> bool:
+        """In /proc/mounts (os.path.ismount is False for a mount whose daemon died: ENOTCONN)."""
+        with open("/proc/mounts") as f:
+            return any(line.split()[1] == str(self.path) for line in f)
+
     def stop(self) -> None:
-        if os.path.ismount(self.path):
+        if self.mounted():
             r = subprocess.run(["fusermount3", "-u", str(self.path)], capture_output=True)
             if r.returncode != 0:
                 subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)

@@ -26,9 +26,8 @@ examples; `NATSFS_MODEL_EXAMPLES=100` runs more, `NATSFS_MODEL_STEPS` sets the s
 every example, `-s` shows a count of the steps taken by operation and outcome. A step that hangs for
 `STEP_TIMEOUT_S` kills the daemon and fails (a hung mount never hangs CI).
 
-Where natsfs differs from a local disk today, the step is left out by a named switch (see "behaviours
-left out" below), so the machine stays green and keeps guarding everything else;
-`NATSFS_MODEL_KNOWN_BUGS=1` puts them all back, to reproduce one or to check a fix.
+Where natsfs differs from a local disk while a bug is open, the step can be left out by a named switch
+(see "behaviours left out" below); today every switch is on.
 """
 
 from __future__ import annotations
@@ -82,36 +81,22 @@ NEW_BUCKET_TIMEOUT_S = 30.0
 STEP_TIMEOUT_S = 120.0
 
 # ---------------------------------------------------------------- behaviours left out (known divergences)
-# Each switch below leaves out one kind of step where natsfs differs from a local disk today, so the
-# machine stays green and keeps guarding everything else. NATSFS_MODEL_KNOWN_BUGS=1 puts them all back
-# (to reproduce one, or to check its fix); `-s` then shows what failed.
-KNOWN_BUGS = bool(os.environ.get("NATSFS_MODEL_KNOWN_BUGS"))
-# A "clean" open file: opened without O_TRUNC on an existing file, and nothing written or truncated
-# through the mount since (by any of its handles). natsfs stages it only at the first write, from the
-# name and version the handle saw at open.
-#
-# Bug: rename(2) of a clean open file (or of a directory above it) cuts its open handles off the file:
-# `Operations.entry_changed` sees the old name's tombstone and detaches the inode as "readers left
-# behind" before `rename` moves it. Writes through those handles then go to a separate copy under the
-# old name, which close() refuses with ESTALE (the bytes go to lost+found); ftruncate through them fails
-# with ENOENT; they keep reading the old bytes while handles opened after the rename see new ones.
+# A switch below can leave out one kind of step where natsfs differs from a local disk, so the machine
+# stays green and keeps guarding everything else while a bug is open; NATSFS_MODEL_KNOWN_BUGS=1 puts
+# them all back. All five this machine found are fixed (see tests/mount/test_write.py, "open files
+# under this mount's own changes"), so every switch is on: nothing is left out today.
+KNOWN_BUGS = True
+# A "clean" open file: opened without O_TRUNC on an existing file, nothing written through the mount since.
+# Fixed: rename(2) of a clean open file (or of a directory above it) used to cut its handles off the file.
 HANDLES_OF_CLEAN_FILES_RENAMED_WHILE_OPEN = KNOWN_BUGS
-# Bug: write (ESTALE: the copy-on-write reads the purged chunks of the deleted version) or ftruncate
-# (ENOENT) through a handle of a clean open file after this mount unlinked it or replaced it by a
-# rename. A local disk accepts both (the bytes stay in the nameless file until the last close).
+# Fixed: writes/ftruncate through a clean open file after this mount unlinked or replaced it failed.
 WRITES_TO_DELETED_CLEAN_OPEN_FILE = KNOWN_BUGS
-# Documented (SEMANTICS.md, unlink: "Readers that hold the deleted version get ESTALE"), unlike a local
-# disk: a read through a handle of a clean open file after this mount unlinked it or replaced it by a
-# rename fails with ESTALE (its chunks were purged), unless the kernel's page cache still has the bytes.
+# Fixed: reads of it after this mount unlinked or replaced it failed with ESTALE (chunks purged at once;
+# now at the last close). Another client's delete still gives ESTALE to readers (SEMANTICS.md).
 READS_OF_DELETED_CLEAN_OPEN_FILE = KNOWN_BUGS
-# Bug: truncate(2) by path of a file that is open, but only for reading: the truncation is staged and
-# never stored (only writable handles upload at close; the last release moves the staged bytes to
-# lost+found and logs an error), yet every call returns 0. The mount shows the new size until a
-# remount; the bucket and every other client keep the old bytes.
+# Fixed: truncate(2) by path of a file open only for reading was staged and never stored.
 TRUNCATE_BY_PATH_OF_FILE_OPEN_ONLY_FOR_READING = KNOWN_BUGS
-# Bug: rename(2) of a directory onto an existing directory whose only entries are files created through
-# the mount and not closed yet succeeds (natsfs.mutations.Mutations.rename_dir checks only the index for
-# children, not the staging area as rmdir does) and merges the two, where a local disk says ENOTEMPTY.
+# Fixed: rename(2) of a directory onto one holding only files not yet closed merged them (ENOTEMPTY now).
 RENAME_ONTO_DIR_HOLDING_ONLY_UNCLOSED_NEW_FILES = KNOWN_BUGS
 
 # ---------------------------------------------------------------- the shape of the random trees

@@ -413,3 +413,54 @@ def test_writes_survive_the_upload_worker_dying(nats_url, bucket_name, wb):
     (b / "after.bin").write_bytes(big[::-1])
     assert nats_py_get(nats_url, bucket_name, "before.bin") == big
     assert nats_py_get(nats_url, bucket_name, "after.bin") == big[::-1]
+
+
+# ---------------------------------------------------------------- open files under this mount's own changes
+# (found by the Hypothesis machine in tests/model; each behaves as on a local disk)
+def test_renaming_an_open_file_keeps_its_handles_on_the_file(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "f").write_bytes(b"hello")
+    fd = os.open(b / "f", os.O_RDWR)
+    os.rename(b / "f", b / "g")
+    os.pwrite(fd, b"J", 0)
+    os.close(fd)
+    assert (b / "g").read_bytes() == b"Jello"
+    assert nats_py_get(nats_url, bucket_name, "g") == b"Jello"
+    assert not (b / "f").exists()
+
+
+def test_an_open_file_this_mount_unlinks_stays_readable_and_its_writes_go_nowhere(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "f").write_bytes(b"hello" * 30_000)
+    nuid = meta_json(nats_url, bucket_name, "f")["nuid"]
+    fd = os.open(b / "f", os.O_RDWR)
+    os.unlink(b / "f")
+    assert os.pread(fd, 5, 0) == b"hello"
+    os.pwrite(fd, b"J", 0)
+    assert os.pread(fd, 5, 0) == b"Jello"
+    os.close(fd)
+    assert not (b / "f").exists()
+    assert meta_json(nats_url, bucket_name, "f")["deleted"] is True
+    assert wait_for(lambda: chunk_count(nats_url, bucket_name, nuid) == 0, 10)  # purged at the last close
+
+
+def test_truncate_by_path_of_a_file_open_only_for_reading_is_stored(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "f").write_bytes(b"hello")
+    fd = os.open(b / "f", os.O_RDONLY)
+    os.truncate(b / "f", 2)
+    os.close(fd)
+    assert nats_py_get(nats_url, bucket_name, "f") == b"he"
+
+
+def test_renaming_a_directory_onto_one_holding_a_file_being_written_is_enotempty(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "a").mkdir()
+    (b / "b").mkdir()
+    fd = os.open(b / "b" / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"new")
+    with pytest.raises(OSError) as e:
+        os.rename(b / "a", b / "b")
+    os.close(fd)
+    assert e.value.errno == errno.ENOTEMPTY
+    assert (b / "b" / "f").read_bytes() == b"new" and (b / "a").is_dir()
