@@ -214,7 +214,8 @@ class Operations(pyfuse3.Operations):
             assert info is not None
             mode = _apply_owner(a, info.attrs, FILE_MODE)
             a.st_mode = stat.S_IFREG | (mode if writable else mode & ~0o222)
-            a.st_nlink = 1
+            # Deleted or replaced while open: no name links to it any more, as fstat shows on a local disk.
+            a.st_nlink = 0 if self._nameless(ino) else 1
             size = info.size
         a.st_size = size
         a.st_blocks = (size + 511) // 512
@@ -248,7 +249,15 @@ class Operations(pyfuse3.Operations):
         sf = self.staging.get(ino)
         if sf is not None and not sf.closed and (sf.shadows_index or sf.unlinked):
             return self._staged_node(sf)
-        return await self.ns.resolve(self.inodes.path_of(ino))
+        try:
+            return await self.ns.resolve(self.inodes.path_of(ino))
+        except NotFound:
+            readers = self._readers(ino)
+            if not readers or not self._nameless(ino):
+                raise
+            # Deleted or replaced while open (by this mount or another client): what its handles hold.
+            info = readers[0].info
+            return Node(FILE, info.bucket, (), None, info, info.mtime_ns)
 
     async def _path_node(self, path: tuple[str, ...]) -> Node:
         sf = self.staging.at_path(path)
@@ -293,18 +302,10 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext = None) -> pyfuse3.EntryAttributes:
-        try:
-            node = await self._node(inode)
-        except NotFound:
-            readers = self._readers(inode)
-            if not readers:
-                raise
-            # Replaced or deleted by another client while open: the version these handles read.
-            info = readers[0].info
-            attr = self._attr(inode, Node(FILE, info.bucket, (), None, info, info.mtime_ns))
-            attr.st_nlink = 0
-            return attr
-        return self._attr(inode, node)
+        return self._attr(inode, await self._node(inode))
+
+    def _nameless(self, inode: int) -> bool:
+        return inode in self._unlinked or self.inodes.is_detached(inode)
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:  # type: ignore[override]
         try:

@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 
 Path = tuple[str, ...]
 ROOT_INODE = int(pyfuse3.ROOT_INODE)
+# First segment of the path an inode is kept under once its name went away (no lookup can reach it).
+DETACHED = "\x00detached"
 
 
 class InodeTable:
@@ -78,7 +80,7 @@ class InodeTable:
         for p in displaced:
             ino = self._ino_of.pop(p)
             # Kept in _path_of under a path nobody can look up, until the kernel forgets it.
-            self._path_of[ino] = ("\x00detached", str(ino))
+            self._path_of[ino] = (DETACHED, str(ino))
         moving = [p for p in self._ino_of if p[: len(old)] == old]
         for p in moving:
             ino = self._ino_of.pop(p)
@@ -86,10 +88,14 @@ class InodeTable:
             self._ino_of[np] = ino
             self._path_of[ino] = np
 
+    def is_detached(self, ino: int) -> bool:
+        path = self._path_of.get(ino)
+        return path is not None and path[:1] == (DETACHED,)
+
     def detach(self, path: Path) -> int | None:
         """The object at `path` is gone: its inode (if any) no longer maps a path."""
         ino = self._ino_of.pop(path, None)
         if ino is not None:
-            self._path_of[ino] = ("\x00detached", str(ino))
+            self._path_of[ino] = (DETACHED, str(ino))
             self.cached_version.pop(ino, None)
         return ino

@@ -464,3 +464,17 @@ def test_renaming_a_directory_onto_one_holding_a_file_being_written_is_enotempty
     os.close(fd)
     assert e.value.errno == errno.ENOTEMPTY
     assert (b / "b" / "f").read_bytes() == b"new" and (b / "a").is_dir()
+
+
+def test_an_unlinked_open_file_can_still_be_truncated_and_stat_while_its_name_is_reused(nats_url, bucket_name, wb):
+    _m, b = wb
+    (b / "d").mkdir()
+    (b / "d" / "c").write_bytes(b"data")
+    fd = os.open(b / "d" / "c", os.O_WRONLY | os.O_APPEND)
+    os.unlink(b / "d" / "c")
+    (b / "d" / "c").mkdir()  # the name now belongs to a directory
+    os.ftruncate(fd, 7394)
+    st = os.fstat(fd)
+    assert st.st_size == 7394 and st.st_nlink == 0
+    os.close(fd)
+    assert (b / "d" / "c").is_dir() and os.listdir(b / "d" / "c") == []
