@@ -95,6 +95,32 @@ class Unavailable(NatsFSError):
     log_level = logging.ERROR
 
 
+class OutcomeUnknown(Unavailable):
+    """A publish left this client but its acknowledgement never came back (timeout, lost or replaced
+    connection): the message may or may not be stored. Callers settle it by reading back."""
+
+
+class NameTooLong(NatsFSError):
+    """A path component over 255 bytes, or a meta subject over what the server accepts."""
+
+    errno = _errno.ENAMETOOLONG
+    log_level = logging.INFO
+
+
+class BadName(NatsFSError):
+    """A name no ADR-20 client can use (not UTF-8)."""
+
+    errno = _errno.EILSEQ
+    log_level = logging.INFO
+
+
+class TooBig(NatsFSError):
+    """A meta document over the server's max payload, or metadata over the mount's limit."""
+
+    errno = _errno.E2BIG
+    log_level = logging.INFO
+
+
 class MalformedMeta(NatsFSError):
     """A meta message that is not valid ADR-20 (bad JSON, missing nuid, ...)."""
 
