@@ -30,6 +30,7 @@ import trio
 
 from .errors import JetStreamAPIError, NatsFSError, NotFound, Unavailable
 from .futures import wait_future
+from .secrecy import redact_url, redact_urls
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -252,7 +253,7 @@ class Bridge:
 
         async def reconnected_cb() -> None:
             self.connected = True
-            log.warning("reconnected to NATS at %s", self._nc.connected_url.netloc if self._nc else "?")
+            log.warning("reconnected to NATS at %s", redact_url(self._nc.connected_url.geturl()) if self._nc else "?")
             if self.on_reconnect:
                 self._to_trio(self.on_reconnect)
 
@@ -280,7 +281,7 @@ class Bridge:
             self._nc = await nats.connect(**options)
         except (TimeoutError, nats.errors.NoServersError, OSError, nats.errors.Error) as e:
             reason = first_error[0] if first_error else e
-            raise Unavailable(f"cannot connect to NATS at {', '.join(self.servers)}: {reason}") from None
+            raise Unavailable(f"cannot connect to NATS at {redact_urls(self.servers)}: {reason}") from None
         self._mux_prefix = self._nc.new_inbox()
         await self._nc.subscribe(self._mux_prefix + ".*", cb=self._on_mux, pending_bytes_limit=0)
         self._install_pacing()
@@ -682,13 +683,25 @@ async def _worker_main(servers: list[str]) -> None:
         await asyncio.wait_for(nc.close(), 1)
 
 
+def _read_worker_servers(fd: int) -> list[str]:
+    """The server URLs the daemon sends as the first line on the worker's stdin (never in argv: they may
+    carry credentials). Read a byte at a time, so nothing after that line is taken from the pipe."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            raise SystemExit(1)  # the daemon went away before saying which servers
+        line += byte
+    return [str(s) for s in json.loads(line)["servers"]]
+
+
 def _main() -> None:
     import sys
 
-    if len(sys.argv) == 3 and sys.argv[1] == "upload-worker":
-        asyncio.run(_worker_main(sys.argv[2].split(",")))
+    if sys.argv[1:] == ["upload-worker"]:
+        asyncio.run(_worker_main(_read_worker_servers(sys.stdin.fileno())))
     else:
-        raise SystemExit("usage: python -m natsfs.bridge upload-worker URL[,URL...]")
+        raise SystemExit('usage: python -I -m natsfs.bridge upload-worker  (stdin: {"servers": [URL, ...]} first)')
 
 
 if __name__ == "__main__":

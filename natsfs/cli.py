@@ -2,23 +2,31 @@
 
 `natsfs mount` without `--foreground` starts the daemon as a child process and waits until it
 reports the mount live (exit 0) or reports why it could not start (exit 1, one sentence). The child
-reports over a pipe named by the hidden `--ready-fd` option.
+reports over a pipe named by the hidden `--ready-fd` option. The child runs isolated (`python -I`),
+and the server URLs (which may carry credentials) reach it through another pipe (`--servers-fd`),
+never on its command line or in its environment.
+
+The daemon's log file is created 0600 in a directory created 0700, and is reopened when logrotate
+moves it away.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import logging.handlers
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import trio
 
 from . import config as cfg
 from .config import Config, parse_duration, parse_size
+from .secrecy import child_environment
 
 log = logging.getLogger("natsfs")
 
@@ -52,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--data-dir", type=Path, default=cfg.default_data_dir(),
                    help="where the embedded nats-server keeps its store")
     m.add_argument("--read-only", action="store_true")
+    m.add_argument("--allow-setuid", action="store_true",
+                   help="show setuid, setgid and sticky bits stored in object metadata (masked off by default)")
     m.add_argument("-o", dest="options", action="append", help="FUSE mount options (comma separated)")
     m.add_argument("--storage", choices=("file", "memory"), default="file", help="storage of new buckets")
     m.add_argument("--replicas", type=int, default=1, help="replicas of new buckets")
@@ -61,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     m.add_argument("--log-file", type=Path, help="log here (default: stderr in the foreground)")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.add_argument("--servers-fd", type=int, help=argparse.SUPPRESS)
 
     u = sub.add_parser("umount", help="unmount a natsfs mount")
     u.add_argument("mountpoint", type=Path)
@@ -92,6 +103,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         servers=_servers(a.server),
         bucket=a.bucket,
         read_only=a.read_only,
+        allow_setuid=a.allow_setuid,
         cache_dir=a.cache_dir,
         cache_size=parse_size(a.cache_size),
         spool_size=parse_size(a.spool_size),
@@ -109,11 +121,26 @@ def config_from_args(a: argparse.Namespace) -> Config:
     )
 
 
+class PrivateLogFile(logging.handlers.WatchedFileHandler):
+    """A log file only its owner can read (0600), also each time it is reopened after logrotate."""
+
+    def _open(self) -> TextIO:
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)  # a file left by an older version, or recreated by logrotate
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)
+
+
+def private_log_dir(directory: Path) -> None:
+    """Create the log directory (and missing parents) 0700; an existing directory is left as it is."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
 def _setup_logging(level: str, log_file: Path | None) -> None:
     handler: logging.Handler
     if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(log_file)
+        private_log_dir(log_file.parent)
+        handler = PrivateLogFile(log_file)
     else:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -138,6 +165,8 @@ def cmd_mount(a: argparse.Namespace) -> int:
         return 2
     if not a.foreground:
         return _spawn_daemon(a, config)
+    if a.servers_fd is not None:
+        config = dataclasses.replace(config, servers=_read_servers(a.servers_fd))
     _setup_logging(a.log_level, a.log_file)
     from .mount import MountError, serve
 
@@ -170,6 +199,12 @@ def cmd_mount(a: argparse.Namespace) -> int:
     return 0
 
 
+def _read_servers(fd: int) -> tuple[str, ...]:
+    """The server list the parent wrote to `--servers-fd` (then closed)."""
+    with os.fdopen(fd, "rb") as pipe:
+        return tuple(s for s in pipe.read().decode().split("\n") if s)
+
+
 def _spawn_daemon(a: argparse.Namespace, config: Config) -> int:
     """Run the mount in a detached child; return once it is live or has said why it is not."""
     from .mount import MountError, check_mountpoint
@@ -179,16 +214,23 @@ def _spawn_daemon(a: argparse.Namespace, config: Config) -> int:
     except MountError as e:
         print(f"natsfs: {e}", file=sys.stderr)
         return 1
-    log_file = a.log_file or (config.data_dir / "logs" /
-                              (str(config.mountpoint.resolve()).strip("/").replace("/", "_") + ".log"))
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = config.data_dir / "logs"
+    log_file = a.log_file or (log_dir / (str(config.mountpoint.resolve()).strip("/").replace("/", "_") + ".log"))
+    private_log_dir(log_file.parent)
+    if a.log_file is None:
+        log_dir.chmod(0o700)  # ours: made 0755 by versions before this one
     r, w = os.pipe()
-    args = [sys.executable, "-m", "natsfs", *_rebuild_args(a), "--foreground", "--ready-fd", str(w),
-            "--log-file", str(log_file)]
+    servers_r, servers_w = os.pipe()
+    # The URLs fit in the pipe's buffer: written before the child exists, read by it at start.
+    os.write(servers_w, "".join(s + "\n" for s in config.servers).encode())
+    os.close(servers_w)
+    args = [sys.executable, "-I", "-m", "natsfs", *_rebuild_args(a), "--foreground", "--ready-fd", str(w),
+            "--servers-fd", str(servers_r), "--log-file", str(log_file)]
     with open(os.devnull, "rb") as devnull:
         subprocess.Popen(args, stdin=devnull, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         pass_fds=(w,), start_new_session=True, close_fds=True)
+                         pass_fds=(w, servers_r), start_new_session=True, close_fds=True, env=child_environment())
     os.close(w)
+    os.close(servers_r)
     with os.fdopen(r, "rb") as pipe:
         line = pipe.readline().decode(errors="replace").strip()
     if line == "READY":
@@ -202,7 +244,7 @@ def _spawn_daemon(a: argparse.Namespace, config: Config) -> int:
 
 def _rebuild_args(a: argparse.Namespace) -> list[str]:
     out = ["mount", str(a.mountpoint.resolve())]
-    simple = {"server": "--server", "bucket": "--bucket", "cache_size": "--cache-size",
+    simple = {"bucket": "--bucket", "cache_size": "--cache-size",
               "spool_size": "--spool-size", "chunk_size": "--chunk-size", "max_meta_bytes": "--max-meta-bytes",
               "storage": "--storage", "max_bytes": "--max-bytes", "ttl": "--ttl", "log_level": "--log-level"}
     for attr, flag in simple.items():
@@ -210,12 +252,12 @@ def _rebuild_args(a: argparse.Namespace) -> list[str]:
         if value is not None:
             out += [flag, str(value)]
     out += ["--cache-dir", str(a.cache_dir), "--data-dir", str(a.data_dir), "--replicas", str(a.replicas)]
-    if a.server is None and os.environ.get("NATS_URL"):
-        out += ["--server", os.environ["NATS_URL"]]
     if a.read_only:
         out.append("--read-only")
     if a.compression:
         out.append("--compression")
+    if a.allow_setuid:
+        out.append("--allow-setuid")
     for o in a.options or []:
         out += ["-o", o]
     return out

@@ -81,6 +81,9 @@ class Config:
     upload_worker: bool = True
     uid: int = 0
     gid: int = 0
+    # Show setuid, setgid and sticky bits stored in `natsfs.mode` metadata (any client can write
+    # them, so they are masked off unless the mount is asked for them).
+    allow_setuid: bool = False
     # Bucket defaults for mkdir at the root (issue 4)
     storage: str = "file"
     replicas: int = 1

@@ -41,8 +41,8 @@ from .errors import (
 from .handles import DirHandle, HandleTable, ReadHandle
 from .inodes import InodeTable
 from .kernel import KernelNotifier
+from .links import link_target
 from .mutations import DIR_MODE, FILE_MODE, Mutations, check_meta_size
-from .names import escape, placement
 from .namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from .staging import Spool, StagedFile, Staging
 
@@ -80,15 +80,21 @@ def _boundary(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _apply_owner(a: pyfuse3.EntryAttributes, attrs: PosixAttrs | None, default_mode: int) -> int:
-    """Set owner and group stored in an object's metadata; return the permission bits to use."""
+def _apply_owner(a: pyfuse3.EntryAttributes, attrs: PosixAttrs | None, default_mode: int, special_bits: bool
+                 ) -> int:
+    """Set owner and group stored in an object's metadata; return the permission bits to use.
+
+    Setuid, setgid and sticky bits come from any client's metadata, so they show only when the
+    mount was asked to honour them (`special_bits`, `--allow-setuid`)."""
     if attrs is None:
         return default_mode
     if attrs.uid is not None:
         a.st_uid = attrs.uid
     if attrs.gid is not None:
         a.st_gid = attrs.gid
-    return attrs.mode & 0o7777 if attrs.mode is not None else default_mode
+    if attrs.mode is None:
+        return default_mode
+    return attrs.mode & (0o7777 if special_bits else 0o777)
 
 
 def _name(raw: bytes) -> str:
@@ -119,6 +125,8 @@ class Operations(pyfuse3.Operations):
         # the version they hold are purged at their last close, not before.
         self._unlinked: set[int] = set()
         self._purge_later: dict[int, tuple[str, str]] = {}
+        # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
+        self._reported_links: set[tuple[str, str, int]] = set()
         self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0}
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -199,7 +207,8 @@ class Operations(pyfuse3.Operations):
         writable = self.writable and not (node.bucket is not None and self._known_sealed(node.bucket))
         if node.kind in (ROOT, BUCKET, DIR):
             marker = node.dir.marker if node.dir is not None else None
-            mode = _apply_owner(a, marker.attrs if marker is not None else None, DIR_MODE)
+            mode = _apply_owner(a, marker.attrs if marker is not None else None, DIR_MODE,
+                                self.config.allow_setuid)
             if node.kind == ROOT and self.ns.single_bucket is None:
                 mode = 0o755  # buckets are made with mkdir here
             a.st_mode = stat.S_IFDIR | (mode if writable else mode & ~0o222)
@@ -212,7 +221,7 @@ class Operations(pyfuse3.Operations):
         else:
             info = node.info
             assert info is not None
-            mode = _apply_owner(a, info.attrs, FILE_MODE)
+            mode = _apply_owner(a, info.attrs, FILE_MODE, self.config.allow_setuid)
             a.st_mode = stat.S_IFREG | (mode if writable else mode & ~0o222)
             # Deleted or replaced while open: no name links to it any more, as fstat shows on a local disk.
             a.st_nlink = 0 if self._nameless(ino) else 1
@@ -224,21 +233,15 @@ class Operations(pyfuse3.Operations):
         return a
 
     def _link_target(self, node: Node) -> str:
-        """Relative path from the link's directory to its target inside the mount."""
+        """The link's symlink target, built only from validated parts (see natsfs/links.py)."""
         info = node.info
         assert info is not None and info.link is not None and node.bucket is not None
-        depth = len(self.ns.mount_path(node.bucket, node.rel)) - 1
-        up = "../" * depth
-        link = info.link
-        if self.ns.single_bucket is not None and link.bucket != self.ns.single_bucket:
-            # The target is outside this single-bucket mount: a dangling, self-describing target.
-            return f"nats-object:{link.bucket}/{link.name or ''}"
-        if link.name is None:
-            target: tuple[str, ...] = () if self.ns.single_bucket is not None else (link.bucket,)
-            return (up + "/".join(target)) or "."
-        path, _ = placement(link.name)
-        rel = path if path is not None else (escape(link.name),)
-        return up + "/".join(self.ns.mount_path(link.bucket, rel))
+        target = link_target(info.link, self.ns.mount_path(node.bucket, node.rel), self.ns.single_bucket)
+        if target.outside is not None and (node.bucket, info.nuid, info.revision) not in self._reported_links:
+            self._reported_links.add((node.bucket, info.nuid, info.revision))
+            log.log(logging.WARNING if target.hostile else logging.INFO, "link %r in bucket %r reads as %r: %s",
+                    info.name, node.bucket, target.text, target.outside)
+        return target.text
 
     def _known_sealed(self, bucket: str) -> bool:
         cached = self.mut._sealed.get(bucket)

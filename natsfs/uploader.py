@@ -1,10 +1,14 @@
 """The daemon's side of the upload worker: a child process that publishes chunks from spool files.
 
 Bulk publishing is the costliest work of the daemon, and in-process it competes with FUSE requests
-for the GIL. `UploadWorker` starts `python -m natsfs.bridge upload-worker` (its own NATS connection)
-and hands it byte ranges of spool files to send as chunks of a put session; the worker hashes what it
-sends, so the digest of a session is asked of it too. Requests are JSON lines over pipes (trio).
-If the worker is gone, callers fall back to publishing in-process (`alive` is False).
+for the GIL. `UploadWorker` starts `python -I -m natsfs.bridge upload-worker` (its own NATS
+connection) and hands it byte ranges of spool files to send as chunks of a put session; the worker
+hashes what it sends, so the digest of a session is asked of it too. Requests are JSON lines over
+pipes (trio). If the worker is gone, callers fall back to publishing in-process (`alive` is False).
+
+The worker runs isolated (`-I`: neither the working directory nor `$PYTHON*` variables shape its
+imports), inherits no descriptors but its pipes and no `$NATS_URL`, and gets the server URLs (which
+may carry credentials) as the first line on its stdin, never on its command line.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import trio
 
 from .errors import JetStreamAPIError, NatsFSError, Unavailable
 from .jetstream import map_publish_error
+from .secrecy import child_environment
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +42,11 @@ class UploadWorker:
     async def start(self, nursery: trio.Nursery) -> None:
         try:
             self._proc = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "natsfs.bridge", "upload-worker", ",".join(self.servers)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        except OSError as e:
+                [sys.executable, "-I", "-m", "natsfs.bridge", "upload-worker"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=child_environment())
+            assert self._proc.stdin is not None
+            await self._proc.stdin.send_all(json.dumps({"servers": self.servers}).encode() + b"\n")
+        except (OSError, trio.BrokenResourceError) as e:
             log.warning("upload worker not started (%s); publishing in-process", e)
             return
         self.alive = True

@@ -1,0 +1,41 @@
+"""Keeping credentials out of what others can read: logs, error messages, and child processes' argv.
+
+A NATS URL may carry credentials in its userinfo (`nats://user:password@host`, `nats://token@host`).
+Every URL the daemon prints goes through `redact_url`. Children (the background daemon, the upload
+worker) receive the server list through a pipe, never on their command line, and their environment
+drops `$NATS_URL` (they do not read it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+
+REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """`url` without its secret: the password of `user:password@`, or the whole `token@`.
+
+    Everything before the last `@` (after the scheme) is userinfo: an unencoded `@` or `/` in a
+    password still never shows.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" not in rest:
+        return url
+    userinfo, host = rest.rsplit("@", 1)
+    user, colon, _secret = userinfo.partition(":")
+    shown = f"{user}:{REDACTED}" if colon else REDACTED
+    return f"{scheme}{sep}{shown}@{host}"
+
+
+def redact_urls(urls: Iterable[str]) -> str:
+    """A server list for a message: comma separated, each URL redacted."""
+    return ", ".join(redact_url(u) for u in urls)
+
+
+def child_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child process: ours without `$NATS_URL` (servers come through a pipe)."""
+    return {k: v for k, v in (os.environ if environ is None else environ).items() if k != "NATS_URL"}
