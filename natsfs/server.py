@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from .errors import Unavailable
+from .secrecy import child_environment
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class NatsServer:
                *self._auth_args(), *self.extra_args]
         with open(self.log_file, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True, close_fds=True, env=child_environment())
         deadline = time.monotonic() + timeout
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
         while time.monotonic() < deadline:
