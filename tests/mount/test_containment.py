@@ -114,6 +114,12 @@ def test_hostile_links_never_resolve_outside_the_mount(nats_url, bucket_name, mo
     assert _host_state(host) == before
     assert not (m.path.parent / "created.txt").exists()
 
+    # A hostile link that arrives while mounted (through the live watch) is contained the same way.
+    _link(nats_url, bucket_name, "late", {"bucket": "../host", "name": "secret.txt"})
+    assert wait_for(lambda: os.path.lexists(root / "late"), 10)
+    assert os.readlink(root / "late") == "nats-object:?/invalid-link"
+    hostile["late"] = {}
+
     # One warning per hostile link, however often it is read; nothing worse.
     for name in hostile:
         os.readlink(root / name)
