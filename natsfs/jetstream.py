@@ -230,7 +230,10 @@ class JetStreams:
                 if batch.reset:
                     out.clear()
                 for m in batch.msgs:
-                    out.append((m.seq, int((m.headers or {}).get("Nats-Msg-Size", "0"))))
+                    size = (m.headers or {}).get("Nats-Msg-Size")
+                    if m.subject != subject or size is None:
+                        raise Unavailable(f"scan of {subject}: unexpected delivery {m.subject} seq {m.seq}")
+                    out.append((m.seq, int(size)))
                 if batch.caught_up:
                     break
                 if not batch.msgs and scan.idle_for() > self.bridge.request_timeout:
@@ -282,14 +285,16 @@ class BatchStream:
 
 def _direct_msg(m: Msg, *, full: bool = True) -> StoredMsg:
     """A direct-get reply as a stored message; `full=False` (chunks in bulk) skips the timestamp and
-    headers, which nobody reads for chunks and which cost real time per 128 KiB."""
+    headers, which nobody reads for chunks and which cost real time per 128 KiB. The subject, sequence
+    and pending count are always kept: they are what proves which chunk a reply is."""
     h = m.headers or {}
     if not full:
-        return StoredMsg(int(h["Nats-Sequence"]), h.get("Nats-Subject", ""), None, m.data, 0)
+        return StoredMsg(int(h["Nats-Sequence"]), h.get("Nats-Subject", ""), None, m.data, 0,
+                         int(h.get("Nats-Num-Pending", -1)))
     ts = h.get("Nats-Time-Stamp")
     headers = {k: v for k, v in h.items() if not k.startswith("Nats-") or k in ("Nats-Rollup",)} or None
     return StoredMsg(int(h["Nats-Sequence"]), h.get("Nats-Subject", ""), headers, m.data,
-                     parse_rfc3339_ns(ts) if ts else 0)
+                     parse_rfc3339_ns(ts) if ts else 0, int(h.get("Nats-Num-Pending", -1)))
 
 
 class _ConsumerStream:

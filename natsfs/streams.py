@@ -28,6 +28,9 @@ class StoredMsg:
     headers: dict[str, str] | None
     data: bytes
     time_ns: int
+    # Direct gets only: how many messages on `subject` come after this one (`Nats-Num-Pending`) when
+    # the reply was made; -1 when not known.
+    pending: int = -1
 
 
 @dataclass
