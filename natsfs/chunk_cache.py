@@ -543,7 +543,12 @@ class ChunkCache:
                     raise self._stray(info, layout, m, "a chunk of this version's layout")
                 out[idx] = m.data
                 self._store(info, layout, idx, m.data)
-            missing = [k for k in range(start, end) if k not in out]
+            missing = []
+            for k in range(start, end):
+                if k not in out and not await self._fetch_one(info, layout, k, subject, out):
+                    missing.append(k)
+            if layout.generation != generation:
+                return out
             if missing:
                 layout.gone.update(missing)
                 layout.intact = False
@@ -558,6 +563,20 @@ class ChunkCache:
                     del self._inflight[key]
                     ev.set()
         return out
+
+    async def _fetch_one(self, info: ObjectInfo, layout: Layout, idx: int, subject: str,
+                         out: dict[int, bytes]) -> bool:
+        """Ask for slot `idx`'s chunk alone (it did not come with its run): False if it is gone."""
+        seq = layout.seqs[idx]
+        msgs = await self._fetch(info, seq, 1, 1)
+        if not msgs or msgs[0].seq > seq:
+            return False
+        m = msgs[0]
+        if m.subject != subject or m.seq != seq or len(m.data) != layout.size_of(idx):
+            raise self._stray(info, layout, m, f"chunk {idx} (seq {seq})")
+        out[idx] = m.data
+        self._store(info, layout, idx, m.data)
+        return True
 
     # ------------------------------------------------------------------ readahead
     def _prefetch(self, info: ObjectInfo, layout: Layout, from_idx: int, to_offset: int) -> None:
