@@ -1,14 +1,22 @@
-"""Chunk-aligned reads: where each chunk of an object lives, a byte-bounded cache, shared fetches, readahead.
+"""Chunk-aligned reads: where each chunk of a version lives (proven), a byte-bounded cache, shared
+fetches, readahead, digest checks.
 
-Chunks are cached under `(bucket, nuid, chunk index)`. A nuid is fresh on every put, so a replaced
-object can never be served from the cache of its predecessor. The cache is a cachetools LRU bounded in
-bytes. Concurrent misses on one chunk share one fetch (an in-flight table of trio Events).
+Chunks are cached under `(bucket, nuid, stream sequence)`: a reply can only ever fill the slot of its own
+sequence, and a nuid is fresh on every put, so a replaced object is never served from its predecessor's
+chunks. The cache is a cachetools LRU bounded in bytes. Concurrent misses on one chunk share one fetch
+(an in-flight table of trio Events).
 
-Where chunks live (`Layout`: stream sequence and end offset of each chunk) is learned lazily: a read
-from the front walks forward with batched direct gets that return data and sequences together; a read
-far from what is known maps the whole object with one headers-only scan (no payloads), then fetches
-just the chunks it touches. Chunk sizes are never assumed equal. Readahead runs in the background,
-bounded by a capacity limiter, and its failures are left for the foreground read to report.
+Where chunks live (`Layout`: stream sequence and end offset of each chunk) is learned lazily and never
+assumed: chunk sizes may differ anywhere, so no offset is computed from a chunk size. A read from the
+front walks forward with batched direct gets that return data and sequences together; each reply is
+taken only if its subject is this nuid's chunk subject, its sequence follows the last known chunk, the
+chunk count it proves (the chunks before it, itself and the server's count of those after it) is the
+meta's, its bytes fit the meta's size and it was stored before the meta. So a chunk is served only when
+its offset is proven. A read far from what is known maps the whole version with one headers-only scan
+(no payloads). A version whose chunks do not match its meta is placed once by `place_chunks`, which
+serves what it can prove and marks the rest unreadable (EIO); each such version is logged once.
+Readahead runs in the background, bounded by a capacity limiter, and its failures are left for the
+foreground read to report.
 """
 
 from __future__ import annotations
