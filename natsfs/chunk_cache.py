@@ -27,7 +27,7 @@ import contextlib
 import hashlib
 import logging
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import cachetools
@@ -46,6 +46,11 @@ ChunkKey = tuple[str, str, int]
 # the GIL on large buffers, so hashing overlaps with serving requests).
 _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="natsfs-sha256")
 
+
+# Checking a sequence gap of a damaged version for room scans it (headers only): at most this many
+# gaps, each at most this many sequences long.
+GAP_CHECKS = 16
+GAP_SCAN_LIMIT = 100_000
 
 # The sequence of a slot that stands for bytes whose chunks cannot be placed (missing, or not provably
 # where they seem to be). Stream sequences start at 1.
@@ -121,10 +126,13 @@ class Placement:
     intact: bool
     problems: list[str]
     unreadable: int  # bytes that cannot be served
+    # The sequence gaps (lo, hi), exclusive, that could hold a missing chunk, in order: showing that
+    # the first or the last is full of other messages (`full`) narrows the unproven bytes.
+    gaps: list[tuple[int, int]]
 
 
 def place_chunks(size: int, chunks: int, revision: int, prefix: Sequence[tuple[int, int]],
-                 present: Sequence[tuple[int, int]]) -> Placement:
+                 present: Sequence[tuple[int, int]], full: Collection[tuple[int, int]] = ()) -> Placement:
     """Where each chunk of a version is, from every chunk message of its nuid (`present`, (seq, size) in
     stream order, from a complete scan) and the meta's `size`, `chunks` and `revision` (the meta's
     stream sequence, 0 if not known). `prefix` are the first chunks, already proven by a walk.
@@ -134,10 +142,11 @@ def place_chunks(size: int, chunks: int, revision: int, prefix: Sequence[tuple[i
     - chunks after the meta's sequence are not part of the version (ignored);
     - if the rest are exactly `chunks` chunks holding exactly `size` bytes, every offset is proven;
     - if k chunks are missing, a missing chunk was stored between the sequences of its present
-      neighbours, so only gaps in the sequences can hold one. Chunks before the first such gap are
-      where they seem, chunks after the last one are at `size` minus the bytes after them; the bytes
-      in between are unproven. With the other chunks stored contiguously (one writer) that is exactly
-      the missing chunks' bytes;
+      neighbours, so only gaps in the sequences can hold one, and not a gap known to be `full` (every
+      sequence in it holds another message). Chunks before the first such gap are where they seem,
+      chunks after the last one are at `size` minus the bytes after them; the bytes in between are
+      unproven. With the other chunks stored contiguously (one writer) that is exactly the missing
+      chunks' bytes;
     - anything else (more chunks than the meta says, or sizes that do not add up) leaves every byte
       after the proven prefix unproven: no chunk's place can be shown.
     """
@@ -157,9 +166,12 @@ def place_chunks(size: int, chunks: int, revision: int, prefix: Sequence[tuple[i
     missing = wanted - len(rest)
     missing_bytes = size - prefix_bytes - sum(z for _, z in rest)
     candidates: list[int] = []
+    gaps: list[tuple[int, int]] = []
     if missing > 0 and missing_bytes >= missing:
         bounds = [last_prefix_seq, *(s for s, _ in rest), revision or (1 << 63)]
-        candidates = [j for j in range(len(rest) + 1) if bounds[j + 1] - bounds[j] > 1]
+        candidates = [j for j in range(len(rest) + 1)
+                      if bounds[j + 1] - bounds[j] > 1 and (bounds[j], bounds[j + 1]) not in full]
+        gaps = [(bounds[j], bounds[j + 1]) for j in candidates]
     if missing == 0 and missing_bytes == 0:
         slots += rest
     elif candidates:
@@ -179,7 +191,7 @@ def place_chunks(size: int, chunks: int, revision: int, prefix: Sequence[tuple[i
             slots.append((UNPROVEN, size - prefix_bytes))
     unreadable = sum(z for s, z in slots if s == UNPROVEN) + sum(slots[i][1] for i in gone)
     intact = not gone and all(s != UNPROVEN for s, _ in slots)
-    return Placement(slots, gone, intact, problems, unreadable)
+    return Placement(slots, gone, intact, problems, unreadable, gaps)
 
 
 class CacheStats:
@@ -434,13 +446,34 @@ class ChunkCache:
         if not index and info.chunks:
             raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
         prefix = list(zip(layout.seqs, (layout.size_of(i) for i in range(len(layout.seqs))), strict=True))
-        placed = place_chunks(info.size, info.chunks, info.revision, prefix, index)
+        placed = await self._place(info, prefix, index)
         layout.replace(placed.slots, placed.gone, placed.intact)
         if placed.problems:
             text = "; ".join(placed.problems)
             if placed.unreadable:
                 text += f"; {placed.unreadable} of {info.size} bytes cannot be read (EIO)"
             self._report(info, layout, "layout", text, logging.ERROR if placed.unreadable else logging.WARNING)
+
+    async def _place(self, info: ObjectInfo, prefix: list[tuple[int, int]],
+                     index: list[tuple[int, int]]) -> Placement:
+        """`place_chunks`, narrowed while the first or last gap that could hold a missing chunk turns
+        out to be full of other messages (one headers-only scan of the stream per gap checked)."""
+        full: set[tuple[int, int]] = set()
+        checked: set[tuple[int, int]] = set()
+        while True:
+            placed = place_chunks(info.size, info.chunks, info.revision, prefix, index, full)
+            if len(placed.gaps) < 2 or len(checked) >= GAP_CHECKS:
+                return placed
+            for lo, hi in (placed.gaps[0], placed.gaps[-1]):
+                if (lo, hi) in checked or hi - lo - 1 > GAP_SCAN_LIMIT:
+                    continue
+                checked.add((lo, hi))
+                self.stats.index_scans += 1
+                if len(await self.store.stored_sequences(info.bucket, lo + 1, hi)) == hi - lo - 1:
+                    full.add((lo, hi))
+                    break
+            else:
+                return placed
 
     # ------------------------------------------------------------------ fetching
     async def _fetch(self, info: ObjectInfo, start_seq: int, count: int, max_bytes: int) -> list[StoredMsg]:

@@ -390,6 +390,11 @@ class MemoryStreams:
         st = self._get(stream)
         return [(seq, len(st.msgs[seq].data)) for seq in st.by_subject.get(subject, [])]
 
+    async def sequences(self, stream: str, start_seq: int, stop_seq: int) -> list[int]:
+        """The sequences in [start_seq, stop_seq) that hold a message (as `JetStreams.sequences`)."""
+        await self._enter("sequences")
+        return [seq for seq in self._get(stream).msgs if start_seq <= seq < stop_seq]
+
     async def subject_count(self, stream: str, filter_subject: str) -> int:
         """How many subjects matching `filter_subject` hold messages (as `JetStreams.subject_count`)."""
         await self._enter("subject_count")

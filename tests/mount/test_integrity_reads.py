@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import create_bucket, raw_put, with_nats
+from helpers import create_bucket, raw_put, with_nats, with_store
 
 CHUNK = 128 * 1024
 CHUNKS = 8
@@ -23,9 +23,11 @@ LOST = 3
 
 
 def put_eight_chunks(url: str, bucket: str, name: str) -> tuple[bytes, str]:
-    """An 8-chunk object written by another client; returns its bytes and nuid."""
+    """An 8-chunk object written by another client after a small one (so the stream sequences before
+    its first chunk hold other messages); returns its bytes and nuid."""
     create_bucket(url, bucket)
     rnd = random.Random(8)
+    raw_put(url, bucket, "earlier.bin", [rnd.randbytes(1000), rnd.randbytes(500)])
     chunks = [rnd.randbytes(CHUNK) for _ in range(CHUNKS - 1)] + [rnd.randbytes(CHUNK - 777)]
     nuid = "integrity" + "".join(rnd.choice("ABCDEFGH") for _ in range(13))
     raw_put(url, bucket, name, chunks, nuid=nuid)
@@ -136,6 +138,7 @@ def test_lost_chunk_gives_eio_for_its_reads_and_exact_bytes_elsewhere(nats_url, 
     drop_page_cache(p_before)
     assert chunk_reads(p_before) == expected(data)
 
+    assert (fresh / bucket_name / "earlier.bin").stat().st_size == 1500
     for m in (fresh, before):
         log = m.log()
         lines = damage_lines(log, nuid)
@@ -145,3 +148,24 @@ def test_lost_chunk_gives_eio_for_its_reads_and_exact_bytes_elsewhere(nats_url, 
         assert m.alive
     assert "1 of 8 chunks missing" in damage_lines(fresh.log(), nuid)[0]
     assert "chunk 3 " in damage_lines(before.log(), nuid)[0]
+
+
+def test_real_server_replies_prove_what_the_twin_does(nats_url, bucket_name):
+    """The facts the layout checks rest on, on nats-server itself: each direct-get reply names its
+    subject and sequence and counts the chunks after it; a deleted sequence holds no message."""
+    data, nuid = put_eight_chunks(nats_url, bucket_name, "eight.bin")
+    delete_chunk(nats_url, bucket_name, nuid, LOST)
+
+    async def fn(store: Any) -> None:
+        msgs = await store.fetch_chunks(bucket_name, nuid, 1, 10, 1 << 30)
+        assert [m.subject for m in msgs] == [f"$O.{bucket_name}.C.{nuid}"] * 7
+        assert [m.pending for m in msgs] == [6, 5, 4, 3, 2, 1, 0]
+        seqs = [m.seq for m in msgs]
+        assert seqs == [4, 5, 6, 8, 9, 10, 11]  # 1..3: the earlier object; 7: the deleted chunk
+        assert b"".join(m.data for m in msgs) == data[: LOST * CHUNK] + data[(LOST + 1) * CHUNK :]
+        assert await store.stored_sequences(bucket_name, 1, 12) == [1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
+        assert await store.stored_sequences(bucket_name, 7, 8) == []
+        assert await store.stored_sequences(bucket_name, 11, 100) == [11, 12]  # 12: the meta
+        assert await store.chunk_index(bucket_name, nuid) == [(m.seq, len(m.data)) for m in msgs]
+
+    with_store(nats_url, fn)
