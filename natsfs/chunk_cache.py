@@ -40,7 +40,7 @@ from .streams import StoredMsg
 
 log = logging.getLogger(__name__)
 
-ChunkKey = tuple[str, str, int]
+ChunkKey = tuple[str, str, int]  # (bucket, nuid, stream sequence of the chunk)
 
 # One worker hashes every version's chunks, in submission order, off the trio thread (hashlib drops
 # the GIL on large buffers, so hashing overlaps with serving requests).
