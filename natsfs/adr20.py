@@ -446,6 +446,10 @@ class ObjectStore:
         """(sequence, size) of every chunk of object `nuid`, in order, without their data."""
         return await self.streams.subject_index(stream_name(bucket), chunk_subject(bucket, nuid))
 
+    async def stored_sequences(self, bucket: str, start_seq: int, stop_seq: int) -> list[int]:
+        """The sequences in [start_seq, stop_seq) of the bucket's stream that hold a message."""
+        return await self.streams.sequences(stream_name(bucket), start_seq, stop_seq)
+
 
     # ---------------------------------------------------------------- writes
     async def publish_meta(self, bucket: str, doc: dict[str, Any], *, expected_revision: int | None = None

@@ -1,14 +1,22 @@
-"""Chunk-aligned reads: where each chunk of an object lives, a byte-bounded cache, shared fetches, readahead.
+"""Chunk-aligned reads: where each chunk of a version lives (proven), a byte-bounded cache, shared
+fetches, readahead, digest checks.
 
-Chunks are cached under `(bucket, nuid, chunk index)`. A nuid is fresh on every put, so a replaced
-object can never be served from the cache of its predecessor. The cache is a cachetools LRU bounded in
-bytes. Concurrent misses on one chunk share one fetch (an in-flight table of trio Events).
+Chunks are cached under `(bucket, nuid, stream sequence)`: a reply can only ever fill the slot of its own
+sequence, and a nuid is fresh on every put, so a replaced object is never served from its predecessor's
+chunks. The cache is a cachetools LRU bounded in bytes. Concurrent misses on one chunk share one fetch
+(an in-flight table of trio Events).
 
-Where chunks live (`Layout`: stream sequence and end offset of each chunk) is learned lazily: a read
-from the front walks forward with batched direct gets that return data and sequences together; a read
-far from what is known maps the whole object with one headers-only scan (no payloads), then fetches
-just the chunks it touches. Chunk sizes are never assumed equal. Readahead runs in the background,
-bounded by a capacity limiter, and its failures are left for the foreground read to report.
+Where chunks live (`Layout`: stream sequence and end offset of each chunk) is learned lazily and never
+assumed: chunk sizes may differ anywhere, so no offset is computed from a chunk size. A read from the
+front walks forward with batched direct gets that return data and sequences together; each reply is
+taken only if its subject is this nuid's chunk subject, its sequence follows the last known chunk, the
+chunk count it proves (the chunks before it, itself and the server's count of those after it) is the
+meta's, its bytes fit the meta's size and it was stored before the meta. So a chunk is served only when
+its offset is proven. A read far from what is known maps the whole version with one headers-only scan
+(no payloads). A version whose chunks do not match its meta is placed once by `place_chunks`, which
+serves what it can prove and marks the rest unreadable (EIO); each such version is logged once.
+Readahead runs in the background, bounded by a capacity limiter, and its failures are left for the
+foreground read to report.
 """
 
 from __future__ import annotations
@@ -19,33 +27,52 @@ import contextlib
 import hashlib
 import logging
 from array import array
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 
 import cachetools
 import trio
 
-from .adr20 import ObjectInfo, ObjectStore, format_digest, parse_digest
+from .adr20 import ObjectInfo, ObjectStore, chunk_subject, format_digest, parse_digest
 from .errors import Corrupt, NatsFSError, Stale, Unavailable
 from .futures import wait_future
+from .streams import StoredMsg
 
 log = logging.getLogger(__name__)
 
-ChunkKey = tuple[str, str, int]
+ChunkKey = tuple[str, str, int]  # (bucket, nuid, stream sequence of the chunk)
 
 # One worker hashes every version's chunks, in submission order, off the trio thread (hashlib drops
 # the GIL on large buffers, so hashing overlaps with serving requests).
 _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="natsfs-sha256")
 
 
-class Layout:
-    """Stream sequence and end offset of the chunks of one object that are known so far, in order."""
+# Checking a sequence gap of a damaged version for room scans it (headers only): at most this many
+# gaps, each at most this many sequences long.
+GAP_CHECKS = 16
+GAP_SCAN_LIMIT = 100_000
 
-    __slots__ = ("busy", "complete", "ends", "error", "grew", "hash_pos", "hasher", "seqs", "verdict")
+# The sequence of a slot that stands for bytes whose chunks cannot be placed (missing, or not provably
+# where they seem to be). Stream sequences start at 1.
+UNPROVEN = 0
+
+
+class Layout:
+    """Where the bytes of one version live, as far as it is proven: one slot per chunk in offset order
+    (stream sequence and end offset), known from the front. A damaged version (see `place_chunks`)
+    also has one `UNPROVEN` slot covering the bytes no chunk can be proven to hold."""
+
+    __slots__ = ("busy", "complete", "ends", "error", "generation", "gone", "grew", "hash_pos", "hasher",
+                 "intact", "reported", "seqs", "verdict")
 
     def __init__(self) -> None:
         self.seqs = array("q")
         self.ends = array("q")
-        self.complete = False
+        self.complete = False  # slots cover the whole size
+        self.intact = True  # the slots are exactly the meta's chunks, all present: the digest can be checked
+        self.gone: set[int] = set()  # slots whose chunk vanished after its place was proven
+        self.generation = 0  # bumped when the slots are rebuilt, so a read that waited looks again
+        self.reported: set[str] = set()  # causes already logged for this version (one line each)
         self.busy = False  # a walk or scan is under way; wait on `grew`
         self.grew = trio.Event()
         self.error: NatsFSError | None = None
@@ -74,6 +101,97 @@ class Layout:
     def append(self, seq: int, size: int) -> None:
         self.seqs.append(seq)
         self.ends.append(self.known_bytes + size)
+
+    def readable(self, idx: int) -> bool:
+        return self.seqs[idx] != UNPROVEN and idx not in self.gone
+
+    def replace(self, slots: list[tuple[int, int]], gone: set[int], intact: bool) -> None:
+        """Rebuild from `place_chunks`; the old slots stay a prefix, so cached bytes keep their place."""
+        self.seqs, self.ends = array("q"), array("q")
+        for seq, size in slots:
+            self.append(seq, size)
+        self.gone = gone
+        self.intact = intact
+        self.complete = True
+        self.generation += 1
+
+
+@dataclass
+class Placement:
+    """The slots of a version (`(seq, size)`, `UNPROVEN` for bytes no chunk is proven to hold), the
+    slots whose chunk is gone, whether the version is intact, and what is wrong with it."""
+
+    slots: list[tuple[int, int]]
+    gone: set[int]
+    intact: bool
+    problems: list[str]
+    unreadable: int  # bytes that cannot be served
+    # The sequence gaps (lo, hi), exclusive, that could hold a missing chunk, in order: showing that
+    # the first or the last is full of other messages (`full`) narrows the unproven bytes.
+    gaps: list[tuple[int, int]]
+
+
+def place_chunks(size: int, chunks: int, revision: int, prefix: Sequence[tuple[int, int]],
+                 present: Sequence[tuple[int, int]], full: Collection[tuple[int, int]] = ()) -> Placement:
+    """Where each chunk of a version is, from every chunk message of its nuid (`present`, (seq, size) in
+    stream order, from a complete scan) and the meta's `size`, `chunks` and `revision` (the meta's
+    stream sequence, 0 if not known). `prefix` are the first chunks, already proven by a walk.
+
+    What it relies on: every ADR-20 writer publishes a version's chunks in order and before its meta,
+    so chunk i+1 has a higher sequence than chunk i, all below the meta's. Then:
+    - chunks after the meta's sequence are not part of the version (ignored);
+    - if the rest are exactly `chunks` chunks holding exactly `size` bytes, every offset is proven;
+    - if k chunks are missing, a missing chunk was stored between the sequences of its present
+      neighbours, so only gaps in the sequences can hold one, and not a gap known to be `full` (every
+      sequence in it holds another message). Chunks before the first such gap are where they seem,
+      chunks after the last one are at `size` minus the bytes after them; the bytes in between are
+      unproven. With the other chunks stored contiguously (one writer) that is exactly the missing
+      chunks' bytes;
+    - anything else (more chunks than the meta says, or sizes that do not add up) leaves every byte
+      after the proven prefix unproven: no chunk's place can be shown.
+    """
+    slots = list(prefix)
+    prefix_bytes = sum(z for _, z in prefix)
+    on_subject = {s for s, _ in present}
+    gone = {i for i, (s, _) in enumerate(prefix) if s not in on_subject}
+    problems: list[str] = []
+    if gone:
+        problems.append("chunk " + ", ".join(str(i) for i in sorted(gone)) + " gone")
+    last_prefix_seq = prefix[-1][0] if prefix else 0
+    after = [(s, z) for s, z in present if s > last_prefix_seq]
+    rest = [(s, z) for s, z in after if not revision or s < revision]
+    if len(rest) < len(after):
+        problems.append(f"{len(after) - len(rest)} chunk message(s) published after the meta, ignored")
+    wanted = chunks - len(prefix)
+    missing = wanted - len(rest)
+    missing_bytes = size - prefix_bytes - sum(z for _, z in rest)
+    candidates: list[int] = []
+    gaps: list[tuple[int, int]] = []
+    if missing > 0 and missing_bytes >= missing:
+        bounds = [last_prefix_seq, *(s for s, _ in rest), revision or (1 << 63)]
+        candidates = [j for j in range(len(rest) + 1)
+                      if bounds[j + 1] - bounds[j] > 1 and (bounds[j], bounds[j + 1]) not in full]
+        gaps = [(bounds[j], bounds[j + 1]) for j in candidates]
+    if missing == 0 and missing_bytes == 0:
+        slots += rest
+    elif candidates:
+        lo, hi = candidates[0], candidates[-1]
+        tail = rest[hi:]
+        head = rest[:lo]
+        hole = size - prefix_bytes - sum(z for _, z in head) - sum(z for _, z in tail)
+        slots += head
+        slots.append((UNPROVEN, hole))
+        slots += tail
+        problems.append(f"{missing} of {chunks} chunks missing ({missing_bytes} bytes)")
+    else:
+        held = len(prefix) + len(rest)
+        problems.append(f"the stream holds {size - missing_bytes} bytes in {held} chunks, "
+                        f"the meta says {size} bytes in {chunks}")
+        if size > prefix_bytes:
+            slots.append((UNPROVEN, size - prefix_bytes))
+    unreadable = sum(z for s, z in slots if s == UNPROVEN) + sum(slots[i][1] for i in gone)
+    intact = not gone and all(s != UNPROVEN for s, _ in slots)
+    return Placement(slots, gone, intact, problems, unreadable, gaps)
 
 
 class CacheStats:
@@ -122,43 +240,61 @@ class ChunkCache:
             return b""
         self.stats.reads += 1
         self.stats.read_bytes += end - offset
-        layout = await self._layout_covering(info, offset, end, end + readahead)
-        if layout.verdict is False:
-            raise Corrupt(f"{info.bucket}/{info.name}: version {info.nuid} failed its digest check")
-        first, last = layout.chunk_at(offset), layout.chunk_at(end - 1)
-        pieces: list[bytes] = []
-        fetched: dict[int, bytes] = {}
-        for idx in range(first, last + 1):
-            data = fetched.get(idx)
-            if data is None:
-                data = self._data.get((info.bucket, info.nuid, idx))
-                if data is None:
-                    # Keep what came along for this read even if the cache is too small to hold it.
-                    fetched.update(await self._get_missing(info, layout, idx, last + 1))
-                    data = fetched[idx]
-                else:
-                    self.stats.hits += 1
-            pieces.append(data)
+        while True:
+            layout = await self._layout_covering(info, offset, end, end + readahead)
+            if layout.verdict is False:
+                raise self._refused(info, layout, "digest")
+            generation = layout.generation
+            first, last = layout.chunk_at(offset), layout.chunk_at(end - 1)
+            pieces = await self._pieces(info, layout, first, last)
+            if layout.generation == generation:
+                break
+            # The slots were rebuilt while this read waited: look again.
         if readahead > 0:
             self._prefetch(info, layout, last + 1, min(end + readahead, info.size))
         if end == info.size and layout.verdict is None:
             await self._verify(info, layout)
-        if len(pieces) == 1:
-            chunk_start = layout.start_of(first)
-            data = pieces[0]
-            if offset == chunk_start and end - offset == len(data):
-                return data  # the whole chunk: no copy
-            return data[offset - chunk_start : end - chunk_start]
-        joined = b"".join(pieces)
         base = layout.start_of(first)
+        joined = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         if offset == base and end - base == len(joined):
-            return joined
+            return joined  # whole chunks: no copy
         return joined[offset - base : end - base]
 
+    async def _pieces(self, info: ObjectInfo, layout: Layout, first: int, last: int) -> list[bytes]:
+        pieces: list[bytes] = []
+        fetched: dict[int, bytes] = {}
+        generation = layout.generation
+        for idx in range(first, last + 1):
+            if layout.generation != generation:
+                return pieces
+            if not layout.readable(idx):
+                raise self._unreadable(info, layout, idx)
+            data = fetched.get(idx)
+            if data is None:
+                data = self._data.get(self._key(info, layout, idx))
+                if data is None:
+                    # Keep what came along for this read even if the cache is too small to hold it.
+                    fetched.update(await self._get_missing(info, layout, idx, last + 1))
+                    if layout.generation != generation:
+                        return pieces
+                    data = fetched.get(idx)
+                    if data is None:
+                        raise self._unreadable(info, layout, idx)
+                else:
+                    self.stats.hits += 1
+            pieces.append(data)
+        return pieces
+
+    def _key(self, info: ObjectInfo, layout: Layout, idx: int) -> ChunkKey:
+        return (info.bucket, info.nuid, layout.seqs[idx])
+
     async def _get_missing(self, info: ObjectInfo, layout: Layout, idx: int, stop: int) -> dict[int, bytes]:
-        """Chunk `idx` (and any missing ones after it, up to `stop`), sharing fetches already in flight."""
+        """Chunk `idx` (and any missing ones after it, up to `stop`), sharing fetches already in flight.
+        Empty when the chunk turned out to be gone."""
         for _ in range(3):
-            key = (info.bucket, info.nuid, idx)
+            if not layout.readable(idx):
+                return {}
+            key = self._key(info, layout, idx)
             data = self._data.get(key)
             if data is not None:
                 return {idx: data}
@@ -172,6 +308,23 @@ class ChunkCache:
         # Others kept fetching it and it kept being evicted: fetch our own copy.
         run = self._claim(info, layout, idx, idx + 1, force=True)
         return await self._fetch_claimed(info, layout, *run)
+
+    # ------------------------------------------------------------------ what is wrong, said once
+    def _report(self, info: ObjectInfo, layout: Layout, cause: str, text: str, level: int = logging.ERROR) -> None:
+        """Log `text` about this version once per cause; later reads meet the same cause silently."""
+        if cause in layout.reported:
+            return
+        layout.reported.add(cause)
+        log.log(level, "object %s/%s (version %s): %s", info.bucket, info.name, info.nuid, text)
+
+    def _unreadable(self, info: ObjectInfo, layout: Layout, idx: int) -> Corrupt:
+        start, end = layout.start_of(idx), layout.ends[idx]
+        return Corrupt(f"{info.bucket}/{info.name}: bytes {start}..{end} of version {info.nuid} cannot be "
+                       f"read: its chunks do not match the meta", log_level=logging.DEBUG)
+
+    def _refused(self, info: ObjectInfo, layout: Layout, cause: str) -> Corrupt:
+        return Corrupt(f"{info.bucket}/{info.name}: version {info.nuid} failed its {cause} check",
+                       log_level=logging.DEBUG)
 
     # ------------------------------------------------------------------ layout
     async def _layout_covering(self, info: ObjectInfo, offset: int, end: int, want_end: int = 0) -> Layout:
@@ -201,9 +354,9 @@ class ChunkCache:
                 finally:
                     layout.busy = False
                     layout.wake()
-        if layout.known_bytes < end:
-            raise Corrupt(f"{info.bucket}/{info.name}: chunks hold {layout.known_bytes} bytes, "
-                          f"meta says {info.size}")
+        if layout.known_bytes < end:  # (place_chunks always covers the size: a broken invariant)
+            raise Corrupt(f"{info.bucket}/{info.name}: layout of version {info.nuid} ends at "
+                          f"{layout.known_bytes}, the meta says {info.size}")
         return layout
 
     def _chunk_guess(self, info: ObjectInfo) -> int:
@@ -216,13 +369,27 @@ class ChunkCache:
         layout.busy = True
         self._nursery.start_soon(self._extend, info, layout, want_end)
 
+    def _stray(self, info: ObjectInfo, layout: Layout, m: StoredMsg, why: str) -> Unavailable:
+        """A reply that is not the one asked for (another subject, an earlier sequence): a transport fault,
+        not damage to the version. Nothing of it is used."""
+        text = f"a direct get reply ({m.subject} seq {m.seq}) is not {why}; discarded"
+        self._report(info, layout, "stray", text, logging.WARNING)
+        return Unavailable(f"{info.bucket}/{info.name}: {text}", log_level=logging.DEBUG)
+
     async def _extend(self, info: ObjectInfo, layout: Layout, want_end: int) -> None:
         """Walk forward from the last known chunk with one batched direct get whose chunks are taken
-        (into the layout and the cache) as they arrive, so readers never wait for the whole batch."""
+        (into the layout and the cache) as they arrive, so readers never wait for the whole batch.
+
+        A reply is taken only if it is the next chunk of this version beyond doubt: its subject is this
+        nuid's chunk subject, its sequence follows the last known chunk's, the number of chunk messages
+        it proves to exist (those before it, it, and the server's count of those after it) is the
+        meta's chunk count, its bytes fit in the meta's size (the last chunk ending exactly there) and
+        it was stored before the meta. Anything else is settled by a full scan (`_map_all`)."""
+        subject = chunk_subject(info.bucket, info.nuid)
         try:
             remaining = info.chunks - len(layout.seqs)
             if remaining <= 0:
-                self._finish(info, layout)
+                await self._map_all(info, layout)
                 return
             want = max(self.batch_bytes, want_end - layout.known_bytes)
             count = min(remaining, -(-want // self._chunk_guess(info)))
@@ -230,26 +397,38 @@ class ChunkCache:
             self.stats.fetch_requests += 1
             batches = await self.store.stream_chunks(info.bucket, info.nuid, start_seq, count, want)
             got = 0
+            settle = False
             try:
-                while (msgs := await batches.next()) is not None:
+                while not settle and (msgs := await batches.next()) is not None:
+                    taken = 0
                     for m in msgs:
-                        if len(layout.seqs) >= info.chunks or layout.known_bytes + len(m.data) > info.size:
-                            layout.verdict = False  # never serve bytes the meta does not account for
-                            raise Corrupt(f"{info.bucket}/{info.name}: the stream holds more than the meta's "
-                                          f"{info.size} bytes in {info.chunks} chunks")
+                        if m.subject != subject:
+                            raise self._stray(info, layout, m, f"a chunk of {subject}")
+                        if m.seq < start_seq or (layout.seqs and m.seq <= layout.seqs[-1]):
+                            raise self._stray(info, layout, m, f"the chunk after seq {start_seq - 1}")
+                        idx = len(layout.seqs)
+                        end = layout.known_bytes + len(m.data)
+                        if (m.pending < 0 or idx + 1 + m.pending != info.chunks or end > info.size
+                                or (idx == info.chunks - 1 and end != info.size)
+                                or (info.revision and m.seq > info.revision)):
+                            settle = True
+                            break
                         layout.append(m.seq, len(m.data))
-                        self._store(info, len(layout.seqs) - 1, m.data, layout)
+                        self._store(info, layout, idx, m.data)
                         self.stats.chunks_fetched += 1
                         self.stats.bytes_fetched += len(m.data)
+                        taken += 1
                     got += len(msgs)
-                    if msgs:
+                    if taken:
                         layout.wake()
             finally:
                 await batches.close()
-            if not got:
+            if settle:
+                await self._map_all(info, layout)
+            elif not got:
                 raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
-            if len(layout.seqs) >= info.chunks:
-                self._finish(info, layout)
+            elif len(layout.seqs) >= info.chunks:
+                layout.complete = True
         except NatsFSError as e:
             layout.error = e
         except Exception as e:
@@ -260,46 +439,62 @@ class ChunkCache:
             layout.wake()
 
     async def _map_all(self, info: ObjectInfo, layout: Layout) -> None:
-        """Learn every chunk's sequence and size with one headers-only scan."""
+        """Learn every chunk's sequence and size with one headers-only scan, and place them
+        (`place_chunks`) after the chunks already proven by a walk."""
         self.stats.index_scans += 1
         index = await self.store.chunk_index(info.bucket, info.nuid)
         if not index and info.chunks:
             raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
-        known = len(layout.seqs)
-        if known and (len(index) < known or index[known - 1][0] != layout.seqs[known - 1]):
-            raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} changed under us")
-        for seq, size in index[known:]:
-            layout.append(seq, size)
-        self._finish(info, layout)
+        prefix = list(zip(layout.seqs, (layout.size_of(i) for i in range(len(layout.seqs))), strict=True))
+        placed = await self._place(info, prefix, index)
+        layout.replace(placed.slots, placed.gone, placed.intact)
+        if placed.problems:
+            text = "; ".join(placed.problems)
+            if placed.unreadable:
+                text += f"; {placed.unreadable} of {info.size} bytes cannot be read (EIO)"
+            self._report(info, layout, "layout", text, logging.ERROR if placed.unreadable else logging.WARNING)
 
-    def _finish(self, info: ObjectInfo, layout: Layout) -> None:
-        layout.complete = True
-        if len(layout.seqs) != info.chunks or layout.known_bytes != info.size:
-            layout.verdict = False  # refused from now on, like a failed digest
-            log.error("object %s/%s: meta says %d bytes in %d chunks, the stream holds %d bytes in %d",
-                      info.bucket, info.name, info.size, info.chunks, layout.known_bytes, len(layout.seqs))
-            raise Corrupt(f"{info.bucket}/{info.name}: chunks do not match the meta")
+    async def _place(self, info: ObjectInfo, prefix: list[tuple[int, int]],
+                     index: list[tuple[int, int]]) -> Placement:
+        """`place_chunks`, narrowed while the first or last gap that could hold a missing chunk turns
+        out to be full of other messages (one headers-only scan of the stream per gap checked)."""
+        full: set[tuple[int, int]] = set()
+        checked: set[tuple[int, int]] = set()
+        while True:
+            placed = place_chunks(info.size, info.chunks, info.revision, prefix, index, full)
+            if len(placed.gaps) < 2 or len(checked) >= GAP_CHECKS:
+                return placed
+            for lo, hi in (placed.gaps[0], placed.gaps[-1]):
+                if (lo, hi) in checked or hi - lo - 1 > GAP_SCAN_LIMIT:
+                    continue
+                checked.add((lo, hi))
+                self.stats.index_scans += 1
+                if len(await self.store.stored_sequences(info.bucket, lo + 1, hi)) == hi - lo - 1:
+                    full.add((lo, hi))
+                    break
+            else:
+                return placed
 
     # ------------------------------------------------------------------ fetching
-    async def _fetch(self, info: ObjectInfo, start_seq: int, count: int, max_bytes: int):
+    async def _fetch(self, info: ObjectInfo, start_seq: int, count: int, max_bytes: int) -> list[StoredMsg]:
         self.stats.fetch_requests += 1
         msgs = await self.store.fetch_chunks(info.bucket, info.nuid, start_seq, count, max_bytes)
         self.stats.chunks_fetched += len(msgs)
         self.stats.bytes_fetched += sum(len(m.data) for m in msgs)
         return msgs
 
-    def _store(self, info: ObjectInfo, idx: int, data: bytes, layout: Layout | None = None) -> None:
+    def _store(self, info: ObjectInfo, layout: Layout, idx: int, data: bytes) -> None:
         # A chunk larger than the whole cache (ValueError) is served uncached.
         with contextlib.suppress(ValueError):
-            self._data[(info.bucket, info.nuid, idx)] = data
-        if layout is not None and idx == layout.hash_pos:
+            self._data[self._key(info, layout, idx)] = data
+        if idx == layout.hash_pos and layout.intact:
             self._hash_forward(info, layout, data)
 
     def _hash_forward(self, info: ObjectInfo, layout: Layout, data: bytes | None) -> None:
         """Hash chunk `hash_pos` (given, or from the cache) and every cached chunk after it."""
         while layout.hash_pos < len(layout.seqs):
             if data is None:
-                data = self._data.get((info.bucket, info.nuid, layout.hash_pos))
+                data = self._data.get(self._key(info, layout, layout.hash_pos))
                 if data is None:
                     return
             _HASHER.submit(layout.hasher.update, data)
@@ -309,36 +504,40 @@ class ChunkCache:
     async def _verify(self, info: ObjectInfo, layout: Layout) -> None:
         """Finish the digest check of a version whose last byte is being served, when every chunk
         has passed (or can still pass) through in order; a read pattern that never had some chunk
-        in hand (random access with eviction) is left unverified rather than refetched."""
+        in hand (random access with eviction) is left unverified rather than refetched. A damaged
+        version (not `intact`) has no verdict: its damage is reported on its own."""
         expected = parse_digest(info.digest)
         if expected is None:
             return
-        while layout.hash_pos < info.chunks and layout.complete:
+        while layout.hash_pos < info.chunks and layout.complete and layout.intact:
             before = layout.hash_pos
             self._hash_forward(info, layout, None)
             if layout.hash_pos == before:
-                event = self._inflight.get((info.bucket, info.nuid, layout.hash_pos))
+                event = self._inflight.get(self._key(info, layout, layout.hash_pos))
                 if event is None:
                     return
                 await event.wait()
-        if layout.hash_pos < info.chunks or layout.verdict is not None:
+        if layout.hash_pos < info.chunks or layout.verdict is not None or not layout.intact:
             return
         raw = await wait_future(_HASHER.submit(layout.hasher.digest))
         if layout.verdict is not None:
             return
         layout.verdict = raw == expected
         if not layout.verdict:
+            self._report(info, layout, "digest", f"digest mismatch: meta says {info.digest}, data hashes "
+                         f"to {format_digest(raw)}; every read of it fails (EIO)")
             raise Corrupt(f"digest mismatch for {info.bucket}/{info.name}: meta says {info.digest}, "
-                          f"data hashes to {format_digest(raw)}")  # type: ignore[arg-type]
+                          f"data hashes to {format_digest(raw)}", log_level=logging.DEBUG)
 
     def _claim(self, info: ObjectInfo, layout: Layout, start: int, stop: int,
                force: bool = False) -> tuple[int, int, list[trio.Event]]:
-        """Mark a run of missing chunks [start, end) as in flight; stops at one cached or claimed."""
+        """Mark a run of missing chunks [start, end) as in flight; stops at one cached, claimed or
+        unreadable."""
         events: list[trio.Event] = []
         end = start
         budget = self.batch_bytes
-        while end < stop and end < len(layout.seqs):
-            key = (info.bucket, info.nuid, end)
+        while end < stop and end < len(layout.seqs) and layout.readable(end):
+            key = self._key(info, layout, end)
             if end > start and (key in self._inflight or key in self._data):
                 break
             if end > start and budget <= 0:
@@ -353,29 +552,72 @@ class ChunkCache:
 
     async def _fetch_claimed(self, info: ObjectInfo, layout: Layout, start: int, end: int,
                              events: list[trio.Event]) -> dict[int, bytes]:
+        """Fetch the chunks of slots [start, end). Each reply fills only the slot of its own sequence:
+        a chunk that does not come back is gone (reported once, EIO for the reads that need it)."""
         out: dict[int, bytes] = {}
+        keys = [self._key(info, layout, k) for k in range(start, end)]
         try:
+            if start >= end:
+                return out
+            subject = chunk_subject(info.bucket, info.nuid)
+            generation = layout.generation
+            slot_of = {layout.seqs[k]: k for k in range(start, end)}
+            last_seq = layout.seqs[end - 1]
             wanted = layout.ends[end - 1] - layout.start_of(start)
             msgs = await self._fetch(info, layout.seqs[start], end - start, max(wanted, self.batch_bytes))
-            if not msgs or msgs[0].seq != layout.seqs[start]:
-                raise Stale(f"{info.bucket}/{info.name}: chunk {start} of version {info.nuid} is gone")
-            for i, m in enumerate(msgs):
-                idx = start + i
-                if idx >= end:
-                    break
-                if m.seq != layout.seqs[idx]:
-                    raise Stale(f"{info.bucket}/{info.name}: chunk {idx} of version {info.nuid} is gone")
-                if len(m.data) != layout.size_of(idx):
-                    raise Corrupt(f"{info.bucket}/{info.name}: chunk {idx} changed size")
+            if layout.generation != generation:
+                return out  # slots were rebuilt meanwhile; the reader looks again
+            if not msgs and not await self._fetch(info, 1, 1, 1):
+                # Not one chunk of the version is left: it was replaced and purged.
+                raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
+            previous = 0
+            for m in msgs:
+                if m.subject != subject:
+                    raise self._stray(info, layout, m, f"a chunk of {subject}")
+                if m.seq <= previous:
+                    raise self._stray(info, layout, m, f"after seq {previous}")
+                previous = m.seq
+                if m.seq > last_seq:
+                    break  # beyond the run (chunks in it are gone)
+                idx = slot_of.get(m.seq)
+                if idx is None or len(m.data) != layout.size_of(idx):
+                    raise self._stray(info, layout, m, "a chunk of this version's layout")
                 out[idx] = m.data
-                self._store(info, idx, m.data, layout)
-        finally:
+                self._store(info, layout, idx, m.data)
+            missing = []
             for k in range(start, end):
-                ev = self._inflight.get((info.bucket, info.nuid, k))
+                if k not in out and not await self._fetch_one(info, layout, k, subject, out):
+                    missing.append(k)
+            if layout.generation != generation:
+                return out
+            if missing:
+                layout.gone.update(missing)
+                layout.intact = False
+                self._report(info, layout, f"gone {missing[0]}",
+                             "chunk " + ", ".join(f"{k} (seq {layout.seqs[k]}, bytes {layout.start_of(k)}.."
+                                                  f"{layout.ends[k]})" for k in missing)
+                             + " gone from the stream; reads of those bytes fail (EIO)")
+        finally:
+            for key in keys:
+                ev = self._inflight.get(key)
                 if ev is not None and ev in events:
-                    del self._inflight[(info.bucket, info.nuid, k)]
+                    del self._inflight[key]
                     ev.set()
         return out
+
+    async def _fetch_one(self, info: ObjectInfo, layout: Layout, idx: int, subject: str,
+                         out: dict[int, bytes]) -> bool:
+        """Ask for slot `idx`'s chunk alone (it did not come with its run): False if it is gone."""
+        seq = layout.seqs[idx]
+        msgs = await self._fetch(info, seq, 1, 1)
+        if not msgs or msgs[0].seq > seq:
+            return False
+        m = msgs[0]
+        if m.subject != subject or m.seq != seq or len(m.data) != layout.size_of(idx):
+            raise self._stray(info, layout, m, f"chunk {idx} (seq {seq})")
+        out[idx] = m.data
+        self._store(info, layout, idx, m.data)
+        return True
 
     # ------------------------------------------------------------------ readahead
     def _prefetch(self, info: ObjectInfo, layout: Layout, from_idx: int, to_offset: int) -> None:
@@ -388,7 +630,9 @@ class ChunkCache:
         stop = layout.chunk_at(to_offset - 1) + 1
         idx = from_idx
         while idx < stop:
-            key = (info.bucket, info.nuid, idx)
+            if not layout.readable(idx):
+                return
+            key = self._key(info, layout, idx)
             if key in self._data or key in self._inflight:
                 idx += 1
                 continue

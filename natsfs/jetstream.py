@@ -230,11 +230,36 @@ class JetStreams:
                 if batch.reset:
                     out.clear()
                 for m in batch.msgs:
-                    out.append((m.seq, int((m.headers or {}).get("Nats-Msg-Size", "0"))))
+                    size = (m.headers or {}).get("Nats-Msg-Size")
+                    if m.subject != subject or size is None:
+                        raise Unavailable(f"scan of {subject}: unexpected delivery {m.subject} seq {m.seq}")
+                    out.append((m.seq, int(size)))
                 if batch.caught_up:
                     break
                 if not batch.msgs and scan.idle_for() > self.bridge.request_timeout:
                     raise Unavailable(f"scan of {subject} got no messages")
+        finally:
+            await scan.close()
+        return out
+
+    async def sequences(self, stream: str, start_seq: int, stop_seq: int) -> list[int]:
+        """The sequences in [start_seq, stop_seq) that hold a message (any subject), without payloads."""
+        if stop_seq <= start_seq:
+            return []
+        scan = _ConsumerStream(self.bridge, stream, "", deliver_policy="by_start_sequence", headers_only=True,
+                               start_seq=start_seq)
+        await scan.start()
+        out: list[int] = []
+        try:
+            while not scan.caught_up:
+                batch = await scan.next_batch(timeout=self.bridge.request_timeout)
+                if batch.reset:
+                    out.clear()
+                out.extend(m.seq for m in batch.msgs if m.seq < stop_seq)
+                if batch.caught_up or (batch.msgs and batch.msgs[-1].seq >= stop_seq - 1):
+                    break
+                if not batch.msgs and scan.idle_for() > self.bridge.request_timeout:
+                    raise Unavailable(f"scan of {stream} from {start_seq} got no messages")
         finally:
             await scan.close()
         return out
@@ -282,14 +307,16 @@ class BatchStream:
 
 def _direct_msg(m: Msg, *, full: bool = True) -> StoredMsg:
     """A direct-get reply as a stored message; `full=False` (chunks in bulk) skips the timestamp and
-    headers, which nobody reads for chunks and which cost real time per 128 KiB."""
+    headers, which nobody reads for chunks and which cost real time per 128 KiB. The subject, sequence
+    and pending count are always kept: they are what proves which chunk a reply is."""
     h = m.headers or {}
     if not full:
-        return StoredMsg(int(h["Nats-Sequence"]), h.get("Nats-Subject", ""), None, m.data, 0)
+        return StoredMsg(int(h["Nats-Sequence"]), h.get("Nats-Subject", ""), None, m.data, 0,
+                         int(h.get("Nats-Num-Pending", -1)))
     ts = h.get("Nats-Time-Stamp")
     headers = {k: v for k, v in h.items() if not k.startswith("Nats-") or k in ("Nats-Rollup",)} or None
     return StoredMsg(int(h["Nats-Sequence"]), h.get("Nats-Subject", ""), headers, m.data,
-                     parse_rfc3339_ns(ts) if ts else 0)
+                     parse_rfc3339_ns(ts) if ts else 0, int(h.get("Nats-Num-Pending", -1)))
 
 
 class _ConsumerStream:
@@ -304,12 +331,13 @@ class _ConsumerStream:
     """
 
     def __init__(self, bridge: Bridge, stream: str, filter_subject: str, *, deliver_policy: str,
-                 headers_only: bool = False):
+                 headers_only: bool = False, start_seq: int = 0):
         self.bridge = bridge
         self.stream = stream
         self.filter_subject = filter_subject
         self.deliver_policy = deliver_policy
         self.headers_only = headers_only
+        self.start_seq = start_seq  # with deliver_policy "by_start_sequence"
         self.caught_up = False
         self._caught_up_reported = False
         self.resets = 0
@@ -386,6 +414,8 @@ class _ConsumerStream:
             config["opt_start_seq"] = self._last_sseq + 1
         else:
             config["deliver_policy"] = self.deliver_policy
+            if self.deliver_policy == "by_start_sequence":
+                config["opt_start_seq"] = self.start_seq
         try:
             info = await _api(self.bridge, f"CONSUMER.CREATE.{self.stream}",
                               {"stream_name": self.stream, "config": config})

@@ -352,13 +352,16 @@ class MemoryStreams:
         return st.msgs[seqs[-1]] if seqs else None
 
     def _select(self, st: _Stream, subject: str, start_seq: int, batch: int, max_bytes: int) -> list[StoredMsg]:
+        """A batched direct get: like the server's replies, each carries its subject, its sequence and
+        how many messages on the subject follow it (`Nats-Num-Pending`)."""
         out: list[StoredMsg] = []
         total = 0
-        for seq in st.on_subject(subject, max(start_seq, 1)):
+        following = st.on_subject(subject, max(start_seq, 1))
+        for i, seq in enumerate(following):
             if len(out) >= batch or (out and max_bytes > 0 and total >= max_bytes):
                 break
             m = st.msgs[seq]
-            out.append(m)
+            out.append(StoredMsg(m.seq, m.subject, m.headers, m.data, m.time_ns, len(following) - i - 1))
             total += len(m.data)
         return out
 
@@ -374,10 +377,23 @@ class MemoryStreams:
         return MemoryBatchStream(self._select(self._get(stream), subject, start_seq, batch, max_bytes),
                                  self.stream_group)
 
+    async def delete_msg(self, stream: str, seq: int) -> None:
+        """Remove one message (`$JS.API.STREAM.MSG.DELETE`): how another client can break an object."""
+        await self._enter("delete_msg")
+        st = self._get(stream)
+        if seq not in st.msgs:
+            raise JetStreamAPIError("no message found", code=400, err_code=10057)
+        st.remove(seq)
+
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
         await self._enter("subject_index")
         st = self._get(stream)
         return [(seq, len(st.msgs[seq].data)) for seq in st.by_subject.get(subject, [])]
+
+    async def sequences(self, stream: str, start_seq: int, stop_seq: int) -> list[int]:
+        """The sequences in [start_seq, stop_seq) that hold a message (as `JetStreams.sequences`)."""
+        await self._enter("sequences")
+        return [seq for seq in self._get(stream).msgs if start_seq <= seq < stop_seq]
 
     async def subject_count(self, stream: str, filter_subject: str) -> int:
         """How many subjects matching `filter_subject` hold messages (as `JetStreams.subject_count`)."""

@@ -28,6 +28,9 @@ class StoredMsg:
     headers: dict[str, str] | None
     data: bytes
     time_ns: int
+    # Direct gets only: how many messages on `subject` come after this one (`Nats-Num-Pending`) when
+    # the reply was made; -1 when not known.
+    pending: int = -1
 
 
 @dataclass
@@ -101,6 +104,8 @@ class Streams(Protocol):
                         max_bytes: int) -> list[StoredMsg]: ...
 
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]: ...
+
+    async def sequences(self, stream: str, start_seq: int, stop_seq: int) -> list[int]: ...
 
     async def watch(self, stream: str, filter_subject: str, *, last_per_subject: bool = True) -> Watch: ...
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,8 +14,9 @@ import trio.testing
 
 from natsfs.adr20 import ObjectInfo, ObjectStore, chunk_subject, digest_of, stream_name
 from natsfs.chunk_cache import ChunkCache
-from natsfs.errors import Corrupt, Stale
-from natsfs.memstreams import MemoryStreams, put_object
+from natsfs.errors import Corrupt, Stale, Unavailable
+from natsfs.memstreams import MemoryBatchStream, MemoryStreams, put_object
+from natsfs.streams import StoredMsg
 
 KiB = 1024
 RNG = random.Random(20)
@@ -348,3 +351,291 @@ def test_object_without_digest_is_served_unchecked():
         assert await cache.read(odd, 0, len(data)) == data
 
     run(body)
+
+
+# ---------------------------------------------------------------- verified layouts (damaged versions)
+CHUNK = 64 * KiB
+
+
+def chunk_seqs(ms: MemoryStreams, info: ObjectInfo) -> list[int]:
+    subject = chunk_subject(info.bucket, info.nuid)
+    return [m.seq for m in ms.messages(stream_name(info.bucket)) if m.subject == subject]
+
+
+async def read_each_chunk(cache: ChunkCache, info: ObjectInfo, data: bytes, order: list[int]) -> dict[int, bytes | str]:
+    """chunk index -> its bytes as read, or "EIO"."""
+    out: dict[int, bytes | str] = {}
+    for k in order:
+        try:
+            out[k] = await cache.read(info, k * CHUNK, CHUNK)
+        except Corrupt:
+            out[k] = "EIO"
+    return out
+
+
+def damage_records(caplog: pytest.LogCaptureFixture, info: ObjectInfo) -> list[logging.LogRecord]:
+    """Log records at WARNING or above that name this version (from any natsfs logger)."""
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and info.nuid in r.getMessage()]
+
+
+ORDERS = {"front-to-back": list(range(8)), "far-first": [6, 7, 0, 5, 2, 4, 1, 3], "backwards": list(range(7, -1, -1))}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("lost", [3, 0, 7])
+def test_a_missing_chunk_fails_its_reads_and_every_other_chunk_reads_exactly(lost, order, caplog):
+    """Chunk `lost` of 8 deleted by another client: EIO for the reads touching it, exact bytes for the
+    others (the gap in the stream sequences shows where it was), one log line for the version."""
+    data = blob(8 * CHUNK - 1000)
+    caplog.set_level(logging.DEBUG)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "obj", data, chunk_size=CHUNK)
+        assert info.chunks == 8
+        await ms.delete_msg(stream_name("b"), chunk_seqs(ms, info)[lost])
+        got = await read_each_chunk(cache, info, data, ORDERS[order])
+        for k in range(8):
+            want = "EIO" if k == lost else data[k * CHUNK : (k + 1) * CHUNK]
+            assert got[k] == want, k
+        # Reads that straddle the lost chunk fail; the whole object fails; nothing is ever shifted.
+        lo = max(lost * CHUNK - 10, 0)
+        with pytest.raises(Corrupt):
+            await cache.read(info, lo, 20)
+        with pytest.raises(Corrupt):
+            await cache.read(info, 0, len(data))
+        # Reads of the same broken version keep failing fast, without new log lines.
+        with pytest.raises(Corrupt):
+            await cache.read(info, lost * CHUNK, 1)
+        return info
+
+    info = run(body, batch_bytes=128 * KiB)
+    records = damage_records(caplog, info)
+    assert len(records) == 1, [r.getMessage() for r in records]
+    msg = records[0].getMessage()
+    assert records[0].levelno == logging.ERROR
+    assert "b/obj" in msg and info.nuid in msg and "1 of 8 chunks missing" in msg
+
+
+def test_chunk_gone_after_the_layout_was_proven_fails_alone():
+    """A cache that learned the layout before the delete keeps every other chunk's place."""
+    data = blob(8 * CHUNK)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "obj", data, chunk_size=CHUNK)
+        assert await cache.read(info, 0, len(data)) == data  # layout proven, digest checked
+        await ms.delete_msg(stream_name("b"), chunk_seqs(ms, info)[3])
+        small = ChunkCache(store, cache_bytes=CHUNK, batch_bytes=128 * KiB)
+        small._layouts[("b", info.nuid)] = cache._layouts[("b", info.nuid)]  # the same proven layout
+        got = await read_each_chunk(small, info, data, [7, 3, 0, 4, 2, 6, 1, 5])
+        assert got == {k: "EIO" if k == 3 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(8)}
+
+    run(body, cache_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("others", ["kept", "purged"])
+def test_missing_chunk_among_interleaved_writes_is_placed_only_when_provable(others):
+    """Another object's chunks sit between every pair of chunks. While they are there, a scan of the
+    gaps shows that only one gap can have held the lost chunk, and every other chunk reads exactly.
+    Once they are purged, every gap could have held it: reads fail rather than serve bytes at a
+    guessed offset (chunk 0 still reads: it has sequence 1, nothing can precede it)."""
+    a, b = blob(4 * CHUNK), blob(4 * CHUNK)
+
+    async def body(ms, store, cache):
+        subj_a, subj_b = chunk_subject("b", "A" * 22), chunk_subject("b", "B" * 22)
+        for k in range(4):
+            await ms.publish(subj_a, a[k * CHUNK : (k + 1) * CHUNK])
+            await ms.publish(subj_b, b[k * CHUNK : (k + 1) * CHUNK])
+        meta = await put_object(ms, "b", "a", b"")  # a meta to copy, then the real ones by hand
+        info_a = _with(meta, nuid="A" * 22, size=len(a), chunks=4, digest=digest_of(a))
+        await ms.delete_msg(stream_name("b"), chunk_seqs(ms, info_a)[2])
+        if others == "purged":
+            await ms.purge_subject(stream_name("b"), subj_b)
+        got = await read_each_chunk(cache, info_a, a, [3, 0, 1, 2])
+        if others == "kept":
+            assert got == {k: "EIO" if k == 2 else a[k * CHUNK : (k + 1) * CHUNK] for k in range(4)}
+        else:
+            assert got == {0: a[:CHUNK], 1: "EIO", 2: "EIO", 3: "EIO"}
+
+    run(body)
+
+
+def test_extra_chunk_after_the_meta_is_ignored_with_one_warning(caplog):
+    data = blob(3 * CHUNK)
+    caplog.set_level(logging.DEBUG)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "x", data, chunk_size=CHUNK)
+        await ms.publish(chunk_subject("b", info.nuid), b"appended by someone else")
+        assert await cache.read(info, 0, len(data)) == data  # digest checked too
+        assert await cache.read(info, CHUNK, 10) == data[CHUNK : CHUNK + 10]
+        return info
+
+    info = run(body)
+    records = damage_records(caplog, info)
+    assert [r.levelno for r in records] == [logging.WARNING]
+    assert "published after the meta" in records[0].getMessage()
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_extra_chunk_before_the_meta_makes_every_read_fail(background, caplog):
+    """One chunk too many among the version's own: which one is extra cannot be shown."""
+    pieces = [blob(1000) for _ in range(4)]
+    caplog.set_level(logging.DEBUG)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "x", b"".join(pieces), chunk_sizes=[1000] * 4)
+        # The same object written by hand with a duplicate chunk (a retried publish without de-duplication).
+        nuid = "D" * 22
+        for p in [pieces[0], pieces[1], pieces[1], pieces[2], pieces[3]]:
+            await ms.publish(chunk_subject("b", nuid), p)
+        dup = _with(info, nuid=nuid, revision=(await ms.stream_info(stream_name("b"))).last_seq + 1)
+        for off in (0, 1500, 2500, 3999):
+            with pytest.raises(Corrupt):
+                await cache.read(dup, off, 1)
+        return dup
+
+    dup = run(body, background=background)
+    records = damage_records(caplog, dup)
+    assert len(records) == 1 and "5 chunks" in records[0].getMessage()
+
+
+def test_meta_counting_more_chunks_than_stored_fails_every_read():
+    data = blob(4000)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "c", data, chunk_size=1000)
+        lying = _with(info, chunks=5)  # same bytes, one chunk more than stored
+        for off in (0, 3999):
+            with pytest.raises(Corrupt):
+                await cache.read(lying, off, 1)
+
+    run(body)
+
+
+def test_oversized_chunk_is_logged_once_however_often_it_is_read(caplog):
+    """issue 9: one `cat` of an object with an oversized chunk logged 71 identical ERROR lines."""
+    sizes = [CHUNK, CHUNK, 5 * CHUNK]
+    data = blob(sum(sizes))
+    caplog.set_level(logging.DEBUG)
+
+    async def body(ms, store, cache):
+        real = await put_object(ms, "b", "big", data, chunk_sizes=sizes)
+        info = _with(real, size=3 * CHUNK)  # the meta says the last chunk holds CHUNK bytes
+        # A `cat`: sequential reads until the first error; again and again.
+        for _ in range(3):
+            out = b""
+            with pytest.raises(Corrupt):
+                for off in range(0, info.size, 4096):
+                    out += await cache.read(info, off, 4096, readahead=128 * KiB)
+            assert out == data[: 2 * CHUNK]  # the chunks whose place is proven
+        return info
+
+    info = run(body)
+    records = damage_records(caplog, info)
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert records[0].levelno == logging.ERROR
+
+
+class Tampered:
+    """MemoryStreams whose next direct-get replies pass through `tamper` (a transport gone wrong)."""
+
+    def __init__(self, ms: MemoryStreams):
+        self._ms = ms
+        self.tamper: Callable[[list[StoredMsg]], list[StoredMsg]] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ms, name)
+
+    def _apply(self, msgs: list[StoredMsg]) -> list[StoredMsg]:
+        tamper, self.tamper = self.tamper, None
+        return tamper(msgs) if tamper is not None else msgs
+
+    async def get_batch(self, *args: Any) -> list[StoredMsg]:
+        return self._apply(await self._ms.get_batch(*args))
+
+    async def stream_batch(self, *args: Any) -> MemoryBatchStream:
+        msgs = self._apply(await self._ms.get_batch(*args))
+        return MemoryBatchStream(msgs, 2)
+
+
+def run_tampered(body: Callable[[MemoryStreams, Tampered, ChunkCache], Awaitable[Any]], **kw: Any) -> Any:
+    async def main() -> Any:
+        ms = MemoryStreams()
+        tampered = Tampered(ms)
+        store = ObjectStore(tampered)  # type: ignore[arg-type]
+        await store.create_bucket("b")
+        cache = ChunkCache(store, batch_bytes=128 * KiB, **kw)
+        return await body(ms, tampered, cache)
+
+    return trio.run(main)
+
+
+def _foreign(m: StoredMsg) -> StoredMsg:
+    return replace(m, subject=chunk_subject("b", "F" * 22))
+
+
+@pytest.mark.parametrize("tamper", ["other-subject", "repeated", "reordered"])
+def test_walk_discards_replies_that_are_not_the_next_chunk(tamper):
+    data = blob(6 * 1000)
+
+    def change(msgs: list[StoredMsg]) -> list[StoredMsg]:
+        if tamper == "other-subject":
+            return [msgs[0], _foreign(msgs[1]), *msgs[2:]]
+        if tamper == "repeated":
+            return [msgs[0], msgs[1], msgs[1], *msgs[2:]]
+        return [msgs[0], msgs[2], msgs[1], *msgs[3:]]
+
+    async def body(ms, streams, cache):
+        info = await put_object(ms, "b", "t", data, chunk_size=1000)
+        streams.tamper = change
+        if tamper == "reordered":
+            # The early reply's pending count does not fit its place: settled by a scan, exact.
+            assert await cache.read(info, 0, len(data)) == data
+            assert cache.stats.index_scans == 1
+        else:
+            with pytest.raises(Unavailable):
+                await cache.read(info, 0, len(data))
+        # Nothing of the bad batch took a wrong place: the next read is exact.
+        assert await cache.read(info, 0, len(data)) == data
+        assert await cache.read(info, 2500, 1000) == data[2500:3500]
+
+    run_tampered(body, cache_bytes=1 << 20)
+
+
+def test_walk_never_takes_the_reply_after_a_lost_one_as_its_chunk():
+    """A reply lost in the middle of a batch: the next one's pending count gives it away."""
+    data = blob(6 * 1000)
+
+    async def body(ms, streams, cache):
+        info = await put_object(ms, "b", "t", data, chunk_size=1000)
+        streams.tamper = lambda msgs: [msgs[0], *msgs[2:]]
+        assert await cache.read(info, 0, len(data)) == data
+        assert cache.stats.index_scans == 1  # settled by a scan, not by guessing
+
+    run_tampered(body, cache_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("tamper", ["other-subject", "swapped", "lost"])
+def test_fetch_fills_each_slot_only_with_its_own_sequence(tamper):
+    data = blob(6 * CHUNK)
+
+    def change(msgs: list[StoredMsg]) -> list[StoredMsg]:
+        if tamper == "other-subject":
+            return [_foreign(msgs[0]), *msgs[1:]]
+        if tamper == "swapped":
+            return [msgs[1], msgs[0], *msgs[2:]]
+        return msgs[1:]
+
+    async def body(ms, streams, cache):
+        info = await put_object(ms, "b", "t", data, chunk_size=CHUNK)
+        assert await cache.read(info, 5 * CHUNK, 10) == data[5 * CHUNK : 5 * CHUNK + 10]  # scan: layout known
+        streams.tamper = change
+        if tamper == "lost":
+            # The chunk that did not come back is asked for alone, and found.
+            assert await cache.read(info, 0, 2 * CHUNK) == data[: 2 * CHUNK]
+        else:
+            with pytest.raises(Unavailable):
+                await cache.read(info, 0, 2 * CHUNK)
+        assert await cache.read(info, 0, len(data)) == data
+
+    run_tampered(body, cache_bytes=64 * CHUNK)

@@ -233,6 +233,43 @@ def test_last_msg_get_batch_subject_index():
     run(body)
 
 
+def test_direct_get_replies_carry_subject_sequence_and_pending_like_the_server():
+    """As nats-server's batched direct get: `Nats-Num-Pending` counts the messages on the subject after
+    each reply, at the time of the request (checked against nats-server 2.15)."""
+
+    async def body(ms):
+        for i in range(4):
+            await ms.publish("s.c", bytes([i]))
+            await ms.publish("s.other", b"zz")
+        got = await ms.get_batch("S", "s.c", 3, 2, 10_000)
+        assert [(m.seq, m.subject, m.pending) for m in got] == [(3, "s.c", 2), (5, "s.c", 1)]
+        streamed = await ms.stream_batch("S", "s.c", 1, 10, 10_000)
+        out = []
+        while (msgs := await streamed.next()) is not None:
+            out += msgs
+        assert [(m.seq, m.pending) for m in out] == [(1, 3), (3, 2), (5, 1), (7, 0)]
+        # The stored messages themselves are not changed by a get.
+        assert all(m.pending == -1 for m in ms.messages("S"))
+
+    run(body)
+
+
+def test_delete_msg_and_sequences():
+    async def body(ms):
+        for i in range(5):
+            await ms.publish("s.c", bytes([i]))
+        await ms.delete_msg("S", 3)
+        with pytest.raises(JetStreamAPIError):
+            await ms.delete_msg("S", 3)
+        assert await ms.subject_index("S", "s.c") == [(1, 1), (2, 1), (4, 1), (5, 1)]
+        assert [m.pending for m in await ms.get_batch("S", "s.c", 1, 10, 100)] == [3, 2, 1, 0]
+        assert await ms.sequences("S", 1, 5) == [1, 2, 4]
+        assert await ms.sequences("S", 4, 100) == [4, 5]
+        assert await ms.sequences("S", 5, 5) == []
+
+    run(body)
+
+
 def test_faults_and_call_counts():
     async def body(ms):
         ms.fail_next_publish(RuntimeError("boom"), subject="s.meta")

@@ -1,0 +1,171 @@
+"""Reading a damaged object through a real mount: another client deletes one chunk message.
+
+The mount must give EIO for the reads that touch the lost chunk, exact bytes for every other chunk,
+never bytes from another offset, and one log line for the version (issue 8, point 1 and 7).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import create_bucket, raw_put, with_nats, with_store
+
+CHUNK = 128 * 1024
+CHUNKS = 8
+LOST = 3
+
+
+def put_eight_chunks(url: str, bucket: str, name: str) -> tuple[bytes, str]:
+    """An 8-chunk object written by another client after a small one (so the stream sequences before
+    its first chunk hold other messages); returns its bytes and nuid."""
+    create_bucket(url, bucket)
+    rnd = random.Random(8)
+    raw_put(url, bucket, "earlier.bin", [rnd.randbytes(1000), rnd.randbytes(500)])
+    chunks = [rnd.randbytes(CHUNK) for _ in range(CHUNKS - 1)] + [rnd.randbytes(CHUNK - 777)]
+    nuid = "integrity" + "".join(rnd.choice("ABCDEFGH") for _ in range(13))
+    raw_put(url, bucket, name, chunks, nuid=nuid)
+    return b"".join(chunks), nuid
+
+
+def delete_chunk(url: str, bucket: str, nuid: str, index: int) -> None:
+    """Delete one chunk message with the JetStream API, as a hostile or buggy client could."""
+
+    async def fn(nc: Any, js: Any) -> None:
+        subject = f"$O.{bucket}.C.{nuid}"
+        seqs = []
+        seq = 1
+        while True:
+            body = {"seq": seq, "next_by_subj": subject}
+            reply = await nc.request(f"$JS.API.DIRECT.GET.OBJ_{bucket}", json.dumps(body).encode(), timeout=5)
+            if not reply.headers or "Nats-Sequence" not in reply.headers:
+                break
+            seqs.append(int(reply.headers["Nats-Sequence"]))
+            seq = seqs[-1] + 1
+        assert len(seqs) == CHUNKS
+        reply = await nc.request(f"$JS.API.STREAM.MSG.DELETE.OBJ_{bucket}",
+                                 json.dumps({"seq": seqs[index]}).encode(), timeout=5)
+        assert json.loads(reply.data).get("success") is True, reply.data
+
+    with_nats(url, fn)
+
+
+def chunk_reads(path: Path) -> dict[int, bytes | int]:
+    """Each chunk read with one pread (as `dd bs=128K skip=k count=1`): its bytes, or the errno."""
+    out: dict[int, bytes | int] = {}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for k in [7, LOST, 0, 5, 2, 4, 1, 6]:
+            try:
+                out[k] = os.pread(fd, CHUNK, k * CHUNK)
+            except OSError as e:
+                out[k] = e.errno
+    finally:
+        os.close(fd)
+    return out
+
+
+def expected(data: bytes) -> dict[int, bytes | int]:
+    return {k: errno.EIO if k == LOST else data[k * CHUNK : (k + 1) * CHUNK] for k in range(CHUNKS)}
+
+
+def cat(path: Path) -> tuple[bytes, int | None]:
+    """Read the whole file in 128 KiB reads: (bytes before the first error, its errno or None)."""
+    out = bytearray()
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            try:
+                piece = f.read(CHUNK)
+            except OSError as e:
+                return bytes(out), e.errno
+            if not piece:
+                return bytes(out), None
+            out += piece
+
+
+def drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def damage_lines(log: str, nuid: str) -> list[str]:
+    return [line for line in log.splitlines() if nuid in line and re.search(r" (ERROR|WARNING) ", line)]
+
+
+def test_lost_chunk_gives_eio_for_its_reads_and_exact_bytes_elsewhere(nats_url, bucket_name, mounter):
+    data, nuid = put_eight_chunks(nats_url, bucket_name, "eight.bin")
+    # A mount that read (and cached) the object before the damage, with a cache too small to keep it.
+    before = mounter(nats_url, "--cache-size", "256KiB")
+    p_before = before / bucket_name / "eight.bin"
+    assert p_before.read_bytes() == data
+    delete_chunk(nats_url, bucket_name, nuid, LOST)
+
+    fresh = mounter(nats_url)
+    p = fresh / bucket_name / "eight.bin"
+    assert p.stat().st_size == len(data)
+    assert chunk_reads(p) == expected(data)
+    # A read that straddles the lost chunk stops short at it (the kernel returns the good pages it
+    # has), or fails; reading the lost bytes again fails again, at once.
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        off = LOST * CHUNK - 50
+        try:
+            got = os.pread(fd, 100, off)
+            assert len(got) <= 50 and got == data[off : off + len(got)]
+        except OSError as e:
+            assert e.errno == errno.EIO
+        with pytest.raises(OSError) as err:
+            os.pread(fd, 1, LOST * CHUNK + 5)
+        assert err.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    # `cat`: exact bytes up to at most the lost chunk, then EIO (how much of the good prefix arrives
+    # before the error depends on the kernel's readahead).
+    got, err = cat(p)
+    assert err == errno.EIO
+    assert len(got) <= LOST * CHUNK and got == data[: len(got)]
+
+    # The mount that knew the object before: its proven layout keeps every other chunk in place.
+    drop_page_cache(p_before)
+    assert chunk_reads(p_before) == expected(data)
+
+    assert (fresh / bucket_name / "earlier.bin").stat().st_size == 1500
+    for m in (fresh, before):
+        log = m.log()
+        lines = damage_lines(log, nuid)
+        assert len(lines) == 1, lines
+        assert bucket_name in lines[0] and "eight.bin" in lines[0]
+        assert "Traceback" not in log
+        assert m.alive
+    assert "1 of 8 chunks missing" in damage_lines(fresh.log(), nuid)[0]
+    assert "chunk 3 " in damage_lines(before.log(), nuid)[0]
+
+
+def test_real_server_replies_prove_what_the_twin_does(nats_url, bucket_name):
+    """The facts the layout checks rest on, on nats-server itself: each direct-get reply names its
+    subject and sequence and counts the chunks after it; a deleted sequence holds no message."""
+    data, nuid = put_eight_chunks(nats_url, bucket_name, "eight.bin")
+    delete_chunk(nats_url, bucket_name, nuid, LOST)
+
+    async def fn(store: Any) -> None:
+        msgs = await store.fetch_chunks(bucket_name, nuid, 1, 10, 1 << 30)
+        assert [m.subject for m in msgs] == [f"$O.{bucket_name}.C.{nuid}"] * 7
+        assert [m.pending for m in msgs] == [6, 5, 4, 3, 2, 1, 0]
+        seqs = [m.seq for m in msgs]
+        assert seqs == [4, 5, 6, 8, 9, 10, 11]  # 1..3: the earlier object; 7: the deleted chunk
+        assert b"".join(m.data for m in msgs) == data[: LOST * CHUNK] + data[(LOST + 1) * CHUNK :]
+        assert await store.stored_sequences(bucket_name, 1, 12) == [1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
+        assert await store.stored_sequences(bucket_name, 7, 8) == []
+        assert await store.stored_sequences(bucket_name, 11, 100) == [11, 12]  # 12: the meta
+        assert await store.chunk_index(bucket_name, nuid) == [(m.seq, len(m.data)) for m in msgs]
+
+    with_store(nats_url, fn)
