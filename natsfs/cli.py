@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--entry-timeout", default="60s",
                    help="how long the kernel may keep names and attributes without asking (changes are "
                         "pushed to it anyway)")
+    m.add_argument("--request-timeout", default="10s", help="how long one request to the server may take")
     m.add_argument("--flush-timeout", default="10s",
                    help="close/fsync fail with EIO when a file is not stored within this (plus 1 s per MiB)")
     m.add_argument("--shutdown-timeout", default="60s",
@@ -117,6 +118,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         ttl=parse_duration(a.ttl),
         entry_timeout=parse_duration(a.entry_timeout),
         attr_timeout=parse_duration(a.entry_timeout),
+        request_timeout=parse_duration(a.request_timeout),
         flush_timeout=parse_duration(a.flush_timeout),
         shutdown_timeout=parse_duration(a.shutdown_timeout),
     )
@@ -219,6 +221,7 @@ def _rebuild_args(a: argparse.Namespace) -> list[str]:
               "spool_size": "--spool-size", "chunk_size": "--chunk-size", "max_meta_bytes": "--max-meta-bytes",
               "storage": "--storage", "max_bytes": "--max-bytes", "ttl": "--ttl", "log_level": "--log-level",
               "entry_timeout": "--entry-timeout", "flush_timeout": "--flush-timeout",
+              "request_timeout": "--request-timeout",
               "shutdown_timeout": "--shutdown-timeout"}
     for attr, flag in simple.items():
         value = getattr(a, attr)
