@@ -13,7 +13,7 @@ read in flight holds. Three rules keep that from ever becoming a deadlock:
   keep the daemon's `/dev/fuse` open after a `kill -9` (the process cannot finish dying while one of
   its threads waits in the kernel), so the connection would never be torn down: the request it waits
   for is never answered, the thread never returns. Invalidations are therefore written by a small
-  child process (`python -I -m natsfs.kernel`) through a *clone* of the session's device
+  child process (`natsfs.notifier`) through a *clone* of the session's device
   (`FUSE_DEV_IOC_CLONE`). When the daemon dies, its own device file is released at once, which ends
   every request it had read and not answered (the kernel answers them `ECONNABORTED`); the locks they
   held are freed, the child's invalidation completes, the child dies (it asked for `SIGKILL` when its
@@ -26,13 +26,10 @@ Without a mounted kernel (tests of the operations class) invalidations are only 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import fcntl
 import logging
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -49,11 +46,10 @@ FUSE_NOTIFY_INVAL_ENTRY = 3
 _OUT_HEADER = struct.Struct("=IiQ")  # len, error (the notify code), unique (0 for notifications)
 _INVAL_INODE = struct.Struct("=Qqq")  # ino, offset (-1: attributes only), length (0: to the end)
 _INVAL_ENTRY = struct.Struct("=QII")  # parent, namelen, flags
-_FRAME = struct.Struct("=I")
+_FRAME = struct.Struct("=I")  # the length of each message handed to the child
 # Messages handed to the child and not yet answered; more wait (deduplicated) in the queue.
 _IN_FLIGHT = 64
 _QUIET_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ENOTCONN, errno.ENODEV)
-PR_SET_PDEATHSIG = 1
 
 Item = tuple[str, int, bytes | None]
 
@@ -122,7 +118,7 @@ class KernelNotifier:
             # Started from the trio (main) thread: the child's parent-death signal follows this thread,
             # which lives as long as the daemon.
             self._child = subprocess.Popen(
-                [sys.executable, "-I", "-m", "natsfs.kernel", str(clone), str(os.getpid())],
+                [sys.executable, "-I", "-m", "natsfs.notifier", str(clone), str(os.getpid())],
                 stdin=to_child_r, stdout=from_child_w, stderr=subprocess.DEVNULL, pass_fds=(clone,),
                 close_fds=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
         finally:
@@ -229,32 +225,3 @@ class KernelNotifier:
             if self.running:
                 log.warning("kernel notifier exited; the kernel's caches now expire on their own")
                 self.running = False
-
-
-# ---------------------------------------------------------------------- the child
-def _child_main(device_fd: int, parent_pid: int) -> int:
-    """Write each framed notification from stdin to the cloned device; answer its errno per line."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    while True:
-        header = stdin.read(_FRAME.size)
-        if len(header) < _FRAME.size:
-            return 0
-        message = stdin.read(_FRAME.unpack(header)[0])
-        if os.getppid() != parent_pid:
-            return 0  # the daemon is gone: whatever is still queued no longer matters
-        try:
-            os.write(device_fd, message)
-            code = 0
-        except OSError as e:
-            code = e.errno or errno.EIO
-        try:
-            stdout.write(b"%d\n" % code)
-            stdout.flush()
-        except BrokenPipeError:
-            return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_child_main(int(sys.argv[1]), int(sys.argv[2])))
