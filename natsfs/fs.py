@@ -67,8 +67,8 @@ _REPEATS_KEPT = 1000
 class FailureLog:
     """One log line per distinct failure (its cause and object: the message), not one per request.
 
-    Repeats within `window` seconds are counted; the count is logged with the next occurrence after
-    the window, or once the window has passed (checked whenever a failure is logged)."""
+    Repeats within `window` seconds of the line are counted, and the count is logged once the window
+    is over: before the next occurrence, or when any later failure is logged."""
 
     def __init__(self, window: float = REPEAT_WINDOW_S, clock: Callable[[], float] = time.monotonic):
         self.window = window
@@ -83,16 +83,15 @@ class FailureLog:
         now = self.clock()
         self._sweep(now)
         seen = self._seen.get(message)
-        if seen is not None and now - seen[0] < self.window:
-            seen[2] += 1
-            return
-        repeats = seen[2] if seen is not None else 0
-        self._seen.pop(message, None)
+        if seen is not None:
+            if now - seen[0] < self.window:
+                seen[2] += 1
+                return
+            self._summarise(message)
         self._seen[message] = [now, level, 0]
         if len(self._seen) > _REPEATS_KEPT:
             self._summarise(next(iter(self._seen)))
-        suffix = f" (and {repeats} times more in the {self.window:.0f} s before)" if repeats else ""
-        log.log(level, "%s%s", message, suffix, exc_info=exc_info)
+        log.log(level, "%s", message, exc_info=exc_info)
 
     def _sweep(self, now: float) -> None:
         if now - self._swept < self.window:
