@@ -108,21 +108,21 @@ class KernelNotifier:
         """Remember where to run; invalidations start once `attach` found a kernel to talk to."""
         self._nursery = nursery
 
-    def attach(self) -> None:
-        """Start the notifier child on a clone of the mounted session's device (after pyfuse3.init)."""
+    def attach(self, device: int) -> None:
+        """Start the notifier child writing to `device` (a clone of the mounted session's `/dev/fuse`,
+        see `clone_device`); this takes the descriptor over."""
         assert self._nursery is not None, "KernelNotifier.start() was not called"
-        clone = clone_device(session_device_fd())
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         try:
             # Started from the trio (main) thread: the child's parent-death signal follows this thread,
             # which lives as long as the daemon.
             self._child = subprocess.Popen(
-                [sys.executable, "-I", "-m", "natsfs.notifier", str(clone), str(os.getpid())],
-                stdin=to_child_r, stdout=from_child_w, stderr=subprocess.DEVNULL, pass_fds=(clone,),
+                [sys.executable, "-I", "-m", "natsfs.notifier", str(device), str(os.getpid())],
+                stdin=to_child_r, stdout=from_child_w, stderr=subprocess.DEVNULL, pass_fds=(device,),
                 close_fds=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
         finally:
-            os.close(clone)
+            os.close(device)
             os.close(to_child_r)
             os.close(from_child_w)
         self._to_child = trio.lowlevel.FdStream(to_child_w)

@@ -23,6 +23,7 @@ from .config import Config
 from .errors import NatsFSError, NotFound
 from .fs import Operations
 from .jetstream import JetStreams
+from .kernel import clone_device, session_device_fd
 from .namespace import Namespace
 from .server import EmbeddedServer
 from .staging import Spool, Staging
@@ -115,7 +116,7 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             except RuntimeError as e:
                 raise MountError(f"cannot mount {mountpoint}: {e}") from None
             try:
-                ops.kernel.attach()
+                ops.kernel.attach(clone_device(session_device_fd()))
             except OSError as e:
                 log.warning("cannot send invalidations to the kernel (%s); its caches expire after %g s",
                             e, config.entry_timeout)
@@ -132,7 +133,11 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
                     await ops.kernel.close()
                     # Every request was answered: the staged bytes are all the writers were told
                     # were written. Requests not read yet get ENOTCONN once the session is gone.
-                    await ops.shutdown(config.shutdown_timeout)
+                    try:
+                        await ops.shutdown(config.shutdown_timeout)
+                    except Exception:
+                        log.exception("storing open files at unmount failed; staged bytes stay in the spool "
+                                      "and are rescued at the next mount")
                     pyfuse3.close(unmount=True)
                     await worker.close()
                 log.info("unmounted %s", mountpoint)
