@@ -19,6 +19,10 @@ read in flight holds. Three rules keep that from ever becoming a deadlock:
   held are freed, the child's invalidation completes, the child dies (it asked for `SIGKILL` when its
   parent dies, and it stops at the end of its input), and with the last device file the connection is
   aborted: applications get `ENOTCONN`, nothing stays in D state, the mountpoint can be unmounted.
+  (Requests the kernel had queued but the daemon had not read yet are only ended by that abort; an
+  invalidation waiting on a lock whose holder waits on such a request would keep the child, and so the
+  connection, alive. The window is the microseconds between the kernel queueing a request and the
+  daemon reading it, while the child is already waiting; `/sys/fs/fuse/connections/N/abort` ends it.)
 
 The child answers each message with its errno (0 on success). Nothing waits for it at shutdown.
 Without a mounted kernel (tests of the operations class) invalidations are only recorded.
