@@ -17,8 +17,10 @@ import dataclasses
 import logging
 import logging.handlers
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -68,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--compression", action="store_true", help="compress new buckets (s2)")
     m.add_argument("--max-bytes", default="-1", help="size limit of new buckets (-1: none)")
     m.add_argument("--ttl", default="0", help="object TTL of new buckets (e.g. 7d; 0: none)")
+    m.add_argument("--entry-timeout", default="60s",
+                   help="how long the kernel may keep names and attributes without asking (changes are "
+                        "pushed to it anyway)")
+    m.add_argument("--request-timeout", default="10s", help="how long one request to the server may take")
+    m.add_argument("--flush-timeout", default="10s",
+                   help="close/fsync fail with EIO when a file is not stored within this (plus 1 s per MiB)")
+    m.add_argument("--shutdown-timeout", default="60s",
+                   help="at unmount or SIGTERM, how long to spend storing files still open for writing")
     m.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     m.add_argument("--log-file", type=Path, help="log here (default: stderr in the foreground)")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
@@ -118,6 +128,11 @@ def config_from_args(a: argparse.Namespace) -> Config:
         compression=a.compression,
         max_bytes=max_bytes,
         ttl=parse_duration(a.ttl),
+        entry_timeout=parse_duration(a.entry_timeout),
+        attr_timeout=parse_duration(a.entry_timeout),
+        request_timeout=parse_duration(a.request_timeout),
+        flush_timeout=parse_duration(a.flush_timeout),
+        shutdown_timeout=parse_duration(a.shutdown_timeout),
     )
 
 
@@ -246,7 +261,10 @@ def _rebuild_args(a: argparse.Namespace) -> list[str]:
     out = ["mount", str(a.mountpoint.resolve())]
     simple = {"bucket": "--bucket", "cache_size": "--cache-size",
               "spool_size": "--spool-size", "chunk_size": "--chunk-size", "max_meta_bytes": "--max-meta-bytes",
-              "storage": "--storage", "max_bytes": "--max-bytes", "ttl": "--ttl", "log_level": "--log-level"}
+              "storage": "--storage", "max_bytes": "--max-bytes", "ttl": "--ttl", "log_level": "--log-level",
+              "entry_timeout": "--entry-timeout", "flush_timeout": "--flush-timeout",
+              "request_timeout": "--request-timeout",
+              "shutdown_timeout": "--shutdown-timeout"}
     for attr, flag in simple.items():
         value = getattr(a, attr)
         if value is not None:
@@ -264,12 +282,70 @@ def _rebuild_args(a: argparse.Namespace) -> list[str]:
 
 
 def cmd_umount(a: argparse.Namespace) -> int:
+    """Unmount; when files are still open, ask the daemon (SIGTERM) to store what is open for
+    writing and unmount, and wait for it (its own wait is bounded by --shutdown-timeout)."""
     proc = subprocess.run(["fusermount3", "-u", str(a.mountpoint)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        msg = (proc.stderr.strip().splitlines() or ["unmount failed"])[-1]
+    if proc.returncode == 0:
+        return 0
+    msg = (proc.stderr.strip().splitlines() or ["unmount failed"])[-1]
+    target = _outside_path(a.mountpoint)
+    daemons = _daemons_of(target) if "busy" in msg.lower() else []
+    if not daemons:
         print(f"natsfs: {msg}", file=sys.stderr)
         return 1
+    print(f"natsfs: {target} is busy; the daemon stores the files open for writing, then unmounts",
+          file=sys.stderr)
+    for pid in daemons:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError as e:
+            print(f"natsfs: cannot signal the daemon (pid {pid}): {e.strerror}", file=sys.stderr)
+            return 1
+    while _is_mounted(target) and any(_alive(pid) for pid in daemons):
+        time.sleep(0.1)
+    if _is_mounted(target):
+        print(f"natsfs: {target} is still mounted", file=sys.stderr)
+        return 1
     return 0
+
+
+def _outside_path(path: Path) -> str:
+    """The absolute path of a mountpoint, resolving only its parent (never stat the mount itself)."""
+    absolute = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
+
+
+def _is_mounted(target: str) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1].replace("\\040", " ") == target for line in f)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _daemons_of(target: str) -> list[int]:
+    """Processes running `natsfs mount TARGET --foreground` (the daemon of that mount)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = [os.fsdecode(x) for x in f.read().split(b"\0")]
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:
+            continue
+        if "--foreground" not in argv or "mount" not in argv or not any("natsfs" in x for x in argv):
+            continue
+        i = argv.index("mount")
+        if i + 1 < len(argv) and _outside_path(Path(os.path.join(cwd, argv[i + 1]))) == target:
+            found.append(int(entry))
+    return found
 
 
 def cmd_bucket(a: argparse.Namespace) -> int:

@@ -77,6 +77,12 @@ class Config:
     kernel_readahead_kb: int = 1024
     fetch_batch_bytes: int = 4 * 1024 * 1024
     request_timeout: float = 10.0
+    # One deadline for storing a file at close/fsync: this many seconds plus one per
+    # `flush_rate_floor` bytes staged (a big file on a slow link is not cut short).
+    flush_timeout: float = 10.0
+    flush_rate_floor: int = 1024 * 1024
+    # At unmount/SIGTERM: how long the daemon may spend storing files still open for writing.
+    shutdown_timeout: float = 60.0
     # Publish written files from a helper process (its own connection, its own GIL).
     upload_worker: bool = True
     uid: int = 0

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import stat
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -36,6 +37,7 @@ from .errors import (
     NotEmpty,
     NotFound,
     ReadOnly,
+    Unavailable,
     single_error,
 )
 from .handles import DirHandle, HandleTable, ReadHandle
@@ -54,28 +56,88 @@ XATTR_STATS = b"user.natsfs.stats"
 PETABYTE = 1 << 50
 
 
+# Operations whose first argument is a file or directory handle, and those naming two inodes.
+_BY_HANDLE = frozenset({"read", "write", "flush", "fsync", "release", "readdir", "releasedir"})
+_TWO_INODES = {"rename": (0, 2), "link": (0, 1)}
+# A failure seen again within this many seconds is counted, not logged again.
+REPEAT_WINDOW_S = 60.0
+_REPEATS_KEPT = 1000
+
+
+class FailureLog:
+    """One log line per distinct failure (its cause and object: the message), not one per request.
+
+    Repeats within `window` seconds of the line are counted, and the count is logged once the window
+    is over: before the next occurrence, or when any later failure is logged."""
+
+    def __init__(self, window: float = REPEAT_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window = window
+        self.clock = clock
+        self._seen: dict[str, list[Any]] = {}  # message -> [first logged at, level, repeats since]
+        self._swept = 0.0
+
+    def log(self, level: int, message: str, *, exc_info: bool = False) -> None:
+        if level < logging.WARNING:
+            log.log(level, "%s", message, exc_info=exc_info)
+            return
+        now = self.clock()
+        self._sweep(now)
+        seen = self._seen.get(message)
+        if seen is not None:
+            if now - seen[0] < self.window:
+                seen[2] += 1
+                return
+            self._summarise(message)
+        self._seen[message] = [now, level, 0]
+        if len(self._seen) > _REPEATS_KEPT:
+            self._summarise(next(iter(self._seen)))
+        log.log(level, "%s", message, exc_info=exc_info)
+
+    def _sweep(self, now: float) -> None:
+        if now - self._swept < self.window:
+            return
+        self._swept = now
+        for message in [m for m, seen in self._seen.items() if now - seen[0] >= self.window]:
+            self._summarise(message)
+
+    def _summarise(self, message: str) -> None:
+        _, level, repeats = self._seen.pop(message)
+        if repeats:
+            log.log(level, "%s (repeated %d times in %.0f s)", message, repeats, self.window)
+
+
 def _boundary(fn: F) -> F:
-    """Map domain errors to errnos once, and never let an unexpected exception kill the mount."""
+    """Map domain errors to errnos once, and never let an unexpected exception kill the mount.
+
+    Failures are logged through the operations' `FailureLog` (a repeat is counted, not logged again).
+    The wrapper also counts the requests in flight per inode they name (the kernel may hold that
+    inode's lock or page locks until we answer), so that no kernel invalidation waits on them.
+    """
+    op = fn.__name__
 
     @functools.wraps(fn)
     async def wrapper(self: Operations, *args: Any) -> Any:
+        inodes = self._request_inodes(op, args)
+        for ino in inodes:
+            self._in_flight[ino] = self._in_flight.get(ino, 0) + 1
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError:
             raise
-        except NatsFSError as e:
-            log.log(e.log_level, "%s: %s", fn.__name__, e)
-            raise pyfuse3.FUSEError(e.errno) from None
-        except ExceptionGroup as group:
-            error = single_error(group)
+        except Exception as e:
+            error = single_error(e) if isinstance(e, ExceptionGroup) else e
             if isinstance(error, NatsFSError):
-                log.log(error.log_level, "%s: %s", fn.__name__, error)
+                self.failures.log(error.log_level, f"{op}: {error}")
                 raise pyfuse3.FUSEError(error.errno) from None
-            log.exception("%s%r failed unexpectedly", fn.__name__, args[:2])
+            self.failures.log(logging.ERROR, f"{op}{args[:2]!r} failed unexpectedly: {error!r}", exc_info=True)
             raise pyfuse3.FUSEError(errno.EIO) from None
-        except Exception:
-            log.exception("%s%r failed unexpectedly", fn.__name__, args[:2])
-            raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            for ino in inodes:
+                left = self._in_flight.pop(ino, 1) - 1
+                if left:
+                    self._in_flight[ino] = left
+                else:
+                    self.kernel.idle(ino)
 
     return wrapper  # type: ignore[return-value]
 
@@ -112,7 +174,10 @@ class Operations(pyfuse3.Operations):
         self.inodes = InodeTable()
         self.handles = HandleTable()
         self.writable = not config.read_only
-        self.kernel = KernelNotifier()
+        # Requests in flight per inode they name; invalidations of those inodes wait (kernel.py).
+        self._in_flight: dict[int, int] = {}
+        self.kernel = KernelNotifier(busy=self._in_flight.__contains__)
+        self.failures = FailureLog()
         self.staging = staging or Staging(Spool(config.cache_dir, config.spool_size))
         self.mut = Mutations(namespace, namespace.store, self.staging, config)
         self._opens: dict[int, int] = {}  # open file handles per inode
@@ -127,10 +192,13 @@ class Operations(pyfuse3.Operations):
         self._purge_later: dict[int, tuple[str, str]] = {}
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
+        self._nursery: trio.Nursery | None = None
+        self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
         self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0}
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Background work of the operations (kernel invalidations) runs in `nursery`."""
+        """Background work of the operations (kernel invalidations, refreshes) runs in `nursery`."""
+        self._nursery = nursery
         self.kernel.start(nursery)
         self.mut.start(nursery)
         self.ns.on_change = self.entry_changed
@@ -147,8 +215,12 @@ class Operations(pyfuse3.Operations):
                 self.kernel.inode(pyfuse3.ROOT_INODE, attr_only=True)
             return
         path = self.ns.mount_path(bucket, rel)
+        if self._is_own(path):
+            # This mount is changing it right now: the kernel learns the outcome from our answer, and
+            # the request holds the very locks an invalidation would wait for.
+            return
         ino = self.inodes.known(path)
-        if ino is not None and not self._is_own(path) and self._readers_left_behind(ino, bucket, rel):
+        if ino is not None and self._readers_left_behind(ino, bucket, rel):
             # Open handles read the version they opened, but the path now shows another one (or
             # nothing). The path gets a fresh inode at its next lookup; the old inode stays with those
             # handles, with its own attributes and page cache, as a file replaced by rename(2) or
@@ -165,6 +237,14 @@ class Operations(pyfuse3.Operations):
             parent = self.inodes.known(path[:-1])
             if parent is not None:
                 self.kernel.entry(parent, os.fsencode(path[-1]))
+
+    def _request_inodes(self, op: str, args: tuple[Any, ...]) -> tuple[int, ...]:
+        """The inodes a request names (directories for entry operations, files for data ones)."""
+        if op in _BY_HANDLE:
+            handle = self.handles.get(args[0]) if args and isinstance(args[0], int) else None
+            return (handle.ino,) if handle is not None else ()
+        positions = _TWO_INODES.get(op, (0,))
+        return tuple(args[i] for i in positions if i < len(args) and isinstance(args[i], int))
 
     def _is_own(self, path: tuple[str, ...]) -> bool:
         return any(path[: len(p)] == p for p in self._own_paths)
@@ -300,8 +380,32 @@ class Operations(pyfuse3.Operations):
             raise NotFound("dot lookups are answered by the kernel")
         node = await self._path_node(path)
         if node.kind == BUCKET and node.bucket is not None:
-            await self.mut.sealed(node.bucket)  # cached: lets the bucket show without write bits
+            await self._refresh_sealed(node.bucket)
         return self._attr(self.inodes.lookup(path), node)
+
+    async def _refresh_sealed(self, bucket: str) -> None:
+        """Whether a bucket is sealed (it then shows without write bits) is read in the background: a
+        lookup answers from what is known and never waits on the server."""
+        if self._nursery is None or bucket not in self.mut._sealed:
+            await self.mut.sealed(bucket)  # the first time: nothing known to answer from yet
+            return
+        if bucket in self._refreshing:
+            return
+        self._refreshing.add(bucket)
+        self._nursery.start_soon(self._read_sealed, bucket)
+
+    async def _read_sealed(self, bucket: str) -> None:
+        before = self._known_sealed(bucket)
+        try:
+            sealed = await self.mut.sealed(bucket)
+        except NatsFSError as e:
+            log.debug("bucket %s: sealed state not refreshed: %s", bucket, e)
+            return
+        finally:
+            self._refreshing.discard(bucket)
+        ino = self.inodes.known(self.ns.mount_path(bucket, ()))
+        if sealed != before and ino is not None:
+            self.kernel.inode(ino, attr_only=True)
 
     @_boundary
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext = None) -> pyfuse3.EntryAttributes:
@@ -499,12 +603,55 @@ class Operations(pyfuse3.Operations):
     async def flush(self, fh: int) -> None:
         handle = self._file_handle(fh)
         if handle.writable:  # a reader closing must not store a writer's half-written bytes
-            await self._upload(handle.ino)
+            await self._store_in_time(handle.ino)
 
     @_boundary
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self._file_handle(fh)
-        await self._upload(handle.ino)
+        await self._store_in_time(handle.ino)
+
+    async def _store_in_time(self, ino: int) -> None:
+        """`_upload` under one deadline for the whole store (every request, retry and fallback in it):
+        `flush_timeout` seconds plus one per `flush_rate_floor` bytes staged. Past it the close fails
+        with EIO; the bytes stay staged (the next close tries again, release keeps them)."""
+        sf = self.staging.get(ino)
+        if sf is None or not sf.dirty or sf.unlinked or sf.closed:
+            return
+        limit = self.config.flush_timeout + sf.size / self.config.flush_rate_floor
+        with trio.move_on_after(limit) as scope:
+            await self._upload(ino)
+        if scope.cancelled_caught:
+            raise Unavailable(f"{sf.bucket}/{sf.name}: not stored within {limit:.0f} s (the server is unreachable "
+                              "or too slow)")
+
+    async def shutdown(self, timeout: float) -> None:
+        """Unmounting: store what files still open for writing hold (within `timeout` in all, progress in
+        the log); keep what cannot be stored in lost+found, one log line per file. Nothing is dropped
+        silently."""
+        pending = [sf for sf in self.staging.all() if sf.dirty and not sf.unlinked and not sf.closed]
+        if pending:
+            log.info("unmounting: storing %d file(s) still open for writing (%d bytes), for at most %g s",
+                     len(pending), sum(sf.size for sf in pending), timeout)
+        causes: dict[int, str] = {}
+        with trio.move_on_after(timeout):
+            for n, sf in enumerate(pending, 1):
+                try:
+                    await self._upload(sf.ino)
+                except NatsFSError as e:
+                    causes[sf.ino] = str(e)
+                    continue
+                if not sf.dirty:
+                    log.info("unmounting: stored %s/%s (%d bytes; %d of %d)", sf.bucket, sf.name, sf.size, n,
+                             len(pending))
+        for sf in self.staging.all():
+            self.staging.remove(sf)
+            if sf.dirty and not sf.unlinked and not sf.closed:
+                self.mut.discard_stream(sf)
+                kept = sf.keep()
+                log.warning("%s/%s: not stored before unmounting (%s); its bytes are kept at %s", sf.bucket,
+                            sf.name, causes.get(sf.ino, f"no time left after {timeout:g} s"), kept)
+            else:
+                self.mut.discard(sf)
 
     async def _upload(self, ino: int) -> None:
         sf = self.staging.get(ino)

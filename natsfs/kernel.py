@@ -1,64 +1,231 @@
 """Telling the kernel that what it cached is no longer true (entries, attributes, page cache).
 
-pyfuse3's invalidate calls block until the kernel has dropped what it held, and the kernel may need
-to wait for a FUSE request of ours to finish first, so calling them on the trio thread can deadlock.
-`KernelNotifier` queues invalidations and runs them one by one on a worker thread; one already
-waiting in the queue is not queued twice (a burst of changes to one entry costs one invalidation).
-Without a mounted kernel (tests of the operations class) it just records them.
+A reverse invalidation can wait in the kernel: dropping an entry takes its directory's lock, which a
+request of ours in flight (a rename, a lookup) holds, and dropping pages waits for the page locks a
+read in flight holds. Three rules keep that from ever becoming a deadlock:
+
+- **Not what this mount is changing itself.** The caller (fs.py) never asks for entries its own
+  operations are changing: the kernel already knows, and its lock is held by our request.
+- **Not while a request on the inode is in flight.** An entry (keyed by its directory) or an inode's
+  pages wait in `_parked` while `busy(inode)` says a request of ours names that inode, and go out when
+  the last one finishes (`idle`). Attribute-only invalidations take no lock and are never held back.
+- **Never from the daemon's own file table.** A thread of the daemon blocked in an invalidation would
+  keep the daemon's `/dev/fuse` open after a `kill -9` (the process cannot finish dying while one of
+  its threads waits in the kernel), so the connection would never be torn down: the request it waits
+  for is never answered, the thread never returns. Invalidations are therefore written by a small
+  child process (`natsfs.notifier`) through a *clone* of the session's device
+  (`FUSE_DEV_IOC_CLONE`). When the daemon dies, its own device file is released at once, which ends
+  every request it had read and not answered (the kernel answers them `ECONNABORTED`); the locks they
+  held are freed, the child's invalidation completes, the child dies (it asked for `SIGKILL` when its
+  parent dies, and it stops at the end of its input), and with the last device file the connection is
+  aborted: applications get `ENOTCONN`, nothing stays in D state, the mountpoint can be unmounted.
+  (Requests the kernel had queued but the daemon had not read yet are only ended by that abort; an
+  invalidation waiting on a lock whose holder waits on such a request would keep the child, and so the
+  connection, alive. The window is the microseconds between the kernel queueing a request and the
+  daemon reading it, while the child is already waiting; `/sys/fs/fuse/connections/N/abort` ends it.)
+
+The child answers each message with its errno (0 on success). Nothing waits for it at shutdown.
+Without a mounted kernel (tests of the operations class) invalidations are only recorded.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
-import math
+import os
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
 
-import pyfuse3
 import trio
 
 log = logging.getLogger(__name__)
 
+# <linux/fuse.h>
+FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t)
+FUSE_NOTIFY_INVAL_INODE = 2
+FUSE_NOTIFY_INVAL_ENTRY = 3
+_OUT_HEADER = struct.Struct("=IiQ")  # len, error (the notify code), unique (0 for notifications)
+_INVAL_INODE = struct.Struct("=Qqq")  # ino, offset (-1: attributes only), length (0: to the end)
+_INVAL_ENTRY = struct.Struct("=QII")  # parent, namelen, flags
+_FRAME = struct.Struct("=I")  # the length of each message handed to the child
+# Messages handed to the child and not yet answered; more wait (deduplicated) in the queue.
+_IN_FLIGHT = 64
+_QUIET_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ENOTCONN, errno.ENODEV)
+
+Item = tuple[str, int, bytes | None]
+
+
+def notify_message(item: Item) -> bytes:
+    """The FUSE notification that asks the kernel for `item` (as libfuse would write it)."""
+    kind, ino, name = item
+    if kind == "entry":
+        assert name is not None
+        body = _INVAL_ENTRY.pack(ino, len(name), 0) + name + b"\0"
+        code = FUSE_NOTIFY_INVAL_ENTRY
+    else:
+        body = _INVAL_INODE.pack(ino, -1 if kind == "attr" else 0, 0)
+        code = FUSE_NOTIFY_INVAL_INODE
+    return _OUT_HEADER.pack(_OUT_HEADER.size + len(body), code, 0) + body
+
+
+def session_device_fd() -> int:
+    """The daemon's open `/dev/fuse` (pyfuse3 does not expose the session's descriptor)."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                return int(name)
+        except OSError:
+            continue
+    raise OSError(errno.EBADF, "no /dev/fuse descriptor in this process")
+
+
+def clone_device(session_fd: int) -> int:
+    """A second device file on the same FUSE connection (it receives no requests unless read)."""
+    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, FUSE_DEV_IOC_CLONE, struct.pack("=I", session_fd))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
 
 class KernelNotifier:
-    def __init__(self) -> None:
-        self._send, self._recv = trio.open_memory_channel[tuple[str, int, bytes | None]](math.inf)
+    def __init__(self, busy: Callable[[int], bool] = lambda ino: False) -> None:
+        self.busy = busy
         self.running = False
-        self.sent: list[tuple[str, int, bytes | None]] = []  # what was asked, for tests
-        self._waiting: set[tuple[str, int, bytes | None]] = set()
+        self.sent: list[Item] = []  # what was asked, for tests
         self.done = 0  # invalidations the kernel was asked for
+        self._queue: dict[Item, None] = {}  # ordered, one of each
+        self._parked: dict[int, dict[Item, None]] = {}
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._to_child: trio.lowlevel.FdStream | None = None
+        self._from_child: trio.lowlevel.FdStream | None = None
+        self._child: subprocess.Popen[bytes] | None = None
+        self._unanswered = trio.Semaphore(_IN_FLIGHT)
 
     def start(self, nursery: trio.Nursery) -> None:
-        self.running = True
-        nursery.start_soon(self._run)
+        """Remember where to run; invalidations start once `attach` found a kernel to talk to."""
+        self._nursery = nursery
 
+    def attach(self, device: int) -> None:
+        """Start the notifier child writing to `device` (a clone of the mounted session's `/dev/fuse`,
+        see `clone_device`); this takes the descriptor over."""
+        assert self._nursery is not None, "KernelNotifier.start() was not called"
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        try:
+            # Started from the trio (main) thread: the child's parent-death signal follows this thread,
+            # which lives as long as the daemon.
+            self._child = subprocess.Popen(
+                [sys.executable, "-I", "-m", "natsfs.notifier", str(device), str(os.getpid())],
+                stdin=to_child_r, stdout=from_child_w, stderr=subprocess.DEVNULL, pass_fds=(device,),
+                close_fds=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        finally:
+            os.close(device)
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self._to_child = trio.lowlevel.FdStream(to_child_w)
+        self._from_child = trio.lowlevel.FdStream(from_child_r)
+        self.running = True
+        self._nursery.start_soon(self._send_loop)
+        self._nursery.start_soon(self._read_answers)
+        log.debug("kernel notifier started (pid %d)", self._child.pid)
+
+    async def close(self) -> None:
+        """Stop asking (shutdown): the child ends at the end of its input. Never waits for it, since it
+        may be waiting in the kernel for a request that only the unmount will end."""
+        self.running = False
+        self._queue.clear()
+        self._parked.clear()
+        self._wake.set()
+        stream, self._to_child = self._to_child, None
+        if stream is not None:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+        if self._child is not None and self._child.poll() is None:
+            log.debug("kernel notifier (pid %d) left to finish on its own", self._child.pid)
+
+    # ------------------------------------------------------------------ asking
     def inode(self, ino: int, *, attr_only: bool = False) -> None:
         """Drop the kernel's attributes (and, unless attr_only, cached pages) of `ino`."""
-        self._queue(("attr" if attr_only else "inode", ino, None))
+        self._ask(("attr" if attr_only else "inode", ino, None))
 
     def entry(self, parent_ino: int, name: bytes) -> None:
         """Drop the kernel's cached name → inode entry `name` in directory `parent_ino`."""
-        self._queue(("entry", parent_ino, name))
+        self._ask(("entry", parent_ino, name))
 
-    def _queue(self, item: tuple[str, int, bytes | None]) -> None:
+    def idle(self, ino: int) -> None:
+        """No request of ours names `ino` any more: what waited for that goes out now."""
+        parked = self._parked.pop(ino, None)
+        if parked:
+            self._queue.update(parked)
+            self._wake.set()
+
+    def _ask(self, item: Item) -> None:
         self.sent.append(item)
         if len(self.sent) > 1000:
             del self.sent[:500]
-        if self.running and item not in self._waiting:
-            self._waiting.add(item)
-            self._send.send_nowait(item)
+        if not self.running or item in self._queue:
+            return
+        self._queue[item] = None
+        self._wake.set()
 
-    async def _run(self) -> None:
-        async for item in self._recv:
-            self._waiting.discard(item)
-            kind, ino, name = item
-            self.done += 1
+    def _next(self) -> Item | None:
+        """The oldest queued item nothing in flight holds up (those are parked until `idle`)."""
+        while self._queue:
+            item = next(iter(self._queue))
+            del self._queue[item]
+            kind, ino, _ = item
+            if kind != "attr" and self.busy(ino):
+                self._parked.setdefault(ino, {})[item] = None
+                continue
+            return item
+        return None
+
+    async def _send_loop(self) -> None:
+        while self.running:
+            item = self._next()
+            if item is None:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            await self._unanswered.acquire()
+            message = notify_message(item)
+            stream = self._to_child
+            if stream is None:
+                return
             try:
-                if kind == "entry":
-                    assert name is not None
-                    await trio.to_thread.run_sync(pyfuse3.invalidate_entry, ino, name)
-                else:
-                    await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, kind == "attr")
-            except (OSError, pyfuse3.FUSEError) as e:
-                code = getattr(e, "errno", None)
-                if code not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF):
-                    log.debug("invalidate %s %d %r failed: %s", kind, ino, name, e)
+                await stream.send_all(_FRAME.pack(len(message)) + message)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                if self.running:
+                    log.warning("kernel notifier is gone (%s); the kernel's caches now expire on their own", e)
+                self.running = False
+                return
+
+    async def _read_answers(self) -> None:
+        stream = self._from_child
+        assert stream is not None
+        buf = b""
+        try:
+            async for data in stream:
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    code = int(line or b"0")
+                    self.done += 1
+                    self._unanswered.release()
+                    if code and code not in _QUIET_ERRNOS:
+                        log.debug("invalidation failed: %s", os.strerror(code))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError):
+            pass
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            if self.running:
+                log.warning("kernel notifier exited; the kernel's caches now expire on their own")
+                self.running = False

@@ -23,6 +23,7 @@ from .config import Config
 from .errors import NatsFSError, NotFound
 from .fs import Operations
 from .jetstream import JetStreams
+from .kernel import clone_device, session_device_fd
 from .namespace import Namespace
 from .secrecy import redact_urls
 from .server import EmbeddedServer
@@ -115,6 +116,11 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
                 pyfuse3.init(ops, str(mountpoint), fuse_options(config))
             except RuntimeError as e:
                 raise MountError(f"cannot mount {mountpoint}: {e}") from None
+            try:
+                ops.kernel.attach(clone_device(session_device_fd()))
+            except OSError as e:
+                log.warning("cannot send invalidations to the kernel (%s); its caches expire after %g s",
+                            e, config.entry_timeout)
             log.info("mounted %s on %s", config.bucket or "all buckets", mountpoint)
             nursery.start_soon(raise_kernel_readahead, mountpoint, config.kernel_readahead_kb)
             fuse = _FuseLoop()
@@ -125,6 +131,14 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             finally:
                 fuse.ended()  # from here on, a signal must not touch the (closing) FUSE session
                 with trio.CancelScope(shield=True):
+                    await ops.kernel.close()
+                    # Every request was answered: the staged bytes are all the writers were told
+                    # were written. Requests not read yet get ENOTCONN once the session is gone.
+                    try:
+                        await ops.shutdown(config.shutdown_timeout)
+                    except Exception:
+                        log.exception("storing open files at unmount failed; staged bytes stay in the spool "
+                                      "and are rescued at the next mount")
                     pyfuse3.close(unmount=True)
                     await worker.close()
                 log.info("unmounted %s", mountpoint)

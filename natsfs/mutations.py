@@ -237,7 +237,10 @@ class Mutations:
                     self._break_stream(sf)
                     info = await self._put_whole(sf, chunk_size, common)
             except BaseException:
-                if session is not None:
+                if session is not None and self._nursery is not None:
+                    # In the background: a close that ran out of time must not wait for the purge too.
+                    self._nursery.start_soon(self._abort_after, session, None)
+                elif session is not None:
                     with trio.CancelScope(shield=True):
                         await session.abort()
                 raise

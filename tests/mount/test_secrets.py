@@ -58,7 +58,7 @@ def _cmdlines_with(needle: str) -> list[str]:
 
 
 def _mount_processes(mountpoint: Path) -> list[int]:
-    """The daemon serving `mountpoint` and its children (the upload worker)."""
+    """The daemon serving `mountpoint` and its children (the upload worker, the kernel notifier)."""
     daemons = {pid for pid in _pids() if str(mountpoint).encode() in _read(f"/proc/{pid}/cmdline")}
     children = set()
     for pid in _pids():
@@ -117,8 +117,8 @@ def test_password_never_in_argv_environment_or_log(auth_server, tmp_path, given_
         (mp / bucket / "big.bin").write_bytes(os.urandom(6 << 20))  # through the upload worker
         processes = _mount_processes(mp)
         cmdlines = [_read(f"/proc/{pid}/cmdline").split(b"\0") for pid in processes]
-        assert len(processes) == 2, cmdlines  # the daemon and its upload worker
-        assert all(cmd[1] == b"-I" for cmd in cmdlines), cmdlines  # both isolated
+        assert len(processes) == 3, cmdlines  # the daemon, its upload worker and its kernel notifier
+        assert all(cmd[1] == b"-I" for cmd in cmdlines), cmdlines  # all isolated
         # A server restart: the daemon logs its reconnect (with the URL, redacted).
         auth_server.stop()
         auth_server.start()
@@ -183,6 +183,6 @@ def test_modules_in_the_working_directory_are_never_imported(auth_server, tmp_pa
         assert mounted.returncode == 0, mounted.stderr
         data = os.urandom(6 << 20)  # large enough to be streamed by the upload worker
         (mp / "planted" / "big.bin").write_bytes(data)
-        assert len(_mount_processes(mp)) == 2  # the worker is running
+        assert len(_mount_processes(mp)) == 3  # the upload worker and the kernel notifier are running
     assert nats_py_get(url, "planted", "big.bin") == data
     assert not marker.exists(), sorted(p.name for p in marker.iterdir())

@@ -1,0 +1,296 @@
+"""The daemon and the kernel: a killed daemon releases its mount, SIGTERM stores open writers, and an
+outage longer than the kernel's entry timeout is served from memory with bounded, quiet failures.
+
+Real mounts, real processes. Nothing here may hang the suite: every wait has a timeout, and a mount
+still stuck at the end is aborted through fusectl (which fails the test: the daemon must never need it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import errno
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import Mount, create_bucket, nats_py_get, nats_py_put, wait_for, with_nats
+
+FILES = 1000
+FUSECTL = Path("/sys/fs/fuse/connections")
+
+
+def _publish_metas(url: str, bucket: str, names: list[str]) -> None:
+    """Empty objects, meta only (as nats.go writes a zero-byte put), many acks in flight at once."""
+
+    async def fn(nc: Any, js: Any) -> None:
+        async def one(name: str) -> None:
+            meta = {"name": name, "bucket": bucket, "nuid": secrets.token_hex(11), "size": 0, "chunks": 0,
+                    "mtime": "0001-01-01T00:00:00Z",
+                    "digest": "SHA-256=47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU="}
+            subject = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+            await js.publish(subject, json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
+
+        for i in range(0, len(names), 200):
+            await asyncio.gather(*(one(n) for n in names[i:i + 200]))
+
+    with_nats(url, fn)
+
+
+def _state(pid: int) -> str | None:
+    """The one-letter scheduler state of a process (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+RENAME_SYSCALLS = {"82", "264", "316"}  # rename, renameat, renameat2 on x86_64
+
+
+def _in_rename(pid: int) -> bool:
+    """Whether the process is inside a rename system call (waiting for the FUSE daemon's answer)."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            return f.read().split()[0] in RENAME_SYSCALLS
+    except (OSError, IndexError):
+        return False
+
+
+def _thread_states(pid: int) -> list[str]:
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    states = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            continue
+    return states
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+                out += kids
+                stack += kids
+        except OSError:
+            continue
+    return out
+
+
+def _connection_of(mountpoint: Path) -> str | None:
+    """The fusectl directory name (device minor) of the FUSE mount at `mountpoint`, from mountinfo."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == str(mountpoint):
+                return fields[2].split(":")[1]
+    return None
+
+
+def _abort_if_stuck(mountpoint: Path) -> bool:
+    """Safety net only: abort the FUSE connection of a mount that did not let go. True if it had to."""
+    minor = _connection_of(mountpoint)
+    if minor is None:
+        return False
+    if not (FUSECTL / minor).exists():
+        subprocess.run(["mount", "-t", "fusectl", "none", str(FUSECTL)], capture_output=True, timeout=10)
+    abort = FUSECTL / minor / "abort"
+    if not abort.exists():
+        return False
+    abort.write_text("1")
+    return True
+
+
+def _stat_in_child(path: Path, timeout: float, call: str = "stat") -> tuple[str, float]:
+    """os.stat (or os.listdir) from a child process (this one must never block on a dead mount): its
+    outcome ("ok" or the errno) and how long it took."""
+    started = time.monotonic()
+    code = (f"import os, sys\ntry:\n    os.{call}(sys.argv[1]); print('ok')\nexcept OSError as e:\n"
+            "    print(e.errno)\n")
+    try:
+        r = subprocess.run([sys.executable, "-I", "-c", code, str(path)], capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.monotonic() - started
+    return r.stdout.strip(), time.monotonic() - started
+
+
+def test_kill_9_during_a_directory_rename_releases_the_mount(nats_url, bucket_name, tmp_path):
+    create_bucket(nats_url, bucket_name)
+    names = [f"dir/f{i:04d}" for i in range(FILES)]
+    _publish_metas(nats_url, bucket_name, names)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    m = Mount(nats_url, mp, ["--bucket", bucket_name], log_file=tmp_path / "mount.log",
+              cache_dir=tmp_path / "cache")
+    m.start()
+    mv: subprocess.Popen[bytes] | None = None
+    aborted = False
+    try:
+        assert len(os.listdir(mp / "dir")) == FILES  # the kernel now holds every entry
+        assert m.proc is not None
+        daemon = m.proc.pid
+        helpers = _descendants(daemon)
+        mv = subprocess.Popen(["mv", str(mp / "dir"), str(mp / "dir2")], stderr=subprocess.PIPE)
+        # Mid-way: the rename is in flight (mv waits in the kernel) and objects are moving.
+        assert wait_for(lambda: _in_rename(mv.pid), 10, 0.005)
+        time.sleep(0.3)
+        assert mv.poll() is None, "the rename finished before the daemon could be killed"
+        os.kill(daemon, signal.SIGKILL)
+        # Released within seconds: the daemon is reaped, mv returns, nothing waits in D state.
+        m.proc.wait(timeout=10)
+        mv.wait(timeout=10)
+        assert mv.returncode != 0  # the rename was cut short, and mv says so
+        assert mv.stderr is not None
+        said = mv.stderr.read().decode()
+        assert "not connected" in said or "connection abort" in said, said
+        assert wait_for(lambda: all(_state(p) in (None, "Z") for p in helpers), 10)
+        assert _thread_states(daemon) == []
+        assert _stat_in_child(mp, 10, "listdir")[0] == str(errno.ENOTCONN)  # applications get ENOTCONN
+        r = subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True, text=True, timeout=20)
+        assert r.returncode == 0, r.stderr
+    finally:
+        if mv is not None and mv.poll() is None:
+            aborted = _abort_if_stuck(mp)
+            mv.kill()
+            mv.wait(10)
+        if m.mounted():
+            aborted = _abort_if_stuck(mp) or aborted
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=20)
+        m.stop()
+    assert not aborted, "the mount had to be aborted through fusectl"
+    # The same mountpoint mounts again, and no object was lost: each is under the old or the new name.
+    m.start()
+    try:
+        moved = os.listdir(mp / "dir2") if (mp / "dir2").exists() else []
+        left = os.listdir(mp / "dir") if (mp / "dir").exists() else []
+        assert sorted(set(moved) | set(left)) == sorted(n.split("/")[1] for n in names)
+    finally:
+        m.stop()
+
+
+WRITER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o644)
+data = bytes(range(256)) * 12288  # 3 MiB
+view = memoryview(data)
+while view:
+    view = view[os.write(fd, view):]
+print("written", flush=True)
+sys.stdin.read()  # stays open until told
+try:
+    os.close(fd)
+    print("closed")
+except OSError as e:
+    print("close", e.errno)
+"""
+
+
+def _start_writer(path: Path) -> subprocess.Popen[str]:
+    w = subprocess.Popen([sys.executable, "-I", "-c", WRITER, str(path)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert w.stdout is not None
+    assert w.stdout.readline().strip() == "written"
+    return w
+
+
+def _finish_writer(w: subprocess.Popen[str]) -> str:
+    out, _ = w.communicate("", timeout=30)
+    return out.strip()
+
+
+def test_sigterm_stores_a_file_open_for_writing(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url, "--bucket", bucket_name)
+    w = _start_writer(m / "open.bin")
+    assert m.proc is not None
+    m.proc.send_signal(signal.SIGTERM)
+    m.proc.wait(timeout=60)
+    assert not m.mounted()
+    assert _finish_writer(w) in ("closed", f"close {errno.ENOTCONN}")
+    assert nats_py_get(nats_url, bucket_name, "open.bin") == bytes(range(256)) * 12288
+    log = m.log()
+    assert "storing 1 file(s) still open for writing" in log
+    assert f"stored {bucket_name}/open.bin" in log
+    assert " ERROR " not in log
+
+
+def test_natsfs_umount_of_a_busy_mount_stores_the_writer(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url, "--bucket", bucket_name)
+    w = _start_writer(m / "busy.bin")
+    r = subprocess.run([sys.executable, "-m", "natsfs", "umount", str(m.path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "busy" in r.stderr
+    assert not m.mounted()
+    _finish_writer(w)
+    assert nats_py_get(nats_url, bucket_name, "busy.bin") == bytes(range(256)) * 12288
+
+
+def test_sigterm_keeps_what_it_cannot_store_with_a_log_line(private_server, bucket_name, mounter):
+    create_bucket(private_server.url, bucket_name)
+    m = mounter(private_server.url, "--bucket", bucket_name, "--shutdown-timeout", "3s")
+    w = _start_writer(m / "unsent.bin")
+    private_server.stop()
+    assert m.proc is not None
+    m.proc.send_signal(signal.SIGTERM)
+    m.proc.wait(timeout=30)
+    _finish_writer(w)
+    kept = re.findall(rf"{bucket_name}/unsent\.bin: not stored before unmounting \(.*\); its bytes are kept at (\S+)",
+                      m.log())
+    assert len(kept) == 1, m.log()
+    assert Path(kept[0]).read_bytes() == bytes(range(256)) * 12288
+
+
+def test_an_outage_longer_than_the_entry_timeout(private_server, bucket_name, mounter):
+    url = private_server.url
+    for i in range(3):
+        nats_py_put(url, bucket_name, f"known{i}.txt", b"known %d\n" % i)
+    nats_py_put(url, bucket_name, "uncached.bin", b"x" * 1000)
+    m = mounter(url, "--entry-timeout", "1s", "--flush-timeout", "3s", "--request-timeout", "2s")
+    files = [m / bucket_name / f"known{i}.txt" for i in range(3)]
+    sizes = [f.stat().st_size for f in files]
+    writer = open(m / bucket_name / "new.txt", "wb", buffering=0)  # noqa: SIM115 - closed below, in the outage
+    writer.write(b"written during an outage\n")
+    private_server.stop()
+    time.sleep(2.5)  # longer than the kernel's entry and attribute timeouts: lookups come to the daemon
+    for f, size in zip(files, sizes, strict=True):
+        started = time.monotonic()
+        assert f.stat().st_size == size  # in this process: a child would flush the inherited writer
+        took = time.monotonic() - started
+        assert took < 3, f"stat of a known file waited {took:.1f}s on the server"
+    started = time.monotonic()
+    with pytest.raises(OSError) as e:
+        writer.close()
+    assert e.value.errno == errno.EIO
+    assert time.monotonic() - started < 3 + 5  # the flush deadline, plus scheduling slack
+    for _ in range(3):
+        with pytest.raises(OSError) as e:
+            (m / bucket_name / "uncached.bin").read_bytes()
+        assert e.value.errno == errno.EIO
+    assert m.alive
+    problems = [line for line in m.log().splitlines() if " ERROR " in line or " WARNING " in line]
+    read_failures = [line for line in problems if line.split(": ", 1)[-1].startswith("read:")]
+    assert len(read_failures) == 1, "\n".join(problems)
+    assert len(problems) == len(set(problems)), "\n".join(problems)

@@ -1,0 +1,67 @@
+"""kernel.KernelNotifier and its child (natsfs.notifier), with a pipe standing in for /dev/fuse: the
+messages the kernel would get, one per change, none while a request on the inode is in flight."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import trio
+
+from natsfs.kernel import FUSE_NOTIFY_INVAL_ENTRY, FUSE_NOTIFY_INVAL_INODE, KernelNotifier, notify_message
+
+
+def _parse(data: bytes) -> list[tuple[int, bytes]]:
+    """Split what was written to the device into (notify code, body) per message."""
+    out = []
+    while data:
+        length, code, unique = struct.unpack("=IiQ", data[:16])
+        assert unique == 0
+        out.append((code, data[16:length]))
+        data = data[length:]
+    return out
+
+
+def test_the_messages_are_the_kernels_layout():
+    entry = notify_message(("entry", 7, b"name.txt"))
+    assert entry == struct.pack("=IiQ", 16 + 16 + 9, FUSE_NOTIFY_INVAL_ENTRY, 0) + struct.pack("=QII", 7, 8, 0) \
+        + b"name.txt\0"
+    assert notify_message(("attr", 9, None)) == struct.pack("=IiQQqq", 40, FUSE_NOTIFY_INVAL_INODE, 0, 9, -1, 0)
+    assert notify_message(("inode", 9, None)) == struct.pack("=IiQQqq", 40, FUSE_NOTIFY_INVAL_INODE, 0, 9, 0, 0)
+
+
+def test_the_child_writes_each_change_once_and_waits_for_requests_in_flight():
+    busy: set[int] = set()
+    read_end, device = os.pipe()
+
+    async def main() -> bytes:
+        notifier = KernelNotifier(busy=busy.__contains__)
+        async with trio.open_nursery() as nursery:
+            notifier.start(nursery)
+            notifier.attach(device)
+            busy.add(1)
+            notifier.entry(1, b"a")  # its directory has a request in flight: held back
+            notifier.inode(2)
+            notifier.inode(2)  # the same change twice: one message
+            notifier.inode(1, attr_only=True)  # attributes take no lock: never held back
+            with trio.fail_after(10):
+                while notifier.done < 2:
+                    await trio.sleep(0.01)
+            busy.discard(1)
+            notifier.idle(1)
+            with trio.fail_after(10):
+                while notifier.done < 3:
+                    await trio.sleep(0.01)
+            await notifier.close()
+            nursery.cancel_scope.cancel()
+        return os.read(read_end, 4096)
+
+    try:
+        written = trio.run(main)
+    finally:
+        os.close(read_end)
+    assert _parse(written) == [
+        (FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 2, 0, 0)),
+        (FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 1, -1, 0)),
+        (FUSE_NOTIFY_INVAL_ENTRY, struct.pack("=QII", 1, 1, 0) + b"a\0"),
+    ]
