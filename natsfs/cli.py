@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--spool-size", default="16GiB", help="local disk for staged writes")
     m.add_argument("--chunk-size", default="128KiB", help="chunk size of objects written through the mount")
     m.add_argument("--max-meta-bytes", default="16KiB", help="largest meta the mount will write")
+    m.add_argument("--request-timeout", default="10s",
+                   help="how long a request to the server may take (an unanswered write is settled for 3 times this)")
     m.add_argument("--data-dir", type=Path, default=cfg.default_data_dir(),
                    help="where the embedded nats-server keeps its store")
     m.add_argument("--read-only", action="store_true")
@@ -97,6 +99,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         spool_size=parse_size(a.spool_size),
         chunk_size=parse_size(a.chunk_size),
         max_meta_bytes=parse_size(a.max_meta_bytes),
+        request_timeout=parse_duration(a.request_timeout),
         data_dir=a.data_dir,
         fuse_options=_fuse_opts(a.options),
         uid=os.getuid(),
@@ -204,7 +207,8 @@ def _rebuild_args(a: argparse.Namespace) -> list[str]:
     out = ["mount", str(a.mountpoint.resolve())]
     simple = {"server": "--server", "bucket": "--bucket", "cache_size": "--cache-size",
               "spool_size": "--spool-size", "chunk_size": "--chunk-size", "max_meta_bytes": "--max-meta-bytes",
-              "storage": "--storage", "max_bytes": "--max-bytes", "ttl": "--ttl", "log_level": "--log-level"}
+              "request_timeout": "--request-timeout", "storage": "--storage", "max_bytes": "--max-bytes",
+              "ttl": "--ttl", "log_level": "--log-level"}
     for attr, flag in simple.items():
         value = getattr(a, attr)
         if value is not None:

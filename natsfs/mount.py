@@ -89,7 +89,8 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
     try:
         worker = UploadWorker(servers)
         store = ObjectStore(JetStreams(bridge), chunk_size=config.chunk_size, file_sender=worker,
-                            max_subject_bytes=config.max_subject_bytes)
+                            max_subject_bytes=config.max_subject_bytes,
+                            settle_timeout=3 * config.request_timeout)
         if config.bucket is not None:
             try:
                 await store.bucket_status(config.bucket)
