@@ -391,6 +391,14 @@ class ObjectStore:
             raise NameTooLong(f"{bucket}/{name[:40]}...: the name's subjects would be {longest} bytes, over "
                               f"the {self.max_subject_bytes} the server is sent")
 
+    def check_meta_payload(self, bucket: str, doc: dict[str, Any], data: bytes | None = None) -> None:
+        """`TooBig` when a meta would be over the server's max payload (with room for its headers)."""
+        size = len(data if data is not None else json.dumps(doc).encode())
+        limit = self.max_payload - _META_HEADER_ROOM
+        if size > limit:
+            raise TooBig(f"the meta of {bucket}/{str(doc.get('name'))[:60]!r} would be {size} bytes, over the "
+                         f"server's limit of {limit}")
+
     def _meta_subject(self, bucket: str, name: str) -> str:
         self.check_name(bucket, name)
         return meta_subject(bucket, name)
@@ -519,10 +527,7 @@ class ObjectStore:
         written), else `Conflict`. An ambiguous outcome is settled (see `_publish_settled`)."""
         subject = self._meta_subject(bucket, doc["name"])
         data = json.dumps(doc).encode()
-        limit = self.max_payload - _META_HEADER_ROOM
-        if len(data) > limit:
-            raise TooBig(f"the meta of {bucket}/{str(doc['name'])[:60]!r} would be {len(data)} bytes, over the "
-                         f"server's limit of {limit}")
+        self.check_meta_payload(bucket, doc, data)
         headers = {ROLLUP: "sub", MSG_ID: msg_id or new_nuid()}
         if expected_revision is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_revision)

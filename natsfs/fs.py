@@ -1000,6 +1000,7 @@ class Operations(pyfuse3.Operations):
             doc, _ = await self._meta_doc(node)
             change(doc)
             check_meta_size(doc, self.config.max_meta_bytes)
+            self.ns.store.check_meta_payload(node.bucket, doc)
             sf.meta_changes.append(change)
             return
         stored = await self._index_info(self.inodes.path_of(inode))

@@ -331,8 +331,8 @@ class MemoryStreams:
             if int(h[EXPECTED_LAST_SUBJECT_SEQ]) != last:
                 raise Conflict(f"{subject}: wrong last sequence: {last}")
         msg_id = h.get(MSG_ID)
+        window = int(cfg.get("duplicate_window", 120 * 10**9))
         if msg_id:
-            window = int(cfg.get("duplicate_window", 120 * 10**9))
             seen = st.msg_ids.get(msg_id)
             if seen is not None and self.clock() - seen[1] < window:
                 return seen[0]  # a duplicate: acknowledged with the original's sequence, not stored
@@ -363,6 +363,11 @@ class MemoryStreams:
         st.bytes += size
         if msg_id:
             st.msg_ids[msg_id] = (seq, st.last_ts)
+            while st.msg_ids:  # forget ids past the window (the oldest come first)
+                oldest = next(iter(st.msg_ids))
+                if st.last_ts - st.msg_ids[oldest][1] < window:
+                    break
+                del st.msg_ids[oldest]
         if rollup == "sub":
             st.purge(subject, keep_last=1)
         elif rollup == "all":
