@@ -342,13 +342,16 @@ class Mutations:
                     # The front was streamed while it was written: send the rest, then the meta.
                     try:
                         await session.send_file(str(sf.spool_path), sf.fd, sf.stream_claimed, sf.size)
-                        info = await session.commit(sf.name, await session.digest(), **common)
+                        digest = await session.digest()
                     except Unavailable:
                         if not session.remote:
                             raise
-                        # The upload worker went away mid-file: send the whole file from here.
+                        # The upload worker went away mid-file: send the whole file from here. (Only
+                        # before the meta: a meta without an answer is never followed by a second put.)
                         await session.abort()
                         info = await self._put_whole(sf, chunk_size, common)
+                    else:
+                        info = await session.commit(sf.name, digest, **common)
                 else:
                     self._break_stream(sf)
                     info = await self._put_whole(sf, chunk_size, common)

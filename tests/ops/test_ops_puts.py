@@ -268,3 +268,67 @@ def test_names_are_refused_before_anything_is_stored(ops_env):
         assert await stored(env, "old.txt") == b"old content"
 
     ops_env(body, setup=one_bucket, max_meta_bytes=1 << 20)
+
+
+class LocalSender:
+    """A `FileSender` in this process, publishing ranges in offset order the way the upload worker does."""
+
+    alive = True
+
+    def __init__(self, ms: MemoryStreams):
+        self.ms = ms
+        self.hashers: dict[str, Any] = {}
+        self.next: dict[str, int] = {}
+
+    async def send_range(self, session: str, subject: str, path: str, start: int, end: int, chunk_size: int,
+                         window: int) -> None:
+        import hashlib
+
+        import trio
+
+        while self.next.get(session, 0) != start:
+            await trio.sleep(0.001)
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+        data += bytes(end - start - len(data))
+        hasher = self.hashers.setdefault(session, hashlib.sha256())
+        msgs = []
+        for i, pos in enumerate(range(0, len(data), chunk_size)):
+            hasher.update(data[pos : pos + chunk_size])
+            msgs.append((subject, data[pos : pos + chunk_size], {MSG_ID: f"{session}.{start // chunk_size + i}"}))
+        self.next[session] = end
+        await self.ms.publish_many(msgs)
+
+    async def digest(self, session: str) -> bytes:
+        return self.hashers[session].digest()
+
+    async def drop(self, session: str) -> None:
+        self.hashers.pop(session, None)
+
+
+def test_a_streamed_put_whose_meta_goes_unanswered_is_not_put_a_second_time(ops_env):
+    async def body(env: Env):
+        import trio
+
+        env.store.file_sender = LocalSender(env.streams)
+        env.store.settle_timeout = 0.3
+        env.ops.mut.start(env.nursery)  # streaming uploads
+        data = bytes(range(256)) * (24 * 1024)  # 6 MiB: the first 4 MiB are streamed while written
+        fi = await create_and_write(env, "big", data)
+        while all_chunk_msgs(env) < 33:
+            await trio.sleep(0.01)
+        env.streams.lose_next_ack(subject="$O.b.M.>")
+        env.streams.fail_next("last_msg", Unavailable("away"), times=1000)
+        assert await err(env.ops.flush(fi.fh)) == errno.EIO
+        env.streams._faults.clear()
+        # One put only (no second one from here after an unanswered meta), and its chunks are kept.
+        nuids = {s for s in env.streams.subjects(stream_name("b")) if ".C." in s}
+        assert len(nuids) == 2  # old.txt's and this put's
+        first = await env.store.get_info("b", "big")
+        assert chunk_msgs(env, first.nuid) == 48
+        await env.ops.fsync(fi.fh, False)  # nothing changed since; stores again without ESTALE
+        await env.ops.release(fi.fh)
+        assert await stored(env, "big") == data
+
+    ops_env(body, setup=one_bucket)
