@@ -147,6 +147,8 @@ class Mutations:
         """One pass over the unfinished puts: keep those whose meta holds their nuid, purge the chunks of
         the others, and close each record once a read-back shows its chunk subject empty."""
         journal = self.journal
+        waiting: list[tuple[str, UnfinishedPut]] = []
+        error: NatsFSError | None = None
         for key, put in list(journal.pending.items()):
             if journal.pending.get(key) is not put:
                 continue
@@ -156,11 +158,15 @@ class Mutations:
             except NatsFSError as e:
                 if not put.reported:
                     put.reported = True
-                    log.warning("bucket %s: the chunks of an unfinished put of %r (nuid %s) are removed once the "
-                                "server answers (%s)", bucket, put.name, nuid, e)
+                    waiting.append((bucket, put))
+                    error = e
                 continue
             if done and journal.pending.get(key) is put:
                 journal.finished(bucket, nuid)
+        if waiting:
+            shown = ", ".join(f"{b}/{p.name}" for b, p in waiting[:5]) + (" ..." if len(waiting) > 5 else "")
+            log.warning("the chunks of %d unfinished put(s) (%s) are removed once the server answers (%s)",
+                        len(waiting), shown, error)
 
     async def _settle_put(self, bucket: str, nuid: str, put: UnfinishedPut) -> bool:
         if put.purged_at is None:
@@ -204,25 +210,30 @@ class Mutations:
     async def purge_shared_tombstones(self) -> None:
         """Purge tombstones that carry the nuid of a live object under another name (left by renames of
         earlier natsfs versions): another client's delete or put of that name would purge the live
-        object's chunks. One log line each."""
+        object's chunks. One log line per bucket and pass."""
         for bucket in self.ns.loaded_buckets():
             index = self.ns.loaded_index(bucket)
             if index is None or not index.shared_tombstones:
                 continue
-            for name, (revision, nuid) in list(index.shared_tombstones.items()):
+            purged: list[str] = []
+            for name, (revision, _nuid) in list(index.shared_tombstones.items()):
                 try:
                     await self.store.purge_tombstone(bucket, name, revision)
                 except (ReadOnly, JetStreamAPIError) as e:
-                    log.info("bucket %s: cannot purge the tombstone of %r (%s)", bucket, name, e)
-                    index.shared_tombstones.pop(name, None)
-                    continue
+                    log.info("bucket %s: cannot purge %d tombstone(s) carrying a live nuid (%s)", bucket,
+                             len(index.shared_tombstones), e)
+                    index.shared_tombstones.clear()
+                    break
                 except NatsFSError as e:
                     log.debug("bucket %s: purging the tombstone of %r failed (%s); retrying", bucket, name, e)
                     continue
                 index.drop_tombstone(name, revision)
-                log.warning("bucket %s: purged the tombstone of %r: it carried the nuid %s of a live object "
-                            "under another name (an old natsfs rename), which other clients' delete of %r "
-                            "would have destroyed", bucket, name, nuid, name)
+                purged.append(name)
+            if purged:
+                shown = ", ".join(repr(n) for n in purged[:5]) + (" ..." if len(purged) > 5 else "")
+                log.warning("bucket %s: purged %d tombstone(s) carrying the nuid of a live object under another "
+                            "name (left by renames of an earlier natsfs; other clients' delete of those names "
+                            "would have destroyed the objects): %s", bucket, len(purged), shown)
 
     # ------------------------------------------------------------------ streaming uploads
     def after_write(self, sf: StagedFile, offset: int) -> None:

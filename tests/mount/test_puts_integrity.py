@@ -138,7 +138,8 @@ def test_a_tombstone_an_old_natsfs_rename_left_is_purged_so_deletes_cannot_destr
     m = mounter(nats_url)
     assert (m.path / bucket_name / "new").read_bytes() == data
     assert wait_for(lambda: subjects(nats_url, bucket_name, _meta_subject(bucket_name, "old")) == {}, 15)
-    assert m.log().count("purged the tombstone of 'old'") == 1
+    assert m.log().count("purged 1 tombstone(s) carrying the nuid of a live object") == 1
+    assert "'old'" in m.log()
     assert go_delete(nats_url, bucket_name, "old") is False
     assert nats_py_get(nats_url, bucket_name, "new") == data
 
@@ -219,7 +220,7 @@ def test_a_put_that_fails_while_the_server_is_away_leaves_no_orphan_chunks(priva
     assert wait_for(lambda: sum(subjects(url, bucket_name, f"$O.{bucket_name}.C.>").values()) == 0, 30), \
         subjects(url, bucket_name, f"$O.{bucket_name}.>")
     assert subjects(url, bucket_name, f"$O.{bucket_name}.M.>") == {}
-    assert wait_for(lambda: "unfinished put of 'big.bin'" in m.log() and "are removed" in m.log(), 10)
+    assert wait_for(lambda: "the chunks of the unfinished put of 'big.bin'" in m.log(), 10)
     # The mount serves again, and the bytes were kept for the user.
     (b / "after.txt").write_bytes(b"ok")
     assert nats_py_get(url, bucket_name, "after.txt") == b"ok"
