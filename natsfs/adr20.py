@@ -384,12 +384,12 @@ class ObjectStore:
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:
-            shown = name.encode("utf-8", "surrogateescape").decode("ascii", "backslashreplace")
+            shown = name.encode("utf-8", "backslashreplace").decode("utf-8")
             raise BadName(f"{bucket}/{shown}: the name is not UTF-8 (no ADR-20 client could use it)") from None
         longest = len(last_meta_request_subject(bucket, name))
         if longest > self.max_subject_bytes:
-            raise NameTooLong(f"{bucket}/{name[:40]}...: the name's subjects would be {longest} bytes, over "
-                              f"the {self.max_subject_bytes} the server is sent")
+            raise NameTooLong(f"{bucket}/{name[:40]}...: the name's subjects would be {longest} bytes, over the "
+                              f"limit of {self.max_subject_bytes}")
 
     def check_meta_payload(self, bucket: str, doc: dict[str, Any], data: bytes | None = None) -> None:
         """`TooBig` when a meta would be over the server's max payload (with room for its headers)."""
