@@ -683,7 +683,7 @@ class ObjectStore:
             return None
         info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision)
         if purge_chunks and nuid:
-            await self._purge_quietly(bucket, chunk_subject(bucket, nuid))
+            await self.purge_chunks_later_if_needed(bucket, nuid, name)
         return info
 
     async def rename(self, bucket: str, old: str, new: str, *, expected_revision: int | None = None,
@@ -703,7 +703,7 @@ class ObjectStore:
         if change is not None:
             change(moved)
         new_info = await self._publish_replacing(bucket, moved, target_revision, True)
-        await self.streams.purge_subject(stream_name(bucket), meta_subject(bucket, old), before_seq=revision + 1)
+        await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
         return new_info, revision
 
     async def purge_tombstone(self, bucket: str, name: str, revision: int) -> None:
@@ -754,12 +754,31 @@ class ObjectStore:
     async def purge_chunks(self, bucket: str, nuid: str) -> None:
         await self.streams.purge_subject(stream_name(bucket), chunk_subject(bucket, nuid))
 
-    async def _purge_quietly(self, bucket: str, subject: str) -> None:
+    async def purge_chunks_later_if_needed(self, bucket: str, nuid: str, name: str) -> None:
+        """Purge the chunks of a version no meta uses any more; if the server does not answer, hand
+        them to the `PutLog` (settled once it answers) instead of leaving them behind."""
         try:
-            await self.streams.purge_subject(stream_name(bucket), subject)
+            await self.purge_chunks(bucket, nuid)
         except NatsFSError as e:
-            # Orphaned chunks waste space but never show; fsck removes them.
-            log.warning("could not purge %s (left for fsck): %s", subject, e)
+            if self.put_log is not None:
+                log.debug("purge of %s/%s failed (%s); settled later", bucket, nuid, e)
+                self.put_log.orphaned(bucket, nuid, name)
+            else:
+                log.warning("could not purge the chunks of %s/%s (left for fsck): %s", bucket, nuid, e)
+
+    async def _purge_settled(self, bucket: str, subject: str, before_seq: int) -> None:
+        """A purge (idempotent) retried while the server does not answer, for at most `settle_timeout`."""
+        deadline = trio.current_time() + self.settle_timeout
+        pause = 0.2
+        while True:
+            try:
+                await self.streams.purge_subject(stream_name(bucket), subject, before_seq=before_seq)
+                return
+            except Unavailable:
+                if trio.current_time() >= deadline:
+                    raise
+                await trio.sleep(pause)
+                pause = min(2.0, pause * 2)
 
 
 class FileSender(Protocol):
@@ -786,6 +805,9 @@ class PutLog(Protocol):
 
     def failed(self, bucket: str, nuid: str, name: str, *, meta_unknown: bool, purged: bool) -> None:
         """The put ended without a stored meta (or without knowing): its chunks must be settled later."""
+
+    def orphaned(self, bucket: str, nuid: str, name: str) -> None:
+        """Chunks of a version that was `name` (replaced or deleted) could not be purged: settle later."""
 
 
 # Where a put's meta stands: not sent yet, sent without a known outcome, refused by the server, stored.
@@ -895,7 +917,7 @@ class PutSession:
             self.store.put_log.finished(self.bucket, self.nuid)
         await self._forget()
         if old_nuid and old_nuid != self.nuid:
-            await self.store._purge_quietly(self.bucket, chunk_subject(self.bucket, old_nuid))
+            await self.store.purge_chunks_later_if_needed(self.bucket, old_nuid, name)
         return info
 
     async def abort(self) -> None:

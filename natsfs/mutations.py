@@ -409,10 +409,7 @@ class Mutations:
         finder = getattr(index, "names_with_nuid", None) if index is not None else None
         if finder is not None and finder(nuid):
             return
-        try:
-            await self.store.purge_chunks(bucket, nuid)
-        except NatsFSError as e:
-            log.warning("could not purge the chunks of %s/%s (left for fsck): %s", bucket, nuid, e)
+        await self.store.purge_chunks_later_if_needed(bucket, nuid, "")
 
     async def set_attrs(self, bucket: str, info: ObjectInfo, attrs: PosixAttrs, defaults: PosixAttrs) -> ObjectInfo:
         """Store POSIX attributes in the meta (same nuid, no data moved)."""
@@ -529,11 +526,7 @@ class Mutations:
             index.remove_if(info.name, old_revision)
         if (target is not None and target.nuid and target.nuid != info.nuid and not keep_target_chunks
                 and not self._shared_nuid(index, target)):
-            try:
-                await self.store.purge_chunks(bucket, target.nuid)
-            except NatsFSError as e:
-                log.warning("rename: could not purge the replaced %s/%s (left for fsck): %s", bucket,
-                            target.name, e)
+            await self.store.purge_chunks_later_if_needed(bucket, target.nuid, target.name)
         return new_info
 
     async def rename_dir(self, bucket: str, old_rel: Path, directory: Dir, new_rel: Path,

@@ -54,7 +54,8 @@ class UnfinishedPut:
 
 class PutJournal:
     """Puts whose chunks may become orphans, recorded in an append-only file so that not even a killed
-    daemon leaves chunks unnoticed (`adr20.PutLog`).
+    daemon leaves chunks unnoticed (`adr20.PutLog`); also the chunks of replaced or deleted versions
+    whose purge failed (`orphaned`).
 
     A put is recorded (`+`) before its first chunk is sent and closed (`-`) once its meta is stored or
     its chunks are known gone. Puts that ended otherwise are `pending`; so is every record left open by
@@ -130,6 +131,10 @@ class PutJournal:
         self.pending[(bucket, nuid)] = UnfinishedPut(name, meta_unknown, None)
         if purged:
             self.pending[(bucket, nuid)].purged_at = trio.current_time()
+
+    def orphaned(self, bucket: str, nuid: str, name: str) -> None:
+        self.pending[(bucket, nuid)] = UnfinishedPut(name, meta_unknown=True)
+        self._append({"op": "+", "b": bucket, "n": nuid, "name": name})
 
     def close(self) -> None:
         if self._fd >= 0:

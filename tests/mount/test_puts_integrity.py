@@ -120,6 +120,20 @@ def test_after_mv_other_clients_delete_or_put_of_the_old_name_leaves_the_file(na
     no_errors(m.log())
 
 
+def test_another_mount_sees_a_rename_without_a_tombstone(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    m1, m2 = mounter(nats_url), mounter(nats_url)
+    b1, b2 = m1.path / bucket_name, m2.path / bucket_name
+    (b1 / "x").write_bytes(b"payload")
+    assert wait_for(lambda: (b2 / "x").exists(), 10)
+    os.rename(b1 / "x", b1 / "y")
+    assert wait_for(lambda: not (b2 / "x").exists() and (b2 / "y").exists(), 10)
+    assert (b2 / "y").read_bytes() == b"payload"
+    assert sorted(os.listdir(b2)) == ["y"]
+    no_errors(m1.log())
+    no_errors(m2.log())
+
+
 def test_a_tombstone_an_old_natsfs_rename_left_is_purged_so_deletes_cannot_destroy(nats_url, bucket_name,
                                                                                  mounter):
     create_bucket(nats_url, bucket_name)

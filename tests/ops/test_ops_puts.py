@@ -332,3 +332,31 @@ def test_a_streamed_put_whose_meta_goes_unanswered_is_not_put_a_second_time(ops_
         assert await stored(env, "big") == data
 
     ops_env(body, setup=one_bucket)
+
+
+def test_chunks_whose_purge_fails_are_purged_once_the_server_answers(ops_env, monkeypatch):
+    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
+
+    async def body(env: Env):
+        old = await env.store.get_info("b", "old.txt")
+        b = (await env.lookup("b")).st_ino
+        env.streams.fail_next("purge_subject", Unavailable("away"))
+        await env.ops.unlink(b, b"old.txt", Ctx())  # the tombstone is stored; the purge is not
+        assert chunk_msgs(env, old.nuid) == 1
+        assert ("b", old.nuid) in env.ops.mut.journal.pending
+        await env.ops.mut.settle_puts()
+        await env.ops.mut.settle_puts()
+        assert chunk_msgs(env, old.nuid) == 0 and not env.ops.mut.journal.pending
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_a_rename_retries_the_purge_of_the_old_name(ops_env):
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        env.streams.fail_next("purge_subject", Unavailable("a moment away"), times=2)
+        await env.ops.rename(b, b"old.txt", b, b"new.txt", 0, Ctx())
+        assert await env.store.get_info("b", "old.txt") is None
+        assert await stored(env, "new.txt") == b"old content"
+
+    ops_env(body, setup=one_bucket)

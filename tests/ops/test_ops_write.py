@@ -148,9 +148,12 @@ def test_rename_crash_between_steps_never_loses_the_object(ops_env):
         b = (await env.lookup("b")).st_ino
         await write_file(env, b, "a", b"precious" * 1000)
         a = await env.store.get_info("b", "a")
-        # The purge of the old name's meta fails: the object is reachable under both names (same nuid).
-        env.streams.fail_next("purge_subject", Unavailable("crash"))
+        # The purge of the old name's meta keeps failing (it is retried for a while): the object is
+        # reachable under both names (same nuid).
+        env.store.settle_timeout = 0.3
+        env.streams.fail_next("purge_subject", Unavailable("crash"), times=1000)
         assert await err(env.ops.rename(b, b"a", b, b"c", 0, Ctx())) == errno.EIO
+        env.streams._faults.clear()
         c = await env.store.get_info("b", "c")
         assert c.nuid == a.nuid
         await env.settle()
