@@ -149,18 +149,29 @@ class Mutations:
         journal = self.journal
         waiting: list[tuple[str, UnfinishedPut]] = []
         error: NatsFSError | None = None
+        buckets: dict[str, bool] = {}  # bucket -> exists, asked once per pass
         for key, put in list(journal.pending.items()):
             if journal.pending.get(key) is not put:
                 continue
             bucket, nuid = key
             try:
-                done = await self._settle_put(bucket, nuid, put)
-            except NatsFSError as e:
-                if not put.reported:
-                    put.reported = True
-                    waiting.append((bucket, put))
-                    error = e
+                if bucket not in buckets:
+                    buckets[bucket] = await self._bucket_exists(bucket)
+                done = not buckets[bucket] or await self._settle_put(bucket, nuid, put)
+            except (ReadOnly, JetStreamAPIError) as e:
+                # The bucket refuses purges (sealed, deny_purge): nothing this mount can do.
+                log.warning("bucket %s: the chunks of %r (nuid %s) cannot be removed (%s); left for fsck", bucket,
+                            put.name, nuid, e)
+                journal.finished(bucket, nuid)
                 continue
+            except NatsFSError as e:
+                # The server is not answering: the rest waits for the next pass, not a timeout each.
+                error = e
+                for (b, _), p in journal.pending.items():
+                    if not p.reported:
+                        p.reported = True
+                        waiting.append((b, p))
+                break
             if done and journal.pending.get(key) is put:
                 journal.finished(bucket, nuid)
         if waiting:
@@ -170,10 +181,6 @@ class Mutations:
 
     async def _settle_put(self, bucket: str, nuid: str, put: UnfinishedPut) -> bool:
         if put.purged_at is None:
-            try:
-                await self.store.bucket_status(bucket)
-            except NotFound:
-                return True  # the bucket is gone, and the chunks with it
             if put.meta_unknown and await self._nuid_in_use(bucket, nuid, put.name):
                 log.info("bucket %s: the put of %r (nuid %s) whose outcome was unknown was stored", bucket,
                          put.name, nuid)
@@ -190,6 +197,14 @@ class Mutations:
             return True
         put.purged_at = None  # chunks arrived after the purge: purge again
         return False
+
+    async def _bucket_exists(self, bucket: str) -> bool:
+        """False only when the server says the bucket is gone (and the chunks with it)."""
+        try:
+            await self.store.bucket_status(bucket)
+        except NotFound:
+            return False
+        return True
 
     async def _nuid_in_use(self, bucket: str, nuid: str, name: str) -> bool:
         """Does a live meta hold `nuid`: the put's own name, or another (renamed since)?"""
