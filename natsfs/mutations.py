@@ -159,6 +159,9 @@ class Mutations:
                     buckets[bucket] = await self._bucket_exists(bucket)
                 done = not buckets[bucket] or await self._settle_put(bucket, nuid, put)
             except (ReadOnly, JetStreamAPIError) as e:
+                if isinstance(e, JetStreamAPIError) and e.code != 400:
+                    error = e
+                    break
                 # The bucket refuses purges (sealed, deny_purge): nothing this mount can do.
                 log.warning("bucket %s: the chunks of %r (nuid %s) cannot be removed (%s); left for fsck", bucket,
                             put.name, nuid, e)
