@@ -4,6 +4,16 @@ Owns the wire format: stream and subject names, the meta JSON (parsed tolerantly
 nats.go writes it), digests, and the object operations (list buckets, watch metas, fetch chunks, map
 an object's chunks). Objects are `ObjectInfo`: compact, because an index holds one per live object.
 Meta `mtime` on the wire is ignored; the meta message's timestamp is the object's mtime.
+
+Every write has a known outcome. Each publish carries `Nats-Msg-Id` (chunk `i` of a put is
+`<nuid>.<i>`, its meta `<nuid>.meta`, any other meta rewrite a fresh id), so a retry can never store a
+message twice. A meta publish whose ack does not come back is settled by reading the name's meta back:
+our exact document there is success, anything else means "not stored" and the same publish is retried
+until the server answers or `settle_timeout` passes (then `OutcomeUnknown`). A put's chunks are purged
+only once its meta is known not to be stored; puts that end otherwise are handed to the `PutLog`, which
+settles them later (see `natsfs.staging.PutJournal`). Names are checked before anything is sent: valid
+UTF-8 (`BadName`), no request subject over `max_subject_bytes` (`NameTooLong`: an oversize control line
+makes the server drop the connection), no meta over the server's max payload (`TooBig`).
 """
 
 from __future__ import annotations
@@ -23,13 +33,34 @@ from typing import Any, Protocol
 
 import trio
 
-from .errors import AlreadyExists, Conflict, InvalidArgument, MalformedMeta, NatsFSError, NotFound, single_error
-from .streams import EXPECTED_LAST_SUBJECT_SEQ, ROLLUP, StoredMsg, Streams, StreamState
+from .errors import (
+    AlreadyExists,
+    BadName,
+    Conflict,
+    InvalidArgument,
+    MalformedMeta,
+    NameTooLong,
+    NatsFSError,
+    NotFound,
+    OutcomeUnknown,
+    TooBig,
+    Unavailable,
+    single_error,
+)
+from .streams import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, ROLLUP, StoredMsg, Streams, StreamState
 
 log = logging.getLogger(__name__)
 
 STREAM_PREFIX = "OBJ_"
 DEFAULT_CHUNK_SIZE = 128 * 1024
+# The server refuses a control line (PUB/HPUB/request subject, reply and sizes) over 4096 bytes by default
+# and then closes the connection; INFO does not announce it. Subjects stay below it with room for the rest.
+DEFAULT_MAX_SUBJECT = 4096 - 256
+DEFAULT_MAX_PAYLOAD = 1024 * 1024
+# Room the headers of a meta publish take next to the JSON (rollup, expected sequence, message id).
+_META_HEADER_ROOM = 256
+# How long an ambiguous meta publish is retried and read back: well inside the 120 s duplicate window.
+SETTLE_S = 60.0
 BUCKET_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]+$")
 # Keys of a meta's `metadata` map that carry POSIX attributes written by natsfs.
 ATTR_MODE = "natsfs.mode"
@@ -131,6 +162,11 @@ def decode_token(token: str) -> str | None:
 
 def meta_subject(bucket: str, name: str) -> str:
     return f"$O.{bucket}.M.{encode_name(name)}"
+
+
+def last_meta_request_subject(bucket: str, name: str) -> str:
+    """The longest subject natsfs sends for a name: the direct get of its last meta."""
+    return f"$JS.API.DIRECT.GET.{stream_name(bucket)}.{meta_subject(bucket, name)}"
 
 
 def meta_filter(bucket: str) -> str:
@@ -326,10 +362,46 @@ class ObjectStore:
     """The ADR-20 operations the filesystem uses, over any `Streams`."""
 
     def __init__(self, streams: Streams, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 file_sender: FileSender | None = None):
+                 file_sender: FileSender | None = None, max_subject_bytes: int = DEFAULT_MAX_SUBJECT,
+                 settle_timeout: float = SETTLE_S):
         self.streams = streams
         self.chunk_size = chunk_size
         self.file_sender = file_sender
+        self.max_subject_bytes = max_subject_bytes
+        self.settle_timeout = settle_timeout
+        # Told of every put that sends chunks, so that no put can leave orphan chunks unnoticed.
+        self.put_log: PutLog | None = None
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes."""
+        return int(getattr(self.streams, "max_payload", DEFAULT_MAX_PAYLOAD))
+
+    # ---------------------------------------------------------------- names
+    def check_name(self, bucket: str, name: str) -> None:
+        """Refuse a name no client could use (`BadName`) or whose requests the server would refuse
+        (`NameTooLong`), before anything is sent."""
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = name.encode("utf-8", "backslashreplace").decode("utf-8")
+            raise BadName(f"{bucket}/{shown}: the name is not UTF-8 (no ADR-20 client could use it)") from None
+        longest = len(last_meta_request_subject(bucket, name))
+        if longest > self.max_subject_bytes:
+            raise NameTooLong(f"{bucket}/{name[:40]}...: the name's subjects would be {longest} bytes, over the "
+                              f"limit of {self.max_subject_bytes}")
+
+    def check_meta_payload(self, bucket: str, doc: dict[str, Any], data: bytes | None = None) -> None:
+        """`TooBig` when a meta would be over the server's max payload (with room for its headers)."""
+        size = len(data if data is not None else json.dumps(doc).encode())
+        limit = self.max_payload - _META_HEADER_ROOM
+        if size > limit:
+            raise TooBig(f"the meta of {bucket}/{str(doc.get('name'))[:60]!r} would be {size} bytes, over the "
+                         f"server's limit of {limit}")
+
+    def _meta_subject(self, bucket: str, name: str) -> str:
+        self.check_name(bucket, name)
+        return meta_subject(bucket, name)
 
     # ---------------------------------------------------------------- buckets
     async def list_buckets(self) -> list[str]:
@@ -383,14 +455,14 @@ class ObjectStore:
     # ---------------------------------------------------------------- metas
     async def get_info(self, bucket: str, name: str) -> ObjectInfo | None:
         """The current meta of `name` (tombstones included), or None if the name was never used."""
-        msg = await self.streams.last_msg(stream_name(bucket), meta_subject(bucket, name))
+        msg = await self.streams.last_msg(stream_name(bucket), self._meta_subject(bucket, name))
         if msg is None:
             return None
         return parse_meta(bucket, msg)
 
     async def get_meta_doc(self, bucket: str, name: str) -> tuple[dict[str, Any], int] | None:
         """The raw meta JSON of `name` and its revision, for rewrites that must keep every field."""
-        msg = await self.streams.last_msg(stream_name(bucket), meta_subject(bucket, name))
+        msg = await self.streams.last_msg(stream_name(bucket), self._meta_subject(bucket, name))
         if msg is None:
             return None
         try:
@@ -452,23 +524,82 @@ class ObjectStore:
 
 
     # ---------------------------------------------------------------- writes
-    async def publish_meta(self, bucket: str, doc: dict[str, Any], *, expected_revision: int | None = None
-                           ) -> ObjectInfo:
-        """Publish a meta with `Nats-Rollup: sub`; with `expected_revision`, only if the name's meta
-        subject still ends at that sequence (0: never written), else `Conflict`."""
-        headers = {ROLLUP: "sub"}
+    async def publish_meta(self, bucket: str, doc: dict[str, Any], *, expected_revision: int | None = None,
+                           msg_id: str = "") -> ObjectInfo:
+        """Publish a meta with `Nats-Rollup: sub` and `Nats-Msg-Id` (`msg_id`, or a fresh one); with
+        `expected_revision`, only if the name's meta subject still ends at that sequence (0: never
+        written), else `Conflict`. An ambiguous outcome is settled (see `_publish_settled`)."""
+        subject = self._meta_subject(bucket, doc["name"])
+        data = json.dumps(doc).encode()
+        self.check_meta_payload(bucket, doc, data)
+        headers = {ROLLUP: "sub", MSG_ID: msg_id or new_nuid()}
         if expected_revision is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_revision)
-        subject = meta_subject(bucket, doc["name"])
-        seq = await self.streams.publish(subject, json.dumps(doc).encode(), headers)
-        stored = await self.streams.last_msg(stream_name(bucket), subject)
-        msg = stored if stored is not None and stored.seq == seq else StoredMsg(
-            seq, subject, headers, json.dumps(doc).encode(), time.time_ns())
-        return parse_meta(bucket, msg)
+        return parse_meta(bucket, await self._publish_settled(bucket, subject, data, headers, expected_revision))
 
-    def start_put(self, bucket: str, chunk_size: int | None = None, window: int = 64) -> PutSession:
-        """Begin a put whose chunks can be sent as they become available (see `PutSession`)."""
-        return PutSession(self, bucket, chunk_size or self.chunk_size, window)
+    async def _publish_settled(self, bucket: str, subject: str, data: bytes, headers: dict[str, str],
+                               expected_revision: int | None) -> StoredMsg:
+        """Publish a meta and know whether it was stored.
+
+        No ack (`Unavailable`, `OutcomeUnknown`): the name's meta is read back; our document there is
+        success, anything else means "not stored" and the same message (same id) is sent again, until
+        `settle_timeout` passes (`OutcomeUnknown`). A `Conflict` after such an attempt is settled the
+        same way: the message in the way may be our own earlier attempt."""
+        deadline = trio.current_time() + self.settle_timeout
+        ambiguous: NatsFSError | None = None
+        pause = 0.2
+        while True:
+            try:
+                seq = await self.streams.publish(subject, data, headers)
+            except Conflict:
+                if ambiguous is None:
+                    raise
+                mine = await self._read_back(bucket, subject, data, expected_revision, deadline, ambiguous)
+                if mine is None:
+                    raise
+                return mine
+            except Unavailable as e:
+                log.debug("%s: the meta publish got no answer (%s); reading it back", subject, e)
+                ambiguous = e
+                mine = await self._read_back(bucket, subject, data, expected_revision, deadline, e)
+                if mine is not None:
+                    return mine
+                if trio.current_time() >= deadline:
+                    raise OutcomeUnknown(f"{subject}: the meta publish got no answer ({e}) and was not stored "
+                                         f"within {self.settle_timeout:g}s") from None
+                await trio.sleep(pause)
+                pause = min(2.0, pause * 2)
+                continue
+            try:
+                stored = await self.streams.last_msg(stream_name(bucket), subject)
+            except NatsFSError:
+                stored = None  # stored for sure (acknowledged); only the server's timestamp is unknown
+            if stored is not None and stored.seq == seq:
+                return stored
+            return StoredMsg(seq, subject, headers, data, time.time_ns())
+
+    async def _read_back(self, bucket: str, subject: str, data: bytes, expected_revision: int | None,
+                         deadline: float, cause: NatsFSError) -> StoredMsg | None:
+        """The stored message if the name's meta is exactly `data` (written after `expected_revision`),
+        None if it is something else; `OutcomeUnknown` if the server does not answer before `deadline`."""
+        pause = 0.2
+        while True:
+            try:
+                msg = await self.streams.last_msg(stream_name(bucket), subject)
+            except Unavailable as e:
+                if trio.current_time() >= deadline:
+                    raise OutcomeUnknown(f"{subject}: the meta publish got no answer ({cause}) and could not be "
+                                         f"read back ({e}): it may or may not be stored") from None
+                await trio.sleep(pause)
+                pause = min(2.0, pause * 2)
+                continue
+            if msg is not None and msg.data == data and (expected_revision is None or msg.seq > expected_revision):
+                return msg
+            return None
+
+    def start_put(self, bucket: str, chunk_size: int | None = None, window: int = 64, name: str = "") -> PutSession:
+        """Begin a put (of `name`, if known yet) whose chunks can be sent as they become available."""
+        return PutSession(self, bucket, chunk_size or self.chunk_size, window, name)
 
     async def put(self, bucket: str, name: str, source: ChunkSource, *, base: dict[str, Any] | None = None,
                   expected_revision: int | None = None, old_nuid: str = "", chunk_size: int | None = None,
@@ -479,7 +610,8 @@ class ObjectStore:
         `expected_revision` is given), then purge of the old nuid's chunks. If anything fails before
         the meta is stored, the new chunks are purged and the previous version stays intact.
         With `replace_tombstone`, a new name (expected revision 0) may replace a deleted object."""
-        session = self.start_put(bucket, chunk_size, window)
+        self.check_name(bucket, name)
+        session = self.start_put(bucket, chunk_size, window, name)
         try:
             await self._send_all(session, source, window)
             return await session.commit(name, source.digest(), base=base, expected_revision=expected_revision,
@@ -491,7 +623,8 @@ class ObjectStore:
 
     async def put_file(self, bucket: str, name: str, path: str, fd: int, size: int, **kwargs: Any) -> ObjectInfo:
         """`put` of the first `size` bytes of a local file (a spool file), by the upload worker if any."""
-        session = self.start_put(bucket, kwargs.pop("chunk_size", None), kwargs.pop("window", 64))
+        self.check_name(bucket, name)
+        session = self.start_put(bucket, kwargs.pop("chunk_size", None), kwargs.pop("window", 64), name)
         try:
             await session.send_file(path, fd, 0, size)
             return await session.commit(name, await session.digest(), **kwargs)
@@ -522,49 +655,65 @@ class ObjectStore:
             raise error from None
 
     async def _publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
-                                 replace_tombstone: bool) -> ObjectInfo:
+                                 replace_tombstone: bool, msg_id: str = "") -> ObjectInfo:
+        msg_id = msg_id or new_nuid()
         try:
-            return await self.publish_meta(bucket, doc, expected_revision=expected_revision)
+            return await self.publish_meta(bucket, doc, expected_revision=expected_revision, msg_id=msg_id)
         except Conflict:
             if not (replace_tombstone and expected_revision == 0):
                 raise
             current = await self.get_info(bucket, doc["name"])
             if current is None or not current.deleted:
                 raise
-            return await self.publish_meta(bucket, doc, expected_revision=current.revision)
+            return await self.publish_meta(bucket, doc, expected_revision=current.revision, msg_id=msg_id)
 
     async def delete(self, bucket: str, name: str, *, expected_revision: int | None = None,
-                     purge_chunks: bool = True) -> ObjectInfo:
-        """ADR-20 delete: a tombstone meta (rollup), then purge of the object's chunks."""
+                     purge_chunks: bool = True, shared: bool = False) -> ObjectInfo | None:
+        """ADR-20 delete: a tombstone meta (rollup), then purge of the object's chunks. When another live
+        name `shared` the nuid (a rename interrupted between its steps), no tombstone may carry it (other
+        clients purge the nuid they find under a deleted name): the name's meta subject is purged instead,
+        up to the revision read, and None is returned."""
         current = await self.get_meta_doc(bucket, name)
         if current is None:
             raise NotFound(f"{bucket}/{name}")
         doc, revision = current
         if doc.get("deleted"):
             raise NotFound(f"{bucket}/{name} is already deleted")
+        if expected_revision is not None and revision != expected_revision:
+            raise Conflict(f"{bucket}/{name} changed since it was read")
         nuid = str(doc.get("nuid") or "")
-        info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc),
-                                       expected_revision=revision if expected_revision is None else expected_revision)
+        if shared and nuid:
+            await self.streams.purge_subject(stream_name(bucket), meta_subject(bucket, name), before_seq=revision + 1)
+            return None
+        info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision)
         if purge_chunks and nuid:
-            await self._purge_quietly(bucket, chunk_subject(bucket, nuid))
+            await self.purge_chunks_later_if_needed(bucket, nuid, name)
         return info
 
     async def rename(self, bucket: str, old: str, new: str, *, expected_revision: int | None = None,
                      target_revision: int = 0, change: Callable[[dict[str, Any]], None] | None = None
-                     ) -> tuple[ObjectInfo, ObjectInfo]:
-        """Metadata-only rename (same nuid, no data moved), in an order where a crash between the
-        steps leaves the object reachable under at least one name:
-        1. the meta under the new name (rollup; expects the target's revision, so another
-           client's object there is never replaced unseen),
-        2. a tombstone under the old name (expects the old revision).
-        Returns (new info, old tombstone). The caller purges a replaced target's chunks."""
+                     ) -> tuple[ObjectInfo, int]:
+        """Metadata-only rename as nats.go's UpdateMeta does it (same nuid, no data moved):
+        1. the meta under the new name (rollup; expects the target's revision, so another client's
+           object there is never replaced unseen),
+        2. purge of the old name's meta subject, up to the revision read (a meta another client wrote
+           there meanwhile stays). No tombstone: one carrying the live nuid would make other clients'
+           Delete or Put of the old name purge the renamed object's chunks.
+        A crash between the steps leaves the object under both names. Returns (new info, the old
+        name's revision that was purged). The caller purges a replaced target's chunks."""
         doc, revision = await self._live_doc(bucket, old, expected_revision)
+        self.check_name(bucket, new)
         moved = dict(doc, name=new, mtime=ZERO_TIME)
         if change is not None:
             change(moved)
         new_info = await self._publish_replacing(bucket, moved, target_revision, True)
-        old_info = await self.publish_meta(bucket, tombstone_doc(bucket, old, doc), expected_revision=revision)
-        return new_info, old_info
+        await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
+        return new_info, revision
+
+    async def purge_tombstone(self, bucket: str, name: str, revision: int) -> None:
+        """Remove a tombstone (and anything older) from `name`'s meta subject; a newer meta stays."""
+        await self.streams.purge_subject(stream_name(bucket), self._meta_subject(bucket, name),
+                                         before_seq=revision + 1)
 
     async def _live_doc(self, bucket: str, name: str, expected_revision: int | None) -> tuple[dict[str, Any], int]:
         """The meta of a live object, checked against the revision the caller read (`Conflict`)."""
@@ -609,12 +758,31 @@ class ObjectStore:
     async def purge_chunks(self, bucket: str, nuid: str) -> None:
         await self.streams.purge_subject(stream_name(bucket), chunk_subject(bucket, nuid))
 
-    async def _purge_quietly(self, bucket: str, subject: str) -> None:
+    async def purge_chunks_later_if_needed(self, bucket: str, nuid: str, name: str) -> None:
+        """Purge the chunks of a version no meta uses any more; if the server does not answer, hand
+        them to the `PutLog` (settled once it answers) instead of leaving them behind."""
         try:
-            await self.streams.purge_subject(stream_name(bucket), subject)
+            await self.purge_chunks(bucket, nuid)
         except NatsFSError as e:
-            # Orphaned chunks waste space but never show; fsck removes them.
-            log.warning("could not purge %s (left for fsck): %s", subject, e)
+            if self.put_log is not None:
+                log.debug("purge of %s/%s failed (%s); settled later", bucket, nuid, e)
+                self.put_log.orphaned(bucket, nuid, name)
+            else:
+                log.warning("could not purge the chunks of %s/%s (left for fsck): %s", bucket, nuid, e)
+
+    async def _purge_settled(self, bucket: str, subject: str, before_seq: int) -> None:
+        """A purge (idempotent) retried while the server does not answer, for at most `settle_timeout`."""
+        deadline = trio.current_time() + self.settle_timeout
+        pause = 0.2
+        while True:
+            try:
+                await self.streams.purge_subject(stream_name(bucket), subject, before_seq=before_seq)
+                return
+            except Unavailable:
+                if trio.current_time() >= deadline:
+                    raise
+                await trio.sleep(pause)
+                pause = min(2.0, pause * 2)
 
 
 class FileSender(Protocol):
@@ -630,19 +798,42 @@ class FileSender(Protocol):
     async def drop(self, session: str) -> None: ...
 
 
+class PutLog(Protocol):
+    """Where puts are recorded while their chunks may be orphans (see `natsfs.staging.PutJournal`)."""
+
+    def started(self, bucket: str, nuid: str, name: str) -> None:
+        """Chunks of `nuid` are about to be sent."""
+
+    def finished(self, bucket: str, nuid: str) -> None:
+        """The put's meta is stored: its chunks are in use."""
+
+    def failed(self, bucket: str, nuid: str, name: str, *, meta_unknown: bool, purged: bool) -> None:
+        """The put ended without a stored meta (or without knowing): its chunks must be settled later."""
+
+    def orphaned(self, bucket: str, nuid: str, name: str) -> None:
+        """Chunks of a version that was `name` (replaced or deleted) could not be purged: settle later."""
+
+
+# Where a put's meta stands: not sent yet, sent without a known outcome, refused by the server, stored.
+_META_UNSENT, _META_SENT, _META_REFUSED, _META_STORED = range(4)
+
+
 class PutSession:
     """One put in progress: chunks on a fresh nuid, sent in batches, then committed with the meta.
 
     Chunks come either as bytes (`send`, hashed here by the caller's `hasher`) or as ranges of a
     local file (`send_file`), which the store's `FileSender` (the upload worker) reads, hashes and
     publishes when there is one, and this process does otherwise. A session uses one way throughout.
-    `abort` purges whatever was sent; a session neither committed nor aborted leaves orphan chunks
-    (fsck removes them).
+    Chunk `i` is published with message id `<nuid>.<i>`, the meta with `<nuid>.meta`. Any chunk without
+    an ack fails the put: the meta is only sent when every chunk was acknowledged. `abort` purges what
+    was sent, but only when the meta is known not to be stored; the store's `PutLog` is told of every
+    put that sent chunks and did not end with a stored meta, so leftovers are settled later.
     """
 
-    def __init__(self, store: ObjectStore, bucket: str, chunk_size: int, window: int):
+    def __init__(self, store: ObjectStore, bucket: str, chunk_size: int, window: int, name: str = ""):
         self.store = store
         self.bucket = bucket
+        self.name = name
         self.chunk_size = chunk_size
         self.window = window
         self.nuid = new_nuid()
@@ -654,13 +845,26 @@ class PutSession:
         self.remote: bool | None = None  # hashed by the FileSender (True) or here (False)
         self._next_start = 0  # local hashing takes file ranges strictly in order
         self._advanced = trio.Event()
+        self._next_index = 0  # of the next chunk sent in-process
+        self._logged = False
+        self.meta_state = _META_UNSENT
+
+    def _log_started(self) -> None:
+        if not self._logged:
+            self._logged = True
+            if self.store.put_log is not None:
+                self.store.put_log.started(self.bucket, self.nuid, self.name)
 
     async def send(self, batch: list[bytes]) -> None:
         if not batch:
             return
+        self._log_started()
+        first = self._next_index
+        self._next_index += len(batch)
         self.chunks += len(batch)
         self.size += sum(len(c) for c in batch)
-        await self.store.streams.publish_many([(self.subject, c) for c in batch], self.window)
+        await self.store.streams.publish_many(
+            [(self.subject, c, {MSG_ID: f"{self.nuid}.{first + i}"}) for i, c in enumerate(batch)], self.window)
 
     async def send_file(self, path: str, fd: int, start: int, end: int) -> None:
         """Send bytes [start, end) of a local file as chunks (start is on a chunk boundary)."""
@@ -671,6 +875,7 @@ class PutSession:
             self.remote = sender is not None and sender.alive
         if self.remote:
             assert sender is not None
+            self._log_started()
             self.chunks += -(-(end - start) // self.chunk_size)
             self.size += end - start
             await sender.send_range(self.nuid, self.subject, path, start, end, self.chunk_size, self.window)
@@ -697,23 +902,48 @@ class PutSession:
                      expected_revision: int | None = None, old_nuid: str = "",
                      extra: Callable[[dict[str, Any]], None] | None = None,
                      replace_tombstone: bool = False) -> ObjectInfo:
+        self.name = name
         doc = meta_doc(name=name, bucket=self.bucket, nuid=self.nuid, size=self.size, chunks=self.chunks,
                        digest=format_digest(digest), base=base, chunk_size=self.chunk_size)
         if extra is not None:
             extra(doc)
-        info = await self.store._publish_replacing(self.bucket, doc, expected_revision, replace_tombstone)
+        self.meta_state = _META_SENT
+        try:
+            info = await self.store._publish_replacing(self.bucket, doc, expected_revision, replace_tombstone,
+                                                       msg_id=f"{self.nuid}.meta")
+        except NatsFSError as e:
+            if not isinstance(e, Unavailable):
+                self.meta_state = _META_REFUSED  # the server said no (or nothing was sent): not stored
+            raise
+        self.meta_state = _META_STORED
         self.done = True
+        if self._logged and self.store.put_log is not None:
+            self.store.put_log.finished(self.bucket, self.nuid)
         await self._forget()
         if old_nuid and old_nuid != self.nuid:
-            await self.store._purge_quietly(self.bucket, chunk_subject(self.bucket, old_nuid))
+            await self.store.purge_chunks_later_if_needed(self.bucket, old_nuid, name)
         return info
 
     async def abort(self) -> None:
+        """End a put that will not be committed: purge its chunks when its meta is known not to be
+        stored, and hand it to the `PutLog` to settle what could not be settled now."""
         if self.done:
             return
         self.done = True
-        if self.chunks:
-            await self.store._purge_quietly(self.bucket, self.subject)
+        meta_unknown = self.meta_state == _META_SENT
+        purged = False
+        if self._logged and not meta_unknown:
+            try:
+                await self.store.streams.purge_subject(stream_name(self.bucket), self.subject)
+                purged = True
+            except NatsFSError as e:
+                log.debug("%s: purge of an unfinished put failed: %s", self.subject, e)
+        if self._logged:
+            put_log = self.store.put_log
+            if put_log is not None:
+                put_log.failed(self.bucket, self.nuid, self.name, meta_unknown=meta_unknown, purged=purged)
+            elif not purged:
+                log.warning("%s: chunks of an unfinished put are left (for fsck)", self.subject)
         await self._forget()
 
     async def _forget(self) -> None:

@@ -515,6 +515,11 @@ class Bridge:
     def new_inbox(self) -> str:
         return self._nc.new_inbox()
 
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes, from its INFO (1 MiB by default)."""
+        return int(self._nc.max_payload) if self._nc is not None else 1024 * 1024
+
 
 class _Collector:
     """Gathers the replies of one multi-message request until its end-of-batch status."""
@@ -579,6 +584,8 @@ async def _worker_send(nc: Any, req: dict[str, Any], s: _WorkerSession, inbox: s
     order (a range waits for its turn); their acks are awaited outside that turn, so the next range is
     already being sent while this one's acks come back."""
     subject, path, start, end, chunk = req["subject"], req["path"], req["start"], req["end"], req["chunk_size"]
+    # Chunk i of put `session` is message `<session>.<i>` (JetStream de-duplication, as in adr20.PutSession).
+    first_index = start // chunk
     loop = asyncio.get_running_loop()
     pending: list[asyncio.Future[Any]] = []
     async with s.turn:
@@ -598,7 +605,8 @@ async def _worker_send(nc: Any, req: dict[str, Any], s: _WorkerSession, inbox: s
                 fut.add_done_callback(lambda _: s.window.release())
                 acks[token] = fut
                 pending.append(fut)
-                await nc.publish(subject, data, reply=f"{inbox}.{token}")
+                await nc.publish(subject, data, reply=f"{inbox}.{token}",
+                                 headers={"Nats-Msg-Id": f"{req['session']}.{first_index + len(pending) - 1}"})
                 pos += n
         finally:
             os.close(fd)

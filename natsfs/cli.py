@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--spool-size", default="16GiB", help="local disk for staged writes")
     m.add_argument("--chunk-size", default="128KiB", help="chunk size of objects written through the mount")
     m.add_argument("--max-meta-bytes", default="16KiB", help="largest meta the mount will write")
+    m.add_argument("--request-timeout", default="10s",
+                   help="how long a request to the server may take (an unanswered write is settled for 3 times this)")
     m.add_argument("--data-dir", type=Path, default=cfg.default_data_dir(),
                    help="where the embedded nats-server keeps its store")
     m.add_argument("--read-only", action="store_true")
@@ -73,7 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--entry-timeout", default="60s",
                    help="how long the kernel may keep names and attributes without asking (changes are "
                         "pushed to it anyway)")
-    m.add_argument("--request-timeout", default="10s", help="how long one request to the server may take")
     m.add_argument("--flush-timeout", default="10s",
                    help="close/fsync fail with EIO when a file is not stored within this (plus 1 s per MiB)")
     m.add_argument("--shutdown-timeout", default="60s",

@@ -62,6 +62,9 @@ class Config:
     spool_size: int = 16 * 1024 * 1024 * 1024
     chunk_size: int = 128 * 1024
     max_meta_bytes: int = 16 * 1024
+    # Longest subject sent for an object name (its meta's direct get): the server's control line limit
+    # (4096 by default, not announced in INFO) minus room for the rest of the PUB/HPUB line.
+    max_subject_bytes: int = 4096 - 256
     data_dir: Path = field(default_factory=default_data_dir)
     fuse_options: tuple[str, ...] = ()
     # Kernel entry/attribute timeouts: never zero (slow and odd on Linux); changes are pushed

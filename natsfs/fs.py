@@ -28,10 +28,12 @@ from .chunk_cache import ChunkCache
 from .config import Config
 from .errors import (
     AlreadyExists,
+    BadName,
     Conflict,
     Corrupt,
     InvalidArgument,
     IsADirectory,
+    NameTooLong,
     NatsFSError,
     NotADirectory,
     NotEmpty,
@@ -45,6 +47,7 @@ from .inodes import InodeTable
 from .kernel import KernelNotifier
 from .links import link_target
 from .mutations import DIR_MODE, FILE_MODE, Mutations, check_meta_size
+from .names import NAME_MAX
 from .namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from .staging import Spool, StagedFile, Staging
 
@@ -163,6 +166,18 @@ def _name(raw: bytes) -> str:
     return os.fsdecode(raw)
 
 
+def _new_name(raw: bytes) -> str:
+    """A name this mount is asked to create: refused before anything is stored when it is over
+    NAME_MAX bytes (`ENAMETOOLONG`) or not UTF-8 (`EILSEQ`: no ADR-20 client could use it)."""
+    if len(raw) > NAME_MAX:
+        raise NameTooLong(f"{raw[:40]!r}...: {len(raw)} bytes, over {NAME_MAX}")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadName(f"{raw!r} is not UTF-8") from None
+    return _name(raw)
+
+
 class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
 
@@ -178,7 +193,8 @@ class Operations(pyfuse3.Operations):
         self._in_flight: dict[int, int] = {}
         self.kernel = KernelNotifier(busy=self._in_flight.__contains__)
         self.failures = FailureLog()
-        self.staging = staging or Staging(Spool(config.cache_dir, config.spool_size))
+        # (`is None`, not `or`: an empty Staging is falsy, and a second one would spool elsewhere.)
+        self.staging = staging if staging is not None else Staging(Spool(config.cache_dir, config.spool_size))
         self.mut = Mutations(namespace, namespace.store, self.staging, config)
         self._opens: dict[int, int] = {}  # open file handles per inode
         self._quiet_ino: int | None = None  # an inode whose own upload is being applied
@@ -375,6 +391,8 @@ class Operations(pyfuse3.Operations):
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext = None
                      ) -> pyfuse3.EntryAttributes:
         parent = self.inodes.path_of(parent_inode)
+        if len(name) > NAME_MAX:
+            raise NameTooLong(f"lookup of a {len(name)}-byte name")
         path = (*parent, _name(name))
         if name in (b".", b".."):
             raise NotFound("dot lookups are answered by the kernel")
@@ -522,8 +540,9 @@ class Operations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         self._refuse_if_read_only()
-        path = (*self.inodes.path_of(parent_inode), _name(name))
+        path = (*self.inodes.path_of(parent_inode), _new_name(name))
         bucket, rel = self._in_bucket(path)
+        self.ns.store.check_name(bucket, "/".join(rel))
         await self.mut.check_writable(bucket)
         existing = await self._maybe_node(path)
         if existing is not None:
@@ -825,10 +844,11 @@ class Operations(pyfuse3.Operations):
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
                     ) -> pyfuse3.EntryAttributes:
         self._refuse_if_read_only()
-        path = (*self.inodes.path_of(parent_inode), _name(name))
+        path = (*self.inodes.path_of(parent_inode), _new_name(name))
         bucket, rel = self.ns.split(path)
         if bucket is None or not rel:
             return await self._make_bucket(path, mode)
+        self.ns.store.check_name(bucket, "/".join(rel) + "/")
         if await self._maybe_node(path) is not None:
             raise AlreadyExists("/".join(path))
         parent = await self._path_node(path[:-1])
@@ -874,7 +894,7 @@ class Operations(pyfuse3.Operations):
                      flags: int, ctx: pyfuse3.RequestContext) -> None:
         self._refuse_if_read_only()
         old = (*self.inodes.path_of(parent_inode_old), _name(name_old))
-        new = (*self.inodes.path_of(parent_inode_new), _name(name_new))
+        new = (*self.inodes.path_of(parent_inode_new), _new_name(name_new))
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise InvalidArgument("RENAME_EXCHANGE is not supported")
         bucket_old, rel_old = self.ns.split(old)
@@ -908,6 +928,7 @@ class Operations(pyfuse3.Operations):
             return
         if dst is not None and dst.kind == DIR:
             raise IsADirectory("/".join(new))
+        self.ns.store.check_name(bucket, "/".join(rel_new))
         stored = await self._index_info(old)
         target = await self._index_info(new)
         dst_ino = self.inodes.known(new)
@@ -999,8 +1020,9 @@ class Operations(pyfuse3.Operations):
                       ) -> pyfuse3.EntryAttributes:
         """`ln -s` makes an ADR-20 link (AddLink / AddBucketLink) to the object or bucket it names."""
         self._refuse_if_read_only()
-        path = (*self.inodes.path_of(parent_inode), _name(name))
+        path = (*self.inodes.path_of(parent_inode), _new_name(name))
         bucket, rel = self._in_bucket(path)
+        self.ns.store.check_name(bucket, "/".join(rel))
         await self.mut.check_writable(bucket)
         if await self._maybe_node(path) is not None:
             raise AlreadyExists("/".join(path))
@@ -1129,6 +1151,7 @@ class Operations(pyfuse3.Operations):
             doc, _ = await self._meta_doc(node)
             change(doc)
             check_meta_size(doc, self.config.max_meta_bytes)
+            self.ns.store.check_meta_payload(node.bucket, doc)
             sf.meta_changes.append(change)
             return
         stored = await self._index_info(self.inodes.path_of(inode))

@@ -13,6 +13,11 @@ nuid, then purges the old meta subject), the revisions of tombstones (so a stale
 resurrects a deleted object) and the meta subjects whose last message is unusable, so that the number
 of meta subjects the index accounts for can be compared with the stream's. `changed_paths` compares two
 trees, for swapping in an index rebuilt from scratch.
+
+It also notices tombstones that carry the nuid of a live object under another name (earlier versions of
+natsfs renamed by writing such a tombstone under the old name). Other clients purge the nuid they find
+under a deleted name, so these are dangerous: they are collected in `shared_tombstones` for the layer
+above to purge (`natsfs.mutations.Mutations`).
 """
 
 from __future__ import annotations
@@ -70,6 +75,11 @@ class BucketIndex:
         self.odd_subjects: dict[str, str] = {}
         # Highest stream sequence applied, and when (monotonic); read by the watcher.
         self.last_revision = 0
+        # Tombstones carrying a nuid: name -> nuid, and nuid -> the (last) tombstone name carrying it.
+        self._tomb_nuid: dict[str, str] = {}
+        self._tomb_by_nuid: dict[str, str] = {}
+        # Tombstones whose nuid a live object under another name holds: name -> (revision, nuid).
+        self.shared_tombstones: dict[str, tuple[int, str]] = {}
 
     # ------------------------------------------------------------------ queries
     def get(self, path: Path) -> Dir | ObjectInfo | None:
@@ -138,6 +148,7 @@ class BucketIndex:
             self._unmap_nuid(old)
         if info.deleted:
             self.tombstones[name] = info.revision
+            self._note_tombstone(name, info)
             if old is None:
                 return False
             del self.objects[name]
@@ -145,14 +156,42 @@ class BucketIndex:
             return True
         if self.tombstones:
             self.tombstones.pop(name, None)
+            self._drop_tomb_nuid(name)
         self.objects[name] = info
         self._map_nuid(info)
         self._place(info)
+        if info.nuid and info.nuid in self._tomb_by_nuid:
+            tomb = self._tomb_by_nuid[info.nuid]
+            if tomb != name and tomb in self.tombstones and self._tomb_nuid.get(tomb) == info.nuid:
+                self.shared_tombstones[tomb] = (self.tombstones[tomb], info.nuid)
         return True
+
+    def _note_tombstone(self, name: str, info: ObjectInfo) -> None:
+        self._drop_tomb_nuid(name)
+        if not info.nuid:
+            return
+        self._tomb_nuid[name] = info.nuid
+        self._tomb_by_nuid[info.nuid] = name
+        if any(n != name for n in self.names_with_nuid(info.nuid)):
+            self.shared_tombstones[name] = (info.revision, info.nuid)
+
+    def _drop_tomb_nuid(self, name: str) -> None:
+        self.shared_tombstones.pop(name, None)
+        nuid = self._tomb_nuid.pop(name, None)
+        if nuid is not None and self._tomb_by_nuid.get(nuid) == name:
+            del self._tomb_by_nuid[nuid]
+
+    def drop_tombstone(self, name: str, revision: int) -> None:
+        """The tombstone of `name` at `revision` was purged from the bucket."""
+        if self.tombstones.get(name) == revision:
+            del self.tombstones[name]
+            self._drop_tomb_nuid(name)
+        self.shared_tombstones.pop(name, None)
 
     def remove(self, name: str) -> bool:
         """Drop `name` (its meta subject was purged, e.g. renamed away by another client)."""
         self.tombstones.pop(name, None)
+        self._drop_tomb_nuid(name)
         self.odd_subjects.pop(name, None)
         old = self.objects.pop(name, None)
         if old is None:
@@ -194,6 +233,9 @@ class BucketIndex:
         self.escaped.clear()
         self._by_nuid.clear()
         self.tombstones.clear()
+        self._tomb_nuid.clear()
+        self._tomb_by_nuid.clear()
+        self.shared_tombstones.clear()
         self.purged.clear()
         self.malformed.clear()
         self.odd_subjects.clear()

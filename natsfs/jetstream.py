@@ -175,8 +175,14 @@ class JetStreams:
             raise NotFound(f"no stream takes {subject}") from None
         return int(ack["seq"])
 
-    async def publish_many(self, msgs: Sequence[tuple[str, bytes]], window: int = 32) -> list[int]:
-        results = await self.bridge.js_publish_many([(s, d, None) for s, d in msgs], window)
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes (from its INFO)."""
+        return self.bridge.max_payload
+
+    async def publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]],
+                           window: int = 32) -> list[int]:
+        results = await self.bridge.js_publish_many(msgs, window)
         seqs: list[int] = []
         for subject_data, r in zip(msgs, results, strict=True):
             if isinstance(r, JetStreamAPIError):
@@ -186,8 +192,11 @@ class JetStreams:
             seqs.append(int(r["seq"]))
         return seqs
 
-    async def purge_subject(self, stream: str, subject: str) -> None:
-        await self._api(f"STREAM.PURGE.{stream}", {"filter": subject})
+    async def purge_subject(self, stream: str, subject: str, *, before_seq: int = 0) -> None:
+        body: dict[str, Any] = {"filter": subject}
+        if before_seq:
+            body["seq"] = before_seq
+        await self._api(f"STREAM.PURGE.{stream}", body)
 
     async def last_msg(self, stream: str, subject: str) -> StoredMsg | None:
         m = await self.bridge.request(f"$JS.API.DIRECT.GET.{stream}.{subject}")

@@ -3,12 +3,15 @@
 `MemoryStreams` owns streams kept in process memory and behaves like nats-server where natsfs can tell:
 stream configs (subjects with `*`/`>` wildcards, `max_bytes`/`max_msgs` with discard new or old,
 `max_msgs_per_subject`, `sealed`), one monotonically increasing sequence per stream, message timestamps,
-the headers `Nats-Rollup` and `Nats-Expected-Last-Subject-Sequence`/`Nats-Expected-Stream`, subject purges,
+the headers `Nats-Rollup`, `Nats-Expected-Last-Subject-Sequence`/`Nats-Expected-Stream` and `Nats-Msg-Id`
+(de-duplication within the stream's `duplicate_window`, checked after the expected sequence, as the server
+does), subject purges (optionally below a sequence),
 direct gets (last per subject, batched next-by-subject with `max_bytes`), headers-only subject scans and
 ordered watches (last per subject, or everything, then live). It raises the `natsfs.errors` exceptions
 `natsfs.jetstream.JetStreams` raises for the same causes. Every operation is a trio checkpoint, so
 concurrent callers interleave as they would over a network. Tests can count calls (`calls`), inject
-failures (`fail_next`, `fail_next_publish`) and restart watches (`reset_watches`).
+failures (`fail_next`, `fail_next_publish`), lose the ack of a publish that was stored (`lose_next_ack`)
+and restart watches (`reset_watches`).
 
 The module also holds TEST FIXTURE writers (`put_object`, `put_link`, `delete_object`, `rename_object`)
 that publish ADR-20 objects the way nats.go does, over any `Streams`. The daemon never calls them.
@@ -36,10 +39,20 @@ from .adr20 import (
     parse_meta,
     stream_name,
 )
-from .errors import AlreadyExists, Conflict, InvalidArgument, JetStreamAPIError, NoSpace, NotFound, ReadOnly
+from .errors import (
+    AlreadyExists,
+    Conflict,
+    InvalidArgument,
+    JetStreamAPIError,
+    NoSpace,
+    NotFound,
+    OutcomeUnknown,
+    ReadOnly,
+)
 from .streams import (
     EXPECTED_LAST_SUBJECT_SEQ,
     EXPECTED_STREAM,
+    MSG_ID,
     ROLLUP,
     AccountLimits,
     StoredMsg,
@@ -107,7 +120,7 @@ def _normalize(config: dict[str, Any]) -> dict[str, Any]:
 
 class _Stream:
     __slots__ = ("by_subject", "bytes", "changed", "config", "created_ns", "deleted", "last_seq", "last_ts",
-                 "msgs", "name", "watches")
+                 "msg_ids", "msgs", "name", "watches")
 
     def __init__(self, config: dict[str, Any], created_ns: int):
         self.name: str = config["name"]
@@ -121,6 +134,7 @@ class _Stream:
         self.deleted = False
         self.changed = trio.Event()
         self.watches: set[MemoryWatch] = set()
+        self.msg_ids: dict[str, tuple[int, int]] = {}  # Nats-Msg-Id -> (seq, time stored)
 
     def wake(self) -> None:
         changed, self.changed = self.changed, trio.Event()
@@ -168,6 +182,8 @@ class MemoryStreams:
         self.calls: Counter[str] = Counter()
         self._streams: dict[str, _Stream] = {}
         self._faults: list[tuple[str, str | None, BaseException]] = []
+        self._lost_acks: list[str | None] = []
+        self.max_payload = 1024 * 1024
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, op: str, exc: BaseException, *, subject: str | None = None, times: int = 1) -> None:
@@ -180,6 +196,18 @@ class MemoryStreams:
 
     def fail_next_publish(self, exc: BaseException, *, subject: str | None = None) -> None:
         self.fail_next("publish", exc, subject=subject)
+
+    def lose_next_ack(self, *, subject: str | None = None, times: int = 1) -> None:
+        """The next `times` publishes (matching `subject`) are stored, but their ack is lost: the publisher
+        gets `OutcomeUnknown`, as after a dropped connection."""
+        self._lost_acks.extend([subject] * times)
+
+    def _ack_lost(self, subject: str) -> bool:
+        for i, pattern in enumerate(self._lost_acks):
+            if pattern is None or subject_matches(pattern, subject):
+                del self._lost_acks[i]
+                return True
+        return False
 
     def _fault(self, op: str, subject: str | None = None) -> None:
         for i, (fop, pattern, exc) in enumerate(self._faults):
@@ -273,11 +301,17 @@ class MemoryStreams:
     # ------------------------------------------------------------------ messages
     async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
         await self._enter("publish")
-        return self._publish(subject, bytes(data), headers)
+        return self._acked(subject, self._publish(subject, bytes(data), headers))
 
-    async def publish_many(self, msgs: Sequence[tuple[str, bytes]], window: int = 32) -> list[int]:
+    async def publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]],
+                           window: int = 32) -> list[int]:
         await self._enter("publish_many")
-        return [self._publish(subject, bytes(data), None) for subject, data in msgs]
+        return [self._acked(subject, self._publish(subject, bytes(data), headers)) for subject, data, headers in msgs]
+
+    def _acked(self, subject: str, seq: int) -> int:
+        if self._ack_lost(subject):
+            raise OutcomeUnknown(f"publish to {subject}: no ack (injected)")
+        return seq
 
     def _publish(self, subject: str, data: bytes, headers: dict[str, str] | None) -> int:
         self._fault("publish", subject)
@@ -296,6 +330,12 @@ class MemoryStreams:
             last = seqs[-1] if seqs else 0
             if int(h[EXPECTED_LAST_SUBJECT_SEQ]) != last:
                 raise Conflict(f"{subject}: wrong last sequence: {last}")
+        msg_id = h.get(MSG_ID)
+        window = int(cfg.get("duplicate_window", 120 * 10**9))
+        if msg_id:
+            seen = st.msg_ids.get(msg_id)
+            if seen is not None and self.clock() - seen[1] < window:
+                return seen[0]  # a duplicate: acknowledged with the original's sequence, not stored
         rollup = h.get(ROLLUP)
         if rollup is not None:
             if not cfg.get("allow_rollup_hdrs"):
@@ -321,6 +361,13 @@ class MemoryStreams:
         st.msgs[seq] = StoredMsg(seq, subject, headers, data, st.last_ts)
         st.by_subject.setdefault(subject, []).append(seq)
         st.bytes += size
+        if msg_id:
+            st.msg_ids[msg_id] = (seq, st.last_ts)
+            while st.msg_ids:  # forget ids past the window (the oldest come first)
+                oldest = next(iter(st.msg_ids))
+                if st.last_ts - st.msg_ids[oldest][1] < window:
+                    break
+                del st.msg_ids[oldest]
         if rollup == "sub":
             st.purge(subject, keep_last=1)
         elif rollup == "all":
@@ -334,7 +381,7 @@ class MemoryStreams:
         st.wake()
         return seq
 
-    async def purge_subject(self, stream: str, subject: str) -> None:
+    async def purge_subject(self, stream: str, subject: str, *, before_seq: int = 0) -> None:
         await self._enter("purge_subject")
         st = self._get(stream)
         if st.config.get("sealed"):
@@ -343,7 +390,11 @@ class MemoryStreams:
             raise JetStreamAPIError("stream purge not permitted", code=400)
         matching = [s for s in st.by_subject if subject_matches(subject, s)]
         for s in matching:
-            st.purge(s)
+            if before_seq:
+                for seq in [q for q in st.by_subject[s] if q < before_seq]:
+                    st.remove(seq)
+            else:
+                st.purge(s)
 
     async def last_msg(self, stream: str, subject: str) -> StoredMsg | None:
         await self._enter("last_msg")

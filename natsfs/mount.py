@@ -90,7 +90,9 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
         raise MountError(str(e)) from None
     try:
         worker = UploadWorker(servers)
-        store = ObjectStore(JetStreams(bridge), chunk_size=config.chunk_size, file_sender=worker)
+        store = ObjectStore(JetStreams(bridge), chunk_size=config.chunk_size, file_sender=worker,
+                            max_subject_bytes=config.max_subject_bytes,
+                            settle_timeout=3 * config.request_timeout)
         if config.bucket is not None:
             try:
                 await store.bucket_status(config.bucket)
@@ -100,8 +102,7 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
         cache = ChunkCache(store, cache_bytes=config.cache_size, batch_bytes=config.fetch_batch_bytes,
                            parallelism=config.fetch_parallelism)
         spool = Spool(spool_root(config.cache_dir, mountpoint), config.spool_size)
-        for kept in spool.rescue_leftovers():
-            log.warning("staged bytes from a previous run of this mount are in %s", kept)
+        spool.rescue_leftovers()
         ops = Operations(namespace, cache, config, Staging(spool))
         async with trio.open_nursery() as nursery:
             try:

@@ -4,11 +4,14 @@ Each operation is the ADR-20 call (through `ObjectStore`) followed by applying i
 bucket's live index at once, so the mount sees its own changes without waiting for the watch (which
 later delivers the same revisions and finds nothing new). Every meta rewrite carries the revision it
 was based on, so a concurrent change by another client is refused (`Conflict`), never overwritten.
+
+In the background it settles what puts left behind (`settle_puts`: the spool's `PutJournal` of puts
+that failed, or whose meta's fate was unknown, or that a killed daemon left) and purges tombstones that
+carry a live object's nuid (`purge_shared_tombstones`), once the server answers.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import time
@@ -24,7 +27,9 @@ from .adr20 import (
     ObjectStore,
     PosixAttrs,
     PutSession,
+    chunk_subject,
     set_posix_attrs,
+    stream_name,
 )
 from .config import Config
 from .errors import (
@@ -32,16 +37,18 @@ from .errors import (
     AlreadyExists,
     Conflict,
     JetStreamAPIError,
+    MalformedMeta,
     NatsFSError,
     NotEmpty,
     NotFound,
     ReadOnly,
+    TooBig,
     Unavailable,
     single_error,
 )
 from .index import BucketIndex, Dir
 from .namespace import Namespace
-from .staging import StagedFile, Staging
+from .staging import StagedFile, Staging, UnfinishedPut
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +59,17 @@ STREAM_BATCH = 4 * 1024 * 1024
 STREAM_PARALLEL = 3
 DIR_MODE = 0o755
 _SEALED_TTL = 2.0
+# How often unfinished puts and dangerous tombstones are looked at, and how long after purging a put's
+# chunks the subject is checked empty (chunks still on their way from the upload worker land meanwhile).
+SETTLE_INTERVAL_S = 2.0
+PURGE_CHECK_S = 3.0
 
 
 def check_meta_size(doc: dict[str, Any], limit: int) -> None:
     size = len(json.dumps(doc).encode())
     if size > limit:
-        raise NatsFSError(f"the meta of {doc.get('name')!r} would be {size} bytes, over --max-meta-bytes {limit}",
-                          errno=errno.E2BIG, log_level=logging.WARNING)
+        raise TooBig(f"the meta of {doc.get('name')!r} would be {size} bytes, over --max-meta-bytes {limit}",
+                     log_level=logging.WARNING)
 
 
 class Mutations:
@@ -73,6 +84,8 @@ class Mutations:
         self._nursery: trio.Nursery | None = None
         # Called with (bucket, object info) after this mount changed an object itself.
         self.on_local_change: Any = None
+        self.journal = staging.spool.journal
+        store.put_log = self.journal
 
     # ------------------------------------------------------------------ guards
     async def check_writable(self, bucket: str) -> None:
@@ -114,8 +127,131 @@ class Mutations:
 
     # ------------------------------------------------------------------ files
     def start(self, nursery: trio.Nursery) -> None:
-        """Streaming uploads run in `nursery`; without one, every upload happens at close."""
+        """Streaming uploads and the settling of leftovers run in `nursery`; without one, every upload
+        happens at close and nothing is settled in the background."""
         self._nursery = nursery
+        if not self.config.read_only:
+            nursery.start_soon(self._settle_loop)
+
+    # ------------------------------------------------------------------ leftovers
+    async def _settle_loop(self) -> None:
+        if self.journal.pending:
+            log.warning("%d unfinished put(s) of an earlier run: their chunks are removed unless their meta "
+                        "was stored", len(self.journal.pending))
+        while True:
+            await trio.sleep(SETTLE_INTERVAL_S)
+            await self.settle_puts()
+            await self.purge_shared_tombstones()
+
+    async def settle_puts(self) -> None:
+        """One pass over the unfinished puts: keep those whose meta holds their nuid, purge the chunks of
+        the others, and close each record once a read-back shows its chunk subject empty."""
+        journal = self.journal
+        waiting: list[tuple[str, UnfinishedPut]] = []
+        error: NatsFSError | None = None
+        buckets: dict[str, bool] = {}  # bucket -> exists, asked once per pass
+        for key, put in list(journal.pending.items()):
+            if journal.pending.get(key) is not put:
+                continue
+            bucket, nuid = key
+            try:
+                if bucket not in buckets:
+                    buckets[bucket] = await self._bucket_exists(bucket)
+                done = not buckets[bucket] or await self._settle_put(bucket, nuid, put)
+            except (ReadOnly, JetStreamAPIError) as e:
+                if isinstance(e, JetStreamAPIError) and e.code != 400:
+                    error = e
+                    break
+                # The bucket refuses purges (sealed, deny_purge): nothing this mount can do.
+                log.warning("bucket %s: the chunks of %r (nuid %s) cannot be removed (%s); left for fsck", bucket,
+                            put.name, nuid, e)
+                journal.finished(bucket, nuid)
+                continue
+            except NatsFSError as e:
+                # The server is not answering: the rest waits for the next pass, not a timeout each.
+                error = e
+                for (b, _), p in journal.pending.items():
+                    if not p.reported:
+                        p.reported = True
+                        waiting.append((b, p))
+                break
+            if done and journal.pending.get(key) is put:
+                journal.finished(bucket, nuid)
+        if waiting:
+            shown = ", ".join(f"{b}/{p.name}" for b, p in waiting[:5]) + (" ..." if len(waiting) > 5 else "")
+            log.warning("the chunks of %d unfinished put(s) (%s) are removed once the server answers (%s)",
+                        len(waiting), shown, error)
+
+    async def _settle_put(self, bucket: str, nuid: str, put: UnfinishedPut) -> bool:
+        if put.purged_at is None:
+            if put.meta_unknown and await self._nuid_in_use(bucket, nuid, put.name):
+                log.info("bucket %s: the put of %r (nuid %s) whose outcome was unknown was stored", bucket,
+                         put.name, nuid)
+                return True
+            await self.store.purge_chunks(bucket, nuid)
+            put.meta_unknown = False
+            put.purged_at = trio.current_time()
+            return False
+        if trio.current_time() - put.purged_at < PURGE_CHECK_S:
+            return False
+        if await self.store.streams.last_msg(stream_name(bucket), chunk_subject(bucket, nuid)) is None:
+            log.log(logging.INFO if put.reported else logging.DEBUG,
+                    "bucket %s: the chunks of the unfinished put of %r (nuid %s) are removed", bucket, put.name, nuid)
+            return True
+        put.purged_at = None  # chunks arrived after the purge: purge again
+        return False
+
+    async def _bucket_exists(self, bucket: str) -> bool:
+        """False only when the server says the bucket is gone (and the chunks with it)."""
+        try:
+            await self.store.bucket_status(bucket)
+        except NotFound:
+            return False
+        return True
+
+    async def _nuid_in_use(self, bucket: str, nuid: str, name: str) -> bool:
+        """Does a live meta hold `nuid`: the put's own name, or another (renamed since)?"""
+        if name:
+            try:
+                info = await self.store.get_info(bucket, name)
+            except MalformedMeta:
+                info = None
+            if info is not None and not info.deleted and info.nuid == nuid:
+                return True
+        index = await self.ns.index(bucket)
+        return bool(index.names_with_nuid(nuid))
+
+    def _unsettled_nuid(self, bucket: str, name: str) -> set[str]:
+        return {n for (b, n), put in self.journal.pending.items() if b == bucket and put.name == name
+                and put.meta_unknown}
+
+    async def purge_shared_tombstones(self) -> None:
+        """Purge tombstones that carry the nuid of a live object under another name (left by renames of
+        earlier natsfs versions): another client's delete or put of that name would purge the live
+        object's chunks. One log line per bucket and pass."""
+        for bucket in self.ns.loaded_buckets():
+            index = self.ns.loaded_index(bucket)
+            if index is None or not index.shared_tombstones:
+                continue
+            purged: list[str] = []
+            for name, (revision, _nuid) in list(index.shared_tombstones.items()):
+                try:
+                    await self.store.purge_tombstone(bucket, name, revision)
+                except (ReadOnly, JetStreamAPIError) as e:
+                    log.info("bucket %s: cannot purge %d tombstone(s) carrying a live nuid (%s)", bucket,
+                             len(index.shared_tombstones), e)
+                    index.shared_tombstones.clear()
+                    break
+                except NatsFSError as e:
+                    log.debug("bucket %s: purging the tombstone of %r failed (%s); retrying", bucket, name, e)
+                    continue
+                index.drop_tombstone(name, revision)
+                purged.append(name)
+            if purged:
+                shown = ", ".join(repr(n) for n in purged[:5]) + (" ..." if len(purged) > 5 else "")
+                log.warning("bucket %s: purged %d tombstone(s) carrying the nuid of a live object under another "
+                            "name (left by renames of an earlier natsfs; other clients' delete of those names "
+                            "would have destroyed the objects): %s", bucket, len(purged), shown)
 
     # ------------------------------------------------------------------ streaming uploads
     def after_write(self, sf: StagedFile, offset: int) -> None:
@@ -141,7 +277,7 @@ class Mutations:
                             in_flight.release()
                             break
                         if sf.stream is None:
-                            sf.stream = self.store.start_put(sf.bucket, chunk)
+                            sf.stream = self.store.start_put(sf.bucket, chunk, name=sf.name)
                         start = sf.stream_claimed
                         end = start + min(STREAM_BATCH, (sf.size - start) // chunk * chunk)
                         # Claimed before it is read: a write into [start, end) from now on breaks the
@@ -202,12 +338,22 @@ class Mutations:
                 return None
             await self.check_writable(sf.bucket)
             base_doc = None
-            if sf.base is not None:
+            expected, old_nuid = sf.base_revision, sf.base.nuid if sf.base is not None else ""
+            replace_tombstone = sf.base is None
+            unsettled = self._unsettled_nuid(sf.bucket, sf.name)
+            if sf.base is not None or unsettled:
                 got = await self.store.get_meta_doc(sf.bucket, sf.name)
-                if got is None or got[1] != sf.base_revision:
-                    self._break_stream(sf)
-                    raise Conflict(f"{sf.bucket}/{sf.name} was changed by another client since it was opened")
-                base_doc = got[0]
+                got_nuid = str(got[0].get("nuid") or "") if got is not None else ""
+                if got is not None and got[1] != sf.base_revision and got_nuid in unsettled:
+                    # An earlier put of this file whose outcome was unknown was stored after all: it is
+                    # ours, not another client's change. This put replaces it.
+                    self.journal.finished(sf.bucket, got_nuid)
+                    base_doc, expected, old_nuid, replace_tombstone = got[0], got[1], got_nuid, False
+                elif sf.base is not None:
+                    if got is None or got[1] != sf.base_revision:
+                        self._break_stream(sf)
+                        raise Conflict(f"{sf.bucket}/{sf.name} was changed by another client since it was opened")
+                    base_doc = got[0]
             attrs, defaults = sf.attrs(), self.file_defaults
 
             changes = list(sf.meta_changes)
@@ -217,22 +363,24 @@ class Mutations:
                     change(doc)
                 set_posix_attrs(doc, attrs, defaults)
 
-            common: dict[str, Any] = dict(base=base_doc, expected_revision=sf.base_revision,
-                                          old_nuid=sf.base.nuid if sf.base is not None else "", extra=extra,
-                                          replace_tombstone=sf.base is None)
+            common: dict[str, Any] = dict(base=base_doc, expected_revision=expected, old_nuid=old_nuid,
+                                          extra=extra, replace_tombstone=replace_tombstone)
             session = sf.stream
             try:
                 if session is not None and not sf.stream_dead and session.chunk_size == chunk_size:
                     # The front was streamed while it was written: send the rest, then the meta.
                     try:
                         await session.send_file(str(sf.spool_path), sf.fd, sf.stream_claimed, sf.size)
-                        info = await session.commit(sf.name, await session.digest(), **common)
+                        digest = await session.digest()
                     except Unavailable:
                         if not session.remote:
                             raise
-                        # The upload worker went away mid-file: send the whole file from here.
+                        # The upload worker went away mid-file: send the whole file from here. (Only
+                        # before the meta: a meta without an answer is never followed by a second put.)
                         await session.abort()
                         info = await self._put_whole(sf, chunk_size, common)
+                    else:
+                        info = await session.commit(sf.name, digest, **common)
                 else:
                     self._break_stream(sf)
                     info = await self._put_whole(sf, chunk_size, common)
@@ -253,21 +401,27 @@ class Mutations:
 
     async def delete(self, bucket: str, info: ObjectInfo, *, keep_chunks: bool = False) -> None:
         """Delete an object (or link): tombstone, then purge its chunks unless another name shares them
-        or `keep_chunks` (handles of this mount still read them: see `purge_unused`)."""
+        or `keep_chunks` (handles of this mount still read them: see `purge_unused`). A name sharing its
+        nuid with another live name gets no tombstone (see `ObjectStore.delete`)."""
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
-        purge = not keep_chunks and not self._shared_nuid(index, info)
-        try:
-            tomb = await self.store.delete(bucket, info.name, expected_revision=info.revision, purge_chunks=purge)
-        except Conflict:
-            # Changed since we listed it: delete what is there now (rm means "this name").
-            current = await self.store.get_info(bucket, info.name)
-            if current is None or current.deleted:
-                raise NotFound(f"{bucket}/{info.name}") from None
-            purge = not keep_chunks and not self._shared_nuid(index, current)
-            tomb = await self.store.delete(bucket, info.name, expected_revision=current.revision,
-                                           purge_chunks=purge)
-        self._apply(bucket, tomb)
+        current = info
+        for attempt in range(2):
+            shared = self._shared_nuid(index, current)
+            try:
+                tomb = await self.store.delete(bucket, current.name, expected_revision=current.revision,
+                                               purge_chunks=not keep_chunks and not shared, shared=shared)
+                break
+            except Conflict:
+                # Changed since we listed it: delete what is there now (rm means "this name").
+                now = await self.store.get_info(bucket, info.name)
+                if attempt or now is None or now.deleted:
+                    raise NotFound(f"{bucket}/{info.name}") from None
+                current = now
+        if tomb is not None:
+            self._apply(bucket, tomb)
+        elif index is not None:
+            index.remove_if(current.name, current.revision)
 
     async def purge_unused(self, bucket: str, nuid: str) -> None:
         """Purge the chunks of a deleted or replaced version once nothing here reads them and no live
@@ -276,10 +430,7 @@ class Mutations:
         finder = getattr(index, "names_with_nuid", None) if index is not None else None
         if finder is not None and finder(nuid):
             return
-        try:
-            await self.store.purge_chunks(bucket, nuid)
-        except NatsFSError as e:
-            log.warning("could not purge the chunks of %s/%s (left for fsck): %s", bucket, nuid, e)
+        await self.store.purge_chunks_later_if_needed(bucket, nuid, "")
 
     async def set_attrs(self, bucket: str, info: ObjectInfo, attrs: PosixAttrs, defaults: PosixAttrs) -> ObjectInfo:
         """Store POSIX attributes in the meta (same nuid, no data moved)."""
@@ -373,9 +524,9 @@ class Mutations:
                             target: ObjectInfo | None, *, keep_target_chunks: bool = False) -> ObjectInfo:
         """Metadata-only rename; replaces `target` (a live object at the new name) as POSIX requires.
 
-        Order (see adr20.ObjectStore.rename): new meta, then the old name's tombstone, then the
-        replaced target's chunks are purged. A crash in between leaves the object reachable under
-        one name or both, and at worst orphaned chunks of the replaced target, never a loss.
+        Order (see adr20.ObjectStore.rename): new meta, then the old name's meta subject is purged,
+        then the replaced target's chunks. A crash in between leaves the object reachable under one
+        name or both, and at worst orphaned chunks of the replaced target, never a loss.
         """
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
@@ -387,18 +538,16 @@ class Mutations:
             metadata.setdefault(ATTR_MTIME, str(mtime_ns))
             doc["metadata"] = metadata
 
-        new_info, tomb = await self.store.rename(
+        new_info, old_revision = await self.store.rename(
             bucket, info.name, new_name, expected_revision=info.revision,
             target_revision=target.revision if target is not None else 0,
             change=None if info.link is not None or info.name.endswith("/") else keep_mtime)
-        self._apply(bucket, new_info, tomb)
+        self._apply(bucket, new_info)
+        if index is not None:
+            index.remove_if(info.name, old_revision)
         if (target is not None and target.nuid and target.nuid != info.nuid and not keep_target_chunks
                 and not self._shared_nuid(index, target)):
-            try:
-                await self.store.purge_chunks(bucket, target.nuid)
-            except NatsFSError as e:
-                log.warning("rename: could not purge the replaced %s/%s (left for fsck): %s", bucket,
-                            target.name, e)
+            await self.store.purge_chunks_later_if_needed(bucket, target.nuid, target.name)
         return new_info
 
     async def rename_dir(self, bucket: str, old_rel: Path, directory: Dir, new_rel: Path,
@@ -426,6 +575,9 @@ class Mutations:
         # Objects first, the marker of the moved directory itself last: until the end the old
         # directory stays visible and nothing is lost if the daemon stops half way.
         moves.sort(key=lambda o: o.name == old_prefix)
+        for info in moves:  # every new name is checked before anything moves
+            if info.name.startswith(old_prefix):
+                self.store.check_name(bucket, new_prefix + info.name[len(old_prefix):])
         for info in moves:
             if not info.name.startswith(old_prefix):
                 log.warning("rename: %s/%r is shown under %s but named otherwise; left in place", bucket,

@@ -133,6 +133,10 @@ class Namespace:
     def bucket_names(self) -> list[str]:
         return sorted(self._bucket_names)
 
+    def loaded_buckets(self) -> list[str]:
+        """Buckets whose index is loaded or loading."""
+        return list(self._buckets)
+
     # ------------------------------------------------------------------ indexes
     async def index(self, bucket: str) -> BucketIndex:
         watcher = self._buckets.get(bucket)

@@ -1,7 +1,8 @@
 """Writes staged on local disk until close, then put as one object.
 
-`Spool` owns the directory of spool files under the cache dir, the byte budget (`--spool-size`), and
-`lost+found`, where the bytes of an upload that could not be stored are kept for the user. A
+`Spool` owns the directory of spool files under the cache dir, the byte budget (`--spool-size`),
+`lost+found`, where the bytes of an upload that could not be stored are kept for the user, and the
+`PutJournal` of puts whose chunks may be orphans (it survives a killed daemon). A
 `StagedFile` is the one shared staged state of a file that is being written: every handle of that
 inode reads and writes the same spool file. It knows the version it was staged from (for
 copy-on-write and for the optimistic-concurrency check at upload) and the POSIX attributes to store.
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,109 @@ log = logging.getLogger(__name__)
 # Writes up to this size go straight to the page cache from the trio thread; bigger ones use a thread.
 _INLINE_IO = 1024 * 1024
 _FILL_PIECE = 1024 * 1024
+# The journal is rewritten with only its open records once this many lines were appended.
+_JOURNAL_COMPACT = 4096
+
+
+@dataclass
+class UnfinishedPut:
+    """A put that ended without a stored meta (or without knowing): its chunks are settled later."""
+
+    name: str
+    meta_unknown: bool  # the meta may be stored: read back before purging
+    purged_at: float | None = None  # trio time of the last purge; checked empty some seconds later
+    reported: bool = False
+
+
+class PutJournal:
+    """Puts whose chunks may become orphans, recorded in an append-only file so that not even a killed
+    daemon leaves chunks unnoticed (`adr20.PutLog`); also the chunks of replaced or deleted versions
+    whose purge failed (`orphaned`).
+
+    A put is recorded (`+`) before its first chunk is sent and closed (`-`) once its meta is stored or
+    its chunks are known gone. Puts that ended otherwise are `pending`; so is every record left open by
+    an earlier run of this mount. `natsfs.mutations.Mutations` settles pending puts while the mount runs:
+    once the server answers, a put whose meta holds the nuid is kept, any other has its chunk subject
+    purged (and checked empty a few seconds later). Lines are written without fsync: a killed daemon
+    loses nothing, a machine crash may lose the last records (fsck finds those orphans).
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.active: dict[tuple[str, str], str] = {}  # (bucket, nuid) -> name, for puts in progress
+        self.pending: dict[tuple[str, str], UnfinishedPut] = {}
+        self._appended = 0
+        self._broken = False
+        for key, name in self._open_records().items():
+            self.pending[key] = UnfinishedPut(name, meta_unknown=True)
+        self._fd = -1
+        self._rewrite()
+
+    def _open_records(self) -> dict[tuple[str, str], str]:
+        try:
+            text = self.path.read_text(errors="replace")
+        except FileNotFoundError:
+            return {}
+        records: dict[tuple[str, str], str] = {}
+        for line in text.splitlines():
+            try:
+                rec = json.loads(line)
+                key = (str(rec["b"]), str(rec["n"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line of a killed daemon
+            if rec.get("op") == "+":
+                records[key] = str(rec.get("name", ""))
+            else:
+                records.pop(key, None)
+        return records
+
+    def _rewrite(self) -> None:
+        tmp = self.path.with_suffix(".new")
+        lines = [{"op": "+", "b": b, "n": n, "name": name} for (b, n), name in self.active.items()]
+        lines += [{"op": "+", "b": b, "n": n, "name": p.name} for (b, n), p in self.pending.items()]
+        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+        os.replace(tmp, self.path)
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._appended = 0
+
+    def _append(self, rec: dict[str, str]) -> None:
+        try:
+            os.write(self._fd, (json.dumps(rec) + "\n").encode())
+            self._appended += 1
+            if self._appended >= _JOURNAL_COMPACT:
+                self._rewrite()
+        except OSError as e:
+            if not self._broken:
+                log.warning("cannot write the put journal %s (%s): a crash now may leave orphan chunks for fsck",
+                            self.path, e)
+            self._broken = True
+
+    def started(self, bucket: str, nuid: str, name: str) -> None:
+        self.active[(bucket, nuid)] = name
+        self._append({"op": "+", "b": bucket, "n": nuid, "name": name})
+
+    def finished(self, bucket: str, nuid: str) -> None:
+        self.active.pop((bucket, nuid), None)
+        self.pending.pop((bucket, nuid), None)
+        self._append({"op": "-", "b": bucket, "n": nuid})
+
+    def failed(self, bucket: str, nuid: str, name: str, *, meta_unknown: bool, purged: bool) -> None:
+        self.active.pop((bucket, nuid), None)
+        self.pending[(bucket, nuid)] = UnfinishedPut(name, meta_unknown, None)
+        if purged:
+            self.pending[(bucket, nuid)].purged_at = trio.current_time()
+
+    def orphaned(self, bucket: str, nuid: str, name: str) -> None:
+        self.pending[(bucket, nuid)] = UnfinishedPut(name, meta_unknown=True)
+        self._append({"op": "+", "b": bucket, "n": nuid, "name": name})
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
 
 
 class Spool:
@@ -44,18 +150,22 @@ class Spool:
         self.limit = limit
         self.used = 0
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.journal = PutJournal(Path(root) / "puts.journal")
 
     def rescue_leftovers(self) -> list[Path]:
-        """Spool files left by a daemon that died: move them to lost+found (never delete data)."""
+        """Spool files left by a daemon that died: move them to lost+found/leftover (never delete data),
+        with one log line saying where."""
         kept = []
         for f in sorted(self.dir.iterdir()):
             if f.is_file() and f.stat().st_size > 0:
                 dest = self._lost_path("leftover", f.name)
                 shutil.move(str(f), dest)
-                log.warning("a spool file from an earlier run was kept at %s", dest)
                 kept.append(dest)
             else:
                 f.unlink(missing_ok=True)
+        if kept:
+            log.warning("%d staged file(s) left by an earlier run of this mount were moved to %s: %s", len(kept),
+                        kept[0].parent, ", ".join(p.name for p in kept))
         return kept
 
     def create(self) -> tuple[int, Path]:

@@ -17,6 +17,9 @@ from typing import Any, Protocol
 ROLLUP = "Nats-Rollup"
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 EXPECTED_STREAM = "Nats-Expected-Stream"
+# JetStream de-duplication: a message whose id the stream saw within its duplicate window is not stored
+# again (the ack says `duplicate`). Checked after the expected-sequence headers.
+MSG_ID = "Nats-Msg-Id"
 
 
 @dataclass(slots=True)
@@ -94,9 +97,11 @@ class Streams(Protocol):
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int: ...
 
-    async def publish_many(self, msgs: Sequence[tuple[str, bytes]], window: int = 32) -> list[int]: ...
+    async def publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]],
+                           window: int = 32) -> list[int]: ...
 
-    async def purge_subject(self, stream: str, subject: str) -> None: ...
+    async def purge_subject(self, stream: str, subject: str, *, before_seq: int = 0) -> None:
+        """Remove the messages on `subject` (a filter); with `before_seq`, only those below that sequence."""
 
     async def last_msg(self, stream: str, subject: str) -> StoredMsg | None: ...
 

@@ -273,7 +273,7 @@ def test_rename_is_metadata_only_and_replaces_the_target(nats_url, bucket_name, 
     os.rename(b / "a.bin", b / "b.bin")
     new_b = meta_json(nats_url, bucket_name, "b.bin")
     assert new_b["nuid"] == a["nuid"] and new_b["size"] == 300_000
-    assert meta_json(nats_url, bucket_name, "a.bin")["deleted"] is True
+    assert meta_json(nats_url, bucket_name, "a.bin") is None  # purged as nats.go's UpdateMeta does: no tombstone
     assert chunk_count(nats_url, bucket_name, old_b["nuid"]) == 0
     assert chunk_count(nats_url, bucket_name, a["nuid"]) == a["chunks"]
     assert nats_py_get(nats_url, bucket_name, "b.bin") == b"A" * 300_000

@@ -12,7 +12,7 @@ import pytest
 from opskit import ROOT, Env, errno_of
 
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, stream_name
-from natsfs.errors import NoSpace
+from natsfs.errors import NoSpace, Unavailable
 from natsfs.memstreams import MemoryStreams, put_object
 
 
@@ -148,14 +148,19 @@ def test_rename_crash_between_steps_never_loses_the_object(ops_env):
         b = (await env.lookup("b")).st_ino
         await write_file(env, b, "a", b"precious" * 1000)
         a = await env.store.get_info("b", "a")
-        # The tombstone of the old name fails: the object is reachable under both names (same nuid).
-        env.streams.fail_next("publish", NoSpace("crash"), subject="$O.b.M." + "YQ==")
-        assert await err(env.ops.rename(b, b"a", b, b"c", 0, Ctx())) == errno.ENOSPC
+        # The purge of the old name's meta keeps failing (it is retried for a while): the object is
+        # reachable under both names (same nuid).
+        env.store.settle_timeout = 0.3
+        env.streams.fail_next("purge_subject", Unavailable("crash"), times=1000)
+        assert await err(env.ops.rename(b, b"a", b, b"c", 0, Ctx())) == errno.EIO
+        env.streams._faults.clear()
         c = await env.store.get_info("b", "c")
         assert c.nuid == a.nuid
         await env.settle()
-        # Deleting one of the two names must not purge the chunks the other still uses.
+        # Deleting one of the two names must not purge the chunks the other still uses, nor leave a
+        # tombstone carrying that nuid (another client's delete of `a` would purge it).
         await env.ops.unlink(b, b"a", Ctx())
+        assert await env.store.get_info("b", "a") is None
         assert await stored(env, "c") == b"precious" * 1000
 
     ops_env(body, setup=one_bucket)

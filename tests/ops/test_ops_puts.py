@@ -1,0 +1,362 @@
+"""Puts with a known outcome, renames without tombstones, and names refused before anything is stored,
+through natsfs.fs.Operations over MemoryStreams with injected lost acks and outages."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from typing import Any
+
+import pyfuse3
+import pytest
+from opskit import Env, errno_of
+
+from natsfs import mutations
+from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_subject, stream_name
+from natsfs.errors import OutcomeUnknown, Unavailable
+from natsfs.memstreams import MemoryStreams, _go_meta_json, put_object
+from natsfs.staging import PutJournal
+from natsfs.streams import MSG_ID, ROLLUP
+
+DATA = bytes(range(256)) * 2000  # 512,000 bytes: 4 chunks of 128 KiB
+
+
+async def one_bucket(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    await put_object(ms, "b", "old.txt", b"old content")
+
+
+class Ctx:
+    uid = 1000
+    gid = 1000
+    pid = 1
+    umask = 0o022
+
+
+async def err(coro: Any) -> int:
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await coro
+    return errno_of(e.value)
+
+
+def chunk_msgs(env: Env, nuid: str) -> int:
+    return env.streams.subjects(stream_name("b")).get(chunk_subject("b", nuid), 0)
+
+
+def all_chunk_msgs(env: Env) -> int:
+    return sum(n for s, n in env.streams.subjects(stream_name("b")).items() if ".C." in s)
+
+
+async def stored(env: Env, name: str) -> bytes:
+    info = await env.store.get_info("b", name)
+    assert info is not None and not info.deleted
+    data = b"".join(m.data for m in await env.store.fetch_chunks("b", info.nuid, 1, 10_000, 1 << 30))
+    assert digest_of(data) == info.digest and len(data) == info.size
+    assert chunk_msgs(env, info.nuid) == info.chunks
+    return data
+
+
+async def create_and_write(env: Env, name: str, data: bytes) -> Any:
+    b = (await env.lookup("b")).st_ino
+    fi, _ = await env.ops.create(b, name.encode(), 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+    await env.ops.write(fi.fh, 0, data)
+    return fi
+
+
+def test_lost_ack_of_a_stored_meta_is_success_not_estale_and_nothing_is_purged(ops_env):
+    async def body(env: Env):
+        fi = await create_and_write(env, "f", DATA)
+        env.streams.lose_next_ack(subject="$O.b.M.>")
+        await env.ops.flush(fi.fh)  # the meta was stored, its ack lost: read back, ours, success
+        await env.ops.fsync(fi.fh, False)  # nothing changed: no second put, no ESTALE
+        await env.ops.release(fi.fh)
+        assert await stored(env, "f") == DATA
+        assert all_chunk_msgs(env) == 4 + 1  # this object's and old.txt's, nothing orphaned
+        assert not env.ops.mut.journal.pending and not env.ops.mut.journal.active
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_meta_not_stored_is_retried_with_the_same_message_id(ops_env):
+    async def body(env: Env):
+        fi = await create_and_write(env, "f", DATA)
+        # The first meta publish is lost before the server (no ack, not stored); the read-back says
+        # "not stored", so the same message is sent again.
+        env.streams.fail_next_publish(OutcomeUnknown("connection lost"), subject="$O.b.M.>")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        assert await stored(env, "f") == DATA
+        metas = [m for m in env.streams.messages(stream_name("b")) if m.subject == meta_subject("b", "f")]
+        info = await env.store.get_info("b", "f")
+        assert len(metas) == 1 and metas[0].headers[MSG_ID] == f"{info.nuid}.meta"
+        chunks = [m for m in env.streams.messages(stream_name("b")) if m.subject == chunk_subject("b", info.nuid)]
+        assert [m.headers[MSG_ID] for m in chunks] == [f"{info.nuid}.{i}" for i in range(4)]
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_a_retried_meta_is_never_stored_twice(ops_env):
+    async def body(env: Env):
+        # Stored, ack lost; the read-back fails once (server away), the retry is a duplicate.
+        env.streams.lose_next_ack(subject="$O.b.M.>")
+        env.streams.fail_next("last_msg", Unavailable("away"))
+        fi = await create_and_write(env, "f", b"x" * 10)
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        assert await stored(env, "f") == b"x" * 10
+        assert len([m for m in env.streams.messages(stream_name("b")) if m.subject == meta_subject("b", "f")]) == 1
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_a_missing_chunk_ack_means_no_meta_and_the_chunks_are_cleaned_up(ops_env, monkeypatch):
+    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
+
+    async def body(env: Env):
+        fi = await create_and_write(env, "f", DATA)
+        env.streams.fail_next_publish(OutcomeUnknown("no ack"), subject="$O.b.C.>")
+        assert await err(env.ops.flush(fi.fh)) == errno.EIO
+        await env.ops.release(fi.fh)  # the bytes go to lost+found
+        assert await env.store.get_info("b", "f") is None
+        assert len(env.ops.mut.journal.pending) == 1
+        await env.ops.mut.settle_puts()  # the purge is checked once more...
+        assert all_chunk_msgs(env) == 1
+        assert not env.ops.mut.journal.pending  # ...and the record closed
+        kept = list((env.config.cache_dir / "lost+found" / "b").iterdir())
+        assert [p.read_bytes() for p in kept] == [DATA]
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_an_unknown_outcome_keeps_the_chunks_and_a_later_close_adopts_the_stored_meta(ops_env):
+    async def body(env: Env):
+        env.store.settle_timeout = 0.3
+        fi = await create_and_write(env, "f", DATA)
+        # The meta is stored but its ack is lost, and the server stays away for the read-back.
+        env.streams.lose_next_ack(subject="$O.b.M.>")
+        env.streams.fail_next("last_msg", Unavailable("away"), times=1000)
+        assert await err(env.ops.flush(fi.fh)) == errno.EIO
+        env.streams._faults.clear()  # the server is back
+        first = await env.store.get_info("b", "f")
+        assert chunk_msgs(env, first.nuid) == 4  # the meta may be stored: chunks kept
+        # The next close finds its own earlier put there: not another client's change, no ESTALE.
+        await env.ops.write(fi.fh, 0, b"Z")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        assert await stored(env, "f") == b"Z" + DATA[1:]
+        assert chunk_msgs(env, first.nuid) == 0
+        assert not env.ops.mut.journal.pending
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_an_unknown_outcome_not_stored_is_purged_once_the_server_answers(ops_env, monkeypatch):
+    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
+
+    async def body(env: Env):
+        env.store.settle_timeout = 0.3
+        fi = await create_and_write(env, "f", DATA)
+        env.streams.fail_next("publish", OutcomeUnknown("away"), subject="$O.b.M.>", times=1000)
+        env.streams.fail_next("last_msg", Unavailable("away"), times=1000)
+        assert await err(env.ops.flush(fi.fh)) == errno.EIO
+        await env.ops.release(fi.fh)
+        assert all_chunk_msgs(env) == 5  # not known to be unstored: kept for now
+        await env.ops.mut.settle_puts()  # still away: nothing happens, one warning line
+        assert all_chunk_msgs(env) == 5
+        env.streams._faults.clear()
+        await env.ops.mut.settle_puts()
+        await env.ops.mut.settle_puts()
+        assert all_chunk_msgs(env) == 1 and not env.ops.mut.journal.pending
+        assert await env.store.get_info("b", "f") is None
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_puts_left_by_a_killed_daemon_are_cleaned_at_the_next_mount(ops_env, tmp_path, monkeypatch):
+    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
+    ms = MemoryStreams()
+
+    async def setup(ms_: MemoryStreams, store: ObjectStore) -> None:
+        await one_bucket(ms_, store)
+        # An earlier run recorded two puts and died: one had stored its meta, one had not.
+        journal = PutJournal(tmp_path / "cache" / "puts.journal")
+        done = await put_object(ms_, "b", "done", DATA)
+        journal.started("b", done.nuid, "done")
+        journal.started("b", "orphanNUID", "half")
+        for i in range(3):
+            await ms_.publish(chunk_subject("b", "orphanNUID"), b"c" * 100, {MSG_ID: f"orphanNUID.{i}"})
+        journal.close()
+
+    async def body(env: Env):
+        assert len(env.ops.mut.journal.pending) == 2
+        await env.ops.mut.settle_puts()
+        await env.ops.mut.settle_puts()
+        assert chunk_msgs(env, "orphanNUID") == 0
+        assert await stored(env, "done") == DATA
+        assert not env.ops.mut.journal.pending
+        assert PutJournal(tmp_path / "cache" / "puts.journal").pending == {}
+
+    (tmp_path / "cache").mkdir()
+    ops_env(body, setup=setup, streams=ms)
+
+
+def test_rename_purges_the_old_meta_and_leaves_no_tombstone(ops_env):
+    async def body(env: Env):
+        old = await env.store.get_info("b", "old.txt")
+        b = (await env.lookup("b")).st_ino
+        await env.ops.rename(b, b"old.txt", b, b"new.txt", 0, Ctx())
+        assert env.streams.subjects(stream_name("b")).get(meta_subject("b", "old.txt")) is None
+        # nats.go's Delete(old.txt) finds nothing to purge; the renamed object is intact.
+        assert await env.store.get_info("b", "old.txt") is None
+        assert (await env.store.get_info("b", "new.txt")).nuid == old.nuid
+        assert await stored(env, "new.txt") == b"old content"
+        assert "old.txt" not in (await env.listdir(b)).names
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_a_tombstone_sharing_a_live_nuid_is_purged_when_the_index_meets_it(ops_env):
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        info = await put_object(ms, "b", "a", DATA)
+        # What an earlier natsfs rename left: the meta under the new name, a tombstone under the old
+        # one carrying the same nuid.
+        doc = json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "a"))).data)
+        await ms.publish(meta_subject("b", "moved"), _go_meta_json(dict(doc, name="moved")), {ROLLUP: "sub"})
+        tomb = dict(doc, deleted=True, size=0, chunks=0, digest="")
+        await ms.publish(meta_subject("b", "a"), _go_meta_json(tomb), {ROLLUP: "sub"})
+        assert info.nuid
+
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        assert (await env.listdir(b)).names == ["moved"]
+        await env.ops.mut.purge_shared_tombstones()
+        assert env.streams.subjects(stream_name("b")).get(meta_subject("b", "a")) is None
+        assert await stored(env, "moved") == DATA
+
+    ops_env(body, setup=setup)
+
+
+def test_names_are_refused_before_anything_is_stored(ops_env):
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        before = env.streams.subjects(stream_name("b"))
+        assert await err(env.ops.create(b, b"x" * 256, 0o644, os.O_WRONLY, Ctx())) == errno.ENAMETOOLONG
+        assert await err(env.ops.lookup(b, b"x" * 256, Ctx())) == errno.ENAMETOOLONG
+        assert await err(env.ops.create(b, b"bad\xff.txt", 0o644, os.O_WRONLY, Ctx())) == errno.EILSEQ
+        assert await err(env.ops.mkdir(b, b"bad\xfe", 0o755, Ctx())) == errno.EILSEQ
+        assert await err(env.ops.symlink(b, b"l\xff", b"old.txt", Ctx())) == errno.EILSEQ
+        assert await err(env.ops.rename(b, b"old.txt", b, b"r\xff", 0, Ctx())) == errno.EILSEQ
+        assert env.streams.subjects(stream_name("b")) == before  # nothing stored
+        # A deep path whose meta subject would pass the limit.
+        d = b
+        for i in range(20):
+            name = f"{i:02d}".encode() + b"d" * 148
+            try:
+                d = (await env.ops.mkdir(d, name, 0o755, Ctx())).st_ino
+            except pyfuse3.FUSEError as e:
+                assert e.errno == errno.ENAMETOOLONG and i >= 10
+                break
+        else:
+            raise AssertionError("no ENAMETOOLONG for a 3000-byte path")
+        assert await err(env.ops.create(d, b"f" * 250, 0o644, os.O_WRONLY, Ctx())) == errno.ENAMETOOLONG
+        # An oversize meta for the server's max payload.
+        env.streams.max_payload = 2048
+        f = await env.lookup("b/old.txt")
+        assert await err(env.ops.setxattr(f.st_ino, b"user.big", b"v" * 3000, Ctx())) == errno.E2BIG
+        assert await stored(env, "old.txt") == b"old content"
+
+    ops_env(body, setup=one_bucket, max_meta_bytes=1 << 20)
+
+
+class LocalSender:
+    """A `FileSender` in this process, publishing ranges in offset order the way the upload worker does."""
+
+    alive = True
+
+    def __init__(self, ms: MemoryStreams):
+        self.ms = ms
+        self.hashers: dict[str, Any] = {}
+        self.next: dict[str, int] = {}
+
+    async def send_range(self, session: str, subject: str, path: str, start: int, end: int, chunk_size: int,
+                         window: int) -> None:
+        import hashlib
+
+        import trio
+
+        while self.next.get(session, 0) != start:
+            await trio.sleep(0.001)
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+        data += bytes(end - start - len(data))
+        hasher = self.hashers.setdefault(session, hashlib.sha256())
+        msgs = []
+        for i, pos in enumerate(range(0, len(data), chunk_size)):
+            hasher.update(data[pos : pos + chunk_size])
+            msgs.append((subject, data[pos : pos + chunk_size], {MSG_ID: f"{session}.{start // chunk_size + i}"}))
+        self.next[session] = end
+        await self.ms.publish_many(msgs)
+
+    async def digest(self, session: str) -> bytes:
+        return self.hashers[session].digest()
+
+    async def drop(self, session: str) -> None:
+        self.hashers.pop(session, None)
+
+
+def test_a_streamed_put_whose_meta_goes_unanswered_is_not_put_a_second_time(ops_env):
+    async def body(env: Env):
+        import trio
+
+        env.store.file_sender = LocalSender(env.streams)
+        env.store.settle_timeout = 0.3
+        env.ops.mut.start(env.nursery)  # streaming uploads
+        data = bytes(range(256)) * (24 * 1024)  # 6 MiB: the first 4 MiB are streamed while written
+        fi = await create_and_write(env, "big", data)
+        while all_chunk_msgs(env) < 33:
+            await trio.sleep(0.01)
+        env.streams.lose_next_ack(subject="$O.b.M.>")
+        env.streams.fail_next("last_msg", Unavailable("away"), times=1000)
+        assert await err(env.ops.flush(fi.fh)) == errno.EIO
+        env.streams._faults.clear()
+        # One put only (no second one from here after an unanswered meta), and its chunks are kept.
+        nuids = {s for s in env.streams.subjects(stream_name("b")) if ".C." in s}
+        assert len(nuids) == 2  # old.txt's and this put's
+        first = await env.store.get_info("b", "big")
+        assert chunk_msgs(env, first.nuid) == 48
+        await env.ops.fsync(fi.fh, False)  # nothing changed since; stores again without ESTALE
+        await env.ops.release(fi.fh)
+        assert await stored(env, "big") == data
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_chunks_whose_purge_fails_are_purged_once_the_server_answers(ops_env, monkeypatch):
+    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
+
+    async def body(env: Env):
+        old = await env.store.get_info("b", "old.txt")
+        b = (await env.lookup("b")).st_ino
+        env.streams.fail_next("purge_subject", Unavailable("away"))
+        await env.ops.unlink(b, b"old.txt", Ctx())  # the tombstone is stored; the purge is not
+        assert chunk_msgs(env, old.nuid) == 1
+        assert ("b", old.nuid) in env.ops.mut.journal.pending
+        await env.ops.mut.settle_puts()
+        await env.ops.mut.settle_puts()
+        assert chunk_msgs(env, old.nuid) == 0 and not env.ops.mut.journal.pending
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_a_rename_retries_the_purge_of_the_old_name(ops_env):
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        env.streams.fail_next("purge_subject", Unavailable("a moment away"), times=2)
+        await env.ops.rename(b, b"old.txt", b, b"new.txt", 0, Ctx())
+        assert await env.store.get_info("b", "old.txt") is None
+        assert await stored(env, "new.txt") == b"old content"
+
+    ops_env(body, setup=one_bucket)
