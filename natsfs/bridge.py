@@ -223,6 +223,8 @@ class _Link:
             "allow_reconnect": False, "max_reconnect_attempts": 1,
             "error_cb": error_cb, "closed_cb": closed_cb, "pending_size": _PENDING_SIZE,
             "ping_interval": _PING_INTERVAL, "max_outstanding_pings": 2,
+            # A publish over `pending_size` waits for the flusher; never forever (see `_lost`).
+            "flush_timeout": self.connect_timeout,
         }
         if self.user_credentials:
             options["user_credentials"] = self.user_credentials
@@ -261,6 +263,7 @@ class _Link:
         self._ready.clear()
         log.log(self._log_level, "lost the connection to NATS (%s); reconnecting", reason)
         self._on_lost(reason)  # before the waiters fail: it may look at what was in flight
+        natscompat.release_flushes(nc)
         waiters, self.waiters = self.waiters, {}
         for waiter in waiters.values():
             waiter.fail(reason)
@@ -871,6 +874,9 @@ def _parse_api_reply(data: bytes, subject: str) -> dict[str, Any]:
 # unknown), the rest of the session is refused, and the next put uses the new connection.
 
 _WORKER_WINDOW = 64
+# Acks of a range come back within milliseconds on a healthy server; one missing after this long (a
+# server restarting just then) leaves the put's outcome unknown, and the daemon sends it again.
+_WORKER_ACK_TIMEOUT = 15.0
 
 
 class _WorkerSession:
@@ -936,8 +942,8 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
             os.close(fd)
             s.turn.notify_all()
         s.next_start = end
-    timeout = 30 + len(pending)
-    results = await asyncio.gather(*(link.reply(t, w, timeout) for t, w in pending), return_exceptions=True)
+    results = await asyncio.gather(*(link.reply(t, w, _WORKER_ACK_TIMEOUT) for t, w in pending),
+                                   return_exceptions=True)
     for m in results:
         try:
             if isinstance(m, BaseException):

@@ -2,7 +2,8 @@
 
 natsfs relies on a few things nats-py does not offer as API: the socket read size (a module global),
 a hook into its message dispatch (to pace a subscription whose consumer falls behind), the server's
-INFO as sent (its limits), and a subscription's id. Each is reached only through a function here, and
+INFO as sent (its limits), a subscription's id, and the queue of publishes waiting for a flush (a
+closed client never answers them). Each is reached only through a function here, and
 `check()` verifies that the installed nats-py still has them before anything connects, so an
 incompatible upgrade fails the mount at start with one sentence instead of misbehaving later.
 `pyproject.toml` pins nats-py below the first version not checked against this module.
@@ -59,6 +60,8 @@ def check() -> None:
     client = nats.aio.client.Client()
     if not isinstance(getattr(client, "_server_info", None), dict):
         missing.append("Client._server_info")
+    if not hasattr(client, "_flush_queue"):
+        missing.append("Client._flush_queue")
     if not isinstance(getattr(nats.aio.subscription.Subscription(None), "_id", None), int):
         missing.append("Subscription._id")
     if missing:
@@ -69,6 +72,16 @@ def check() -> None:
 def server_info(nc: Any) -> dict[str, Any]:
     """The INFO the server sent on this connection (limits such as `max_payload`), as a copy."""
     return dict(nc._server_info or {})
+
+
+def release_flushes(nc: Any) -> None:
+    """Let publishes waiting for a forced flush of a closed client return: its flusher is gone, and
+    without `flush_timeout` they would wait forever (and hold whatever their caller holds)."""
+    queue = getattr(nc, "_flush_queue", None)
+    while queue is not None and not queue.empty():
+        waiting = queue.get_nowait()
+        if not waiting.done():
+            waiting.set_result(None)
 
 
 def subscription_id(sub: Any) -> int:
