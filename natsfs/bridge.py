@@ -70,6 +70,8 @@ _BUDGET_REGROW_S = 600.0
 _RECONNECT_WAIT = (0.05, 2.0)
 # A connection that sent nothing for this long is probed; two unanswered probes end it.
 _PING_INTERVAL = 30
+# How often the current client is checked for having been closed without telling (see `_Link._watch`).
+_WATCH_INTERVAL = 0.25
 _CHUNK_GUESS = 128 * 1024  # the largest reply assumed before one is seen
 
 
@@ -188,6 +190,7 @@ class _Link:
         self.waiters: dict[str, Any] = {}  # token -> _Reply, _Collector or a request's Subscription
         self._ready: asyncio.Event | None = None
         self._reconnecting: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._closing = False
         self._next_token = 0
         self._next_server = 0
@@ -200,10 +203,20 @@ class _Link:
         for server in self.servers:
             try:
                 await self._connect(server)
+                self._watchdog = asyncio.ensure_future(self._watch())
                 return
             except Unavailable as e:
                 error = error or e
         raise error or Unavailable("no NATS server given")
+
+    async def _watch(self) -> None:
+        """nats-py calls `closed_cb` at the end of closing, which an error on the dead socket can cut
+        short (its final flush): a client found closed is taken as lost here too."""
+        while not self._closing:
+            await asyncio.sleep(_WATCH_INTERVAL)
+            nc = self.nc
+            if nc is not None and nc.is_closed:
+                self._lost(nc)
 
     async def _connect(self, server: str) -> None:
         errors: list[BaseException] = []
@@ -292,6 +305,9 @@ class _Link:
     async def client(self, timeout: float) -> Any:
         """The current client; while there is none, waits up to `timeout` for the next one."""
         nc = self.nc
+        if nc is not None and nc.is_closed:
+            self._lost(nc)
+            nc = None
         if nc is not None:
             return nc
         if self._closing or self._ready is None:
@@ -304,8 +320,9 @@ class _Link:
 
     async def close(self) -> None:
         self._closing = True
-        if self._reconnecting is not None:
-            self._reconnecting.cancel()
+        for task in (self._reconnecting, self._watchdog):
+            if task is not None:
+                task.cancel()
         nc, self.nc = self.nc, None
         waiters, self.waiters = self.waiters, {}
         for waiter in waiters.values():
