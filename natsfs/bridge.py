@@ -254,12 +254,14 @@ class _Link:
                 natscompat.hook_messages(nc, self._after_msg)
             if self._restore is not None:
                 await self._restore(nc)
-            if nc.is_closed:
-                raise Unavailable(f"connection to NATS at {server} closed while it was set up")
-        except (nats.errors.Error, OSError) as e:
+            if nc.is_closed or self._closing:
+                raise nats.errors.ConnectionClosedError
+        except BaseException as e:
             with contextlib.suppress(Exception):
                 await nc.close()
-            raise Unavailable(f"connection to NATS at {server} failed while it was set up: {e}") from None
+            if isinstance(e, nats.errors.Error | OSError):
+                raise Unavailable(f"connection to NATS at {server} failed while it was set up: {e}") from None
+            raise
         self.nc, self.prefix = nc, prefix
         self.server_info = natscompat.server_info(nc)
         assert self._ready is not None
@@ -275,12 +277,18 @@ class _Link:
         assert self._ready is not None
         self._ready.clear()
         log.log(self._log_level, "lost the connection to NATS (%s); reconnecting", reason)
+        self._reconnecting = asyncio.ensure_future(self._reconnect(time.monotonic()))
         self._on_lost(reason)  # before the waiters fail: it may look at what was in flight
         natscompat.release_flushes(nc)
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
         waiters, self.waiters = self.waiters, {}
-        for waiter in waiters.values():
-            waiter.fail(reason)
-        self._reconnecting = asyncio.ensure_future(self._reconnect(time.monotonic()))
+        for waiter in list(waiters.values()):  # a copy: the trio thread may drop entries meanwhile
+            try:
+                waiter.fail(reason)
+            except Exception:
+                log.exception("failing a request after the connection was lost")
 
     async def _reconnect(self, since: float) -> None:
         wait = _RECONNECT_WAIT[0]
@@ -290,7 +298,7 @@ class _Link:
             self._next_server += 1
             try:
                 await self._connect(server)
-            except Unavailable as e:
+            except Exception as e:  # whatever it was, the mount must not stay without a connection
                 now = time.monotonic()
                 if now - reported >= 60:
                     reported = now
@@ -324,9 +332,7 @@ class _Link:
             if task is not None:
                 task.cancel()
         nc, self.nc = self.nc, None
-        waiters, self.waiters = self.waiters, {}
-        for waiter in waiters.values():
-            waiter.fail("closing")
+        self._fail_all("closing")
         if nc is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.drain(), 2.0)
@@ -606,8 +612,9 @@ class Subscription:
         bridge._budget.release(self._reserved)
         self._reserved = 0
         if self._stream_token is not None:
-            if bridge._link is not None:
-                bridge._link.waiters.pop(self._stream_token, None)
+            link, token = bridge._link, self._stream_token
+            if link is not None:
+                bridge._call_soon(lambda: link.waiters.pop(token, None))
             return
         bridge._subs.discard(self)
         sub = self._sub
