@@ -306,7 +306,8 @@ class _Link:
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, _RECONNECT_WAIT[1])
                 continue
-            log.log(self._log_level, "reconnected to NATS at %s after %.1fs", server, time.monotonic() - since)
+            log.log(min(self._log_level, logging.INFO), "reconnected to NATS at %s after %.1fs", server,
+                    time.monotonic() - since)  # (the loss was the warning)
             self._on_restored()
             return
 
