@@ -8,7 +8,6 @@ becomes EIO plus a logged traceback instead of taking the mount down. `forget` n
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import json
@@ -16,7 +15,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -26,6 +25,7 @@ from . import xattrs
 from .adr20 import ObjectInfo, PosixAttrs, valid_bucket_name
 from .chunk_cache import ChunkCache
 from .config import Config
+from .core.openfiles import OpenFileTable
 from .errors import (
     AlreadyExists,
     BadName,
@@ -42,7 +42,7 @@ from .errors import (
     Unavailable,
     single_error,
 )
-from .handles import DirHandle, HandleTable, ReadHandle
+from .handles import DirHandle, FileHandle, HandleTable
 from .inodes import InodeTable
 from .kernel import KernelNotifier
 from .links import link_target
@@ -196,16 +196,7 @@ class Operations(pyfuse3.Operations):
         # (`is None`, not `or`: an empty Staging is falsy, and a second one would spool elsewhere.)
         self.staging = staging if staging is not None else Staging(Spool(config.cache_dir, config.spool_size))
         self.mut = Mutations(namespace, namespace.store, self.staging, config)
-        self._opens: dict[int, int] = {}  # open file handles per inode
-        self._quiet_ino: int | None = None  # an inode whose own upload is being applied
-        self._writers: dict[int, int] = {}  # open handles per inode that may write
-        # Paths this mount is changing itself right now (its own rename/unlink must not look like
-        # "another client replaced the file under its readers").
-        self._own_paths: list[tuple[str, ...]] = []
-        # Inodes unlinked (or replaced) here while open: their writes go nowhere, and the chunks of
-        # the version they hold are purged at their last close, not before.
-        self._unlinked: set[int] = set()
-        self._purge_later: dict[int, tuple[str, str]] = {}
+        self.files = OpenFileTable()
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         self._nursery: trio.Nursery | None = None
@@ -231,7 +222,7 @@ class Operations(pyfuse3.Operations):
                 self.kernel.inode(pyfuse3.ROOT_INODE, attr_only=True)
             return
         path = self.ns.mount_path(bucket, rel)
-        if self._is_own(path):
+        if self.files.is_own(path):
             # This mount is changing it right now: the kernel learns the outcome from our answer, and
             # the request holds the very locks an invalidation would wait for.
             return
@@ -241,13 +232,13 @@ class Operations(pyfuse3.Operations):
             # nothing). The path gets a fresh inode at its next lookup; the old inode stays with those
             # handles, with its own attributes and page cache, as a file replaced by rename(2) or
             # unlinked while open does on a local disk. Neither ever sees the other's bytes or size.
-            self.inodes.detach(path)
+            self._detach(path)
             ino = None
-        if ino is not None and ino == self._quiet_ino:
+        if ino is not None and self.files.uploading(ino):
             # Our own upload: the page cache holds exactly what was written; only attributes moved.
             self.kernel.inode(ino, attr_only=True)
         elif ino is not None:
-            self.inodes.cached_version.pop(ino, None)
+            self.files.forget_cached_version(ino)
             self.kernel.inode(ino)
         if path:
             parent = self.inodes.known(path[:-1])
@@ -262,30 +253,23 @@ class Operations(pyfuse3.Operations):
         positions = _TWO_INODES.get(op, (0,))
         return tuple(args[i] for i in positions if i < len(args) and isinstance(args[i], int))
 
-    def _is_own(self, path: tuple[str, ...]) -> bool:
-        return any(path[: len(p)] == p for p in self._own_paths)
-
-    @contextlib.contextmanager
-    def _changing(self, *paths: tuple[str, ...]) -> Iterator[None]:
-        """Mark paths (and everything under them) as being changed by this mount itself."""
-        self._own_paths.extend(paths)
-        try:
-            yield
-        finally:
-            for p in paths:
-                self._own_paths.remove(p)
+    def _detach(self, path: tuple[str, ...]) -> None:
+        """The name at `path` is gone: its inode keeps only its open handles, not the kernel's pages."""
+        ino = self.inodes.detach(path)
+        if ino is not None:
+            self.files.forget_cached_version(ino)
 
     def _readers_left_behind(self, ino: int, bucket: str, rel: tuple[str, ...]) -> bool:
         """Whether `ino` has handles open for reading a version the path no longer shows."""
-        if not self._opens.get(ino) or ino == self._quiet_ino or self.staging.get(ino) is not None:
+        if not self.files.is_open(ino) or self.files.uploading(ino) or self.staging.get(ino) is not None:
             return False
         index = self.ns.loaded_index(bucket)
         current = index.get(rel) if index is not None else None
         nuid = current.nuid if isinstance(current, ObjectInfo) else None
         return any(h.info.nuid != nuid for h in self._readers(ino))
 
-    def _readers(self, ino: int) -> list[ReadHandle]:
-        return [h for h in self.handles.values() if isinstance(h, ReadHandle) and h.ino == ino]
+    def _readers(self, ino: int) -> list[FileHandle]:
+        return [h for h in self.handles.values() if isinstance(h, FileHandle) and h.ino == ino]
 
     # ------------------------------------------------------------------ attributes
     def _attr(self, ino: int, node: Node) -> pyfuse3.EntryAttributes:
@@ -430,12 +414,13 @@ class Operations(pyfuse3.Operations):
         return self._attr(inode, await self._node(inode))
 
     def _nameless(self, inode: int) -> bool:
-        return inode in self._unlinked or self.inodes.is_detached(inode)
+        return self.files.is_unlinked(inode) or self.inodes.is_detached(inode)
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:  # type: ignore[override]
         try:
             for ino, nlookup in inode_list:
-                self.inodes.forget(ino, nlookup)
+                if self.inodes.forget(ino, nlookup):
+                    self.files.forget_cached_version(ino)
         except Exception:
             log.exception("forget failed (ignored)")
 
@@ -465,8 +450,8 @@ class Operations(pyfuse3.Operations):
             name, path, node = handle.entries[i]
             ino = self.inodes.ino_for(path)
             if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attr(ino, node), i + 1):
-                if self.inodes.lookup_count(ino) == 0:
-                    self.inodes.forget(ino, 0)
+                if self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
+                    self.files.forget_cached_version(ino)
                 return
             self.inodes.lookup(path)
 
@@ -497,16 +482,14 @@ class Operations(pyfuse3.Operations):
     def _open_handle(self, inode: int, node: Node, writing: bool) -> pyfuse3.FileInfo:
         info = node.info
         assert info is not None
-        fh = self.handles.add(ReadHandle(inode, info, writable=writing))
-        self._opens[inode] = self._opens.get(inode, 0) + 1
-        if writing:
-            self._writers[inode] = self._writers.get(inode, 0) + 1
+        fh = self.handles.add(FileHandle(inode, info, writable=writing))
+        self.files.opened(inode, writing=writing)
         if self.staging.get(inode) is not None:
             keep = True  # every byte of a staged file went through this kernel's page cache
         else:
             # Unchanged since the kernel last cached it: let the page cache serve rereads.
-            keep = self.inodes.cached_version.get(inode) == info.nuid
-            self.inodes.cached_version[inode] = info.nuid
+            keep = self.files.cached_version(inode) == info.nuid
+            self.files.set_cached_version(inode, info.nuid)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     def _stage(self, inode: int, node: Node) -> StagedFile:
@@ -520,7 +503,7 @@ class Operations(pyfuse3.Operations):
         sf = StagedFile(self.staging.spool, ino=inode, path=self.inodes.path_of(inode), bucket=node.bucket,
                         name=node.info.name, base=base,
                         attrs=PosixAttrs(attrs.mode, attrs.uid, attrs.gid, node.info.mtime_ns))
-        sf.unlinked = inode in self._unlinked
+        sf.unlinked = self.files.is_unlinked(inode)
         self.staging.add(sf)
         return sf
 
@@ -573,7 +556,7 @@ class Operations(pyfuse3.Operations):
             return await self.cache.read(handle.info, off, size, ra)
         except Corrupt:
             # The cache refuses this version from now on; drop whatever the kernel cached of it.
-            self.inodes.cached_version.pop(handle.ino, None)
+            self.files.forget_cached_version(handle.ino)
             self.kernel.inode(handle.ino)
             raise
 
@@ -594,12 +577,12 @@ class Operations(pyfuse3.Operations):
         self.counters["write_bytes"] += written
         return written
 
-    async def _version_of(self, handle: ReadHandle) -> Node:
+    async def _version_of(self, handle: FileHandle) -> Node:
         """What a handle's first write starts from: the object now at the inode's path if it is still
         the version the handle opened (renamed or re-attributed by anyone: same nuid), else the pinned
         version, whose upload then fails as a conflict instead of overwriting a newer object."""
         pinned = Node(FILE, handle.info.bucket, (), None, handle.info)
-        if handle.ino in self._unlinked:
+        if self.files.is_unlinked(handle.ino):
             return pinned
         try:
             node = await self.ns.resolve(self.inodes.path_of(handle.ino))
@@ -609,9 +592,9 @@ class Operations(pyfuse3.Operations):
             return node
         return pinned
 
-    def _file_handle(self, fh: int) -> ReadHandle:
+    def _file_handle(self, fh: int) -> FileHandle:
         handle = self.handles.get(fh)
-        if not isinstance(handle, ReadHandle):
+        if not isinstance(handle, FileHandle):
             raise NatsFSError("bad file handle", errno=errno.EBADF)
         return handle
 
@@ -676,9 +659,9 @@ class Operations(pyfuse3.Operations):
         sf = self.staging.get(ino)
         if sf is None or not sf.dirty or sf.unlinked or sf.closed:
             return
-        self._quiet_ino = ino
         try:
-            info = await self.mut.upload(sf, self.config.chunk_size)
+            with self.files.own_upload(ino):
+                info = await self.mut.upload(sf, self.config.chunk_size)
         except Conflict as e:
             self.counters["conflicts"] += 1
             self.mut.discard_stream(sf)
@@ -687,33 +670,21 @@ class Operations(pyfuse3.Operations):
             log.warning("%s/%s: not stored, another client changed it meanwhile; your bytes are kept at %s",
                         sf.bucket, sf.name, kept)
             raise Conflict(f"{e} (kept at {kept})", log_level=logging.DEBUG) from None
-        finally:
-            self._quiet_ino = None
         if info is not None:
-            self.inodes.cached_version[ino] = info.nuid
+            self.files.set_cached_version(ino, info.nuid)
             self.counters["uploads"] += 1
             self.counters["upload_bytes"] += info.size
 
     @_boundary
     async def release(self, fh: int) -> None:
         handle = self.handles.pop(fh)
-        if not isinstance(handle, ReadHandle):
+        if not isinstance(handle, FileHandle):
             return
-        if handle.writable:
-            writers = self._writers.get(handle.ino, 1) - 1
-            if writers > 0:
-                self._writers[handle.ino] = writers
-            else:
-                self._writers.pop(handle.ino, None)
-        count = self._opens.get(handle.ino, 1) - 1
-        if count > 0:
-            self._opens[handle.ino] = count
+        last = self.files.released(handle.ino, writing=handle.writable)
+        if last is None:
             return
-        self._opens.pop(handle.ino, None)
-        self._unlinked.discard(handle.ino)
-        later = self._purge_later.pop(handle.ino, None)
-        if later is not None:
-            await self.mut.purge_unused(*later)
+        if last.purge_later is not None:
+            await self.mut.purge_unused(*last.purge_later)
         sf = self.staging.get(handle.ino)
         if sf is None:
             return
@@ -748,11 +719,11 @@ class Operations(pyfuse3.Operations):
             self.mut.after_write(sf, attr.st_size)
         if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_mtime:
             await self._set_posix(inode, node, attr, fields)
-        if fields.update_size and not self._writers.get(inode):
+        if fields.update_size and not self.files.has_writers(inode):
             # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
             await self._upload(inode)
             sf = self.staging.get(inode)
-            if sf is not None and not self._opens.get(inode):
+            if sf is not None and not self.files.is_open(inode):
                 self.staging.remove(sf)
                 self.mut.discard(sf)
         return self._attr(inode, await self._node(inode))
@@ -812,8 +783,8 @@ class Operations(pyfuse3.Operations):
         ino = self.inodes.known(path)
         sf = self.staging.get(ino) if ino is not None else None
         stored = await self._index_info(path)
-        open_here = ino is not None and bool(self._opens.get(ino))
-        with self._changing(path):
+        open_here = self.files.is_open(ino)
+        with self.files.changing(path):
             if stored is not None:
                 await self.mut.delete(bucket, stored, keep_chunks=open_here)
             elif sf is None or sf.closed:
@@ -821,16 +792,14 @@ class Operations(pyfuse3.Operations):
         self._forget_open_version(ino, bucket, stored, open_here)
         if sf is not None:
             sf.unlinked = True  # writes through open handles now go nowhere, as on a local disk
-        self.inodes.detach(path)
+        self._detach(path)
 
     def _forget_open_version(self, ino: int | None, bucket: str, stored: ObjectInfo | None, open_here: bool) -> None:
         """An object this mount deleted or replaced while it holds it open: like a local disk, those
         handles keep reading (its chunks are purged at the last close) and their writes go nowhere."""
         if ino is None or not open_here:
             return
-        self._unlinked.add(ino)
-        if stored is not None and stored.nuid:
-            self._purge_later[ino] = (bucket, stored.nuid)
+        self.files.unlinked_while_open(ino, (bucket, stored.nuid) if stored is not None and stored.nuid else None)
 
     async def _index_info(self, path: tuple[str, ...]) -> ObjectInfo | None:
         """The object the bucket (not the staging area) has at `path`, if any."""
@@ -883,11 +852,11 @@ class Operations(pyfuse3.Operations):
             if self.ns.single_bucket is not None or bucket is None:
                 raise NatsFSError("the root of the mount", errno=errno.EBUSY, log_level=logging.INFO)
             await self.mut.delete_bucket(bucket)
-            self.inodes.detach(path)
+            self._detach(path)
             return
         assert node.dir is not None
         await self.mut.rmdir(bucket, rel, node.dir, path)
-        self.inodes.detach(path)
+        self._detach(path)
 
     @_boundary
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
@@ -909,7 +878,7 @@ class Operations(pyfuse3.Operations):
         if old == new:
             return
         await self.mut.check_writable(bucket)
-        with self._changing(old, new):
+        with self.files.changing(old, new):
             await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
         self._move_staged(bucket, old, new)
         self.inodes.move(old, new)
@@ -932,7 +901,7 @@ class Operations(pyfuse3.Operations):
         stored = await self._index_info(old)
         target = await self._index_info(new)
         dst_ino = self.inodes.known(new)
-        target_open = dst_ino is not None and bool(self._opens.get(dst_ino))
+        target_open = self.files.is_open(dst_ino)
         if stored is not None:
             await self.mut.rename_object(bucket, stored, "/".join(rel_new), target, keep_target_chunks=target_open)
         elif target is not None:

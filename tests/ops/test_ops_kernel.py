@@ -3,6 +3,9 @@ nothing this mount is changing itself, everything another client changes."""
 
 from __future__ import annotations
 
+import os
+
+import trio
 from opskit import ROOT, Env
 
 from natsfs.adr20 import ObjectStore
@@ -41,5 +44,32 @@ def test_own_changes_are_not_invalidated_others_are(ops_env):
         await env.settle()
         assert ("entry", ROOT, b"other.txt") in env.ops.kernel.sent
         assert ("inode", other, None) in env.ops.kernel.sent
+
+    ops_env(body, setup=files, bucket="b")
+
+
+def test_two_concurrent_flushes_each_get_their_own_invalidation(ops_env):
+    """Each file's own upload refreshes only its attributes (the kernel's pages hold exactly what was
+    written), even while another file's flush runs at the same time."""
+
+    async def body(env: Env) -> None:
+        env.ops.start(env.nursery)
+        await env.settle()
+        handles = {}
+        for name in ("one.txt", "two.txt"):
+            fi, attr = await env.ops.create(ROOT, name.encode(), 0o644, os.O_WRONLY, Ctx())
+            await env.ops.write(fi.fh, 0, name.encode() * 1000)
+            handles[attr.st_ino] = fi.fh
+        env.ops.kernel.sent.clear()
+        async with trio.open_nursery() as nursery:
+            for fh in handles.values():
+                nursery.start_soon(env.ops.flush, fh)
+        await env.settle()
+        for ino, fh in handles.items():
+            assert ("attr", ino, None) in env.ops.kernel.sent
+            assert ("inode", ino, None) not in env.ops.kernel.sent  # its pages stay
+            await env.ops.release(fh)
+        assert await env.cat("one.txt") == b"one.txt" * 1000
+        assert await env.cat("two.txt") == b"two.txt" * 1000
 
     ops_env(body, setup=files, bucket="b")
