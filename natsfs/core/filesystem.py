@@ -301,7 +301,7 @@ class Filesystem:
     async def _node(self, ino: InodeNo) -> Node:
         """What an inode is now: its staged state while that differs from the bucket, else the index."""
         sf = self.staging.get(ino)
-        if sf is not None and not sf.closed and (sf.shadows_index or sf.unlinked):
+        if sf is not None and sf.shown:
             return self._staged_node(sf)
         try:
             return await self.ns.resolve(self.inodes.path_of(ino))
@@ -436,7 +436,7 @@ class Filesystem:
         if flags & os.O_TRUNC:
             sf = self._stage(inode, node)
             async with sf.lock:
-                sf.filled = True  # nothing of the old content survives: no copy needed
+                sf.skip_copy()
                 await sf.truncate(0)
             self.mut.after_write(sf, 0)
         return self._open_handle(inode, node, writing)
@@ -457,21 +457,21 @@ class Filesystem:
     def _stage(self, inode: InodeNo, node: Node) -> StagedFile:
         """The shared staged state of `inode`, created from the version `node` shows if there is none."""
         sf = self.staging.get(inode)
-        if sf is not None and not sf.closed:
+        if sf is not None and not sf.ended:
             return sf
         assert node.bucket is not None and node.info is not None
         base = node.info if node.info.nuid or node.info.revision else None
         attrs = node.info.attrs or PosixAttrs()
         sf = StagedFile(self.staging.spool, ino=inode, path=self.inodes.path_of(inode), bucket=node.bucket,
                         name=node.info.name, base=base,
-                        attrs=PosixAttrs(attrs.mode, attrs.uid, attrs.gid, node.info.mtime_ns))
-        sf.unlinked = self.files.is_unlinked(inode)
+                        attrs=PosixAttrs(attrs.mode, attrs.uid, attrs.gid, node.info.mtime_ns),
+                        unlinked=self.files.is_unlinked(inode))
         self.staging.add(sf)
         return sf
 
     async def _fill(self, sf: StagedFile, upto: int | None = None) -> None:
         """Copy-on-write: bring the base version's bytes into the spool before changing them."""
-        if sf.filled:
+        if sf.copied:
             return
         base = sf.base
         assert base is not None
@@ -500,8 +500,7 @@ class Filesystem:
             raise NotADirectory("/".join(path[:-1]))
         ino = self.inodes.lookup(path)
         sf = StagedFile(self.staging.spool, ino=ino, path=path, bucket=bucket, name="/".join(rel), base=None,
-                        attrs=PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None))
-        sf.dirty = True  # an empty new file is still a file: close creates the object
+                        attrs=PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None), new=True)
         self.staging.add(sf)
         node = self._staged_node(sf)
         return self._open_handle(ino, node, True), self._attr(ino, node)
@@ -509,7 +508,7 @@ class Filesystem:
     async def read(self, fh: HandleNo, off: int, size: int) -> bytes:
         handle = self._file_handle(fh)
         sf = self.staging.get(handle.ino)
-        if sf is not None and sf.filled and not sf.closed:
+        if sf is not None and sf.serves_reads:
             return await sf.read(off, size)
         ra = handle.plan_readahead(off, size, self.config.readahead_min, self._readahead_max())
         try:
@@ -526,7 +525,7 @@ class Filesystem:
         if not handle.writable:
             raise NatsFSError("file not open for writing", errno=errno.EBADF)
         sf = self.staging.get(handle.ino)
-        if sf is None or sf.closed:
+        if sf is None or sf.ended:
             sf = self._stage(handle.ino, await self._version_of(handle))
         async with sf.lock:
             await self._fill(sf)
@@ -574,7 +573,7 @@ class Filesystem:
         `flush_timeout` seconds plus one per `flush_rate_floor` bytes staged. Past it the close fails
         with EIO; the bytes stay staged (the next close tries again, release keeps them)."""
         sf = self.staging.get(ino)
-        if sf is None or not sf.dirty or sf.unlinked or sf.closed:
+        if sf is None or not sf.unstored:
             return
         limit = self.config.flush_timeout + sf.size / self.config.flush_rate_floor
         with trio.move_on_after(limit) as scope:
@@ -587,7 +586,7 @@ class Filesystem:
         """Unmounting: store what files still open for writing hold (within `timeout` in all, progress in
         the log); keep what cannot be stored in lost+found, one log line per file. Nothing is dropped
         silently."""
-        pending = [sf for sf in self.staging.all() if sf.dirty and not sf.unlinked and not sf.closed]
+        pending = [sf for sf in self.staging.all() if sf.unstored]
         if pending:
             log.info("unmounting: storing %d file(s) still open for writing (%d bytes), for at most %g s",
                      len(pending), sum(sf.size for sf in pending), timeout)
@@ -599,12 +598,12 @@ class Filesystem:
                 except NatsFSError as e:
                     causes[sf.ino] = str(e)
                     continue
-                if not sf.dirty:
+                if not sf.unstored:
                     log.info("unmounting: stored %s/%s (%d bytes; %d of %d)", sf.bucket, sf.name, sf.size, n,
                              len(pending))
         for sf in self.staging.all():
             self.staging.remove(sf)
-            if sf.dirty and not sf.unlinked and not sf.closed:
+            if sf.unstored:
                 self.mut.discard_stream(sf)
                 kept = sf.keep()
                 log.warning("%s/%s: not stored before unmounting (%s); its bytes are kept at %s", sf.bucket,
@@ -614,7 +613,7 @@ class Filesystem:
 
     async def _upload(self, ino: InodeNo) -> None:
         sf = self.staging.get(ino)
-        if sf is None or not sf.dirty or sf.unlinked or sf.closed:
+        if sf is None or not sf.unstored:
             return
         try:
             with self.files.own_upload(ino):
@@ -645,7 +644,7 @@ class Filesystem:
         if sf is None:
             return
         self.staging.remove(sf)
-        if sf.dirty and not sf.unlinked and not sf.closed:
+        if sf.unstored:
             self.mut.discard_stream(sf)
             kept = sf.keep()
             log.error("%s/%s: closed without a successful upload; the bytes are kept at %s", sf.bucket, sf.name,
@@ -702,17 +701,9 @@ class Filesystem:
         if node.kind == LINK:
             return  # symlinks have no mode of their own; times on links are not stored
         sf = self.staging.get(inode)
-        if sf is not None and not sf.closed and not sf.unlinked and (sf.dirty or not sf.uploaded):
+        if sf is not None and sf.shadows_index:
             # Stored together with the data at the next upload.
-            if changes.mode is not None:
-                sf.mode = changes.mode
-            if changes.uid is not None:
-                sf.uid = changes.uid
-            if changes.gid is not None:
-                sf.gid = changes.gid
-            if changes.mtime_ns is not None:
-                sf.mtime_ns = changes.mtime_ns
-                sf.mtime_explicit = True
+            sf.set_attrs(changes.mode, changes.uid, changes.gid, changes.mtime_ns)
             return
         assert node.info is not None
         current = node.info.attrs
@@ -720,8 +711,8 @@ class Filesystem:
         if changes.mtime_ns is None:
             new = PosixAttrs(new.mode, new.uid, new.gid, current.mtime_ns if current else None)
         info = await self.mut.set_attrs(node.bucket, node.info, new, self.mut.file_defaults)
-        if sf is not None and not sf.closed:
-            sf.uploaded_as(info)
+        if sf is not None and not sf.ended:
+            sf.rebase(info)
 
     # ------------------------------------------------------------------ namespace changes
     async def unlink(self, parent_inode: InodeNo, name: bytes) -> None:
@@ -739,11 +730,11 @@ class Filesystem:
         with self.files.changing(path):
             if stored is not None:
                 await self.mut.delete(bucket, stored, keep_chunks=open_here)
-            elif sf is None or sf.closed:
+            elif sf is None or sf.ended:
                 raise NotFound("/".join(path))
         self._forget_open_version(ino, bucket, stored, open_here)
-        if sf is not None:
-            sf.unlinked = True  # writes through open handles now go nowhere, as on a local disk
+        if sf is not None and not sf.ended:
+            sf.unlink()
         self._detach(path)
 
     def _forget_open_version(self, ino: InodeNo | None, bucket: str, stored: ObjectInfo | None, open_here: bool
@@ -859,8 +850,8 @@ class Filesystem:
             await self.mut.delete(bucket, target, keep_chunks=target_open)
         self._forget_open_version(dst_ino, bucket, target, target_open)
         dst_sf = self.staging.get(dst_ino) if dst_ino is not None else None
-        if dst_sf is not None:
-            dst_sf.unlinked = True
+        if dst_sf is not None and not dst_sf.ended:
+            dst_sf.unlink()
 
     def _move_staged(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...]) -> None:
         """Staged files at or under `old` now belong to `new` (and to the renamed objects' revisions)."""
@@ -868,13 +859,11 @@ class Filesystem:
         for sf in self.staging.all():
             if sf.path[: len(old)] != old or sf.unlinked:
                 continue
-            sf.path = new + sf.path[len(old):]
-            sf.name = "/".join(self.ns.split(sf.path)[1])
-            if sf.base is not None and index is not None:
-                moved = index.objects.get(sf.name)
-                if moved is not None and moved.nuid == sf.base.nuid:
-                    sf.base = moved
-                    sf.base_revision = moved.revision
+            path = new + sf.path[len(old):]
+            name = "/".join(self.ns.split(path)[1])
+            moved = index.objects.get(name) if index is not None and sf.base is not None else None
+            same = moved is not None and sf.base is not None and moved.nuid == sf.base.nuid
+            sf.move(path, name, moved if same else None)
 
     async def link(self, inode: InodeNo, new_parent_inode: InodeNo, new_name: bytes) -> Attributes:
         self._refuse_if_read_only()
@@ -986,10 +975,9 @@ class Filesystem:
         assert node.info is not None and node.bucket is not None
         ino = self.inodes.known(self.ns.mount_path(node.bucket, node.rel))
         sf = self.staging.get(ino) if ino is not None else None
-        if sf is not None and not sf.closed and sf.base is None:
+        if sf is not None and sf.never_stored:
             doc: dict[str, Any] = {"name": sf.name, "bucket": sf.bucket}
-            for change in sf.meta_changes:
-                change(doc)
+            sf.apply_xattr_changes(doc)
             return doc, 0
         got = await self.ns.store.get_meta_doc(node.bucket, node.info.name)
         if got is None or got[0].get("deleted"):
@@ -1048,17 +1036,17 @@ class Filesystem:
             xattrs.set_object(doc, key, value)
 
         sf = self.staging.get(inode)
-        if sf is not None and not sf.closed and sf.base is None:
+        if sf is not None and sf.never_stored:
             # No object yet: check now, store with the data at close.
             doc, _ = await self._meta_doc(node)
             change(doc)
             check_meta_size(doc, self.config.max_meta_bytes)
             self.ns.store.check_meta_payload(node.bucket, doc)
-            sf.meta_changes.append(change)
+            sf.change_xattr(key, value)
             return
         stored = await self._index_info(self.inodes.path_of(inode))
         if stored is None:
             raise NotFound("/".join(node.rel))
         info = await self.mut.change_meta(node.bucket, stored, change)
-        if sf is not None and not sf.closed and sf.base is not None:
-            sf.base, sf.base_revision = info, info.revision  # our own change: not a conflict at upload
+        if sf is not None and not sf.ended and sf.base is not None:
+            sf.rebase(info)  # our own change: not a conflict at upload

@@ -1,4 +1,4 @@
-"""What natsfs.fs.Operations asks the kernel to forget (no kernel: the notifier only records it):
+"""What the filesystem core asks the kernel to forget (no kernel: the notifier only records it):
 nothing this mount is changing itself, everything another client changes."""
 
 from __future__ import annotations
