@@ -148,12 +148,12 @@ class Operations(pyfuse3.Operations):
 
     # ------------------------------------------------------------------ lookups and attributes
     @_boundary
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext = None
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
                      ) -> pyfuse3.EntryAttributes:
         return entry_attributes(await self.fs.lookup(InodeNo(parent_inode), name))
 
     @_boundary
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext = None) -> pyfuse3.EntryAttributes:
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         return entry_attributes(await self.fs.getattr(InodeNo(inode)))
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:  # type: ignore[override]

@@ -594,7 +594,7 @@ class Filesystem:
         with trio.move_on_after(timeout):
             for n, sf in enumerate(pending, 1):
                 try:
-                    await self._upload(sf.ino)
+                    await self._upload(InodeNo(sf.ino))
                 except NatsFSError as e:
                     causes[sf.ino] = str(e)
                     continue
@@ -675,10 +675,10 @@ class Filesystem:
         if changes.size is not None and not self.files.has_writers(inode):
             # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
             await self._upload(inode)
-            sf = self.staging.get(inode)
-            if sf is not None and not self.files.is_open(inode):
-                self.staging.remove(sf)
-                self.mut.discard(sf)
+            left = self.staging.get(inode)
+            if left is not None and not self.files.is_open(inode):
+                self.staging.remove(left)
+                self.mut.discard(left)
         return self._attr(inode, await self._node(inode))
 
     async def _set_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:
