@@ -106,6 +106,11 @@ class Mutations:
         self._sealed[bucket] = (now, sealed)
         return sealed
 
+    def known_sealed(self, bucket: str) -> bool | None:
+        """What is known of a bucket's sealed state without asking the server (None: never asked)."""
+        cached = self._sealed.get(bucket)
+        return cached[1] if cached is not None else None
+
     def forget_sealed(self, bucket: str) -> None:
         self._sealed.pop(bucket, None)
 

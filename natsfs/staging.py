@@ -13,8 +13,8 @@ Design note: the write state machine. A staged file is always in exactly one `Wr
     UNCHANGED --write/truncate--> DIRTY --upload--> UPLOADING --stored--> STORED --write--> DIRTY
         (new files start DIRTY)              UPLOADING --failed/conflict/cancelled--> DIRTY
     UNCHANGED/DIRTY/UPLOADING/STORED --unlink or replaced while open--> UNLINKED
-    DIRTY --not storable (conflict, unmount, last close)--> KEPT (lost+found)
-    UNCHANGED/STORED/UNLINKED --last close--> DISCARDED
+    DIRTY/UPLOADING --not storable (conflict, unmount, last close)--> KEPT (lost+found)
+    UNLINKED --its upload refused as a conflict--> KEPT;  UNCHANGED/STORED/UNLINKED --last close--> DISCARDED
 
 The questions the filesystem asks are properties of the state: `unstored` (DIRTY or UPLOADING: a close
 must store it, and a second close waits for the first), `shadows_index` (lookups show the staged file),
@@ -227,9 +227,9 @@ _NEXT: dict[WriteState, frozenset[WriteState]] = {
     WriteState.UNCHANGED: frozenset({WriteState.DIRTY, WriteState.UNLINKED, WriteState.DISCARDED}),
     # Never DIRTY -> DISCARDED: unstored bytes are stored or kept in lost+found, never dropped.
     WriteState.DIRTY: frozenset({WriteState.DIRTY, WriteState.UPLOADING, WriteState.UNLINKED, WriteState.KEPT}),
-    WriteState.UPLOADING: frozenset({WriteState.STORED, WriteState.DIRTY, WriteState.UNLINKED}),
+    WriteState.UPLOADING: frozenset({WriteState.STORED, WriteState.DIRTY, WriteState.UNLINKED, WriteState.KEPT}),
     WriteState.STORED: frozenset({WriteState.DIRTY, WriteState.UNLINKED, WriteState.DISCARDED}),
-    WriteState.UNLINKED: frozenset({WriteState.UNLINKED, WriteState.DISCARDED}),
+    WriteState.UNLINKED: frozenset({WriteState.UNLINKED, WriteState.DISCARDED, WriteState.KEPT}),
     WriteState.DISCARDED: frozenset(),
     WriteState.KEPT: frozenset(),
 }

@@ -295,8 +295,7 @@ class Filesystem:
         return target.text
 
     def _known_sealed(self, bucket: str) -> bool:
-        cached = self.mut._sealed.get(bucket)
-        return bool(cached and cached[1])
+        return bool(self.mut.known_sealed(bucket))
 
     async def _node(self, ino: InodeNo) -> Node:
         """What an inode is now: its staged state while that differs from the bucket, else the index."""
@@ -357,7 +356,7 @@ class Filesystem:
     async def _refresh_sealed(self, bucket: str) -> None:
         """Whether a bucket is sealed (it then shows without write bits) is read in the background: a
         lookup answers from what is known and never waits on the server."""
-        if self._nursery is None or bucket not in self.mut._sealed:
+        if self._nursery is None or self.mut.known_sealed(bucket) is None:
             await self.mut.sealed(bucket)  # the first time: nothing known to answer from yet
             return
         if bucket in self._refreshing:
