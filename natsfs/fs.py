@@ -125,7 +125,7 @@ def entry_attributes(a: Attributes) -> pyfuse3.EntryAttributes:
 
 
 def _caller(ctx: pyfuse3.RequestContext) -> Caller:
-    return Caller(ctx.uid, ctx.gid)
+    return Caller(ctx.uid, ctx.gid, ctx.pid)
 
 
 class Operations(pyfuse3.Operations):
@@ -196,7 +196,7 @@ class Operations(pyfuse3.Operations):
     # ------------------------------------------------------------------ files
     @_boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        opened = await self.fs.open(InodeNo(inode), flags)
+        opened = await self.fs.open(InodeNo(inode), flags, _caller(ctx) if ctx is not None else None)
         return pyfuse3.FileInfo(fh=opened.fh, keep_cache=opened.keep_cache)
 
     @_boundary

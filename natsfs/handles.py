@@ -28,6 +28,7 @@ class FileHandle:
     ino: InodeNo
     info: ObjectInfo
     writable: bool = False
+    opener: int | None = None  # the thread group that opened it for writing, if known (openers.py)
     next_offset: int = 0
     readahead: int = 0
 

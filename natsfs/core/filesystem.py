@@ -51,6 +51,7 @@ from ..links import link_target
 from ..mutations import DIR_MODE, FILE_MODE, Mutations, check_meta_size
 from ..names import NAME_MAX
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
+from ..openers import Openers, ProcOpeners
 from ..staging import StagedFile, Staging
 from .openfiles import OpenFileTable
 
@@ -88,6 +89,7 @@ class Caller:
 
     uid: int
     gid: int
+    pid: int = 0  # the calling thread (0: unknown, e.g. another pid namespace)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +154,7 @@ class Filesystem:
     """The mount's filesystem, one method per FUSE operation (see the module docstring)."""
 
     def __init__(self, namespace: Namespace, cache: ChunkCache, config: Config, staging: Staging,
-                 kernel: KernelNotifier | None = None):
+                 kernel: KernelNotifier | None = None, openers: Openers | None = None):
         self.ns = namespace
         self.cache = cache
         self.config = config
@@ -166,11 +168,13 @@ class Filesystem:
         self.staging = staging
         self.mut = Mutations(namespace, namespace.store, self.staging, config)
         self.files = OpenFileTable()
+        self.openers = openers if openers is not None else ProcOpeners(config.mountpoint)
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         self._nursery: trio.Nursery | None = None
         self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
-        self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0}
+        self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0,
+                         "flushes_deferred": 0}
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background work of the operations (kernel invalidations, refreshes) runs in `nursery`."""
@@ -422,7 +426,7 @@ class Filesystem:
         self.handles.pop(fh)
 
     # ------------------------------------------------------------------ files
-    async def open(self, inode: InodeNo, flags: int) -> Opened:
+    async def open(self, inode: InodeNo, flags: int, caller: Caller | None = None) -> Opened:
         node = await self._node(inode)
         if node.kind != FILE:
             raise NatsFSError("not a regular file", errno=errno.EISDIR if node.kind != LINK else errno.ELOOP,
@@ -438,12 +442,13 @@ class Filesystem:
                 sf.skip_copy()
                 await sf.truncate(0)
             self.mut.after_write(sf, 0)
-        return self._open_handle(inode, node, writing)
+        return self._open_handle(inode, node, writing, caller)
 
-    def _open_handle(self, inode: InodeNo, node: Node, writing: bool) -> Opened:
+    def _open_handle(self, inode: InodeNo, node: Node, writing: bool, caller: Caller | None) -> Opened:
         info = node.info
         assert info is not None
-        fh = self.handles.add(FileHandle(inode, info, writable=writing))
+        opener = self.openers.thread_group(caller.pid) if writing and caller is not None else None
+        fh = self.handles.add(FileHandle(inode, info, writable=writing, opener=opener))
         self.files.opened(inode, writing=writing)
         if self.staging.get(inode) is not None:
             keep = True  # every byte of a staged file went through this kernel's page cache
@@ -492,7 +497,7 @@ class Filesystem:
             if flags & os.O_EXCL:
                 raise AlreadyExists("/".join(path))
             ino = self.inodes.lookup(path)
-            info = await self.open(ino, flags)
+            info = await self.open(ino, flags, caller)
             return info, self._attr(ino, await self._node(ino))
         parent = await self._path_node(path[:-1])
         if parent.kind not in (ROOT, BUCKET, DIR):
@@ -502,7 +507,7 @@ class Filesystem:
                         attrs=PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None), new=True)
         self.staging.add(sf)
         node = self._staged_node(sf)
-        return self._open_handle(ino, node, True), self._attr(ino, node)
+        return self._open_handle(ino, node, True, caller), self._attr(ino, node)
 
     async def read(self, fh: HandleNo, off: int, size: int) -> bytes:
         handle = self._file_handle(fh)
@@ -559,9 +564,22 @@ class Filesystem:
         return max(self.config.readahead_min, min(self.config.readahead_max, self.cache.cache_bytes // 4))
 
     async def flush(self, fh: HandleNo) -> None:
+        """Store at the close of the thread group that opened the handle for writing (see openers.py):
+        a reader closing must not store a writer's half-written bytes, nor a child closing a descriptor
+        it inherited."""
         handle = self._file_handle(fh)
-        if handle.writable:  # a reader closing must not store a writer's half-written bytes
-            await self._store_in_time(handle.ino)
+        if not handle.writable:
+            return
+        sf = self.staging.get(handle.ino)
+        if sf is None or not sf.unstored:
+            return
+        if handle.opener is not None and await trio.to_thread.run_sync(self.openers.still_holds, handle.opener,
+                                                                         handle.ino):
+            self.counters["flushes_deferred"] += 1
+            self.files.defer_store(handle.ino, True)
+            return
+        self.files.defer_store(handle.ino, False)
+        await self._store_in_time(handle.ino)
 
     async def fsync(self, fh: HandleNo) -> None:
         handle = self._file_handle(fh)
@@ -642,6 +660,14 @@ class Filesystem:
         sf = self.staging.get(handle.ino)
         if sf is None:
             return
+        if sf.unstored and last.store_deferred:
+            try:  # the last close was not the opener's: store now
+                await self._store_in_time(handle.ino)
+            except NatsFSError as e:
+                log.info("%s/%s: store at the last release failed (%s)", sf.bucket, sf.name, e)
+            sf = self.staging.get(handle.ino)
+            if sf is None:
+                return
         self.staging.remove(sf)
         if sf.unstored:
             self.mut.discard_stream(sf)

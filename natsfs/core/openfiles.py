@@ -41,6 +41,9 @@ class OpenFile:
     purge_later: tuple[str, str] | None = None
     own_uploads: int = 0  # uploads of this mount's own being applied right now
     cached_version: str | None = None  # the nuid whose bytes the kernel may hold in its page cache
+    # A flush did not store because it was not the opener's last close (see openers.py): the last
+    # release stores.
+    store_deferred: bool = False
 
     @property
     def idle(self) -> bool:
@@ -88,10 +91,15 @@ class OpenFileTable:
         rec.opens = max(0, rec.opens - 1)
         if rec.opens:
             return None
-        last = OpenFile(ino, unlinked=rec.unlinked, purge_later=rec.purge_later)
-        rec.unlinked, rec.purge_later = False, None
+        last = OpenFile(ino, unlinked=rec.unlinked, purge_later=rec.purge_later, store_deferred=rec.store_deferred)
+        rec.unlinked, rec.purge_later, rec.store_deferred = False, None, False
         self._drop_if_idle(rec)
         return last
+
+    def defer_store(self, ino: InodeNo, deferred: bool) -> None:
+        rec = self._files.get(ino)
+        if rec is not None:
+            rec.store_deferred = deferred
 
     def is_open(self, ino: InodeNo | None) -> bool:
         rec = self._files.get(ino) if ino is not None else None

@@ -274,3 +274,48 @@ def test_the_fast_tier_streams_a_growing_file_before_it_is_closed(ops_env):
         await store.create_bucket("b")
 
     ops_env(body, setup=big_bucket, bucket="b")
+
+
+class FakeOpeners:
+    """Which thread groups still hold a descriptor open for writing (what /proc would say)."""
+
+    def __init__(self) -> None:
+        self.holding: set[int] = set()
+
+    def thread_group(self, pid: int) -> int | None:
+        return pid + 1000  # a thread of process pid+1000
+
+    def still_holds(self, tgid: int, ino: int) -> bool:
+        return tgid in self.holding
+
+
+def test_flush_stores_only_at_the_openers_last_close(ops_env):
+    """A flush while the opener still holds the descriptor (a child closing what it inherited) stores
+    nothing; the opener's close stores once; a deferred store happens at the last release."""
+    async def body(env: Env):
+        openers = env.fs.openers = FakeOpeners()
+        b = (await env.lookup("b")).st_ino
+        fi, _ = await env.ops.create(b, b"part", 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+        openers.holding.add(Ctx.pid + 1000)
+        await env.ops.write(fi.fh, 0, b"first")
+        await env.ops.flush(fi.fh)  # the child's close
+        assert await env.store.get_info("b", "part") is None
+        await env.ops.write(fi.fh, 5, b"second")
+        openers.holding.clear()
+        await env.ops.flush(fi.fh)  # the opener's close
+        await env.ops.release(fi.fh)
+        assert await stored(env, "part") == b"firstsecond"
+        stats = env.fs.stats()["fs"]
+        assert (stats["uploads"], stats["upload_bytes"], stats["flushes_deferred"]) == (1, 11, 1)
+
+        # Only other processes' flushes came: the last release stores.
+        fi, _ = await env.ops.create(b, b"late", 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+        openers.holding.add(Ctx.pid + 1000)
+        await env.ops.write(fi.fh, 0, b"late bytes")
+        await env.ops.flush(fi.fh)
+        assert await env.store.get_info("b", "late") is None
+        await env.ops.release(fi.fh)
+        assert await stored(env, "late") == b"late bytes"
+        assert env.fs.stats()["fs"]["uploads"] == 2
+
+    ops_env(body, setup=one_bucket)

@@ -1,0 +1,91 @@
+"""Who may store a file at its close: the thread group that opened it.
+
+FUSE sends FLUSH at every close(2) of a descriptor, also of one a child process inherited (Hadoop's
+`chmod` subprocess closes Spark's open write descriptors). Storing at each of them uploads a file many
+times. mountpoint-s3 stores only at the flush of the opener's thread group; pyfuse3 does not tell the
+flushing pid, so natsfs asks the other way round: the kernel removes a descriptor from the closing
+process's table before it sends FLUSH, so a flush while the opener's thread group still holds a
+descriptor open for writing on the inode came from someone else (or from a second descriptor the opener still holds)
+and stores nothing; the opener's own last close, its exit, `fsync` and the last release store.
+
+Everything here reads procfs only (never the mountpoint itself: `/proc/PID/fdinfo/N` names the inode
+and mount without a FUSE request). When the answer cannot be read (the process is gone, another pid
+namespace, no permission), the flush stores, as before.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Protocol
+
+
+class Openers(Protocol):
+    def thread_group(self, pid: int) -> int | None:
+        """The thread group (process) of thread `pid`, None if unknown."""
+
+    def still_holds(self, tgid: int, ino: int) -> bool:
+        """Whether process `tgid` still has a descriptor open for writing on inode `ino` of this mount."""
+
+
+def _mount_id(mountpoint: Path) -> int | None:
+    """The mount id (as /proc/PID/fdinfo shows it) of the mount at `mountpoint`, the topmost one."""
+    found = None
+    target = os.fsencode(str(mountpoint))
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and fields[4].replace(b"\\040", b" ") == target:
+                    found = int(fields[0])
+    except OSError:
+        return None
+    return found
+
+
+class ProcOpeners:
+    """`Openers` read from /proc of this machine."""
+
+    def __init__(self, mountpoint: Path, proc: Path = Path("/proc")):
+        self._mountpoint = mountpoint
+        self._proc = proc
+        self._mnt_id: int | None = None
+
+    def thread_group(self, pid: int) -> int | None:
+        if pid <= 0:  # a process in another pid namespace shows as 0
+            return None
+        try:
+            with open(self._proc / str(pid) / "status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Tgid:"):
+                        return int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
+    def still_holds(self, tgid: int, ino: int) -> bool:
+        if self._mnt_id is None:
+            self._mnt_id = _mount_id(self._mountpoint)
+        fdinfo = self._proc / str(tgid) / "fdinfo"
+        try:
+            fds = os.listdir(fdinfo)
+        except OSError:
+            return False
+        for fd in fds:
+            try:
+                with open(fdinfo / fd, "rb") as f:
+                    text = f.read(4096)
+            except OSError:
+                continue  # closed meanwhile
+            fields = dict(line.split(b":", 1) for line in text.splitlines() if b":" in line)
+            try:
+                if int(fields.get(b"ino", b"-1")) != ino:
+                    continue
+                if self._mnt_id is not None and int(fields.get(b"mnt_id", b"-1")) != self._mnt_id:
+                    continue
+                if int(fields.get(b"flags", b"0"), 8) & os.O_ACCMODE == os.O_RDONLY:
+                    continue  # a reader's close never stores, so it never waits for one
+            except ValueError:
+                continue
+            return True
+        return False
