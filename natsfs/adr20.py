@@ -67,6 +67,10 @@ ATTR_MODE = "natsfs.mode"
 ATTR_UID = "natsfs.uid"
 ATTR_GID = "natsfs.gid"
 ATTR_MTIME = "natsfs.mtime_ns"
+# An empty object that stands for a FIFO, socket or device (`SPECIAL_KINDS`), and a device's number.
+ATTR_TYPE = "natsfs.type"
+ATTR_RDEV = "natsfs.rdev"
+SPECIAL_KINDS = {"fifo": 0o010000, "socket": 0o140000, "char": 0o020000, "block": 0o060000}
 DIGEST_PREFIX = "SHA-256="
 # nats.go never stores a real time in `mtime` (publishMeta zeroes it); neither do we.
 ZERO_TIME = "0001-01-01T00:00:00Z"
@@ -131,11 +135,16 @@ def set_posix_attrs(doc: dict[str, Any], attrs: PosixAttrs, defaults: PosixAttrs
         (ATTR_UID, attrs.uid, defaults.uid, "d"),
         (ATTR_GID, attrs.gid, defaults.gid, "d"),
         (ATTR_MTIME, attrs.mtime_ns, None, "d"),
+        (ATTR_RDEV, attrs.rdev, 0, "d"),
     ):
         if value is None or value == default:
             metadata.pop(key, None)
         else:
             metadata[key] = format(value, fmt)
+    if attrs.kind in SPECIAL_KINDS:
+        metadata[ATTR_TYPE] = attrs.kind
+    else:
+        metadata.pop(ATTR_TYPE, None)
     if metadata:
         doc["metadata"] = metadata
     else:
@@ -218,6 +227,8 @@ class PosixAttrs:
     uid: int | None = None
     gid: int | None = None
     mtime_ns: int | None = None
+    kind: str | None = None  # a key of SPECIAL_KINDS: the empty object is that kind of file
+    rdev: int | None = None  # a device's number (st_rdev)
 
 
 @dataclass(slots=True)
@@ -269,7 +280,9 @@ def _attrs_from(metadata: dict[str, str]) -> PosixAttrs | None:
             return None
         return v if v >= 0 else None
 
-    return PosixAttrs(num(ATTR_MODE, 8), num(ATTR_UID), num(ATTR_GID), num(ATTR_MTIME))
+    kind = metadata.get(ATTR_TYPE)
+    return PosixAttrs(num(ATTR_MODE, 8), num(ATTR_UID), num(ATTR_GID), num(ATTR_MTIME),
+                      kind if isinstance(kind, str) and kind in SPECIAL_KINDS else None, num(ATTR_RDEV))
 
 
 def parse_meta(bucket: str, msg: StoredMsg) -> ObjectInfo:

@@ -116,7 +116,7 @@ def entry_attributes(a: Attributes) -> pyfuse3.EntryAttributes:
     e.st_nlink = a.nlink
     e.st_uid = a.uid
     e.st_gid = a.gid
-    e.st_rdev = 0
+    e.st_rdev = a.rdev
     e.st_size = a.size
     e.st_blksize = a.blksize
     e.st_blocks = (a.size + 511) // 512
@@ -254,7 +254,7 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
                     ) -> pyfuse3.EntryAttributes:
-        return entry_attributes(await self.fs.mknod(InodeNo(parent_inode), name, mode, _caller(ctx)))
+        return entry_attributes(await self.fs.mknod(InodeNo(parent_inode), name, mode, _caller(ctx), rdev))
 
     @_boundary
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext

@@ -49,7 +49,8 @@ def check_mountpoint(mountpoint: Path) -> None:
 
 def fuse_options(config: Config) -> set[str]:
     options = set(pyfuse3.default_options)
-    options |= {"fsname=natsfs", "subtype=natsfs"}
+    # nodev: a device node any client of the bucket can describe must never open a device of this host.
+    options |= {"fsname=natsfs", "subtype=natsfs", "nodev"}
     if config.read_only:
         options.add("ro")
     options |= set(config.fuse_options)

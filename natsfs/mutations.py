@@ -508,6 +508,22 @@ class Mutations:
         self._apply(bucket, info)
         return info
 
+    async def make_special(self, bucket: str, name: str, attrs: PosixAttrs) -> ObjectInfo:
+        """A FIFO, socket or device node: an empty object with its type in the metadata."""
+        await self.check_writable(bucket)
+        defaults = self.file_defaults
+
+        def extra(doc: dict[str, Any]) -> None:
+            set_posix_attrs(doc, attrs, defaults)
+
+        try:
+            info = await self.store.put(bucket, name, BytesSource(b""), expected_revision=0, extra=extra,
+                                        replace_tombstone=True)
+        except Conflict:
+            raise AlreadyExists(f"{bucket}/{name}") from None
+        self._apply(bucket, info)
+        return info
+
     async def rmdir(self, bucket: str, rel: Path, directory: Dir, mount_path: Path) -> None:
         await self.check_writable(bucket)
         if directory.children or self.staging.children(mount_path):

@@ -14,6 +14,7 @@ staged content (`Staging`), and the requests in flight that kernel invalidations
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -26,7 +27,7 @@ from typing import Any
 import trio
 
 from .. import xattrs
-from ..adr20 import ObjectInfo, PosixAttrs, valid_bucket_name
+from ..adr20 import SPECIAL_KINDS, ObjectInfo, PosixAttrs, valid_bucket_name
 from ..chunk_cache import ChunkCache
 from ..config import Config
 from ..errors import (
@@ -75,6 +76,7 @@ class Attributes:
     blksize: int
     entry_timeout: float
     attr_timeout: float
+    rdev: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +261,7 @@ class Filesystem:
     # ------------------------------------------------------------------ attributes
     def _attr(self, ino: InodeNo, node: Node) -> Attributes:
         c = self.config
-        size, nlink = 0, 1
+        size, nlink, rdev = 0, 1, 0
         writable = self.writable and not (node.bucket is not None and self._known_sealed(node.bucket))
         if node.kind in (ROOT, BUCKET, DIR):
             marker = node.dir.marker if node.dir is not None else None
@@ -277,7 +279,15 @@ class Filesystem:
             info = node.info
             assert info is not None
             mode, uid, gid = _owner(info.attrs, FILE_MODE, c.uid, c.gid, c.allow_setuid)
-            mode = stat.S_IFREG | (mode if writable else mode & ~0o222)
+            kind = info.attrs.kind if info.attrs is not None and info.size == 0 else None
+            if kind is not None:
+                # A FIFO, socket or device node (its object is empty; one with bytes is a regular file,
+                # whatever its metadata says). The mount is nodev: a device node never opens a device.
+                mode = SPECIAL_KINDS[kind] | (mode if writable else mode & ~0o222)
+                assert info.attrs is not None
+                rdev = info.attrs.rdev or 0
+            else:
+                mode = stat.S_IFREG | (mode if writable else mode & ~0o222)
             # Deleted or replaced while open: no name links to it any more, as fstat shows on a local disk.
             nlink = 0 if self._nameless(ino) else 1
             size = info.size
@@ -285,7 +295,7 @@ class Filesystem:
         blksize = max(self.cache.store.chunk_size, 1 << 20)
         return Attributes(ino=ino, mode=mode, nlink=nlink, size=size, uid=uid, gid=gid,
                           mtime_ns=node.mtime_ns or self.ns.started_ns, blksize=blksize,
-                          entry_timeout=c.entry_timeout, attr_timeout=c.attr_timeout)
+                          entry_timeout=c.entry_timeout, attr_timeout=c.attr_timeout, rdev=rdev)
 
     def _link_target(self, node: Node) -> str:
         """The link's symlink target, built only from validated parts (see natsfs/links.py)."""
@@ -714,6 +724,7 @@ class Filesystem:
                 changes.uid if changes.uid is not None else cur.uid,
                 changes.gid if changes.gid is not None else cur.gid,
                 changes.mtime_ns if changes.mtime_ns is not None else cur.mtime_ns,
+                cur.kind, cur.rdev,
             )
 
         assert node.bucket is not None
@@ -734,7 +745,7 @@ class Filesystem:
         current = node.info.attrs
         new = merged(current, FILE_MODE)
         if changes.mtime_ns is None:
-            new = PosixAttrs(new.mode, new.uid, new.gid, current.mtime_ns if current else None)
+            new = dataclasses.replace(new, mtime_ns=current.mtime_ns if current else None)
         info = await self.mut.set_attrs(node.bucket, node.info, new, self.mut.file_defaults)
         if sf is not None and not sf.ended:
             sf.rebase(info)
@@ -894,15 +905,38 @@ class Filesystem:
         self._refuse_if_read_only()
         raise NatsFSError("hard links are not supported", errno=errno.EPERM, log_level=logging.INFO)
 
-    async def mknod(self, parent_inode: InodeNo, name: bytes, mode: int, caller: Caller) -> Attributes:
+    async def mknod(self, parent_inode: InodeNo, name: bytes, mode: int, caller: Caller, rdev: int = 0
+                    ) -> Attributes:
         self._refuse_if_read_only()
+        kind = next((k for k, bits in SPECIAL_KINDS.items() if stat.S_IFMT(mode) == bits), None)
+        if kind is not None:
+            return await self._make_special(parent_inode, name, kind, mode, rdev, caller)
         if not stat.S_ISREG(mode):
-            raise NatsFSError("device nodes, FIFOs and sockets are not supported", errno=errno.EPERM,
+            raise NatsFSError(f"mknod of file type {stat.S_IFMT(mode):o}", errno=errno.EINVAL,
                               log_level=logging.INFO)
         info, attr = await self.create(parent_inode, name, mode, os.O_WRONLY | os.O_EXCL, caller)
         await self.flush(info.fh)
         await self.release(info.fh)
         return attr
+
+    async def _make_special(self, parent_inode: InodeNo, name: bytes, kind: str, mode: int, rdev: int,
+                            caller: Caller) -> Attributes:
+        """A FIFO, socket or device node: an empty object whose `natsfs.type` (and `natsfs.rdev`) say
+        what it is; other clients see an empty object."""
+        path = (*self.inodes.path_of(parent_inode), _new_name(name))
+        bucket, rel = self._in_bucket(path)
+        self.ns.store.check_name(bucket, "/".join(rel))
+        await self.mut.check_writable(bucket)
+        if await self._maybe_node(path) is not None:
+            raise AlreadyExists("/".join(path))
+        parent = await self._path_node(path[:-1])
+        if parent.kind not in (BUCKET, DIR):
+            raise NotADirectory("/".join(path[:-1]))
+        attrs = PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None, kind,
+                           rdev if kind in ("char", "block") else None)
+        await self.mut.make_special(bucket, "/".join(rel), attrs)
+        ino = self.inodes.lookup(path)
+        return self._attr(ino, await self._node(ino))
 
     # ------------------------------------------------------------------ filesystem
     async def statfs(self) -> FsUsage:

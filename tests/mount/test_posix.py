@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import stat
 import subprocess
 import sys
 
 import pytest
-from helpers import create_bucket, nats_py_get
+from helpers import create_bucket, nats_py_get, with_store
 
 
 @pytest.fixture()
@@ -90,3 +91,65 @@ def test_fsync_stores_even_while_a_child_holds_the_descriptor(nats_url, bucket_n
         os.close(fd)
     assert nats_py_get(nats_url, bucket_name, "synced") == b"one"
     assert " ERROR " not in m.log()
+
+
+# ---------------------------------------------------------------- every file type
+def make_socket(path) -> None:
+    """bind(2) a Unix socket there (from its directory: mount paths are longer than sun_path)."""
+    subprocess.run([sys.executable, "-I", "-c", f"import socket; socket.socket(socket.AF_UNIX).bind({path.name!r})"],
+                   cwd=path.parent, check=True, capture_output=True)
+
+
+SPECIAL = {
+    "fifo": (stat.S_IFIFO, lambda p: os.mkfifo(p, 0o640), 0),
+    "socket": (stat.S_IFSOCK, make_socket, 0),
+    "char": (stat.S_IFCHR, lambda p: os.mknod(p, stat.S_IFCHR | 0o600, os.makedev(1, 3)), os.makedev(1, 3)),
+    "block": (stat.S_IFBLK, lambda p: os.mknod(p, stat.S_IFBLK | 0o600, os.makedev(7, 0)), os.makedev(7, 0)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SPECIAL))
+def test_every_file_type_is_created_stat_chmod_chown_renamed_and_unlinked(nats_url, bucket_name, pb, kind):
+    m, b = pb
+    fmt, make, rdev = SPECIAL[kind]
+    (b / "d").mkdir()
+    node = b / "d" / "node"
+    make(node)
+    st = os.lstat(node)
+    assert stat.S_IFMT(st.st_mode) == fmt and st.st_rdev == rdev and st.st_size == 0
+    os.chmod(node, 0o604)
+    os.chown(node, 4321, 8765)
+    os.rename(node, b / "moved")
+    assert not os.path.lexists(node)
+    # Other clients see an empty object with its type in the metadata.
+    info = with_store(nats_url, lambda s: s.get_info(bucket_name, "moved"))
+    assert info is not None and info.size == 0 and not info.deleted
+    assert nats_py_get(nats_url, bucket_name, "moved") == b""
+    m.remount()
+    st = os.lstat(b / "moved")
+    assert stat.S_IFMT(st.st_mode) == fmt and st.st_rdev == rdev
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o604, 4321, 8765)
+    with pytest.raises((FileExistsError, subprocess.CalledProcessError)):
+        make(b / "moved")
+    os.unlink(b / "moved")
+    assert not os.path.lexists(b / "moved")
+    assert with_store(nats_url, lambda s: s.get_info(bucket_name, "moved")).deleted
+    assert " ERROR " not in m.log()
+
+
+def test_a_fifo_in_the_mount_carries_data_between_processes(pb):
+    _m, b = pb
+    os.mkfifo(b / "pipe")
+    reader = subprocess.Popen(["cat", str(b / "pipe")], stdout=subprocess.PIPE)
+    with open(b / "pipe", "wb") as w:
+        w.write(b"through the pipe")
+    assert reader.communicate(timeout=10)[0] == b"through the pipe"
+
+
+def test_device_nodes_never_open_a_device(pb):
+    """The mount is nodev: a device node (which any client of the bucket could describe) is shown but
+    opening it is refused by the kernel."""
+    _m, b = pb
+    os.mknod(b / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    with pytest.raises(PermissionError), open(b / "null", "rb"):
+        pass

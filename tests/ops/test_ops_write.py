@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from typing import Any
 
 import pyfuse3
@@ -317,5 +318,28 @@ def test_flush_stores_only_at_the_openers_last_close(ops_env):
         await env.ops.release(fi.fh)
         assert await stored(env, "late") == b"late bytes"
         assert env.fs.stats()["fs"]["uploads"] == 2
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_mknod_stores_an_empty_object_with_its_type_and_rdev(ops_env):
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        attr = await env.ops.mknod(b, b"dev", stat.S_IFBLK | 0o600, os.makedev(8, 1), Ctx())
+        assert stat.S_IFMT(attr.st_mode) == stat.S_IFBLK and attr.st_rdev == os.makedev(8, 1)
+        fifo = await env.ops.mknod(b, b"fifo", stat.S_IFIFO | 0o644, 0, Ctx())
+        assert stat.S_IFMT(fifo.st_mode) == stat.S_IFIFO and fifo.st_rdev == 0
+        doc, _ = await env.store.get_meta_doc("b", "dev")
+        assert doc["size"] == 0 and doc["metadata"]["natsfs.type"] == "block"
+        assert doc["metadata"]["natsfs.rdev"] == str(os.makedev(8, 1))
+        assert await err(env.ops.mknod(b, b"fifo", stat.S_IFIFO | 0o644, 0, Ctx())) == errno.EEXIST
+        # chmod keeps the type; an object another client filled with bytes is a regular file.
+        chmod = pyfuse3.EntryAttributes()
+        chmod.st_mode = stat.S_IFIFO | 0o600
+        await env.ops.setattr(fifo.st_ino, chmod, Fields(update_mode=True), None, Ctx())
+        assert (await env.lookup("b/fifo")).st_mode == stat.S_IFIFO | 0o600
+        await put_object(env.streams, "b", "fifo", b"bytes now", metadata={"natsfs.type": "fifo"})
+        await env.settle()
+        assert stat.S_ISREG((await env.lookup("b/fifo")).st_mode)
 
     ops_env(body, setup=one_bucket)
