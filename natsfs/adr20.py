@@ -70,6 +70,9 @@ ATTR_MTIME = "natsfs.mtime_ns"
 # An empty object that stands for a FIFO, socket or device (`SPECIAL_KINDS`), and a device's number.
 ATTR_TYPE = "natsfs.type"
 ATTR_RDEV = "natsfs.rdev"
+# A symlink's target text, verbatim, and its signature by the mount that wrote it (natsfs/links.py).
+ATTR_SYMLINK = "natsfs.symlink"
+ATTR_SYMLINK_SIG = "natsfs.symlink_sig"
 SPECIAL_KINDS = {"fifo": 0o010000, "socket": 0o140000, "char": 0o020000, "block": 0o060000}
 DIGEST_PREFIX = "SHA-256="
 # nats.go never stores a real time in `mtime` (publishMeta zeroes it); neither do we.
@@ -229,6 +232,8 @@ class PosixAttrs:
     mtime_ns: int | None = None
     kind: str | None = None  # a key of SPECIAL_KINDS: the empty object is that kind of file
     rdev: int | None = None  # a device's number (st_rdev)
+    symlink: str | None = None  # the target text of a symlink (an empty object or an ADR-20 link)
+    symlink_sig: str | None = None
 
 
 @dataclass(slots=True)
@@ -280,9 +285,14 @@ def _attrs_from(metadata: dict[str, str]) -> PosixAttrs | None:
             return None
         return v if v >= 0 else None
 
-    kind = metadata.get(ATTR_TYPE)
+    def text(key: str) -> str | None:
+        raw = metadata.get(key)
+        return raw if isinstance(raw, str) else None
+
+    kind = text(ATTR_TYPE)
     return PosixAttrs(num(ATTR_MODE, 8), num(ATTR_UID), num(ATTR_GID), num(ATTR_MTIME),
-                      kind if isinstance(kind, str) and kind in SPECIAL_KINDS else None, num(ATTR_RDEV))
+                      kind if kind in SPECIAL_KINDS else None, num(ATTR_RDEV), text(ATTR_SYMLINK),
+                      text(ATTR_SYMLINK_SIG))
 
 
 def parse_meta(bucket: str, msg: StoredMsg) -> ObjectInfo:
@@ -746,7 +756,8 @@ class ObjectStore:
         change(doc)
         return await self.publish_meta(bucket, doc, expected_revision=revision)
 
-    async def add_link(self, bucket: str, name: str, target_bucket: str, target_name: str | None) -> ObjectInfo:
+    async def add_link(self, bucket: str, name: str, target_bucket: str, target_name: str | None, *,
+                       metadata: dict[str, str] | None = None) -> ObjectInfo:
         """AddLink / AddBucketLink as nats.go writes them (fresh nuid, size 0, no chunks). The caller has
         checked the target (a live object that is not a link, or a bucket); here the name is checked:
         a live regular object there is `AlreadyExists`, a link or a deleted object is replaced."""
@@ -758,7 +769,8 @@ class ObjectStore:
             if not doc.get("deleted") and not is_link:
                 raise AlreadyExists(f"{bucket}/{name} is an object")
         link = {"bucket": target_bucket} | ({"name": target_name} if target_name else {})
-        doc = meta_doc(name=name, bucket=bucket, nuid=new_nuid(), size=0, chunks=0, digest="", link=link)
+        doc = meta_doc(name=name, bucket=bucket, nuid=new_nuid(), size=0, chunks=0, digest="", link=link,
+                       base={"metadata": metadata} if metadata else None)
         return await self.publish_meta(bucket, doc, expected_revision=revision)
 
     async def update_bucket(self, bucket: str, change: Callable[[dict[str, Any]], None]) -> BucketStatus:

@@ -1,9 +1,12 @@
 """Inode numbers for paths, kernel lookup counts and `forget`.
 
 An inode stands for a mount-relative path (a tuple of names). Numbers are handed out on first
-lookup and never reused during a mount, so a stale number can never alias a different file. An entry
-is dropped when the kernel has forgotten every lookup of it. Renames move a path (and everything
-below it) to a new path while keeping the inode numbers.
+lookup and never reused for another path during a mount, so a stale number can never alias a file
+elsewhere. An entry is dropped when the kernel has forgotten every lookup of it; the same path looked
+up again gets its old number back (a bounded memory of forgotten paths), so st_ino stays stable while
+the kernel evicts and reloads an inode, as on a local disk (tar compares a placeholder's st_ino before
+it replaces it with a symlink). A name that was deleted gets a new number when it is created again.
+Renames move a path (and everything below it) to a new path while keeping the inode numbers.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ Path = tuple[str, ...]
 # An inode number as the kernel knows it (never reused during a mount).
 InodeNo = NewType("InodeNo", int)
 ROOT_INODE = InodeNo(1)  # FUSE_ROOT_ID
+RETIRED_MAX = 16_384  # forgotten paths whose numbers are kept for the next lookup
 # First segment of the path an inode is kept under once its name went away (no lookup can reach it).
 DETACHED = "\x00detached"
 
@@ -29,6 +33,7 @@ class InodeTable:
         self._path_of: dict[InodeNo, Path] = {ROOT_INODE: ()}
         self._lookups: dict[InodeNo, int] = {}
         self._next = ROOT_INODE + 1
+        self._retired: dict[Path, InodeNo] = {}  # forgotten, not deleted: the path's number if it comes back
 
     def __len__(self) -> int:
         return len(self._path_of)
@@ -39,8 +44,10 @@ class InodeTable:
     def ino_for(self, path: Path) -> InodeNo:
         ino = self._ino_of.get(path)
         if ino is None:
-            ino = InodeNo(self._next)
-            self._next += 1
+            ino = self._retired.pop(path, None)
+            if ino is None or ino in self._path_of:
+                ino = InodeNo(self._next)
+                self._next += 1
             self._ino_of[path] = ino
             self._path_of[ino] = path
         return ino
@@ -72,6 +79,9 @@ class InodeTable:
         path = self._path_of.pop(ino, None)
         if path is not None and self._ino_of.get(path) == ino:
             del self._ino_of[path]
+            if len(self._retired) >= RETIRED_MAX:
+                del self._retired[next(iter(self._retired))]
+            self._retired[path] = ino
         return True
 
     def lookup_count(self, ino: InodeNo) -> int:
@@ -79,6 +89,8 @@ class InodeTable:
 
     def move(self, old: Path, new: Path) -> None:
         """`old` and everything under it now live at `new`; an inode already at `new` is detached."""
+        self._forget_retired(old)
+        self._forget_retired(new)
         displaced = [p for p in self._ino_of if p[: len(new)] == new]
         for p in displaced:
             ino = self._ino_of.pop(p)
@@ -91,12 +103,18 @@ class InodeTable:
             self._ino_of[np] = ino
             self._path_of[ino] = np
 
+    def _forget_retired(self, prefix: Path) -> None:
+        """Names at or under `prefix` changed: their old numbers are not theirs any more."""
+        for p in [p for p in self._retired if p[: len(prefix)] == prefix]:
+            del self._retired[p]
+
     def is_detached(self, ino: InodeNo) -> bool:
         path = self._path_of.get(ino)
         return path is not None and path[:1] == (DETACHED,)
 
     def detach(self, path: Path) -> InodeNo | None:
         """The object at `path` is gone: its inode (if any) no longer maps a path."""
+        self._retired.pop(path, None)
         ino = self._ino_of.pop(path, None)
         if ino is not None:
             self._path_of[ino] = (DETACHED, str(ino))

@@ -456,9 +456,10 @@ class Mutations:
         self._apply(bucket, new)
         return new
 
-    async def add_link(self, bucket: str, name: str, target_bucket: str, target_name: str | None) -> ObjectInfo:
+    async def add_link(self, bucket: str, name: str, target_bucket: str, target_name: str | None, *,
+                       metadata: dict[str, str] | None = None) -> ObjectInfo:
         await self.check_writable(bucket)
-        info = await self.store.add_link(bucket, name, target_bucket, target_name)
+        info = await self.store.add_link(bucket, name, target_bucket, target_name, metadata=metadata)
         self._apply(bucket, info)
         return info
 
@@ -508,13 +509,16 @@ class Mutations:
         self._apply(bucket, info)
         return info
 
-    async def make_special(self, bucket: str, name: str, attrs: PosixAttrs) -> ObjectInfo:
-        """A FIFO, socket or device node: an empty object with its type in the metadata."""
+    async def make_special(self, bucket: str, name: str, attrs: PosixAttrs,
+                           metadata: dict[str, str] | None = None) -> ObjectInfo:
+        """A FIFO, socket, device node or symlink: an empty object with its type in the metadata."""
         await self.check_writable(bucket)
         defaults = self.file_defaults
 
         def extra(doc: dict[str, Any]) -> None:
             set_posix_attrs(doc, attrs, defaults)
+            if metadata:
+                doc["metadata"] = dict(doc.get("metadata") or {}) | metadata
 
         try:
             info = await self.store.put(bucket, name, BytesSource(b""), expected_revision=0, extra=extra,

@@ -35,7 +35,7 @@ class NodeKind(enum.StrEnum):
     BUCKET = "bucket"  # a bucket's directory at the root of an all-buckets mount
     DIR = "dir"  # a directory inside a bucket (a marker object, or names below it)
     FILE = "file"  # an object
-    LINK = "link"  # an ADR-20 link, shown as a symlink
+    LINK = "link"  # an ADR-20 link or an empty object with natsfs.symlink text, shown as a symlink
 
 
 ROOT, BUCKET, DIR, FILE, LINK = NodeKind.ROOT, NodeKind.BUCKET, NodeKind.DIR, NodeKind.FILE, NodeKind.LINK
@@ -212,7 +212,8 @@ class Namespace:
         if isinstance(entry, Dir):
             kind = BUCKET if not rel and self.single_bucket is None else (ROOT if not rel else DIR)
             return Node(kind, bucket, rel, entry, mtime_ns=entry.mtime_ns)
-        if entry.link is not None:
+        if entry.link is not None or (entry.attrs is not None and entry.attrs.symlink is not None
+                                      and entry.size == 0):
             return Node(LINK, bucket, rel, None, entry, entry.mtime_ns)
         return Node(FILE, bucket, rel, None, entry, entry.mtime_ns)
 

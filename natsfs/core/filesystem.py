@@ -27,7 +27,7 @@ from typing import Any
 import trio
 
 from .. import xattrs
-from ..adr20 import SPECIAL_KINDS, ObjectInfo, PosixAttrs, valid_bucket_name
+from ..adr20 import ATTR_SYMLINK, ATTR_SYMLINK_SIG, SPECIAL_KINDS, ObjectInfo, PosixAttrs, valid_bucket_name
 from ..chunk_cache import ChunkCache
 from ..config import Config
 from ..errors import (
@@ -48,7 +48,7 @@ from ..errors import (
 from ..handles import DirHandle, FileHandle, HandleNo, HandleTable
 from ..inodes import ROOT_INODE, InodeNo, InodeTable
 from ..kernel import KernelNotifier
-from ..links import link_target
+from ..links import OUTSIDE_TARGET, SymlinkSigner, link_target, stays_in_mount
 from ..mutations import DIR_MODE, FILE_MODE, Mutations, check_meta_size
 from ..names import NAME_MAX
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
@@ -56,6 +56,7 @@ from ..openers import Openers, ProcOpeners
 from ..staging import StagedFile, Staging
 from .openfiles import OpenFileTable
 
+WRITTEN_MTIMES_MAX = 10_000
 log = logging.getLogger(__name__)
 
 XATTR_STATS = b"user.natsfs.stats"
@@ -171,6 +172,12 @@ class Filesystem:
         self.mut = Mutations(namespace, namespace.store, self.staging, config)
         self.files = OpenFileTable()
         self.openers = openers if openers is not None else ProcOpeners(config.mountpoint)
+        self._mount_root = str(config.mountpoint.resolve())  # resolved before mounting, never after
+        self.signer = SymlinkSigner(config.cache_dir / "symlink.key")
+        # (bucket, nuid, revision) -> mtime: versions this mount stored keep showing the time of their
+        # last write, not the later time of their meta message, so a stored file's mtime and ctime do
+        # not jump at close (tar's placeholder check compares them). Bounded; lost at unmount.
+        self._written_mtimes: dict[tuple[str, str, int], int] = {}
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         self._nursery: trio.Nursery | None = None
@@ -293,15 +300,32 @@ class Filesystem:
             size = info.size
         # Large enough that cp, cat and dd move 1 MiB per system call (fewer FUSE round trips).
         blksize = max(self.cache.store.chunk_size, 1 << 20)
+        mtime_ns = node.mtime_ns
+        if node.kind == FILE and node.info is not None and node.bucket is not None:
+            mtime_ns = self._written_mtimes.get((node.bucket, node.info.nuid, node.info.revision), mtime_ns)
         return Attributes(ino=ino, mode=mode, nlink=nlink, size=size, uid=uid, gid=gid,
-                          mtime_ns=node.mtime_ns or self.ns.started_ns, blksize=blksize,
+                          mtime_ns=mtime_ns or self.ns.started_ns, blksize=blksize,
                           entry_timeout=c.entry_timeout, attr_timeout=c.attr_timeout, rdev=rdev)
 
     def _link_target(self, node: Node) -> str:
-        """The link's symlink target, built only from validated parts (see natsfs/links.py)."""
+        """The symlink's target: its verbatim text where natsfs/links.py allows it, else built only from
+        validated parts."""
         info = node.info
-        assert info is not None and info.link is not None and node.bucket is not None
-        target = link_target(info.link, self.ns.mount_path(node.bucket, node.rel), self.ns.single_bucket)
+        assert info is not None and node.bucket is not None
+        link_path = self.ns.mount_path(node.bucket, node.rel)
+        text = info.attrs.symlink if info.attrs is not None else None
+        if text is not None:
+            if stays_in_mount(text, link_path, self._mount_root) or self.signer.verify(
+                    node.bucket, text, info.attrs.symlink_sig if info.attrs is not None else None):
+                return text
+            if info.link is None:
+                if (node.bucket, info.nuid, info.revision) not in self._reported_links:
+                    self._reported_links.add((node.bucket, info.nuid, info.revision))
+                    log.warning("symlink %r in bucket %r reads as %r: its text %r leaves the mount and was not "
+                                "written by this user", info.name, node.bucket, OUTSIDE_TARGET, text)
+                return OUTSIDE_TARGET
+        assert info.link is not None
+        target = link_target(info.link, link_path, self.ns.single_bucket)
         if target.outside is not None and (node.bucket, info.nuid, info.revision) not in self._reported_links:
             self._reported_links.add((node.bucket, info.nuid, info.revision))
             log.log(logging.WARNING if target.hostile else logging.INFO, "link %r in bucket %r reads as %r: %s",
@@ -654,6 +678,10 @@ class Filesystem:
                         sf.bucket, sf.name, kept)
             raise Conflict(f"{e} (kept at {kept})", log_level=logging.DEBUG) from None
         if info is not None:
+            if info.attrs is None or info.attrs.mtime_ns is None:
+                if len(self._written_mtimes) >= WRITTEN_MTIMES_MAX:
+                    del self._written_mtimes[next(iter(self._written_mtimes))]
+                self._written_mtimes[(info.bucket, info.nuid, info.revision)] = sf.mtime_ns
             self.files.set_cached_version(ino, info.nuid)
             self.counters["uploads"] += 1
             self.counters["upload_bytes"] += info.size
@@ -972,36 +1000,56 @@ class Filesystem:
 
     # ------------------------------------------------------------------ links
     async def symlink(self, parent_inode: InodeNo, name: bytes, target: bytes) -> Attributes:
-        """`ln -s` makes an ADR-20 link (AddLink / AddBucketLink) to the object or bucket it names."""
+        """`ln -s TARGET NAME`: TARGET is stored verbatim in `natsfs.symlink` (any text, as on a local
+        disk). Where it names a stored object or a bucket of this mount, the object is also an ADR-20
+        link (AddLink / AddBucketLink), so other clients follow it; else an empty object."""
         self._refuse_if_read_only()
         path = (*self.inodes.path_of(parent_inode), _new_name(name))
         bucket, rel = self._in_bucket(path)
         self.ns.store.check_name(bucket, "/".join(rel))
+        try:
+            text = target.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadName(f"symlink target {target!r} is not UTF-8 (metadata is JSON text)") from None
+        if not text:
+            raise NotFound("an empty symlink target")
         await self.mut.check_writable(bucket)
         if await self._maybe_node(path) is not None:
             raise AlreadyExists("/".join(path))
-        target_path = self._link_target_path(path[:-1], os.fsdecode(target))
-        target_bucket, target_rel = self.ns.split(target_path)
-        if target_bucket is None:
-            raise InvalidArgument("a link can name an object or a bucket, not the root of the mount")
-        if not target_rel:
-            if not await self.ns.bucket_exists(target_bucket):
-                raise NotFound(f"no bucket {target_bucket}")
-            await self.mut.add_link(bucket, "/".join(rel), target_bucket, None)
+        parent = await self._path_node(path[:-1])
+        if parent.kind not in (BUCKET, DIR):
+            raise NotADirectory("/".join(path[:-1]))
+        metadata = {ATTR_SYMLINK: text}
+        if not stays_in_mount(text, self.ns.mount_path(bucket, rel), self._mount_root):
+            metadata[ATTR_SYMLINK_SIG] = await trio.to_thread.run_sync(self.signer.sign, bucket, text)
+        linked = await self._adr20_target(path[:-1], text)
+        if linked is not None:
+            await self.mut.add_link(bucket, "/".join(rel), *linked, metadata=metadata)
         else:
-            node = await self._maybe_node(target_path)
-            if node is None:
-                raise NotFound(f"link target {'/'.join(target_path)} does not exist")
-            if node.kind == LINK:
-                raise InvalidArgument("ADR-20 links cannot point at links")
-            if node.kind != FILE:
-                raise InvalidArgument("ADR-20 links point at objects or buckets, not directories")
-            stored = await self._index_info(target_path)
-            if stored is None:
-                raise NotFound(f"link target {'/'.join(target_path)} is not stored yet (close it first)")
-            await self.mut.add_link(bucket, "/".join(rel), target_bucket, stored.name)
+            await self.mut.make_special(bucket, "/".join(rel), PosixAttrs(), metadata)
         node = await self.ns.resolve(path)
         return self._attr(self.inodes.lookup(path), node)
+
+    async def _adr20_target(self, directory: tuple[str, ...], text: str) -> tuple[str, str | None] | None:
+        """(bucket, object name or None for the bucket) when `text` names a stored object (not a link)
+        or a bucket of this mount, else None."""
+        try:
+            target_path = self._link_target_path(directory, text)
+        except NatsFSError:
+            return None
+        target_bucket, target_rel = self.ns.split(target_path)
+        if target_bucket is None:
+            return None
+        if not target_rel:
+            return (target_bucket, None) if await self.ns.bucket_exists(target_bucket) else None
+        try:
+            node = await self._maybe_node(target_path)
+        except NatsFSError:
+            return None
+        if node is None or node.kind != FILE:
+            return None
+        stored = await self._index_info(target_path)
+        return (target_bucket, stored.name) if stored is not None else None
 
     def _link_target_path(self, directory: tuple[str, ...], target: str) -> tuple[str, ...]:
         """The mount path a symlink target names, relative to the link's directory or absolute
@@ -1009,7 +1057,7 @@ class Filesystem:
         outside = NatsFSError(f"link target {target!r} is outside the mount", errno=errno.EXDEV,
                               log_level=logging.INFO)
         if target.startswith("/"):
-            root = str(self.config.mountpoint.resolve())
+            root = self._mount_root
             if target != root and not target.startswith(root.rstrip("/") + "/"):
                 raise outside
             parts: list[str] = []

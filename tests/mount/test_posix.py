@@ -3,15 +3,18 @@ process inherits and closes the descriptor), every file type, symlinks, director
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
 import stat
 import subprocess
 import sys
+import tarfile
+from pathlib import Path
 
 import pytest
-from helpers import create_bucket, nats_py_get, with_store
+from helpers import create_bucket, nats_py_get, raw_put, wait_for, with_store
 
 
 @pytest.fixture()
@@ -153,3 +156,116 @@ def test_device_nodes_never_open_a_device(pb):
     os.mknod(b / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
     with pytest.raises(PermissionError), open(b / "null", "rb"):
         pass
+
+
+# ---------------------------------------------------------------- symlinks, tar, git
+def tree(root: Path) -> dict[str, tuple]:
+    """Everything under `root` without dereferencing: type, permission bits, link text or bytes."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if rel == ".git" or rel.startswith(".git/"):
+                continue
+            st = os.lstat(p)
+            fmt = stat.S_IFMT(st.st_mode)
+            mode = stat.S_IMODE(st.st_mode)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = (fmt, os.readlink(p))
+            elif stat.S_ISREG(st.st_mode):
+                out[rel] = (fmt, mode, p.read_bytes())
+            else:
+                out[rel] = (fmt, mode)
+    return out
+
+
+def build_archive(path: Path) -> None:
+    """Symlinks before their targets, absolute and dangling ones, a FIFO and nested directories."""
+    def member(name: str, kind: bytes, mode: int, **kw) -> tarfile.TarInfo:
+        info = tarfile.TarInfo(name)
+        info.type, info.mode, info.mtime = kind, mode, 1_700_000_000
+        for k, v in kw.items():
+            setattr(info, k, v)
+        return info
+
+    with tarfile.open(path, "w") as tar:
+        tar.addfile(member("d1", tarfile.DIRTYPE, 0o755))
+        tar.addfile(member("d1/early", tarfile.SYMTYPE, 0o777, linkname="sub/f1"))
+        tar.addfile(member("d1/abs", tarfile.SYMTYPE, 0o777, linkname="/usr/bin/env"))
+        tar.addfile(member("d1/dangling", tarfile.SYMTYPE, 0o777, linkname="../nowhere/at/all"))
+        tar.addfile(member("d1/dirlink", tarfile.SYMTYPE, 0o777, linkname="sub"))
+        tar.addfile(member("d1/sub", tarfile.DIRTYPE, 0o750))
+        data = b"file one\n"
+        tar.addfile(member("d1/sub/f1", tarfile.REGTYPE, 0o640, size=len(data)), io.BytesIO(data))
+        tar.addfile(member("d1/sub/deeper", tarfile.DIRTYPE, 0o700))
+        tar.addfile(member("d1/sub/deeper/up", tarfile.SYMTYPE, 0o777, linkname="../../early"))
+        tar.addfile(member("d1/pipe", tarfile.FIFOTYPE, 0o600))
+        script = b"#!/bin/sh\necho hi\n"
+        tar.addfile(member("run.sh", tarfile.REGTYPE, 0o755, size=len(script)), io.BytesIO(script))
+
+
+def test_tar_extracts_the_same_tree_as_on_a_local_disk(tmp_path, pb):
+    m, b = pb
+    archive = tmp_path / "a.tar"
+    build_archive(archive)
+    local = tmp_path / "local"
+    local.mkdir()
+    for dest in (local, b):
+        subprocess.run(["tar", "-x", "-f", str(archive), "-C", str(dest)], check=True, capture_output=True)
+    want = tree(local)
+    assert tree(b) == want
+    assert (b / "d1" / "early").read_bytes() == b"file one\n"  # the kernel follows the verbatim text
+    assert (b / "d1" / "sub" / "deeper" / "up").read_bytes() == b"file one\n"
+    m.remount()
+    assert tree(b) == want
+    # Moved with its directory, a relative symlink keeps working, as on a local disk.
+    os.rename(b / "d1", b / "moved")
+    assert (b / "moved" / "early").read_bytes() == b"file one\n"
+    assert os.readlink(b / "moved" / "abs") == "/usr/bin/env"
+    assert " ERROR " not in m.log()
+
+
+def test_git_clone_with_symlinks_matches_a_local_clone(tmp_path, pb):
+    _m, b = pb
+    src = tmp_path / "src"
+    src.mkdir()
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t", HOME=str(tmp_path))
+
+    def git(*args: str, cwd: Path = src) -> None:
+        subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True)
+
+    git("init", "-q", "-b", "main")
+    (src / "lib").mkdir()
+    (src / "lib" / "code.py").write_text("print('hi')\n")
+    (src / "tool.sh").write_text("#!/bin/sh\n")
+    os.chmod(src / "tool.sh", 0o755)
+    os.symlink("lib/code.py", src / "alias.py")
+    os.symlink("../README", src / "lib" / "readme-up")
+    os.symlink("does/not/exist", src / "dangling")
+    (src / "README").write_text("readme\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    git("clone", "-q", str(src), str(tmp_path / "local"), cwd=tmp_path)
+    git("clone", "-q", str(src), str(b / "clone"), cwd=tmp_path)
+    assert tree(b / "clone") == tree(tmp_path / "local")
+    git("status", "--porcelain", cwd=b / "clone")
+    out = subprocess.run(["git", "status", "--porcelain"], cwd=b / "clone", env=env, check=True,
+                         capture_output=True).stdout
+    assert out == b""
+
+
+def test_symlink_text_from_another_client_never_leads_out_of_the_mount(nats_url, bucket_name, pb):
+    """natsfs.symlink metadata written by another client: contained texts show verbatim, texts that
+    leave the mount (absolute, climbing above the root, `..` after a name) dangle inside it."""
+    m, b = pb
+    for name, text in (("inside", "target.txt"), ("abs", "/etc/passwd"), ("up", "../../../../etc/passwd"),
+                       ("late-dotdot", "inside/../../x")):
+        raw_put(nats_url, bucket_name, name, [], meta_extra={"metadata": {"natsfs.symlink": text}})
+    assert wait_for(lambda: os.path.lexists(b / "late-dotdot"), 10)
+    assert os.readlink(b / "inside") == "target.txt"
+    for name in ("abs", "up", "late-dotdot"):
+        assert os.readlink(b / name) == "nats-object:?/outside-link"
+        assert not os.path.exists(b / name)
+    assert m.log().count("leaves the mount") == 3

@@ -218,18 +218,58 @@ def test_xattrs_and_the_meta_size_limit(ops_env):
 
 
 def test_symlink_rules(ops_env):
+    """Any target text is stored verbatim; one naming a stored object is also an ADR-20 link."""
     async def body(env: Env):
         b = (await env.lookup("b")).st_ino
         link = await env.ops.symlink(b, b"l", b"old.txt", Ctx())
-        assert await env.ops.readlink(link.st_ino, Ctx()) == b"../b/old.txt"
+        assert await env.ops.readlink(link.st_ino, Ctx()) == b"old.txt"
+        assert stat.S_ISLNK(link.st_mode) and link.st_size == len(b"old.txt")
         doc, _ = await env.store.get_meta_doc("b", "l")
         assert doc["options"] == {"link": {"bucket": "b", "name": "old.txt"}}
-        assert await err(env.ops.symlink(b, b"l2", b"l", Ctx())) == errno.EINVAL
-        assert await err(env.ops.symlink(b, b"l3", b"missing", Ctx())) == errno.ENOENT
-        assert await err(env.ops.symlink(b, b"l4", b"../../etc", Ctx())) == errno.EXDEV
-        assert await err(env.ops.symlink(b, b"l5", b"/etc/passwd", Ctx())) == errno.EXDEV
+        assert doc["metadata"] == {"natsfs.symlink": "old.txt"}
+        for name, text in ((b"l2", b"l"), (b"l3", b"missing/later"), (b"l4", b"../../etc"),
+                           (b"l5", b"/etc/passwd"), (b"l6", b"./a//b/../c")):
+            attr = await env.ops.symlink(b, name, text, Ctx())
+            assert await env.ops.readlink(attr.st_ino, Ctx()) == text
+            doc, _ = await env.store.get_meta_doc("b", name.decode())
+            assert doc["size"] == 0 and "link" not in doc["options"]
+            assert doc["metadata"]["natsfs.symlink"] == text.decode()
+            # Texts that could leave the mount carry this user's signature; contained ones need none.
+            assert ("natsfs.symlink_sig" in doc["metadata"]) == (name in (b"l4", b"l5", b"l6"))
+        assert await err(env.ops.symlink(b, b"l", b"x", Ctx())) == errno.EEXIST
+        assert await err(env.ops.symlink(b, b"bad", b"\xff", Ctx())) == errno.EILSEQ
         await env.ops.unlink(b, b"l", Ctx())
         assert await stored(env, "old.txt") == b"old content"
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_symlink_text_from_other_clients_stays_in_the_mount(ops_env):
+    """natsfs.symlink written by another client (no valid signature of this user) shows verbatim only
+    when it cannot leave the mount."""
+    async def body(env: Env):
+        for name, text in (("in", "old.txt"), ("up", "../../../etc/shadow"), ("abs", "/etc/shadow"),
+                           ("dotdot-late", "sub/../../x")):
+            await put_object(env.streams, "b", name, b"", metadata={"natsfs.symlink": text,
+                                                                   "natsfs.symlink_sig": "00" * 32})
+        await put_object(env.streams, "b", "with-bytes", b"data", metadata={"natsfs.symlink": "old.txt"})
+        await env.settle()
+
+        async def shown(name: str) -> bytes:
+            attr = await env.lookup(f"b/{name}")
+            assert stat.S_ISLNK(attr.st_mode)
+            return await env.ops.readlink(attr.st_ino, Ctx())
+
+        assert await shown("in") == b"old.txt"
+        for name in ("up", "abs", "dotdot-late"):
+            assert await shown(name) == b"nats-object:?/outside-link"
+        assert stat.S_ISREG((await env.lookup("b/with-bytes")).st_mode)
+        # This user's own signed text shows verbatim.
+        signed = env.fs.signer.sign("b", "/etc/hostname")
+        await put_object(env.streams, "b", "mine", b"", metadata={"natsfs.symlink": "/etc/hostname",
+                                                                 "natsfs.symlink_sig": signed})
+        await env.settle()
+        assert await shown("mine") == b"/etc/hostname"
 
     ops_env(body, setup=one_bucket)
 

@@ -46,16 +46,30 @@ def test_forget_of_unknown_inode_is_harmless():
     assert len(t) == 1
 
 
-def test_numbers_are_never_reused():
+def test_numbers_are_never_reused_for_another_path():
     t = InodeTable()
     seen = set()
-    for _ in range(5):
-        ino = t.lookup(("x",))
+    for i in range(5):
+        ino = t.lookup((f"x{i}",))
         assert ino not in seen
         seen.add(ino)
         t.forget(ino, 1)
     other = t.lookup(("y",))
     assert other not in seen and other != ROOT_INODE
+
+
+def test_a_forgotten_path_gets_its_number_back_a_deleted_one_does_not():
+    t = InodeTable()
+    ino = t.lookup(("x",))
+    t.forget(ino, 1)
+    assert t.lookup(("x",)) == ino  # evicted and reloaded by the kernel: st_ino stays
+    t.detach(("x",))
+    t.forget(ino, 1)
+    assert t.lookup(("x",)) != ino  # deleted and created again: a new file
+    moved = t.lookup(("m",))
+    t.forget(moved, 1)
+    t.move(("n",), ("m",))
+    assert t.lookup(("m",)) != moved  # another file was renamed onto the name
 
 
 def test_ino_for_does_not_count_a_lookup():
