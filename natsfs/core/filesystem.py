@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,7 @@ from ..staging import StagedFile, Staging
 from .openfiles import OpenFileTable
 
 WRITTEN_MTIMES_MAX = 10_000
+DIR_TIME_DELAY_S = 0.5  # entry changes of a directory within this are stored to its marker at once
 log = logging.getLogger(__name__)
 
 XATTR_STATS = b"user.natsfs.stats"
@@ -178,6 +180,10 @@ class Filesystem:
         # last write, not the later time of their meta message, so a stored file's mtime and ctime do
         # not jump at close (tar's placeholder check compares them). Bounded; lost at unmount.
         self._written_mtimes: dict[tuple[str, str, int], int] = {}
+        # Directories whose entries this mount changed: mount path -> when (their mtime and ctime).
+        # Persisted to the directory's marker a moment later (coalesced), where one exists.
+        self._dir_mtimes: dict[tuple[str, ...], int] = {}
+        self._dir_times_pending: set[tuple[str, ...]] = set()
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         self._nursery: trio.Nursery | None = None
@@ -301,6 +307,8 @@ class Filesystem:
         # Large enough that cp, cat and dd move 1 MiB per system call (fewer FUSE round trips).
         blksize = max(self.cache.store.chunk_size, 1 << 20)
         mtime_ns = node.mtime_ns
+        if node.kind in (BUCKET, DIR) and node.bucket is not None:
+            mtime_ns = self._dir_mtimes.get(self.ns.mount_path(node.bucket, node.rel), mtime_ns)
         if node.kind == FILE and node.info is not None and node.bucket is not None:
             mtime_ns = self._written_mtimes.get((node.bucket, node.info.nuid, node.info.revision), mtime_ns)
         return Attributes(ino=ino, mode=mode, nlink=nlink, size=size, uid=uid, gid=gid,
@@ -540,6 +548,7 @@ class Filesystem:
         sf = StagedFile(self.staging.spool, ino=ino, path=path, bucket=bucket, name="/".join(rel), base=None,
                         attrs=PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None), new=True)
         self.staging.add(sf)
+        self._entries_changed(path[:-1])
         node = self._staged_node(sf)
         return self._open_handle(ino, node, True, caller), self._attr(ino, node)
 
@@ -758,6 +767,8 @@ class Filesystem:
         assert node.bucket is not None
         if node.kind == DIR:
             assert node.dir is not None
+            if changes.mtime_ns is not None:
+                self._dir_mtimes.pop(self.ns.mount_path(node.bucket, node.rel), None)
             marker = node.dir.marker
             await self.mut.set_dir_attrs(node.bucket, node.rel, node.dir,
                                          merged(marker.attrs if marker else None, DIR_MODE))
@@ -777,6 +788,35 @@ class Filesystem:
         info = await self.mut.set_attrs(node.bucket, node.info, new, self.mut.file_defaults)
         if sf is not None and not sf.ended:
             sf.rebase(info)
+
+    # ------------------------------------------------------------------ directory times
+    def _entries_changed(self, directory: tuple[str, ...]) -> None:
+        """This mount created, removed or renamed an entry of `directory`: its mtime and ctime advance
+        now, and are written to its marker (natsfs.mtime_ns) shortly after, coalesced."""
+        self._dir_mtimes[directory] = time.time_ns()
+        if directory not in self._dir_times_pending and self._nursery is not None:
+            self._dir_times_pending.add(directory)
+            self._nursery.start_soon(self._persist_dir_time, directory)
+
+    async def _persist_dir_time(self, directory: tuple[str, ...]) -> None:
+        try:
+            await trio.sleep(DIR_TIME_DELAY_S)
+        finally:
+            self._dir_times_pending.discard(directory)
+        mtime_ns = self._dir_mtimes.get(directory)
+        try:
+            node = await self.ns.resolve(directory)
+            if (mtime_ns is None or node.kind != DIR or node.dir is None or node.dir.marker is None
+                    or node.bucket is None):
+                return  # no marker: the time lives in this mount's memory only
+            marker = node.dir.marker
+            if marker.attrs is not None and marker.attrs.mtime_ns == mtime_ns:
+                return
+            cur = marker.attrs or PosixAttrs()
+            await self.mut.set_attrs(node.bucket, marker, dataclasses.replace(cur, mtime_ns=mtime_ns),
+                                     self.mut.dir_defaults)
+        except NatsFSError as e:
+            log.debug("%s: directory time not stored (%s)", "/".join(directory), e)
 
     # ------------------------------------------------------------------ namespace changes
     async def unlink(self, parent_inode: InodeNo, name: bytes) -> None:
@@ -800,6 +840,7 @@ class Filesystem:
         if sf is not None and not sf.ended:
             sf.unlink()
         self._detach(path)
+        self._entries_changed(path[:-1])
 
     def _forget_open_version(self, ino: InodeNo | None, bucket: str, stored: ObjectInfo | None, open_here: bool
                              ) -> None:
@@ -830,6 +871,7 @@ class Filesystem:
         if parent.kind not in (ROOT, BUCKET, DIR):
             raise NotADirectory("/".join(path[:-1]))
         await self.mut.mkdir(bucket, rel, PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None))
+        self._entries_changed(path[:-1])
         node = await self.ns.resolve(path)
         return self._attr(self.inodes.lookup(path), node)
 
@@ -862,6 +904,8 @@ class Filesystem:
         assert node.dir is not None
         await self.mut.rmdir(bucket, rel, node.dir, path)
         self._detach(path)
+        self._dir_mtimes.pop(path, None)
+        self._entries_changed(path[:-1])
 
     async def rename(self, parent_inode_old: InodeNo, name_old: bytes, parent_inode_new: InodeNo, name_new: bytes,
                      *, noreplace: bool = False, exchange: bool = False) -> None:
@@ -886,6 +930,10 @@ class Filesystem:
             await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
         self._move_staged(bucket, old, new)
         self.inodes.move(old, new)
+        for moved in [p for p in self._dir_mtimes if p[: len(old)] == old]:
+            self._dir_mtimes[new + moved[len(old):]] = self._dir_mtimes.pop(moved)
+        self._entries_changed(old[:-1])
+        self._entries_changed(new[:-1])
 
     async def _rename(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...], rel_old: tuple[str, ...],
                       rel_new: tuple[str, ...], src: Node, dst: Node | None) -> None:
@@ -963,6 +1011,7 @@ class Filesystem:
         attrs = PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None, kind,
                            rdev if kind in ("char", "block") else None)
         await self.mut.make_special(bucket, "/".join(rel), attrs)
+        self._entries_changed(path[:-1])
         ino = self.inodes.lookup(path)
         return self._attr(ino, await self._node(ino))
 
@@ -1027,6 +1076,7 @@ class Filesystem:
             await self.mut.add_link(bucket, "/".join(rel), *linked, metadata=metadata)
         else:
             await self.mut.make_special(bucket, "/".join(rel), PosixAttrs(), metadata)
+        self._entries_changed(path[:-1])
         node = await self.ns.resolve(path)
         return self._attr(self.inodes.lookup(path), node)
 

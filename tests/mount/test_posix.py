@@ -269,3 +269,40 @@ def test_symlink_text_from_another_client_never_leads_out_of_the_mount(nats_url,
         assert os.readlink(b / name) == "nats-object:?/outside-link"
         assert not os.path.exists(b / name)
     assert m.log().count("leaves the mount") == 3
+
+
+# ---------------------------------------------------------------- directory times
+def test_directory_times_advance_when_entries_change_and_persist_in_the_marker(nats_url, bucket_name, pb):
+    m, b = pb
+    d, other = b / "d", b / "other"
+    d.mkdir()
+    other.mkdir()
+    os.utime(d, ns=(1_000_000_000, 1_000_000_000))
+    os.utime(other, ns=(1_000_000_000, 1_000_000_000))
+
+    def times(p: Path) -> tuple[int, int]:
+        st = os.stat(p)
+        return st.st_mtime_ns, st.st_ctime_ns
+
+    steps = [
+        ("create", lambda: (d / "f").write_bytes(b"x")),
+        ("symlink", lambda: os.symlink("f", d / "l")),
+        ("mkfifo", lambda: os.mkfifo(d / "p")),
+        ("mkdir", lambda: (d / "sub").mkdir()),
+        ("rmdir", lambda: (d / "sub").rmdir()),
+        ("unlink", lambda: (d / "l").unlink()),
+        ("rename out", lambda: os.rename(d / "f", other / "f")),
+        ("rename in", lambda: os.rename(other / "f", d / "g")),
+    ]
+    last = times(d)
+    for what, step in steps:
+        step()
+        now = times(d)
+        assert now[0] > last[0] and now[1] > last[1], what
+        last = now
+    assert times(other)[0] > 1_000_000_000  # renamed out of and into
+    # Stored in the directory's marker (natsfs.mtime_ns) shortly after: shown again after a remount.
+    assert wait_for(lambda: with_store(nats_url, lambda s: s.get_info(bucket_name, "d/")).mtime_ns == last[0], 10)
+    m.remount()
+    assert os.stat(d).st_mtime_ns == last[0]
+    assert " ERROR " not in m.log()
