@@ -7,10 +7,12 @@ import io
 import json
 import os
 import random
+import shutil
 import stat
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -306,3 +308,73 @@ def test_directory_times_advance_when_entries_change_and_persist_in_the_marker(n
     m.remount()
     assert os.stat(d).st_mtime_ns == last[0]
     assert " ERROR " not in m.log()
+
+
+# ---------------------------------------------------------------- several users
+AS_OTHER_USER = r"""
+import errno, json, os, sys
+base = sys.argv[1]
+out = {}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = 0
+    except OSError as e:
+        out[name] = errno.errorcode[e.errno]
+def create(p):
+    with open(p, "wb") as f:
+        f.write(b"by 1000")
+attempt("create in 0777 dir", lambda: create(f"{base}/shared/mine"))
+attempt("create in 0755 dir of root", lambda: create(f"{base}/private/x"))
+attempt("write root's 0644 file", lambda: open(f"{base}/rootfile", "ab").close())
+attempt("read root's 0644 file", lambda: open(f"{base}/rootfile", "rb").close())
+attempt("chmod root's file", lambda: os.chmod(f"{base}/rootfile", 0o666))
+attempt("chmod own file", lambda: os.chmod(f"{base}/shared/mine", 0o600))
+attempt("mkfifo", lambda: os.mkfifo(f"{base}/shared/fifo", 0o640))
+attempt("symlink", lambda: os.symlink("mine", f"{base}/shared/link"))
+attempt("mkdir", lambda: os.mkdir(f"{base}/shared/sub", 0o700))
+attempt("unlink in root's dir", lambda: os.unlink(f"{base}/private/keep"))
+attempt("rename into root's dir", lambda: os.rename(f"{base}/shared/mine", f"{base}/private/mine"))
+print(json.dumps(out))
+"""
+
+
+def test_other_users_create_and_are_checked_as_on_a_local_disk(nats_url, bucket_name, mounter, tmp_path):
+    """-o allow_other,default_permissions: files of another uid are theirs; the kernel's permission
+    checks use the stored modes and owners, as on a local disk (compared with a local directory)."""
+    create_bucket(nats_url, bucket_name)
+    top = Path(tempfile.mkdtemp(prefix="natsfs-posix-", dir="/tmp"))
+    m = None
+    try:
+        os.chmod(top, 0o755)
+        mp, local = top / "mnt", top / "local"
+        mp.mkdir()
+        local.mkdir()
+        m = mounter(nats_url, "-o", "allow_other,default_permissions", mountpoint=mp)
+        results = {}
+        for base in (local, mp / bucket_name):
+            (base / "shared").mkdir()
+            os.chmod(base / "shared", 0o777)
+            (base / "private").mkdir(mode=0o755)
+            (base / "private" / "keep").write_bytes(b"k")
+            (base / "rootfile").write_bytes(b"root")
+            os.chmod(base / "rootfile", 0o644)
+            run = subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", sys.executable, "-I",
+                                  "-c", AS_OTHER_USER, str(base)], capture_output=True, check=True, cwd="/")
+            results[base] = json.loads(run.stdout)
+        assert results[mp / bucket_name] == results[local]
+        assert results[local]["create in 0755 dir of root"] == "EACCES"
+        b = mp / bucket_name
+        for name, fmt in (("mine", stat.S_IFREG), ("fifo", stat.S_IFIFO), ("sub", stat.S_IFDIR)):
+            st = os.lstat(b / "shared" / name)
+            assert stat.S_IFMT(st.st_mode) == fmt and (st.st_uid, st.st_gid) == (1000, 1000), name
+        assert stat.S_IMODE(os.stat(b / "shared" / "mine").st_mode) == 0o600
+        m.remount()
+        st = os.stat(b / "shared" / "mine")
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1000, 1000, 0o600)
+        assert " ERROR " not in m.log()
+    finally:
+        if m is not None:
+            m.stop()
+        if not os.path.ismount(top / "mnt"):
+            shutil.rmtree(top, ignore_errors=True)
