@@ -955,6 +955,9 @@ class Filesystem:
         dst_ino = self.inodes.known(new)
         target_open = self.files.is_open(dst_ino)
         if stored is not None:
+            written = self._written_mtimes.pop((bucket, stored.nuid, stored.revision), None)
+            if written is not None:  # the mtime shown (its last write) is the one rename keeps
+                stored = dataclasses.replace(stored, mtime_ns=written)
             await self.mut.rename_object(bucket, stored, "/".join(rel_new), target, keep_target_chunks=target_open)
         elif target is not None:
             # A file that exists only in the staging area replaces an object: delete that one now;
