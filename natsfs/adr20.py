@@ -27,17 +27,20 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
 
 from .errors import (
+    ERR_ATOMIC_DISABLED,
+    ERR_BATCH_DUPLICATE_ID,
     AlreadyExists,
     BadName,
     Conflict,
     InvalidArgument,
+    JetStreamAPIError,
     MalformedMeta,
     NameTooLong,
     NatsFSError,
@@ -47,7 +50,15 @@ from .errors import (
     Unavailable,
     single_error,
 )
-from .streams import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, ROLLUP, StoredMsg, Streams, StreamState
+from .streams import (
+    BATCH_MAX_MSGS,
+    EXPECTED_LAST_SUBJECT_SEQ,
+    MSG_ID,
+    ROLLUP,
+    StoredMsg,
+    Streams,
+    StreamState,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +72,9 @@ DEFAULT_MAX_PAYLOAD = 1024 * 1024
 _META_HEADER_ROOM = 256
 # How long an ambiguous meta publish is retried and read back: well inside the 120 s duplicate window.
 SETTLE_S = 60.0
+# The most chunks a put sent as one atomic batch can have: a batch holds at most 1000 messages, the
+# last one being the meta.
+ATOMIC_MAX_CHUNKS = BATCH_MAX_MSGS - 1
 BUCKET_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]+$")
 # Keys of a meta's `metadata` map that carry POSIX attributes written by natsfs.
 ATTR_MODE = "natsfs.mode"
@@ -371,6 +385,8 @@ class ObjectStore:
         self.settle_timeout = settle_timeout
         # Told of every put that sends chunks, so that no put can leave orphan chunks unnoticed.
         self.put_log: PutLog | None = None
+        # Whether each bucket's stream allows atomic batch publish (from its last status).
+        self._atomic: dict[str, bool] = {}
 
     @property
     def max_payload(self) -> int:
@@ -412,7 +428,9 @@ class ObjectStore:
     async def bucket_status(self, bucket: str) -> BucketStatus:
         if not valid_bucket_name(bucket):
             raise NotFound(f"no bucket {bucket!r}")
-        return bucket_status(bucket, await self.streams.stream_info(stream_name(bucket)))
+        st = await self.streams.stream_info(stream_name(bucket))
+        self._atomic[bucket] = bool(st.config.get("allow_atomic"))
+        return bucket_status(bucket, st)
 
     async def create_bucket(self, bucket: str, *, description: str = "", storage: str = "file",
                             replicas: int = 1, compression: bool = False, max_bytes: int = -1,
@@ -438,6 +456,8 @@ class ObjectStore:
             "allow_rollup_hdrs": True,
             "allow_direct": True,
             "compression": "s2" if compression else "none",
+            # Puts of up to ATOMIC_MAX_CHUNKS chunks go as one atomic batch (servers before 2.12 ignore it).
+            "allow_atomic": True,
         }
         if metadata:
             config["metadata"] = metadata
@@ -611,23 +631,204 @@ class ObjectStore:
         the meta is stored, the new chunks are purged and the previous version stays intact.
         With `replace_tombstone`, a new name (expected revision 0) may replace a deleted object."""
         self.check_name(bucket, name)
+        chunk_size = chunk_size or self.chunk_size
+        commit: dict[str, Any] = dict(base=base, expected_revision=expected_revision, old_nuid=old_nuid,
+                                      extra=extra, replace_tombstone=replace_tombstone)
+        head: list[bytes] = []
+        if self.batch_fits(bucket, 1, chunk_size):
+            # Read up to one batch ahead: a source that ends within it is put atomically.
+            while len(head) <= ATOMIC_MAX_CHUNKS and (more := await source.read_batch(
+                    chunk_size, ATOMIC_MAX_CHUNKS + 1 - len(head))):
+                head += more
+            if 0 < len(head) <= ATOMIC_MAX_CHUNKS:
+                read = head
+
+                async def replay(hasher: Any) -> AsyncIterator[bytes]:
+                    for chunk in read:
+                        hasher.update(chunk)
+                        yield chunk
+
+                return await self._put_batch(bucket, name, replay, chunk_size, window, **commit)
         session = self.start_put(bucket, chunk_size, window, name)
         try:
+            await session.send(head)
             await self._send_all(session, source, window)
-            return await session.commit(name, source.digest(), base=base, expected_revision=expected_revision,
-                                        old_nuid=old_nuid, extra=extra, replace_tombstone=replace_tombstone)
+            return await session.commit(name, source.digest(), **commit)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await session.abort()
             raise
 
     async def put_file(self, bucket: str, name: str, path: str, fd: int, size: int, **kwargs: Any) -> ObjectInfo:
-        """`put` of the first `size` bytes of a local file (a spool file), by the upload worker if any."""
+        """`put` of the first `size` bytes of a local file (a spool file): one atomic batch when the
+        bucket allows it and the object fits, else by the upload worker if any."""
         self.check_name(bucket, name)
-        session = self.start_put(bucket, kwargs.pop("chunk_size", None), kwargs.pop("window", 64), name)
+        chunk_size = kwargs.pop("chunk_size", None) or self.chunk_size
+        window = kwargs.pop("window", 64)
+        if size > 0 and self.batch_fits(bucket, size, chunk_size):
+
+            def file_chunks(hasher: Any) -> AsyncIterator[bytes]:
+                return _file_chunks(fd, size, chunk_size, hasher)
+
+            return await self._put_batch(bucket, name, file_chunks, chunk_size, window, **kwargs)
+        session = self.start_put(bucket, chunk_size, window, name)
         try:
             await session.send_file(path, fd, 0, size)
             return await session.commit(name, await session.digest(), **kwargs)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await session.abort()
+            raise
+
+    # ---------------------------------------------------------------- atomic puts
+    def batch_fits(self, bucket: str, size: int, chunk_size: int | None = None) -> bool:
+        """Whether a put of `size` bytes into `bucket` goes as one atomic batch: the bucket is known to
+        allow atomic publish (`allow_atomic`, seen in its status) and the chunks and meta fit one batch."""
+        chunks = -(-size // (chunk_size or self.chunk_size))
+        return (self._atomic.get(bucket, False) and chunks <= ATOMIC_MAX_CHUNKS
+                and getattr(self.streams, "publish_batch", None) is not None)
+
+    async def _put_batch(self, bucket: str, name: str, chunks_of: Callable[[Any], AsyncIterator[bytes]],
+                         chunk_size: int, window: int, *, base: dict[str, Any] | None = None,
+                         expected_revision: int | None = None, old_nuid: str = "",
+                         extra: Callable[[dict[str, Any]], None] | None = None,
+                         replace_tombstone: bool = False) -> ObjectInfo:
+        """A put as one atomic batch: chunks `<nuid>.<i>` and the meta (rollup, expected revision) are
+        stored together at the commit or not at all, so no crash leaves a partial version or orphan
+        chunks, and no put journal record is needed. `chunks_of(hasher)` yields the chunks (fed to the
+        hasher) and is called again for each attempt.
+
+        - A tombstone in the way of a new name: the batch is sent again on the tombstone's revision.
+        - A commit without an ack (`OutcomeUnknown`): the name's meta is read back; ours is success;
+          anything else and the same batch (same message ids, new batch id) is sent again until
+          `settle_timeout`. A batch stored meanwhile makes the server refuse the resend as a duplicate
+          (`ERR_BATCH_DUPLICATE_ID`), which is read back too: a batch is never stored twice.
+        - A batch the server does not take as such (atomic publish turned off, too many batches in
+          flight): the ordinary put, unless an earlier attempt's outcome is still unknown."""
+        meta_subj = self._meta_subject(bucket, name)
+        expected = expected_revision
+        nuid = new_nuid()
+        subject = chunk_subject(bucket, nuid)
+        ambiguous: NatsFSError | None = None
+        deadline = 0.0
+        pause = 0.2
+        attempt = 0
+        sent: dict[str, bytes] = {}
+        while True:
+            attempt += 1
+            hasher = hashlib.sha256()
+
+            async def messages(hasher: Any = hasher, expected: int | None = expected
+                               ) -> AsyncIterator[tuple[str, bytes, dict[str, str]]]:
+                size = count = 0
+                async for chunk in chunks_of(hasher):
+                    yield subject, chunk, {MSG_ID: f"{nuid}.{count}"}
+                    size += len(chunk)
+                    count += 1
+                doc = meta_doc(name=name, bucket=bucket, nuid=nuid, size=size, chunks=count,
+                               digest=format_digest(hasher.digest()), base=base, chunk_size=chunk_size)
+                if extra is not None:
+                    extra(doc)
+                data = json.dumps(doc).encode()
+                self.check_meta_payload(bucket, doc, data)
+                headers = {ROLLUP: "sub", MSG_ID: f"{nuid}.meta"}
+                if expected is not None:
+                    headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
+                sent["meta"] = data
+                yield meta_subj, data, headers
+
+            try:
+                seq = await self.streams.publish_batch(f"{nuid}.{attempt}", messages())  # type: ignore[attr-defined]
+                break
+            except OutcomeUnknown as e:
+                if ambiguous is None:
+                    ambiguous, deadline = e, trio.current_time() + self.settle_timeout
+                mine = await self._read_back_batch(bucket, nuid, name, meta_subj, sent["meta"], expected,
+                                                   deadline, e)
+                if mine is not None:
+                    seq = mine.seq
+                    break
+            except Conflict:
+                if ambiguous is not None:
+                    mine = await self._read_back_batch(bucket, nuid, name, meta_subj, sent["meta"], expected,
+                                                       deadline, ambiguous)
+                    if mine is not None:
+                        seq = mine.seq
+                        break
+                    raise
+                if not (replace_tombstone and expected == 0 and attempt == 1):
+                    raise
+                current = await self.get_info(bucket, name)
+                if current is None or not current.deleted:
+                    raise
+                expected = current.revision
+                continue
+            except JetStreamAPIError as e:
+                if ambiguous is not None:
+                    mine = await self._read_back_batch(bucket, nuid, name, meta_subj, sent["meta"], expected,
+                                                       deadline, ambiguous)
+                    if mine is not None:
+                        seq = mine.seq
+                        break
+                    if e.err_code == ERR_BATCH_DUPLICATE_ID:
+                        raise Conflict(f"{bucket}/{name}: stored, then changed by another client") from None
+                    raise
+                if e.err_code == ERR_ATOMIC_DISABLED:
+                    self._atomic[bucket] = False
+                log.info("%s/%s: the server did not take the put as one batch (%s); putting it in order",
+                         bucket, name, e.description)
+                return await self._put_in_order(bucket, name, chunks_of, chunk_size, window, base=base,
+                                                expected_revision=expected, old_nuid=old_nuid, extra=extra,
+                                                replace_tombstone=replace_tombstone)
+            except Unavailable:
+                if ambiguous is None:
+                    raise  # cut off before the commit: nothing of this put is stored
+            if trio.current_time() >= deadline:
+                raise OutcomeUnknown(f"{bucket}/{name}: the put's commit got no answer ({ambiguous}) and was "
+                                     f"not stored within {self.settle_timeout:g}s")
+            await trio.sleep(pause)
+            pause = min(2.0, pause * 2)
+        stored_msg = await self._stored_meta(bucket, meta_subj, seq, sent["meta"])
+        if old_nuid and old_nuid != nuid:
+            await self.purge_chunks_later_if_needed(bucket, old_nuid, name)
+        return parse_meta(bucket, stored_msg)
+
+    async def _read_back_batch(self, bucket: str, nuid: str, name: str, meta_subj: str, data: bytes,
+                               expected: int | None, deadline: float, cause: NatsFSError) -> StoredMsg | None:
+        """`_read_back` of a batch's meta. A server silent until `deadline` leaves the put unknown: its
+        nuid goes to the `PutLog` (settled later like an unfinished put) and `OutcomeUnknown` is raised."""
+        try:
+            return await self._read_back(bucket, meta_subj, data, expected, deadline, cause)
+        except OutcomeUnknown:
+            if self.put_log is not None:
+                self.put_log.started(bucket, nuid, name)
+                self.put_log.failed(bucket, nuid, name, meta_unknown=True, purged=False)
+            raise
+
+    async def _stored_meta(self, bucket: str, meta_subj: str, seq: int, data: bytes) -> StoredMsg:
+        """The meta just stored at `seq`, with the server's timestamp when it can be read."""
+        try:
+            stored = await self.streams.last_msg(stream_name(bucket), meta_subj)
+        except NatsFSError:
+            stored = None
+        if stored is not None and stored.seq == seq:
+            return stored
+        return StoredMsg(seq, meta_subj, None, data, time.time_ns())
+
+    async def _put_in_order(self, bucket: str, name: str, chunks_of: Callable[[Any], AsyncIterator[bytes]],
+                            chunk_size: int, window: int, **commit: Any) -> ObjectInfo:
+        """The ordinary put (chunks, then meta) of what `chunks_of` yields."""
+        session = self.start_put(bucket, chunk_size, window, name)
+        hasher = hashlib.sha256()
+        try:
+            group: list[bytes] = []
+            async for chunk in chunks_of(hasher):
+                group.append(chunk)
+                if len(group) >= max(1, window // 2):
+                    await session.send(group)
+                    group = []
+            await session.send(group)
+            return await session.commit(name, hasher.digest(), **commit)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await session.abort()
@@ -964,6 +1165,17 @@ def _read_chunks(fd: int, start: int, end: int, chunk_size: int, hasher: Any) ->
         out.append(data)
         pos += n
     return out
+
+
+async def _file_chunks(fd: int, size: int, chunk_size: int, hasher: Any) -> AsyncIterator[bytes]:
+    """The first `size` bytes of a file as chunks, read and hashed on a worker thread a few at a time."""
+    pos = 0
+    step = chunk_size * 16
+    while pos < size:
+        stop = min(size, pos + step)
+        for chunk in await trio.to_thread.run_sync(_read_chunks, fd, pos, stop, chunk_size, hasher):
+            yield chunk
+        pos = stop
 
 
 class ChunkSource(Protocol):

@@ -154,6 +154,10 @@ def single_error(exc: BaseException) -> BaseException:
 
 # JetStream err_codes the daemon reacts to (from nats-server's errors.json).
 ERR_STREAM_NOT_FOUND = 10059
+# A batch refused because the stream does not allow atomic publish.
+ERR_ATOMIC_DISABLED = 10174
+# A batch refused because a message id in it was seen within the stream's duplicate window.
+ERR_BATCH_DUPLICATE_ID = 10201
 ERR_WRONG_LAST_SEQUENCE = 10071
 ERR_STREAM_SEALED = 10109
 ERR_STORE_FAILED = 10077  # "insufficient resources" / maximum bytes exceeded comes as 10077

@@ -259,7 +259,9 @@ class Mutations:
         if offset < sf.stream_claimed:
             self._break_stream(sf)
         elif (self._nursery is not None and not sf.stream_dead and sf.stream_running is None
-              and not sf.unlinked and sf.size - sf.stream_claimed >= STREAM_BATCH):
+              and not sf.unlinked and sf.size - sf.stream_claimed >= STREAM_BATCH
+              and not self.store.batch_fits(sf.bucket, sf.size, self.config.chunk_size)):
+            # A file that still fits one atomic batch is put whole at close (all or nothing).
             sf.stream_running = trio.Event()
             self._nursery.start_soon(self._stream_ahead, sf)
 
