@@ -434,8 +434,10 @@ class ObjectStore:
 
     async def create_bucket(self, bucket: str, *, description: str = "", storage: str = "file",
                             replicas: int = 1, compression: bool = False, max_bytes: int = -1,
-                            ttl_ns: int = 0, metadata: dict[str, str] | None = None) -> BucketStatus:
-        """Create a bucket with the stream config nats.go's CreateObjectStore uses."""
+                            ttl_ns: int = 0, metadata: dict[str, str] | None = None,
+                            atomic: bool = True) -> BucketStatus:
+        """Create a bucket with the stream config nats.go's CreateObjectStore uses, plus (`atomic`) the
+        flag that lets puts of up to `ATOMIC_MAX_CHUNKS` chunks go as one atomic batch."""
         if not valid_bucket_name(bucket):
             raise InvalidArgument(f"invalid bucket name {bucket!r} (letters, digits, - and _ only)")
         config: dict[str, Any] = {
@@ -456,8 +458,8 @@ class ObjectStore:
             "allow_rollup_hdrs": True,
             "allow_direct": True,
             "compression": "s2" if compression else "none",
-            # Puts of up to ATOMIC_MAX_CHUNKS chunks go as one atomic batch (servers before 2.12 ignore it).
-            "allow_atomic": True,
+            # Servers before 2.12 ignore it.
+            "allow_atomic": atomic,
         }
         if metadata:
             config["metadata"] = metadata
