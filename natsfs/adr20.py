@@ -716,83 +716,91 @@ class ObjectStore:
         pause = 0.2
         attempt = 0
         sent: dict[str, bytes] = {}
-        while True:
-            attempt += 1
-            hasher = hashlib.sha256()
+        noted = self._note_replacing(bucket, old_nuid, nuid, name)
+        try:
+            while True:
+                attempt += 1
+                hasher = hashlib.sha256()
 
-            async def messages(hasher: Any = hasher, expected: int | None = expected
-                               ) -> AsyncIterator[tuple[str, bytes, dict[str, str]]]:
-                size = count = 0
-                async for chunk in chunks_of(hasher):
-                    yield subject, chunk, {MSG_ID: f"{nuid}.{count}"}
-                    size += len(chunk)
-                    count += 1
-                doc = meta_doc(name=name, bucket=bucket, nuid=nuid, size=size, chunks=count,
-                               digest=format_digest(hasher.digest()), base=base, chunk_size=chunk_size)
-                if extra is not None:
-                    extra(doc)
-                data = json.dumps(doc).encode()
-                self.check_meta_payload(bucket, doc, data)
-                headers = {ROLLUP: "sub", MSG_ID: f"{nuid}.meta"}
-                if expected is not None:
-                    headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
-                sent["meta"] = data
-                yield meta_subj, data, headers
+                async def messages(hasher: Any = hasher, expected: int | None = expected
+                                   ) -> AsyncIterator[tuple[str, bytes, dict[str, str]]]:
+                    size = count = 0
+                    async for chunk in chunks_of(hasher):
+                        yield subject, chunk, {MSG_ID: f"{nuid}.{count}"}
+                        size += len(chunk)
+                        count += 1
+                    doc = meta_doc(name=name, bucket=bucket, nuid=nuid, size=size, chunks=count,
+                                   digest=format_digest(hasher.digest()), base=base, chunk_size=chunk_size)
+                    if extra is not None:
+                        extra(doc)
+                    data = json.dumps(doc).encode()
+                    self.check_meta_payload(bucket, doc, data)
+                    headers = {ROLLUP: "sub", MSG_ID: f"{nuid}.meta"}
+                    if expected is not None:
+                        headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
+                    sent["meta"] = data
+                    yield meta_subj, data, headers
 
-            try:
-                seq = await self.streams.publish_batch(f"{nuid}.{attempt}", messages())  # type: ignore[attr-defined]
-                break
-            except OutcomeUnknown as e:
-                if ambiguous is None:
-                    ambiguous, deadline = e, trio.current_time() + self.settle_timeout
-                mine = await self._read_back_batch(bucket, nuid, name, meta_subj, sent["meta"], expected,
-                                                   deadline, e)
-                if mine is not None:
-                    seq = mine.seq
+                try:
+                    seq = await self.streams.publish_batch(f"{nuid}.{attempt}", messages())  # type: ignore[attr-defined]
                     break
-            except Conflict:
-                if ambiguous is not None:
+                except OutcomeUnknown as e:
+                    if ambiguous is None:
+                        ambiguous, deadline = e, trio.current_time() + self.settle_timeout
                     mine = await self._read_back_batch(bucket, nuid, name, meta_subj, sent["meta"], expected,
-                                                       deadline, ambiguous)
+                                                       deadline, e)
                     if mine is not None:
                         seq = mine.seq
                         break
-                    raise
-                if not (replace_tombstone and expected == 0 and attempt == 1):
-                    raise
-                current = await self.get_info(bucket, name)
-                if current is None or not current.deleted:
-                    raise
-                expected = current.revision
-                continue
-            except JetStreamAPIError as e:
-                if ambiguous is not None:
-                    mine = await self._read_back_batch(bucket, nuid, name, meta_subj, sent["meta"], expected,
-                                                       deadline, ambiguous)
-                    if mine is not None:
-                        seq = mine.seq
-                        break
-                    if e.err_code == ERR_BATCH_DUPLICATE_ID:
-                        raise Conflict(f"{bucket}/{name}: stored, then changed by another client") from None
-                    raise
-                if e.err_code == ERR_ATOMIC_DISABLED:
-                    self._atomic[bucket] = False
-                log.info("%s/%s: the server did not take the put as one batch (%s); putting it in order",
-                         bucket, name, e.description)
-                return await self._put_in_order(bucket, name, chunks_of, chunk_size, window, base=base,
-                                                expected_revision=expected, old_nuid=old_nuid, extra=extra,
-                                                replace_tombstone=replace_tombstone)
-            except Unavailable:
-                if ambiguous is None:
-                    raise  # cut off before the commit: nothing of this put is stored
-            if trio.current_time() >= deadline:
-                raise OutcomeUnknown(f"{bucket}/{name}: the put's commit got no answer ({ambiguous}) and was "
-                                     f"not stored within {self.settle_timeout:g}s")
-            await trio.sleep(pause)
-            pause = min(2.0, pause * 2)
+                except Conflict:
+                    if ambiguous is not None:
+                        mine = await self._read_back_batch(bucket, nuid, name, meta_subj, sent["meta"], expected,
+                                                           deadline, ambiguous)
+                        if mine is not None:
+                            seq = mine.seq
+                            break
+                        raise
+                    if not (replace_tombstone and expected == 0 and attempt == 1):
+                        raise
+                    current = await self.get_info(bucket, name)
+                    if current is None or not current.deleted:
+                        raise
+                    expected = current.revision
+                    continue
+                except JetStreamAPIError as e:
+                    if ambiguous is not None:
+                        mine = await self._read_back_batch(bucket, nuid, name, meta_subj, sent["meta"], expected,
+                                                           deadline, ambiguous)
+                        if mine is not None:
+                            seq = mine.seq
+                            break
+                        if e.err_code == ERR_BATCH_DUPLICATE_ID:
+                            raise Conflict(f"{bucket}/{name}: stored, then changed by another client") from None
+                        raise
+                    if e.err_code == ERR_ATOMIC_DISABLED:
+                        self._atomic[bucket] = False
+                    log.info("%s/%s: the server did not take the put as one batch (%s); putting it in order",
+                             bucket, name, e.description)
+                    return await self._put_in_order(bucket, name, chunks_of, chunk_size, window, base=base,
+                                                    expected_revision=expected, old_nuid=old_nuid, extra=extra,
+                                                    replace_tombstone=replace_tombstone)
+                except Unavailable:
+                    if ambiguous is None:
+                        raise  # cut off before the commit: nothing of this put is stored
+                if trio.current_time() >= deadline:
+                    self._journal_unknown(bucket, nuid, name)
+                    raise OutcomeUnknown(f"{bucket}/{name}: the put's commit got no answer ({ambiguous}) and was "
+                                         f"not stored within {self.settle_timeout:g}s")
+                await trio.sleep(pause)
+                pause = min(2.0, pause * 2)
+        except BaseException as e:
+            refused = isinstance(e, NatsFSError) and not isinstance(e, OutcomeUnknown)
+            with trio.CancelScope(shield=True):
+                await self._end_replacing(bucket, old_nuid, name, noted, stored=False if refused else None)
+            raise
         stored_msg = await self._stored_meta(bucket, meta_subj, seq, sent["meta"])
         if old_nuid and old_nuid != nuid:
-            await self.purge_chunks_later_if_needed(bucket, old_nuid, name)
+            await self._end_replacing(bucket, old_nuid, name, noted, stored=True)
         return parse_meta(bucket, stored_msg)
 
     async def _read_back_batch(self, bucket: str, nuid: str, name: str, meta_subj: str, data: bytes,
@@ -802,10 +810,14 @@ class ObjectStore:
         try:
             return await self._read_back(bucket, meta_subj, data, expected, deadline, cause)
         except OutcomeUnknown:
-            if self.put_log is not None:
-                self.put_log.started(bucket, nuid, name)
-                self.put_log.failed(bucket, nuid, name, meta_unknown=True, purged=False)
+            self._journal_unknown(bucket, nuid, name)
             raise
+
+    def _journal_unknown(self, bucket: str, nuid: str, name: str) -> None:
+        """A batch whose commit may yet be stored: the `PutLog` settles it like an unfinished put."""
+        if self.put_log is not None:
+            self.put_log.started(bucket, nuid, name)
+            self.put_log.failed(bucket, nuid, name, meta_unknown=True, purged=False)
 
     async def _stored_meta(self, bucket: str, meta_subj: str, seq: int, data: bytes) -> StoredMsg:
         """The meta just stored at `seq`, with the server's timestamp when it can be read."""
@@ -961,17 +973,43 @@ class ObjectStore:
     async def purge_chunks(self, bucket: str, nuid: str) -> None:
         await self.streams.purge_subject(stream_name(bucket), chunk_subject(bucket, nuid))
 
-    async def purge_chunks_later_if_needed(self, bucket: str, nuid: str, name: str) -> None:
+    async def purge_chunks_later_if_needed(self, bucket: str, nuid: str, name: str) -> bool:
         """Purge the chunks of a version no meta uses any more; if the server does not answer, hand
-        them to the `PutLog` (settled once it answers) instead of leaving them behind."""
+        them to the `PutLog` (settled once it answers) instead of leaving them behind. True if purged."""
         try:
             await self.purge_chunks(bucket, nuid)
+            return True
         except NatsFSError as e:
             if self.put_log is not None:
                 log.debug("purge of %s/%s failed (%s); settled later", bucket, nuid, e)
                 self.put_log.orphaned(bucket, nuid, name)
             else:
                 log.warning("could not purge the chunks of %s/%s (left for fsck): %s", bucket, nuid, e)
+            return False
+
+    def _note_replacing(self, bucket: str, old_nuid: str, new_nuid: str, name: str) -> bool:
+        """Record the version a put replaces before the meta that replaces it is sent: a daemon killed
+        between that meta and the purge of the old chunks leaves them to the next mount (which keeps
+        them when the name still holds them). True when recorded (end it with `_end_replacing`)."""
+        if self.put_log is None or not old_nuid or old_nuid == new_nuid:
+            return False
+        self.put_log.started(bucket, old_nuid, name)
+        return True
+
+    async def _end_replacing(self, bucket: str, old_nuid: str, name: str, noted: bool, *,
+                             stored: bool | None) -> None:
+        """After the meta of a put that replaces `old_nuid`: stored (purge the old chunks), refused
+        (`stored` False: the old version stays) or unknown (None: settled later by the `PutLog`)."""
+        if stored:
+            if await self.purge_chunks_later_if_needed(bucket, old_nuid, name) and noted:
+                assert self.put_log is not None
+                self.put_log.finished(bucket, old_nuid)
+        elif noted:
+            assert self.put_log is not None
+            if stored is None:
+                self.put_log.failed(bucket, old_nuid, name, meta_unknown=True, purged=False)
+            else:
+                self.put_log.finished(bucket, old_nuid)
 
     async def _purge_settled(self, bucket: str, subject: str, before_seq: int) -> None:
         """A purge (idempotent) retried while the server does not answer, for at most `settle_timeout`."""
@@ -1111,12 +1149,16 @@ class PutSession:
         if extra is not None:
             extra(doc)
         self.meta_state = _META_SENT
+        noted = self.store._note_replacing(self.bucket, old_nuid, self.nuid, name)
         try:
             info = await self.store._publish_replacing(self.bucket, doc, expected_revision, replace_tombstone,
                                                        msg_id=f"{self.nuid}.meta")
-        except NatsFSError as e:
+        except BaseException as e:
             if not isinstance(e, Unavailable):
                 self.meta_state = _META_REFUSED  # the server said no (or nothing was sent): not stored
+            refused = isinstance(e, NatsFSError) and not isinstance(e, Unavailable)
+            with trio.CancelScope(shield=True):
+                await self.store._end_replacing(self.bucket, old_nuid, name, noted, stored=False if refused else None)
             raise
         self.meta_state = _META_STORED
         self.done = True
@@ -1124,7 +1166,7 @@ class PutSession:
             self.store.put_log.finished(self.bucket, self.nuid)
         await self._forget()
         if old_nuid and old_nuid != self.nuid:
-            await self.store.purge_chunks_later_if_needed(self.bucket, old_nuid, name)
+            await self.store._end_replacing(self.bucket, old_nuid, name, noted, stored=True)
         return info
 
     async def abort(self) -> None:
