@@ -14,6 +14,15 @@ only once its meta is known not to be stored; puts that end otherwise are handed
 settles them later (see `natsfs.staging.PutJournal`). Names are checked before anything is sent: valid
 UTF-8 (`BadName`), no request subject over `max_subject_bytes` (`NameTooLong`: an oversize control line
 makes the server drop the connection), no meta over the server's max payload (`TooBig`).
+
+Atomic puts: in a bucket whose stream allows atomic batch publish (`allow_atomic`, nats-server >= 2.12;
+`create_bucket` sets it), a put of at most `ATOMIC_MAX_CHUNKS` chunks is one batch whose commit is the
+meta, so it is stored whole or not at all and needs no journal record (`_put_batch`). Verified on
+nats-server 2.15: the expected-last-subject-sequence header works inside a batch (a mismatch refuses the
+whole batch); a message id the stream already saw refuses the whole batch (10201) instead of being
+acknowledged as a duplicate, while the ids of a refused or abandoned batch are not remembered. So an
+unacknowledged commit is read back and, if not stored, the same batch (same ids) is sent again: stored
+at most once. Other puts keep the nats.go order (`PutSession`).
 """
 
 from __future__ import annotations
