@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--compression", action="store_true")
     bc.add_argument("--max-bytes", default="-1")
     bc.add_argument("--ttl", default="0")
+    bc.add_argument("--no-atomic", action="store_true",
+                    help="no atomic batches: puts go in the nats.go order and large files stream while written")
     bsub.add_parser("ls")
     bs = bsub.add_parser("seal")
     bs.add_argument("name")

@@ -52,7 +52,7 @@ async def bucket_command(a: argparse.Namespace) -> int:
             max_bytes = parse_size(a.max_bytes) if a.max_bytes not in ("-1", "") else -1
             await store.create_bucket(a.name, description=a.description, storage=a.storage,
                                       replicas=a.replicas, compression=a.compression, max_bytes=max_bytes,
-                                      ttl_ns=int(parse_duration(a.ttl) * 1e9))
+                                      ttl_ns=int(parse_duration(a.ttl) * 1e9), atomic=not a.no_atomic)
         elif a.bucket_command == "seal":
             await store.seal_bucket(a.name)
         elif a.bucket_command == "rm":
