@@ -53,6 +53,10 @@ def test_natsfs_buckets_allow_atomic_batches_and_keep_the_flag(nats_url, bucket_
     with_store(nats_url, lambda s: s.seal_bucket(bucket_name))
     cfg = stream_config(nats_url, bucket_name)
     assert cfg.allow_atomic is True and cfg.sealed and cfg.description == "d"
+    plain = bucket_name + "_plain"
+    subprocess.run([sys.executable, "-m", "natsfs", "bucket", "create", plain, "--no-atomic", "--server", nats_url],
+                   check=True, timeout=60)
+    assert not stream_config(nats_url, plain).allow_atomic
 
 
 def test_a_mount_puts_a_file_as_one_batch(nats_url, bucket_name, mounter):
