@@ -54,7 +54,7 @@ def test_natsfs_buckets_allow_atomic_batches_and_keep_the_flag(nats_url, bucket_
     cfg = stream_config(nats_url, bucket_name)
     assert cfg.allow_atomic is True and cfg.sealed and cfg.description == "d"
     plain = bucket_name + "_plain"
-    subprocess.run([sys.executable, "-m", "natsfs", "bucket", "create", plain, "--no-atomic", "--server", nats_url],
+    subprocess.run([sys.executable, "-m", "natsfs", "bucket", "--server", nats_url, "create", plain, "--no-atomic"],
                    check=True, timeout=60)
     assert not stream_config(nats_url, plain).allow_atomic
 
