@@ -802,10 +802,9 @@ class ObjectStore:
                                          f"not stored within {self.settle_timeout:g}s")
                 await trio.sleep(pause)
                 pause = min(2.0, pause * 2)
-        except BaseException as e:
-            refused = isinstance(e, NatsFSError) and not isinstance(e, OutcomeUnknown)
+        except BaseException:
             with trio.CancelScope(shield=True):
-                await self._end_replacing(bucket, old_nuid, name, noted, stored=False if refused else None)
+                await self._end_replacing(bucket, old_nuid, name, noted, stored=False)
             raise
         stored_msg = await self._stored_meta(bucket, meta_subj, seq, sent["meta"])
         if old_nuid and old_nuid != nuid:
@@ -1005,20 +1004,18 @@ class ObjectStore:
         self.put_log.started(bucket, old_nuid, name)
         return True
 
-    async def _end_replacing(self, bucket: str, old_nuid: str, name: str, noted: bool, *,
-                             stored: bool | None) -> None:
-        """After the meta of a put that replaces `old_nuid`: stored (purge the old chunks), refused
-        (`stored` False: the old version stays) or unknown (None: settled later by the `PutLog`)."""
+    async def _end_replacing(self, bucket: str, old_nuid: str, name: str, noted: bool, *, stored: bool) -> None:
+        """After the meta of a put that replaces `old_nuid`: stored (purge the old chunks) or not (the
+        old version stays). A meta whose fate stays unknown counts as not stored here: if it turns out
+        stored, the old chunks are left for `natsfs fsck` (the record is not kept: a pending record
+        under the name would make a later close of the file take another client's change for its own)."""
         if stored:
             if await self.purge_chunks_later_if_needed(bucket, old_nuid, name) and noted:
                 assert self.put_log is not None
                 self.put_log.finished(bucket, old_nuid)
         elif noted:
             assert self.put_log is not None
-            if stored is None:
-                self.put_log.failed(bucket, old_nuid, name, meta_unknown=True, purged=False)
-            else:
-                self.put_log.finished(bucket, old_nuid)
+            self.put_log.finished(bucket, old_nuid)
 
     async def _purge_settled(self, bucket: str, subject: str, before_seq: int) -> None:
         """A purge (idempotent) retried while the server does not answer, for at most `settle_timeout`."""
@@ -1163,11 +1160,10 @@ class PutSession:
             info = await self.store._publish_replacing(self.bucket, doc, expected_revision, replace_tombstone,
                                                        msg_id=f"{self.nuid}.meta")
         except BaseException as e:
-            if not isinstance(e, Unavailable):
+            if isinstance(e, NatsFSError) and not isinstance(e, Unavailable):
                 self.meta_state = _META_REFUSED  # the server said no (or nothing was sent): not stored
-            refused = isinstance(e, NatsFSError) and not isinstance(e, Unavailable)
             with trio.CancelScope(shield=True):
-                await self.store._end_replacing(self.bucket, old_nuid, name, noted, stored=False if refused else None)
+                await self.store._end_replacing(self.bucket, old_nuid, name, noted, stored=False)
             raise
         self.meta_state = _META_STORED
         self.done = True
