@@ -4,6 +4,7 @@ all or nothing at the commit, the nats.go order elsewhere."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import pytest
@@ -144,5 +145,41 @@ def test_put_file_of_a_spool_file_is_one_batch_and_seal_keeps_the_flag(tmp_path)
         assert ms.calls["publish_batch"] == 1 and await read(store, "f") == data
         await store.seal_bucket("b")
         assert (await ms.stream_info(stream_name("b"))).config["allow_atomic"] is True
+
+    run(body)
+
+
+def open_records(path) -> set[tuple[str, str]]:
+    """The records a journal file leaves open (what the next mount would settle)."""
+    records: set[tuple[str, str]] = set()
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        (records.add if rec["op"] == "+" else records.discard)((rec["b"], rec["n"]))
+    return records
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_the_replaced_version_is_journalled_until_its_chunks_are_purged(tmp_path, atomic):
+    from natsfs.staging import PutJournal
+
+    async def body(ms, store):
+        if not atomic:
+            await store.update_bucket("b", lambda c: c.update(allow_atomic=False))
+        journal = PutJournal(tmp_path / "puts.journal")
+        store.put_log = journal
+        first = await store.put("b", "f", BytesSource(b"1" * 3000))
+        seen: list[set[tuple[str, str]]] = []
+        real_purge = store.purge_chunks
+
+        async def purge(bucket: str, nuid: str) -> None:
+            # A daemon killed here leaves the record: the next mount reads it back as pending.
+            seen.append(open_records(tmp_path / "puts.journal"))
+            await real_purge(bucket, nuid)
+
+        store.purge_chunks = purge
+        await store.put("b", "f", BytesSource(b"2" * 3000), expected_revision=first.revision, old_nuid=first.nuid)
+        assert ("b", first.nuid) in seen[0]
+        assert not journal.active and not journal.pending
+        assert open_records(tmp_path / "puts.journal") == set()
 
     run(body)
