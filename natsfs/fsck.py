@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import trio
+
 from .adr20 import (
     ObjectInfo,
     ObjectStore,
@@ -46,6 +48,8 @@ from .errors import MalformedMeta, NameTooLong, NatsFSError
 from .streams import StoredMsg
 
 GRACE_S = 300.0
+# Objects checked at once (each one headers-only scan of its chunks; `--verify` reads them too).
+PARALLEL = 8
 
 # Kinds of finding. Problems are everything but IN_PROGRESS.
 ORPHAN = "orphan chunks"
@@ -225,10 +229,21 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     # Live objects: chunks and sizes (and digests).
     objects = [i for i in live.values() if i.link is None and i.chunks > 0]
     progress.start("objects", len(objects))
-    for info in objects:
-        await _check_object(store, report, info, counts.get(chunk_subject(bucket, info.nuid), 0), verify)
-        progress.advance()
+    limit = trio.Semaphore(PARALLEL)
+
+    async def check(info: ObjectInfo) -> None:
+        try:
+            await _check_object(store, report, info, counts.get(chunk_subject(bucket, info.nuid), 0), verify)
+            progress.advance()
+        finally:
+            limit.release()
+
+    async with trio.open_nursery() as nursery:
+        for info in objects:
+            await limit.acquire()  # held by the task: no more tasks than run at once
+            nursery.start_soon(check, info)
     progress.close()
+    report.findings.sort(key=lambda f: (f.kind, f.where))
     return report
 
 
