@@ -756,15 +756,14 @@ class ObjectStore:
                 except OutcomeUnknown as e:
                     if ambiguous is None:
                         ambiguous, deadline = e, trio.current_time() + self.settle_timeout
-                    mine = await self._read_back_batch(bucket, nuid, name, meta_subj, sent["meta"], expected,
-                                                       deadline, e)
+                    mine = await self._read_back(bucket, meta_subj, sent["meta"], expected, deadline, e)
                     if mine is not None:
                         seq = mine.seq
                         break
                 except Conflict:
                     if ambiguous is not None:
-                        mine = await self._read_back_batch(bucket, nuid, name, meta_subj, sent["meta"], expected,
-                                                           deadline, ambiguous)
+                        mine = await self._read_back(bucket, meta_subj, sent["meta"], expected, deadline,
+                                                     ambiguous)
                         if mine is not None:
                             seq = mine.seq
                             break
@@ -778,8 +777,8 @@ class ObjectStore:
                     continue
                 except JetStreamAPIError as e:
                     if ambiguous is not None:
-                        mine = await self._read_back_batch(bucket, nuid, name, meta_subj, sent["meta"], expected,
-                                                           deadline, ambiguous)
+                        mine = await self._read_back(bucket, meta_subj, sent["meta"], expected, deadline,
+                                                     ambiguous)
                         if mine is not None:
                             seq = mine.seq
                             break
@@ -797,12 +796,14 @@ class ObjectStore:
                     if ambiguous is None:
                         raise  # cut off before the commit: nothing of this put is stored
                 if trio.current_time() >= deadline:
-                    self._journal_unknown(bucket, nuid, name)
                     raise OutcomeUnknown(f"{bucket}/{name}: the put's commit got no answer ({ambiguous}) and was "
                                          f"not stored within {self.settle_timeout:g}s")
                 await trio.sleep(pause)
                 pause = min(2.0, pause * 2)
-        except BaseException:
+        except BaseException as e:
+            if "meta" in sent and (isinstance(e, OutcomeUnknown) or not isinstance(e, NatsFSError)):
+                # The commit may have been sent and stored (no answer, or cancelled by the caller's deadline).
+                self._journal_unknown(bucket, nuid, name)
             with trio.CancelScope(shield=True):
                 await self._end_replacing(bucket, old_nuid, name, noted, stored=False)
             raise
@@ -811,18 +812,9 @@ class ObjectStore:
             await self._end_replacing(bucket, old_nuid, name, noted, stored=True)
         return parse_meta(bucket, stored_msg)
 
-    async def _read_back_batch(self, bucket: str, nuid: str, name: str, meta_subj: str, data: bytes,
-                               expected: int | None, deadline: float, cause: NatsFSError) -> StoredMsg | None:
-        """`_read_back` of a batch's meta. A server silent until `deadline` leaves the put unknown: its
-        nuid goes to the `PutLog` (settled later like an unfinished put) and `OutcomeUnknown` is raised."""
-        try:
-            return await self._read_back(bucket, meta_subj, data, expected, deadline, cause)
-        except OutcomeUnknown:
-            self._journal_unknown(bucket, nuid, name)
-            raise
-
     def _journal_unknown(self, bucket: str, nuid: str, name: str) -> None:
-        """A batch whose commit may yet be stored: the `PutLog` settles it like an unfinished put."""
+        """A batch whose commit may have been stored: the `PutLog` settles it like an unfinished put
+        (kept if the name holds it, else its chunk subject is purged: empty, as nothing was stored)."""
         if self.put_log is not None:
             self.put_log.started(bucket, nuid, name)
             self.put_log.failed(bucket, nuid, name, meta_unknown=True, purged=False)
