@@ -157,7 +157,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     report = Report(bucket)
     metas = await _meta_messages(store, bucket)
     live: dict[str, ObjectInfo] = {}
-    tombstones: dict[str, ObjectInfo] = {}
+    tombstones: dict[str, tuple[ObjectInfo, str]] = {}  # name -> (info, its meta subject)
     referenced: set[str] = set()  # nuids a meta that is not a tombstone names
     for m in metas:
         token = m.subject.rsplit(".", 1)[-1]
@@ -177,7 +177,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
             except NameTooLong as e:
                 report.findings.append(Finding(BAD_NAME, info.name[:60] + "...", str(e)))
         if info.deleted:
-            tombstones[info.name] = info
+            tombstones[info.name] = (info, m.subject)
         else:
             live[info.name] = info
     report.objects, report.tombstones = len(live), len(tombstones)
@@ -192,14 +192,16 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
             names = ", ".join(sorted(i.name for i in infos))
             report.findings.append(Finding(SHARED_NAMES, names, f"live names share nuid {nuid} (an interrupted "
                                            "rename?): deleting one with another client destroys the others"))
-    dangerous = [t for t in tombstones.values() if t.nuid and t.nuid in by_nuid]
-    for t in dangerous:
+    for t, subject in tombstones.values():
+        if not t.nuid or t.nuid not in by_nuid:
+            continue
         owner = by_nuid[t.nuid][0].name
         f = Finding(SHARED_TOMBSTONE, t.name, f"carries the nuid of live {owner!r}: a Delete or Put of this name "
                     f"by another client would purge its chunks", repairable=True)
         report.findings.append(f)
         if repair:
-            await store.purge_tombstone(bucket, t.name, t.revision)
+            # Up to the tombstone's revision: a meta stored under the name since stays.
+            await store.streams.purge_subject(stream, subject, before_seq=t.revision + 1)
             f.repaired = True
 
     # Chunk subjects.
