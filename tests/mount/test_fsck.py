@@ -15,7 +15,9 @@ import subprocess
 import sys
 from typing import Any
 
-from helpers import create_bucket, nats_py_get, nats_py_put, wait_for, with_nats
+from helpers import create_bucket, nats_py_get, nats_py_put, wait_for, with_nats, with_store
+
+from natsfs.fsck import IN_PROGRESS, check_bucket
 
 
 def fsck(url: str, bucket: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -150,3 +152,23 @@ def test_kill_9_mid_put_then_the_next_mount_removes_the_leftovers(nats_url, buck
         fsck(nats_url, bucket_name, "--grace", "0").stdout
     assert (m.path / bucket_name / "big.bin").read_bytes() == b"old version"
     assert nats_py_get(nats_url, bucket_name, "big.bin") == b"old version"
+
+
+def test_fsck_repair_leaves_a_put_in_progress_alone(nats_url, bucket_name, mounter):
+    url, b = nats_url, bucket_name
+    create_bucket(url, b, atomic=False)  # streamed while written: chunks without a meta for a while
+    m = mounter(url)
+    data = random.Random(6).randbytes(6 * 1024 * 1024)
+    fd = os.open(m.path / b / "growing.bin", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, data)
+        assert wait_for(lambda: sum(chunk_counts(url, b).values()) >= 32, 15)
+        # In this process: a child would close the inherited descriptor at exec, which flushes the file.
+        report = with_store(url, lambda store: check_bucket(store, b, repair=True))
+        assert [(f.kind, f.repaired) for f in report.findings] == [(IN_PROGRESS, False)]
+        assert not report.problems_left
+    finally:
+        os.close(fd)
+    assert nats_py_get(url, b, "growing.bin") == data
+    assert fsck(url, b, "--grace", "0").stdout.strip().endswith(": clean")
+    assert "ERROR" not in m.log()
