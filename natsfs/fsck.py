@@ -3,7 +3,8 @@ interrupted writers and hostile clients leave in an ADR-20 bucket.
 
 Owns the bucket check and its report. What it looks at, in one pass:
 - every meta subject's last message (a last-per-subject watch): metas that do not parse, names no
-  client can use (a subject token that is not base64 of UTF-8, subjects over `max_subject_bytes`);
+  client can use (a subject token that is not base64 of UTF-8, subjects over `max_subject_bytes`), and,
+  as a note that is no problem, names a mount cannot show (`natsfs.names`: hidden there);
 - every chunk subject (the stream's per-subject counts): a chunk subject that no meta references is an
   ORPHAN (an interrupted put, or a purge that never happened) unless its newest message is younger
   than `grace_s` (default 300 s): then it is a put IN PROGRESS (a live mount sends chunks before the
@@ -45,21 +46,24 @@ from .adr20 import (
 )
 from .chunk_cache import place_chunks
 from .errors import MalformedMeta, NameTooLong, NatsFSError
+from .names import placement
 from .streams import StoredMsg
 
 GRACE_S = 300.0
 # Objects checked at once (each one headers-only scan of its chunks; `--verify` reads them too).
 PARALLEL = 8
 
-# Kinds of finding. Problems are everything but IN_PROGRESS.
+# Kinds of finding. Problems are everything but the NOTES.
 ORPHAN = "orphan chunks"
 IN_PROGRESS = "put in progress"
+HIDDEN = "name a mount cannot show"
 DAMAGED = "damaged object"
 SHARED_TOMBSTONE = "tombstone sharing a live nuid"
 SHARED_NAMES = "names sharing one nuid"
 BAD_NAME = "unusable name"
 BAD_META = "unreadable meta"
 DIGEST = "digest mismatch"
+NOTES = (IN_PROGRESS, HIDDEN)
 
 
 @dataclass
@@ -85,7 +89,7 @@ class Report:
 
     @property
     def problems_left(self) -> list[Finding]:
-        return [f for f in self.findings if f.kind != IN_PROGRESS and not f.repaired]
+        return [f for f in self.findings if f.kind not in NOTES and not f.repaired]
 
     def summary(self) -> str:
         counts: dict[str, int] = defaultdict(int)
@@ -176,6 +180,10 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                 store.check_name(bucket, info.name)
             except NameTooLong as e:
                 report.findings.append(Finding(BAD_NAME, info.name[:60] + "...", str(e)))
+        if not info.deleted and placement(info.name, marker_candidate=info.size == 0)[0] is None:
+            report.findings.append(Finding(HIDDEN, info.name[:60] + ("..." if len(info.name) > 60 else ""),
+                                           "no path segment may be empty, '.', '..' or over 255 bytes, and "
+                                           "escaped it is still over 255 bytes (other clients can use it)"))
         if info.deleted:
             tombstones[info.name] = (info, m.subject)
         else:

@@ -85,12 +85,15 @@ def test_finds_orphans_damage_shared_tombstones_bad_names_and_repairs_only_what_
         doc = {"name": long_name, "bucket": "b", "nuid": "", "size": 0, "chunks": 0,
                "mtime": "0001-01-01T00:00:00Z"}
         await ms.publish(meta_subject("b", long_name), json.dumps(doc).encode())
+        # A name other clients can use but a mount cannot show (a segment over 255 bytes, even escaped).
+        await put_object(ms, "b", "h/" + "x" * 300, b"hidden")
         clock.now += 10 * S
 
         report = await fsck.check_bucket(store, "b", grace_s=300, clock=clock)
         assert kinds(report) == sorted([
             (fsck.ORPHAN, orphan), (fsck.IN_PROGRESS, young), (fsck.DAMAGED, "broken"),
-            (fsck.SHARED_TOMBSTONE, "ghost"), (fsck.BAD_NAME, "x"), (fsck.BAD_NAME, "n" * 60 + "...")])
+            (fsck.SHARED_TOMBSTONE, "ghost"), (fsck.BAD_NAME, "x"), (fsck.BAD_NAME, "n" * 60 + "..."),
+            (fsck.HIDDEN, "h/" + "x" * 58 + "..."), (fsck.HIDDEN, "n" * 60 + "...")])
         assert "1 of 3 chunks missing" in next(f.detail for f in report.findings if f.kind == fsck.DAMAGED)
         assert all(not f.repaired for f in report.findings)
 
