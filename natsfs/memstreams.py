@@ -6,7 +6,8 @@ stream configs (subjects with `*`/`>` wildcards, `max_bytes`/`max_msgs` with dis
 the headers `Nats-Rollup`, `Nats-Expected-Last-Subject-Sequence`/`Nats-Expected-Stream` and `Nats-Msg-Id`
 (de-duplication within the stream's `duplicate_window`, checked after the expected sequence, as the server
 does), subject purges (optionally below a sequence),
-atomic batches (`publish_batch`: all or nothing at the commit, dropped when cut off),
+atomic batches (`publish_batch`: all or nothing at the commit, dropped when cut off, at most
+`max_open_batches` open),
 direct gets (last per subject, batched next-by-subject with `max_bytes`), headers-only subject scans and
 ordered watches (last per subject, or everything, then live). It raises the `natsfs.errors` exceptions
 `natsfs.jetstream.JetStreams` raises for the same causes. Every operation is a trio checkpoint, so
@@ -77,6 +78,7 @@ ERR_STREAM_MISMATCH = 10060
 ERR_ROLLUP_NOT_PERMITTED = 10115
 ERR_MSG_TOO_BIG = 10054
 ERR_BATCH_TOO_LARGE = 10199
+ERR_BATCH_TOO_MANY = 10210
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -190,6 +192,9 @@ class MemoryStreams:
         self._faults: list[tuple[str, str | None, BaseException]] = []
         self._lost_acks: list[str | None] = []
         self.max_payload = 1024 * 1024
+        # Batches open at once (nats-server counts them per stream; tests use one stream at a time).
+        self.max_open_batches = 50
+        self.open_batches = 0
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, op: str, exc: BaseException, *, subject: str | None = None, times: int = 1) -> None:
@@ -320,6 +325,15 @@ class MemoryStreams:
         fault injected for a message of the batch cuts the batch off there, as a killed publisher does:
         nothing is stored. A lost ack (`lose_next_ack`) applies to the commit."""
         await self._enter("publish_batch")
+        if self.open_batches >= self.max_open_batches:
+            raise JetStreamAPIError("atomic publish too many inflight", code=429, err_code=ERR_BATCH_TOO_MANY)
+        self.open_batches += 1
+        try:
+            return await self._publish_batch(batch_id, msgs)
+        finally:
+            self.open_batches -= 1
+
+    async def _publish_batch(self, batch_id: str, msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]]) -> int:
         received: list[tuple[str, bytes, dict[str, str]]] = []
         async for subject, data, headers in msgs:
             if received:

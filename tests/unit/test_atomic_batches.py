@@ -183,3 +183,19 @@ def test_the_replaced_version_is_journalled_until_its_chunks_are_purged(tmp_path
         assert open_records(tmp_path / "puts.journal") == set()
 
     run(body)
+
+
+def test_too_many_open_batches_fall_back_to_the_ordered_put():
+    async def body(ms, store):
+        ms.max_open_batches = 1
+        ms.delay = 0.01  # batches overlap
+        datas = {f"f{i}": bytes([i]) * 3000 for i in range(3)}
+        async with trio.open_nursery() as nursery:
+            for name, data in datas.items():
+                nursery.start_soon(lambda n=name, d=data: store.put("b", n, BytesSource(d)))
+        for name, data in datas.items():
+            assert await read(store, name) == data
+        assert ms.calls["publish_batch"] == 3 and ms.calls["publish_many"] >= 1
+        assert store.batch_fits("b", 10)  # still atomic for the next put
+
+    run(body)
