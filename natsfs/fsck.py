@@ -28,7 +28,7 @@ import hashlib
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -209,8 +209,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
         report.findings.append(f)
         if repair:
             # Up to the tombstone's revision: a meta stored under the name since stays.
-            await store.streams.purge_subject(stream, subject, before_seq=t.revision + 1)
-            f.repaired = True
+            await _repair(f, store.streams.purge_subject(stream, subject, before_seq=t.revision + 1))
 
     # Chunk subjects.
     counts, _, _ = await store.streams.subject_counts(stream, f"$O.{bucket}.C.>")  # type: ignore[attr-defined]
@@ -233,8 +232,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                 f.kind, f.repairable, f.detail = IN_PROGRESS, False, "a meta referencing them was just stored"
                 continue
             # Only what existed when it was found old: a message stored since stays.
-            await store.streams.purge_subject(stream, f.where, before_seq=newest.seq + 1)
-            f.repaired = True
+            await _repair(f, store.streams.purge_subject(stream, f.where, before_seq=newest.seq + 1))
 
     # Live objects: chunks and sizes (and digests).
     objects = [i for i in live.values() if i.link is None and i.chunks > 0]
@@ -255,6 +253,17 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     progress.close()
     report.findings.sort(key=lambda f: (f.kind, f.where))
     return report
+
+
+async def _repair(finding: Finding, action: Awaitable[None]) -> None:
+    """Run one repair; a refusal (a sealed bucket, `deny_purge`) is noted on the finding, and the
+    check goes on."""
+    try:
+        await action
+    except NatsFSError as e:
+        finding.detail += f" (repair failed: {e})"
+        return
+    finding.repaired = True
 
 
 async def _check_orphan(store: ObjectStore, report: Report, stream: str, subject: str, count: int, grace_s: float,

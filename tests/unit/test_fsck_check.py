@@ -149,3 +149,17 @@ def test_an_orphan_referenced_by_a_meta_stored_during_the_check_is_not_purged():
         assert ms.subjects(stream_name("b"))[chunk_subject("b", nuid)] == 1
 
     run(body)
+
+
+def test_a_repair_the_bucket_refuses_is_reported_and_the_check_goes_on():
+    async def body(ms, store, clock):
+        orphan = chunk_subject("b", new_nuid())
+        await ms.publish(orphan, b"o")
+        clock.now += 3600 * S
+        await store.seal_bucket("b")
+        report = await fsck.check_bucket(store, "b", repair=True, clock=clock)
+        assert kinds(report, left=True) == [(fsck.ORPHAN, orphan)]
+        assert "repair failed" in report.findings[0].detail and "sealed" in report.findings[0].detail
+        assert ms.subjects(stream_name("b"))[orphan] == 1
+
+    run(body)
