@@ -113,8 +113,8 @@ def _put_and_kill(url: str, bucket: str, m: Any, data: bytes, delay: float | Non
     os.kill(m.proc.pid, signal.SIGKILL)
     m.proc.wait()
     t.join(30)
-    for pid in children:
-        if not wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 10):
+    for pid in children:  # the idle upload worker and notifier would end by themselves a little later
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return ran[0]
 
@@ -141,7 +141,7 @@ def test_kill_9_at_several_points_of_an_atomic_put_leaves_old_or_new(nats_url, b
     nats_py_put(url, b, "f.bin", old, create=False)
     m = mounter(url)
     rng = random.Random(9)
-    size = 32 * MiB  # 256 chunks
+    size = 16 * MiB  # 128 chunks
     # How long one put of this size takes here (killed only after its close returned).
     versions = [old, rng.randbytes(size)]
     full = _put_and_kill(url, b, m, versions[-1], 60.0)
@@ -159,6 +159,6 @@ def test_kill_9_at_several_points_of_an_atomic_put_leaves_old_or_new(nats_url, b
     # The old version's chunks a kill right after the commit left are the next mount's to purge.
     m.remount()
     assert wait_for(lambda: fsck_clean(url, b), 30)
-    assert chunk_total(url, b) == 256
+    assert chunk_total(url, b) == 128
     final = nats_py_get(url, b, "f.bin")
     assert final in versions and (m.path / b / "f.bin").read_bytes() == final
