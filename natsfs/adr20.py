@@ -789,6 +789,7 @@ class ObjectStore:
                         self._atomic[bucket] = False
                     log.info("%s/%s: the server did not take the put as one batch (%s); putting it in order",
                              bucket, name, e.description)
+                    sent.clear()  # that batch was refused: nothing of it can be stored
                     return await self._put_in_order(bucket, name, chunks_of, chunk_size, window, base=base,
                                                     expected_revision=expected, old_nuid=old_nuid, extra=extra,
                                                     replace_tombstone=replace_tombstone)
