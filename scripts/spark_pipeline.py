@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -155,7 +156,10 @@ def run_job(spark: Any, root: Path) -> None:
      .write.mode("overwrite").option("mapreduce.fileoutputcommitter.algorithm.version", "2")
      .parquet(str(out / "status_v2")))
 
-    spark.sql("DROP TABLE IF EXISTS customer_tiers")
+    # The session catalog is in memory: a table left by an earlier run over the same root is only a
+    # directory, which saveAsTable refuses to adopt.
+    if (root / "warehouse/customer_tiers").exists():
+        shutil.rmtree(root / "warehouse/customer_tiers")
     (customers.groupBy("region", "tier").agg(F.count("*").alias("customers"))
      .write.mode("overwrite").saveAsTable("customer_tiers"))
 
