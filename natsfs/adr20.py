@@ -624,9 +624,21 @@ class ObjectStore:
     async def put_file(self, bucket: str, name: str, path: str, fd: int, size: int, **kwargs: Any) -> ObjectInfo:
         """`put` of the first `size` bytes of a local file (a spool file), by the upload worker if any."""
         self.check_name(bucket, name)
-        session = self.start_put(bucket, kwargs.pop("chunk_size", None), kwargs.pop("window", 64), name)
+        chunk_size, window = kwargs.pop("chunk_size", None), kwargs.pop("window", 64)
+        session = self.start_put(bucket, chunk_size, window, name)
         try:
-            await session.send_file(path, fd, 0, size)
+            try:
+                await session.send_file(path, fd, 0, size)
+            except Unavailable as e:
+                if not session.remote:
+                    raise
+                # The worker lost its server, or the stream its leader: send from here, where unanswered
+                # publishes are sent again while a cluster elects a new leader (publish_many).
+                log.info("%s/%s: the upload worker could not send it (%s); sending it in-process", bucket, name, e)
+                await session.abort()
+                session = self.start_put(bucket, chunk_size, window, name)
+                session.remote = False
+                await session.send_file(path, fd, 0, size)
             return await session.commit(name, await session.digest(), **kwargs)
         except BaseException:
             with trio.CancelScope(shield=True):

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -35,6 +35,13 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 # A consumer that has sent neither data nor heartbeat for this long is presumed gone and re-created.
 STALL_S = 3.5
+# How long a clustered stream (or the JetStream API) may go without a leader before a publish or an
+# API call gives up: a node's loss is followed by an election that takes a few seconds.
+FAILOVER_S = 15.0
+_FAILOVER_PAUSE_S = 0.25
+ERR_CLUSTER_NOT_AVAILABLE = 10008  # "JetStream system temporarily unavailable" (503)
+_READ_ATTEMPT_S = 3.0
+_READ_ONLY_API = ("INFO", "STREAM.INFO.", "STREAM.NAMES", "STREAM.LIST", "CONSUMER.INFO.")
 
 
 def _stream_state(info: dict[str, Any]) -> StreamState:
@@ -77,6 +84,12 @@ class JetStreams:
 
     def __init__(self, bridge: Bridge):
         self.bridge = bridge
+        # Per stream, the highest sequence this client has seen stored (acks, watch deliveries, reads).
+        # Direct gets carry it as `min_last_seq`: on a replicated stream any replica may answer, and
+        # one that has not applied that far yet hands the request to the leader instead of answering
+        # from the past (server >= 2.12, ADR-31/read-after-write). So a client reads its own writes,
+        # and every object its watch announced, from any node.
+        self.floors: dict[str, int] = {}
         # Open watches, told when the connection comes back (their consumers may be gone).
         self._watches: weakref.WeakSet[_ConsumerStream] = weakref.WeakSet()
         previous = bridge.on_reconnect
@@ -142,12 +155,14 @@ class JetStreams:
             raise
 
     async def create_stream(self, config: dict[str, Any]) -> StreamState:
+        self.floors.pop(config["name"], None)
         return _stream_state(await self._api(f"STREAM.CREATE.{config['name']}", config))
 
     async def update_stream(self, config: dict[str, Any]) -> StreamState:
         return _stream_state(await self._api(f"STREAM.UPDATE.{config['name']}", config))
 
     async def delete_stream(self, name: str) -> None:
+        self.floors.pop(name, None)
         try:
             await self._api(f"STREAM.DELETE.{name}")
         except JetStreamAPIError as e:
@@ -167,13 +182,47 @@ class JetStreams:
 
     # ---------------------------------------------------------------- messages
     async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
+        deadline = trio.current_time() + FAILOVER_S
+        while True:
+            try:
+                ack = await self.bridge.js_publish(subject, data, headers)
+            except JetStreamAPIError as e:
+                raise map_publish_error(e, subject) from None
+            except NotFound:
+                await self._await_leader(subject, deadline)
+                continue
+            self._observe(ack)
+            return int(ack["seq"])
+
+    def _observe(self, ack: dict[str, Any]) -> None:
+        stream, seq = ack.get("stream"), int(ack.get("seq", 0))
+        if stream and seq > self.floors.get(stream, 0):
+            self.floors[stream] = seq
+
+    def _floor_body(self, stream: str, body: dict[str, Any]) -> dict[str, Any]:
+        floor = self.floors.get(stream, 0)
+        return {**body, "min_last_seq": floor} if floor else body
+
+    def _floor_refused(self, stream: str) -> None:
+        """A direct get answered 412: no replica, the leader included, reaches our floor. Only a stream
+        created again under the same name (sequences start over) does that: forget the floor."""
+        log.info("stream %s ends before sequence %d seen earlier (created again?); reading without a floor",
+                 stream, self.floors.get(stream, 0))
+        self.floors.pop(stream, None)
+
+    async def _await_leader(self, subject: str, deadline: float) -> None:
+        """A publish to `subject` had no responders. `NotFound` if no stream takes the subject; else the
+        stream is clustered and between leaders (a node was lost): pause before the caller sends the same
+        message again (its `Nats-Msg-Id` makes that safe), `Unavailable` once `deadline` has passed."""
         try:
-            ack = await self.bridge.js_publish(subject, data, headers)
-        except JetStreamAPIError as e:
-            raise map_publish_error(e, subject) from None
-        except NotFound:
-            raise NotFound(f"no stream takes {subject}") from None
-        return int(ack["seq"])
+            reply = await _api(self.bridge, "STREAM.NAMES", {"subject": subject})
+        except Unavailable:
+            reply = {"streams": ["?"]}  # the API has no leader either: a cluster in the middle of an election
+        if not reply.get("streams"):
+            raise NotFound(f"no stream takes {subject}")
+        if trio.current_time() >= deadline:
+            raise Unavailable(f"the stream taking {subject} has had no leader for {FAILOVER_S:g}s")
+        await trio.sleep(_FAILOVER_PAUSE_S)
 
     @property
     def max_payload(self) -> int:
@@ -182,13 +231,30 @@ class JetStreams:
 
     async def publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]],
                            window: int = 32) -> list[int]:
+        """Publish stream messages (chunks, each with its own `Nats-Msg-Id`), pipelined. Messages that
+        got no ack, or no responders while their stream elects a leader, are sent again until
+        `FAILOVER_S` has passed: the server's de-duplication keeps a message stored twice out."""
         results = await self.bridge.js_publish_many(msgs, window)
+        deadline = trio.current_time() + FAILOVER_S
+        while again := [i for i, r in enumerate(results) if isinstance(r, NotFound | Unavailable)]:
+            first = results[again[0]]
+            if isinstance(first, NotFound):
+                await self._await_leader(msgs[again[0]][0], deadline)
+            elif trio.current_time() >= deadline:
+                raise first
+            else:
+                log.debug("%d of %d publishes got no ack (%s); sending them again", len(again), len(msgs), first)
+                await trio.sleep(_FAILOVER_PAUSE_S)
+            retried = await self.bridge.js_publish_many([msgs[i] for i in again], window)
+            for i, r in zip(again, retried, strict=True):
+                results[i] = r
         seqs: list[int] = []
         for subject_data, r in zip(msgs, results, strict=True):
             if isinstance(r, JetStreamAPIError):
                 raise map_publish_error(r, subject_data[0])
             if isinstance(r, NatsFSError):
                 raise r
+            self._observe(r)
             seqs.append(int(r["seq"]))
         return seqs
 
@@ -199,7 +265,14 @@ class JetStreams:
         await self._api(f"STREAM.PURGE.{stream}", body)
 
     async def last_msg(self, stream: str, subject: str) -> StoredMsg | None:
-        m = await self.bridge.request(f"$JS.API.DIRECT.GET.{stream}.{subject}")
+        for _ in range(2):
+            body = self._floor_body(stream, {})
+            m = await self.bridge.request(f"$JS.API.DIRECT.GET.{stream}.{subject}",
+                                          json.dumps(body).encode() if body else b"")
+            if m.status == "412" and body:
+                self._floor_refused(stream)
+                continue
+            break
         if m.status == "404":
             return None
         if m.status is not None and not m.data and "Nats-Sequence" not in (m.headers or {}):
@@ -209,8 +282,13 @@ class JetStreams:
     async def get_batch(self, stream: str, subject: str, start_seq: int, batch: int,
                         max_bytes: int) -> list[StoredMsg]:
         body = {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
-
-        replies = await self.bridge.request_many(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode())
+        for _ in range(2):
+            floored = self._floor_body(stream, body)
+            replies = await self.bridge.request_many(f"$JS.API.DIRECT.GET.{stream}", json.dumps(floored).encode())
+            if floored is not body and replies and replies[0].status == "412":
+                self._floor_refused(stream)
+                continue
+            break
         out: list[StoredMsg] = []
         for m in replies:
             if m.headers and "Nats-Sequence" in m.headers:
@@ -224,9 +302,11 @@ class JetStreams:
     async def stream_batch(self, stream: str, subject: str, start_seq: int, batch: int,
                            max_bytes: int) -> BatchStream:
         """Like `get_batch`, but hands messages over as they arrive instead of all at the end."""
-        body = {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
+        body = self._floor_body(stream, {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch,
+                                         "max_bytes": max_bytes})
         sub = await self.bridge.request_stream(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode())
-        return BatchStream(sub, self.bridge.request_timeout, f"{stream} {subject}")
+        return BatchStream(sub, self.bridge.request_timeout, f"{stream} {subject}",
+                           on_floor_refused=lambda: self._floor_refused(stream))
 
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
         """(sequence, payload size) of every message on `subject`, without fetching payloads."""
@@ -275,7 +355,7 @@ class JetStreams:
 
     async def watch(self, stream: str, filter_subject: str, *, last_per_subject: bool = True) -> _ConsumerStream:
         w = _ConsumerStream(self.bridge, stream, filter_subject,
-                            deliver_policy="last_per_subject" if last_per_subject else "all")
+                            deliver_policy="last_per_subject" if last_per_subject else "all", floors=self.floors)
         await w.start(stream_created_ns=(await self.stream_info(stream)).created_ns)
         self._watches.add(w)
         return w
@@ -284,10 +364,12 @@ class JetStreams:
 class BatchStream:
     """The replies of one batched direct get, in arrival order; `next()` is None after the last."""
 
-    def __init__(self, sub: Subscription, timeout: float, what: str):
+    def __init__(self, sub: Subscription, timeout: float, what: str,
+                 on_floor_refused: Callable[[], None] | None = None):
         self._sub = sub
         self._timeout = timeout
         self._what = what
+        self._on_floor_refused = on_floor_refused
         self.done = False
 
     async def next(self) -> list[StoredMsg] | None:
@@ -304,6 +386,8 @@ class BatchStream:
                 continue
             self.done = True
             await self.close()
+            if m.status == "412" and self._on_floor_refused is not None:
+                self._on_floor_refused()  # the caller's retry reads without the floor
             if m.status not in ("204", "404", "408"):
                 raise Unavailable(f"direct get batch {self._what}: status {m.status}")
             break
@@ -340,8 +424,9 @@ class _ConsumerStream:
     """
 
     def __init__(self, bridge: Bridge, stream: str, filter_subject: str, *, deliver_policy: str,
-                 headers_only: bool = False, start_seq: int = 0):
+                 headers_only: bool = False, start_seq: int = 0, floors: dict[str, int] | None = None):
         self.bridge = bridge
+        self.floors = floors  # raised to every sequence delivered (see JetStreams.floors)
         self.stream = stream
         self.filter_subject = filter_subject
         self.deliver_policy = deliver_policy
@@ -530,6 +615,8 @@ class _ConsumerStream:
                 return out
             self._cseq = cseq
             self._last_sseq = sseq
+            if self.floors is not None and sseq > self.floors.get(self.stream, 0):
+                self.floors[self.stream] = sseq
             # (Nats-Msg-Size only comes with headers-only deliveries, where it is wanted.)
             out.msgs.append(StoredMsg(sseq, m.subject, m.headers or None, m.data, ts))
             if pending == 0:
@@ -547,11 +634,30 @@ class _ConsumerStream:
 async def _api(bridge: Bridge, subject: str, body: dict[str, Any] | None = None,
                timeout: float | None = None) -> dict[str, Any]:
     """`bridge.api`, where "no responders" means JetStream is not answering (`Unavailable`), not that
-    something does not exist: only an error reply from the server says that."""
-    try:
-        return await bridge.api(subject, body, timeout)
-    except NotFound as e:
-        raise Unavailable(f"JetStream API {subject}: {e}") from None
+    something does not exist: only an error reply from the server says that. "No responders" and
+    "JetStream system temporarily unavailable" (a cluster electing a leader after losing a node) are
+    asked again for up to `FAILOVER_S`, and so are requests that only read (`INFO`, `STREAM.INFO`...)
+    and got no answer at all: the connection's server may just have been lost."""
+    deadline = trio.current_time() + FAILOVER_S
+    read_only = subject.startswith(_READ_ONLY_API)
+    while True:
+        attempt_timeout = timeout
+        if read_only and timeout is None and trio.current_time() < deadline:
+            # A clustered stream without a leader leaves its INFO unanswered: ask again soon rather than
+            # wait the whole request timeout once.
+            attempt_timeout = min(bridge.request_timeout, _READ_ATTEMPT_S)
+        try:
+            return await bridge.api(subject, body, attempt_timeout)
+        except NotFound as e:
+            if trio.current_time() >= deadline:
+                raise Unavailable(f"JetStream API {subject}: {e}") from None
+        except Unavailable:
+            if not read_only or trio.current_time() >= deadline:
+                raise
+        except JetStreamAPIError as e:
+            if e.err_code != ERR_CLUSTER_NOT_AVAILABLE or trio.current_time() >= deadline:
+                raise
+        await trio.sleep(_FAILOVER_PAUSE_S)
 
 
 async def _stream_info(bridge: Bridge, name: str) -> StreamState:
