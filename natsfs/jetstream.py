@@ -7,17 +7,20 @@ sequence-gap and stall detection with transparent re-creation, and headers-only 
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import logging
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
 
 from .bridge import Bridge, Msg, Subscription
 from .errors import (
+    ERR_NO_MESSAGE_FOUND,
     ERR_STREAM_NOT_FOUND,
     ERR_WRONG_LAST_SEQUENCE,
     Conflict,
@@ -39,9 +42,10 @@ STALL_S = 3.5
 # API call gives up: a node's loss is followed by an election that takes a few seconds.
 FAILOVER_S = 15.0
 _FAILOVER_PAUSE_S = 0.25
+_FLOOR_TRIES = 20  # direct gets refused for a floor (412) asked again, a pause apart, before failing
 ERR_CLUSTER_NOT_AVAILABLE = 10008  # "JetStream system temporarily unavailable" (503)
 _READ_ATTEMPT_S = 3.0
-_READ_ONLY_API = ("INFO", "STREAM.INFO.", "STREAM.NAMES", "STREAM.LIST", "CONSUMER.INFO.")
+_READ_ONLY_API = ("INFO", "STREAM.INFO.", "STREAM.NAMES", "STREAM.LIST", "STREAM.MSG.GET.", "CONSUMER.INFO.")
 
 
 def _stream_state(info: dict[str, Any]) -> StreamState:
@@ -203,12 +207,19 @@ class JetStreams:
         floor = self.floors.get(stream, 0)
         return {**body, "min_last_seq": floor} if floor else body
 
-    def _floor_refused(self, stream: str) -> None:
-        """A direct get answered 412: no replica, the leader included, reaches our floor. Only a stream
-        created again under the same name (sequences start over) does that: forget the floor."""
-        log.info("stream %s ends before sequence %d seen earlier (created again?); reading without a floor",
-                 stream, self.floors.get(stream, 0))
-        self.floors.pop(stream, None)
+    async def _floor_refused(self, stream: str) -> None:
+        """A direct get answered 412: the replica that had it had not applied our floor yet (and did not
+        hand it to the leader). Ask again, with the floor: reading without it could serve the past.
+        Only a stream that now ends before the floor (deleted and created again: its sequences started
+        over) makes the floor go."""
+        floor = self.floors.get(stream, 0)
+        with contextlib.suppress(NotFound):
+            if (await self.stream_info(stream)).last_seq < floor:
+                log.info("stream %s ends before sequence %d seen earlier (created again); reading without a "
+                         "floor", stream, floor)
+                self.floors.pop(stream, None)
+                return
+        await trio.sleep(_FAILOVER_PAUSE_S)
 
     async def _await_leader(self, subject: str, deadline: float) -> None:
         """A publish to `subject` had no responders. `NotFound` if no stream takes the subject; else the
@@ -265,30 +276,35 @@ class JetStreams:
         await self._api(f"STREAM.PURGE.{stream}", body)
 
     async def last_msg(self, stream: str, subject: str) -> StoredMsg | None:
-        for _ in range(2):
-            body = self._floor_body(stream, {})
-            m = await self.bridge.request(f"$JS.API.DIRECT.GET.{stream}.{subject}",
-                                          json.dumps(body).encode() if body else b"")
-            if m.status == "412" and body:
-                self._floor_refused(stream)
-                continue
-            break
-        if m.status == "404":
-            return None
-        if m.status is not None and not m.data and "Nats-Sequence" not in (m.headers or {}):
-            raise Unavailable(f"direct get {stream} {subject}: status {m.status} {m.headers}")
-        return _direct_msg(m)
+        """The last message on `subject`, from the stream's leader (`STREAM.MSG.GET`), not a direct get:
+        what this answers decides conflicts and settles publishes, and a replica may not have applied
+        the latest write yet (on a replicated stream even `min_last_seq` was seen to let a stale meta
+        through right after a rewrite of it)."""
+        try:
+            reply = await _api(self.bridge, f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject})
+        except JetStreamAPIError as e:
+            if e.err_code == ERR_NO_MESSAGE_FOUND:
+                return None
+            if e.err_code == ERR_STREAM_NOT_FOUND or e.code == 404:
+                raise NotFound(f"no stream {stream}") from None
+            raise
+        m = reply.get("message") or {}
+        self._observe({"stream": stream, "seq": m.get("seq", 0)})
+        headers = _parse_header_block(base64.b64decode(m["hdrs"])) if m.get("hdrs") else {}
+        kept = {k: v for k, v in headers.items() if not k.startswith("Nats-") or k == "Nats-Rollup"} or None
+        when = m.get("time")
+        return StoredMsg(int(m["seq"]), str(m.get("subject", subject)), kept, base64.b64decode(m.get("data") or ""),
+                         parse_rfc3339_ns(when) if when else 0)
 
     async def get_batch(self, stream: str, subject: str, start_seq: int, batch: int,
                         max_bytes: int) -> list[StoredMsg]:
         body = {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
-        for _ in range(2):
+        for _ in range(_FLOOR_TRIES):
             floored = self._floor_body(stream, body)
             replies = await self.bridge.request_many(f"$JS.API.DIRECT.GET.{stream}", json.dumps(floored).encode())
-            if floored is not body and replies and replies[0].status == "412":
-                self._floor_refused(stream)
-                continue
-            break
+            if floored is body or not replies or replies[0].status != "412":
+                break
+            await self._floor_refused(stream)
         out: list[StoredMsg] = []
         for m in replies:
             if m.headers and "Nats-Sequence" in m.headers:
@@ -306,7 +322,7 @@ class JetStreams:
                                          "max_bytes": max_bytes})
         sub = await self.bridge.request_stream(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode())
         return BatchStream(sub, self.bridge.request_timeout, f"{stream} {subject}",
-                           on_floor_refused=lambda: self._floor_refused(stream))
+                           on_floor_refused=lambda: self._floor_refused(stream))  # the caller asks again
 
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
         """(sequence, payload size) of every message on `subject`, without fetching payloads."""
@@ -365,7 +381,7 @@ class BatchStream:
     """The replies of one batched direct get, in arrival order; `next()` is None after the last."""
 
     def __init__(self, sub: Subscription, timeout: float, what: str,
-                 on_floor_refused: Callable[[], None] | None = None):
+                 on_floor_refused: Callable[[], Awaitable[None]] | None = None):
         self._sub = sub
         self._timeout = timeout
         self._what = what
@@ -387,7 +403,7 @@ class BatchStream:
             self.done = True
             await self.close()
             if m.status == "412" and self._on_floor_refused is not None:
-                self._on_floor_refused()  # the caller's retry reads without the floor
+                await self._on_floor_refused()
             if m.status not in ("204", "404", "408"):
                 raise Unavailable(f"direct get batch {self._what}: status {m.status}")
             break
@@ -396,6 +412,16 @@ class BatchStream:
     async def close(self) -> None:
         self.done = True
         await self._sub.unsubscribe()
+
+
+def _parse_header_block(raw: bytes) -> dict[str, str]:
+    """`NATS/1.0\r\nKey: Value\r\n...` as a dict (the first value of a repeated key)."""
+    out: dict[str, str] = {}
+    for line in raw.decode(errors="replace").split("\r\n")[1:]:
+        key, sep, value = line.partition(":")
+        if sep and key.strip() and key.strip() not in out:
+            out[key.strip()] = value.strip()
+    return out
 
 
 def _direct_msg(m: Msg, *, full: bool = True) -> StoredMsg:

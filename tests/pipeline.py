@@ -42,3 +42,14 @@ def run_pipeline(root: Path, *, rows: int = TEST_ROWS, read_root: Path | None = 
         tail = log.read_text(errors="replace")[-4000:]
         raise AssertionError(f"pipeline on {root} exited with {proc.returncode}:\n{tail}")
     return json.loads(proc.stdout)
+
+
+_local: dict[int, dict[str, Any]] = {}
+
+
+def local_summary(base: Path, rows: int = TEST_ROWS) -> dict[str, Any]:
+    """The pipeline's summary on local disk (under `base`), computed once per test session."""
+    if rows not in _local:
+        root = base / f"spark-local-{rows}"
+        _local[rows] = run_pipeline(root / "run", rows=rows, log=Path(f"{root}.log"))
+    return _local[rows]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -67,19 +68,16 @@ def quick_failover(monkeypatch):
     monkeypatch.setattr(jetstream, "_FAILOVER_PAUSE_S", 0.001)
 
 
-def test_reads_after_a_write_ask_for_at_least_the_written_sequence():
+def test_chunk_reads_after_a_write_ask_for_at_least_the_written_sequence():
     bridge = ScriptedBridge()
     js = JetStreams(bridge)  # type: ignore[arg-type]
 
     async def main() -> None:
-        bridge.replies.append(direct_reply(3, "$O.b.M.x", b"old"))
-        await js.last_msg("OBJ_b", "$O.b.M.x")
-        assert bridge.requests[-1][1] == b""  # nothing seen yet: no floor
+        bridge.replies.append(direct_reply(3, "$O.b.C.n", b"old"))
+        await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20)
+        assert "min_last_seq" not in json.loads(bridge.requests[-1][1])  # nothing seen yet: no floor
         bridge.publish_replies.append({"stream": "OBJ_b", "seq": 41})
         await js.publish("$O.b.M.x", b"new")
-        bridge.replies.append(direct_reply(41, "$O.b.M.x", b"new"))
-        await js.last_msg("OBJ_b", "$O.b.M.x")
-        assert json.loads(bridge.requests[-1][1]) == {"min_last_seq": 41}
         bridge.replies.append(direct_reply(42, "$O.b.C.n", b"chunk"))
         await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20)
         assert json.loads(bridge.requests[-1][1])["min_last_seq"] == 41
@@ -91,17 +89,44 @@ def test_reads_after_a_write_ask_for_at_least_the_written_sequence():
     trio.run(main)
 
 
-def test_a_floor_no_replica_reaches_is_dropped_and_the_read_repeated():
-    """A stream deleted and created again starts its sequences over: a 412 drops the floor."""
+def test_metas_are_read_from_the_stream_leader():
+    """Conflict checks and read-backs must see the latest write: not a direct get, which any replica
+    answers, but STREAM.MSG.GET, which only the leader does."""
+    bridge = ScriptedBridge()
+    js = JetStreams(bridge)  # type: ignore[arg-type]
+    hdrs = base64.b64encode(b"NATS/1.0\r\nNats-Rollup: sub\r\nNats-Msg-Id: m1\r\n\r\n").decode()
+
+    async def main() -> None:
+        bridge.api_replies.append({"message": {"subject": "$O.b.M.x", "seq": 77, "hdrs": hdrs,
+                                               "data": base64.b64encode(b"{}").decode(),
+                                               "time": "2026-11-23T05:00:00.5Z"}})
+        msg = await js.last_msg("OBJ_b", "$O.b.M.x")
+        assert bridge.api_calls[-1] == ("STREAM.MSG.GET.OBJ_b", {"last_by_subj": "$O.b.M.x"})
+        assert msg is not None and (msg.seq, msg.data, msg.headers) == (77, b"{}", {"Nats-Rollup": "sub"})
+        assert js.floors["OBJ_b"] == 77
+        bridge.api_replies.append(JetStreamAPIError("no message found", code=404, err_code=10037))
+        assert await js.last_msg("OBJ_b", "$O.b.M.y") is None
+
+    trio.run(main)
+
+
+def test_a_floor_is_kept_while_a_replica_catches_up_and_dropped_for_a_recreated_stream():
     bridge = ScriptedBridge()
     js = JetStreams(bridge)  # type: ignore[arg-type]
     js.floors["OBJ_b"] = 900
 
+    def info(last_seq: int) -> dict[str, Any]:
+        return {"config": {"name": "OBJ_b"}, "state": {"last_seq": last_seq}}
+
     async def main() -> None:
-        bridge.replies.extend([status("412"), direct_reply(2, "$O.b.M.x", b"doc")])
-        msg = await js.last_msg("OBJ_b", "$O.b.M.x")
-        assert msg is not None and msg.data == b"doc"
-        assert [p for _, p in bridge.requests] == [b'{"min_last_seq": 900}', b""]
+        bridge.replies.extend([status("412"), direct_reply(901, "$O.b.C.n", b"chunk")])
+        bridge.api_replies.append(info(950))  # a replica behind; the stream is not
+        assert [m.seq for m in await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20)] == [901]
+        assert [json.loads(p)["min_last_seq"] for _, p in bridge.requests] == [900, 900]
+        bridge.replies.extend([status("412"), direct_reply(2, "$O.b.C.n", b"chunk")])
+        bridge.api_replies.append(info(5))  # deleted and created again: sequences started over
+        assert [m.seq for m in await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20)] == [2]
+        assert "min_last_seq" not in json.loads(bridge.requests[-1][1])
         assert "OBJ_b" not in js.floors
 
     trio.run(main)
