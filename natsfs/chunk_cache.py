@@ -67,7 +67,7 @@ class Layout:
     also has one `UNPROVEN` slot covering the bytes no chunk can be proven to hold."""
 
     __slots__ = ("busy", "complete", "ends", "error", "generation", "gone", "grew", "hash_pos", "hasher",
-                 "intact", "reported", "seqs", "verdict")
+                 "intact", "reported", "retry_error", "seqs", "verdict")
 
     def __init__(self) -> None:
         self.seqs = array("q")
@@ -80,6 +80,7 @@ class Layout:
         self.busy = False  # a walk or scan is under way; wait on `grew`
         self.grew = trio.Event()
         self.error: NatsFSError | None = None
+        self.retry_error = False  # `error` is the server not answering: worth another walk
         # Digest check of this version: chunks are hashed in order as they become available.
         self.hasher = hashlib.sha256()
         self.hash_pos = 0  # index of the next chunk to hash
@@ -342,7 +343,7 @@ class ChunkCache:
         while layout.known_bytes < end and not layout.complete:
             if layout.error is not None:
                 error, layout.error = layout.error, None
-                if not _unanswered(error) or trio.current_time() >= deadline:
+                if not layout.retry_error or trio.current_time() >= deadline:
                     raise error
                 log.debug("%s/%s: fetching the layout again after: %s", info.bucket, info.name, error)
                 await trio.sleep(_FETCH_PAUSE_S)
@@ -439,10 +440,10 @@ class ChunkCache:
             elif len(layout.seqs) >= info.chunks:
                 layout.complete = True
         except NatsFSError as e:
-            layout.error = e
+            layout.error, layout.retry_error = e, _unanswered(e)
         except Exception as e:
             log.exception("fetching %s/%s failed unexpectedly", info.bucket, info.name)
-            layout.error = Unavailable(f"{info.bucket}/{info.name}: fetch failed: {e!r}")
+            layout.error, layout.retry_error = Unavailable(f"{info.bucket}/{info.name}: fetch failed: {e!r}"), False
         finally:
             layout.busy = False
             layout.wake()
