@@ -6,7 +6,19 @@ Each call schedules a coroutine on the loop and parks the trio task until it fin
 cancels the waiting task, the asyncio task is cancelled too. Messages for subscriptions are queued
 on the asyncio side and handed to trio in batches, so a burst of messages costs one wakeup.
 
-Nothing outside this module imports asyncio or nats; nats exceptions become `natsfs.errors`.
+The connection stays up by being replaced (`_Link`): nats-py runs without its own reconnect, and when
+its client is lost for any reason (a server restart, a slow-consumer kick, any `-ERR`, after which
+nats-py closes the client for good), a new client is made, with a fresh reply inbox, and every
+subscription is restored on it. Requests in flight on the lost client fail at once: `OutcomeUnknown`
+for a publish whose acknowledgement did not come, `Unavailable` otherwise; replies addressed to an
+earlier client are dropped, so none can complete a request of a later one.
+
+Replies of batched direct gets are bounded by one byte budget (`REPLY_BUDGET`): the server drops a
+client whose unread bytes pass its `max_pending`, so the bytes asked for and not yet taken by trio
+must stay well under it.
+
+Nothing outside this module imports asyncio or nats; nats exceptions become `natsfs.errors`, and
+nats-py internals are reached only through `natsfs.natscompat`.
 """
 
 from __future__ import annotations
@@ -19,34 +31,49 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats
-import nats.aio.client
 import nats.errors
 import trio
 
-from .errors import JetStreamAPIError, NatsFSError, NotFound, Unavailable
+from . import natscompat
+from .errors import JetStreamAPIError, NatsFSError, NotFound, OutcomeUnknown, Unavailable
 from .futures import wait_future
-from .secrecy import redact_url, redact_urls
+from .secrecy import redact_url
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # One pending flush of publishes may hold this many bytes before nats-py flushes it itself.
 _PENDING_SIZE = 8 * 1024 * 1024
-# nats-py reads its socket 32 KiB at a time through a StreamReader limited to 32 KiB, so a 128 KiB
-# chunk costs four reads and as many pause/resume cycles of the selector. Reading 1 MiB at a time
-# makes bulk transfers markedly cheaper; the value is a module global nats-py reads at call time.
-_READ_BUFFER = 1024 * 1024
-nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, _READ_BUFFER)
 # A paced subscription (a watch loading a huge bucket) may hold this many messages not yet taken by
 # trio before the connection stops reading for a moment (at most _PACE_WAIT s at a time): the rest
 # waits in the socket and on the server, instead of as Python objects that fragment the heap.
 _PACE_HIGH = 1000
 _PACE_WAIT = 0.05
+# Bytes of direct-get replies asked for and not yet taken by trio, across all requests. The server
+# drops a client as a slow consumer when more than its `max_pending` (64 MiB by default) waits
+# unread for it; when the daemon's threads are busy, everything asked for can be waiting, so this
+# stays at half of that default. Each request reserves its `max_bytes` plus one reply (the server
+# may pass `max_bytes` by one message).
+REPLY_BUDGET = 32 * 1024 * 1024
+# The most one batched direct get may ask for, so several readers share the budget.
+MAX_BATCH_BYTES = 8 * 1024 * 1024
+# A connection lost with replies in flight may have been a slow-consumer kick by a server with a
+# smaller `max_pending`: the budget halves (down to this), and grows back after a quiet while.
+MIN_REPLY_BUDGET = 1024 * 1024
+_BUDGET_REGROW_S = 600.0
+# Reconnect attempts back off from the first to the second value (seconds).
+_RECONNECT_WAIT = (0.05, 2.0)
+# A connection that sent nothing for this long is probed; two unanswered probes end it.
+_PING_INTERVAL = 30
+# How often the current client is checked for having been closed without telling (see `_Link._watch`).
+_WATCH_INTERVAL = 0.25
+_CHUNK_GUESS = 128 * 1024  # the largest reply assumed before one is seen
 
 
 @dataclass(slots=True)
@@ -67,8 +94,401 @@ def _convert(m: Any) -> Msg:
     return Msg(m.subject, m.reply or "", dict(m.headers) if m.headers else None, m.data or b"")
 
 
+def _ends_batch(msg: Msg) -> bool:
+    return msg.status is not None and not msg.data
+
+
+# ---------------------------------------------------------------------------------------------- the link
+class _Reply:
+    """The one reply of a request or publish on the reply inbox (asyncio side)."""
+
+    __slots__ = ("ack", "fut", "subject")
+
+    def __init__(self, subject: str, ack: bool):
+        self.subject = subject
+        self.ack = ack  # a publish into a stream: losing its ack leaves the outcome unknown
+        self.fut: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+
+    def deliver(self, msg: Msg) -> bool:
+        if not self.fut.done():
+            self.fut.set_result(msg)
+        return True
+
+    def fail(self, reason: str) -> None:
+        if self.fut.done():
+            return
+        if self.ack:
+            self.fut.set_exception(OutcomeUnknown(
+                f"publish to {self.subject}: connection to NATS lost before the acknowledgement ({reason})"))
+        else:
+            self.fut.set_exception(Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})"))
+
+    def settle(self) -> None:
+        """Mark a failure nobody waits for any more as seen (asyncio would log it otherwise)."""
+        if self.fut.done() and not self.fut.cancelled():
+            self.fut.exception()
+        else:
+            self.fut.cancel()
+
+
+class _Collector:
+    """Gathers the replies of one multi-message request until its end-of-batch status."""
+
+    __slots__ = ("done", "msgs", "subject")
+
+    def __init__(self, subject: str) -> None:
+        self.subject = subject
+        self.msgs: list[Msg] = []
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def deliver(self, msg: Msg) -> bool:
+        if self.done.done():
+            return True
+        if _ends_batch(msg):
+            # 204 EOB ends a batch; 404/408/other statuses end it too (kept for the caller).
+            if msg.status != "204":
+                self.msgs.append(msg)
+            self.done.set_result(None)
+            return True
+        self.msgs.append(msg)
+        return False
+
+    def fail(self, reason: str) -> None:
+        if not self.done.done():
+            self.done.set_exception(Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})"))
+
+    def settle(self) -> None:
+        if self.done.done() and not self.done.cancelled():
+            self.done.exception()
+        else:
+            self.done.cancel()
+
+
+class _Link:
+    """The asyncio side of one logical connection: one nats-py client at a time, replaced by a new
+    one when it is lost, and one reply inbox per client on which all requests get their replies."""
+
+    def __init__(self, servers: Sequence[str], *, name: str, connect_timeout: float,
+                 user_credentials: str | None = None,
+                 on_lost: Callable[[str], None] = lambda reason: None,
+                 on_restored: Callable[[], None] = lambda: None,
+                 restore: Callable[[Any], Awaitable[None]] | None = None,
+                 after_msg: Callable[[int], Awaitable[None] | None] | None = None,
+                 quiet: bool = False):
+        self.servers = list(servers)
+        self.name = name
+        self.connect_timeout = connect_timeout
+        self.user_credentials = user_credentials
+        self._on_lost = on_lost
+        self._on_restored = on_restored
+        self._restore = restore
+        self._after_msg = after_msg
+        self._log_level = logging.DEBUG if quiet else logging.WARNING
+        self.nc: Any = None
+        self.prefix = ""  # the current client's reply inbox; replies to any other are dropped
+        self.generation = 0  # counts clients: work pinned to one fails once it is replaced
+        self.server_info: dict[str, Any] = {}
+        self.waiters: dict[str, Any] = {}  # token -> _Reply, _Collector or a request's Subscription
+        self._ready: asyncio.Event | None = None
+        self._reconnecting: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._closing = False
+        self._next_token = 0
+        self._next_server = 0
+
+    # ---- connecting
+    async def open(self) -> None:
+        """The first connection: each server once; `Unavailable` saying why if none answers."""
+        self._ready = asyncio.Event()
+        error: Unavailable | None = None
+        for server in self.servers:
+            try:
+                await self._connect(server)
+                self._watchdog = asyncio.ensure_future(self._watch())
+                return
+            except Unavailable as e:
+                error = error or e
+        raise error or Unavailable("no NATS server given")
+
+    async def _watch(self) -> None:
+        """nats-py calls `closed_cb` at the end of closing, which an error on the dead socket can cut
+        short (its final flush): a client found closed is taken as lost here too."""
+        while not self._closing:
+            await asyncio.sleep(_WATCH_INTERVAL)
+            nc = self.nc
+            if nc is not None and nc.is_closed:
+                self._lost(nc)
+
+    async def _connect(self, server: str) -> None:
+        errors: list[BaseException] = []
+        client: list[Any] = []
+
+        async def error_cb(e: Exception) -> None:
+            errors.append(e)
+            log.debug("nats: %s", e)
+
+        async def closed_cb() -> None:
+            if client:
+                self._lost(client[0])
+
+        options: dict[str, Any] = {
+            "servers": [server], "name": self.name, "connect_timeout": self.connect_timeout,
+            # Reconnecting is ours (a new client): nats-py's own would keep the old reply inbox.
+            "allow_reconnect": False, "max_reconnect_attempts": 1,
+            "error_cb": error_cb, "closed_cb": closed_cb, "pending_size": _PENDING_SIZE,
+            "ping_interval": _PING_INTERVAL, "max_outstanding_pings": 2,
+            # A publish over `pending_size` waits for the flusher; never forever (see `_lost`).
+            "flush_timeout": self.connect_timeout,
+        }
+        if self.user_credentials:
+            options["user_credentials"] = self.user_credentials
+        try:
+            nc = await asyncio.wait_for(nats.connect(**options), self.connect_timeout * 2 + 2)
+        except (TimeoutError, OSError, nats.errors.Error) as e:
+            reason = errors[0] if errors else e
+            shown = redact_url(server)
+            raise Unavailable(f"cannot connect to NATS at {shown}: {reason or type(reason).__name__}") from None
+        client.append(nc)
+        try:
+            prefix = nc.new_inbox()
+            await nc.subscribe(prefix + ".*", cb=self._on_reply, pending_bytes_limit=0, pending_msgs_limit=0)
+            if self._after_msg is not None:
+                natscompat.hook_messages(nc, self._after_msg)
+            if self._restore is not None:
+                await self._restore(nc)
+            if nc.is_closed or self._closing:
+                raise nats.errors.ConnectionClosedError
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                await nc.close()
+            if isinstance(e, nats.errors.Error | OSError):
+                shown = redact_url(server)
+                raise Unavailable(f"connection to NATS at {shown} failed while it was set up: {e}") from None
+            raise
+        self.nc, self.prefix = nc, prefix
+        self.server_info = natscompat.server_info(nc)
+        assert self._ready is not None
+        self._ready.set()
+
+    def _lost(self, nc: Any) -> None:
+        """A client was closed (by the server, an error, or nats-py): fail its work, make a new one."""
+        if nc is not self.nc or self._closing:
+            return
+        reason = str(nc.last_error or "connection closed")
+        self.nc, self.prefix = None, ""
+        self.generation += 1
+        assert self._ready is not None
+        self._ready.clear()
+        log.log(self._log_level, "lost the connection to NATS (%s); reconnecting", reason)
+        self._reconnecting = asyncio.ensure_future(self._reconnect(time.monotonic()))
+        self._on_lost(reason)  # before the waiters fail: it may look at what was in flight
+        natscompat.release_flushes(nc)
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        waiters, self.waiters = self.waiters, {}
+        for waiter in list(waiters.values()):  # a copy: the trio thread may drop entries meanwhile
+            try:
+                waiter.fail(reason)
+            except Exception:
+                log.exception("failing a request after the connection was lost")
+
+    async def _reconnect(self, since: float) -> None:
+        wait = _RECONNECT_WAIT[0]
+        reported = since
+        while not self._closing:
+            server = self.servers[self._next_server % len(self.servers)]
+            self._next_server += 1
+            try:
+                await self._connect(server)
+            except Exception as e:  # whatever it was, the mount must not stay without a connection
+                now = time.monotonic()
+                if now - reported >= 60:
+                    reported = now
+                    log.log(self._log_level, "still no connection to NATS after %.0fs: %s", now - since, e)
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, _RECONNECT_WAIT[1])
+                continue
+            log.log(min(self._log_level, logging.INFO), "reconnected to NATS at %s after %.1fs", redact_url(server),
+                    time.monotonic() - since)  # (the loss was the warning)
+            self._on_restored()
+            return
+
+    async def client(self, timeout: float) -> Any:
+        """The current client; while there is none, waits up to `timeout` for the next one."""
+        nc = self.nc
+        if nc is not None and nc.is_closed:
+            self._lost(nc)
+            nc = None
+        if nc is not None:
+            return nc
+        if self._closing or self._ready is None:
+            raise Unavailable("the connection to NATS is closed")
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            raise Unavailable(f"no connection to NATS (reconnecting for {timeout:g}s and more)") from None
+        return await self.client(timeout)
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in (self._reconnecting, self._watchdog):
+            if task is not None:
+                task.cancel()
+        nc, self.nc = self.nc, None
+        self._fail_all("closing")
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.drain(), 2.0)
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+    # ---- replies
+    def token(self) -> str:
+        self._next_token += 1
+        return str(self._next_token)
+
+    async def _on_reply(self, m: Any) -> None:
+        subject, prefix = m.subject, self.prefix
+        if not prefix or not subject.startswith(prefix) or subject[len(prefix) : len(prefix) + 1] != ".":
+            return  # addressed to an earlier client's inbox
+        token = subject[len(prefix) + 1 :]
+        waiter = self.waiters.get(token)
+        if waiter is not None and waiter.deliver(_convert(m)):
+            self.waiters.pop(token, None)
+
+    async def send(self, subject: str, payload: bytes, headers: dict[str, str] | None, waiter: Any, *,
+                   timeout: float, generation: int | None = None) -> str:
+        """Publish with a reply to `waiter`; `Unavailable` if it certainly was not sent (no client, or a
+        different one than `generation`). Returns the token the caller removes when done."""
+        nc = await self.client(timeout)
+        if generation is not None and generation != self.generation:
+            raise Unavailable(f"{subject}: not sent, the connection to NATS was replaced meanwhile")
+        token = self.token()
+        self.waiters[token] = waiter
+        try:
+            await nc.publish(subject, payload, reply=f"{self.prefix}.{token}", headers=headers)
+        except nats.errors.Error as e:
+            self.waiters.pop(token, None)
+            raise Unavailable(f"{subject}: not sent ({e})") from None
+        return token
+
+    async def reply(self, token: str, waiter: _Reply, timeout: float) -> Msg:
+        """Wait for the reply of a `send`; no responders is `NotFound`."""
+        try:
+            msg = await asyncio.wait_for(waiter.fut, timeout)
+        except TimeoutError:
+            if waiter.ack:
+                raise OutcomeUnknown(f"publish to {waiter.subject} not acknowledged in {timeout:g}s") from None
+            raise Unavailable(f"request on {waiter.subject} timed out after {timeout:g}s") from None
+        finally:
+            self.waiters.pop(token, None)
+            waiter.settle()
+        if msg.status == "503" and not msg.data:
+            raise NotFound(f"no responders on {waiter.subject}")
+        return msg
+
+    async def request(self, subject: str, payload: bytes, headers: dict[str, str] | None, timeout: float,
+                      *, ack: bool = False, generation: int | None = None) -> Msg:
+        waiter = _Reply(subject, ack)
+        try:
+            token = await self.send(subject, payload, headers, waiter, timeout=timeout, generation=generation)
+        except BaseException:
+            waiter.settle()
+            raise
+        return await self.reply(token, waiter, timeout)
+
+    async def js_publish(self, subject: str, payload: bytes, headers: dict[str, str] | None, timeout: float,
+                         generation: int | None = None) -> dict[str, Any]:
+        m = await self.request(subject, payload, headers, timeout, ack=True, generation=generation)
+        return _parse_ack(m, subject)
+
+    async def js_publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]], window: int,
+                              timeout: float) -> list[dict[str, Any] | NatsFSError]:
+        # Like nats.go's PublishAsync: plain publishes whose acks come back to the reply inbox, at most
+        # `window` unacknowledged, all on one client: once it is lost, the rest are not sent.
+        await self.client(timeout)
+        generation = self.generation
+        results: list[dict[str, Any] | NatsFSError] = [Unavailable("not acknowledged")] * len(msgs)
+        sem = asyncio.Semaphore(window)
+
+        async def one(i: int, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+            async with sem:
+                try:
+                    results[i] = await self.js_publish(subject, data, headers, timeout, generation)
+                except NatsFSError as e:
+                    results[i] = e
+
+        await asyncio.gather(*(one(i, s, d, h) for i, (s, d, h) in enumerate(msgs)))
+        return results
+
+
+def _parse_ack(m: Msg, subject: str) -> dict[str, Any]:
+    if not m.data:
+        raise Unavailable(f"publish to {subject}: status {m.status}")
+    return _parse_api_reply(m.data, subject)
+
+
+# ---------------------------------------------------------------------------------------------- trio side
+class _ByteBudget:
+    """Bytes of replies in flight (trio side): first come, first served; a request larger than the
+    whole budget gets it all."""
+
+    def __init__(self, limit: int):
+        self.full = limit
+        self.limit = limit
+        self.used = 0
+        self._queue: collections.deque[list[Any]] = collections.deque()  # [bytes, trio.Event]
+        self._changed_at = 0.0
+
+    async def acquire(self, want: int) -> int:
+        self._regrow()
+        entry: list[Any] = [min(want, self.limit), trio.Event()]
+        self._queue.append(entry)
+        self._grant()
+        try:
+            await entry[1].wait()
+        except BaseException:
+            if entry[1].is_set():
+                self.release(entry[0])
+            else:
+                self._queue.remove(entry)
+                self._grant()
+            raise
+        return int(entry[0])
+
+    def release(self, n: int) -> None:
+        if n > 0:
+            self.used -= n
+            self._grant()
+
+    def _grant(self) -> None:
+        while self._queue:
+            entry = self._queue[0]
+            entry[0] = min(entry[0], self.limit)
+            if self.used and self.used + entry[0] > self.limit:
+                return
+            self._queue.popleft()
+            self.used += entry[0]
+            entry[1].set()
+
+    def shrink(self) -> int:
+        self.limit = max(MIN_REPLY_BUDGET, self.limit // 2)
+        self._changed_at = time.monotonic()
+        return self.limit
+
+    def _regrow(self) -> None:
+        if self.limit < self.full and time.monotonic() - self._changed_at > _BUDGET_REGROW_S:
+            self.limit = min(self.full, self.limit * 2)
+            self._changed_at = time.monotonic()
+            log.info("replies in flight may reach %d MiB again", self.limit >> 20)
+
+
 class Subscription:
-    """Messages on one subject, delivered to trio in batches. Flow-control requests are answered here."""
+    """Messages on one subject, delivered to trio in batches. Flow-control requests are answered here.
+
+    Made by `Bridge.subscribe` (restored on every new connection) or `Bridge.request_stream` (the
+    replies of one request: it fails, after what arrived before, when its connection is lost)."""
 
     def __init__(self, bridge: Bridge, subject: str):
         self.subject = subject
@@ -80,23 +500,38 @@ class Subscription:
         self._sub: Any = None
         self._stream_token: str | None = None
         self._interrupted = False
+        self._error: NatsFSError | None = None
+        self._reserved = 0  # budget bytes held for replies not yet taken
         # Paced: answer flow-control requests when `next_batch` takes what came before them, not on
         # arrival, and keep the backlog short (see _PACE_HIGH).
         self.paced = False
         self._drained: asyncio.Event | None = None
         self.closed = False
 
-    # ---- asyncio side ----
+    # ---- asyncio side
     async def _on_msg(self, m: Any) -> None:
-        await self._on_msg_converted(_convert(m))
-
-    async def _on_msg_converted(self, msg: Msg) -> None:
-        if msg.status == "100" and msg.reply and not self.paced:
+        msg = _convert(m)
+        nc = self._bridge._link.nc if self._bridge._link is not None else None
+        if msg.status == "100" and msg.reply and not self.paced and nc is not None:
             # JetStream flow control: answer at once, from the loop that owns the connection.
-            await self._bridge._nc.publish(msg.reply, b"")
+            await nc.publish(msg.reply, b"")
         stalled = msg.headers.get("Nats-Consumer-Stalled") if msg.headers else None
-        if stalled:
-            await self._bridge._nc.publish(stalled, b"")
+        if stalled and nc is not None:
+            await nc.publish(stalled, b"")
+        self._enqueue(msg)
+
+    def deliver(self, msg: Msg) -> bool:
+        """A reply of this subscription's request (from the reply inbox); True once it ended."""
+        if len(msg.data) > self._bridge._largest_reply:
+            self._bridge._largest_reply = len(msg.data)
+        self._enqueue(msg)
+        return _ends_batch(msg)
+
+    def fail(self, reason: str) -> None:
+        self._error = Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})")
+        self._bridge._to_trio(self.interrupt)
+
+    def _enqueue(self, msg: Msg) -> None:
         with self._lock:
             self._queue.append(msg)
             if self._wake_scheduled:
@@ -104,19 +539,20 @@ class Subscription:
             self._wake_scheduled = True
         self._bridge._to_trio(self._set_wake)
 
-    # ---- trio side ----
+    # ---- trio side
     def _set_wake(self) -> None:
         with self._lock:
             self._wake_scheduled = False
         self._wake.set()
 
     async def next_batch(self, timeout: float | None = None) -> list[Msg]:
-        """Everything queued so far; waits up to `timeout` seconds for at least one message."""
+        """Everything queued so far; waits up to `timeout` seconds for at least one message. A request's
+        replies raise `Unavailable` once those that came before its connection was lost are taken."""
         deadline = trio.current_time() + timeout if timeout is not None else math.inf
-        while not self._queue and not self._interrupted and trio.current_time() < deadline:
+        while not self._queue and not self._interrupted and self._error is None and trio.current_time() < deadline:
             # A wakeup scheduled for an earlier batch may land on this event: hence the loop.
             self._wake = trio.Event()
-            if self._queue:
+            if self._queue or self._error is not None:
                 break
             with trio.move_on_at(deadline):
                 await self._wake.wait()
@@ -124,6 +560,12 @@ class Subscription:
         with self._lock:
             batch = list(self._queue)
             self._queue.clear()
+        if not batch and self._error is not None:
+            raise self._error
+        if self._reserved:
+            taken = min(self._reserved, sum(len(m.data) for m in batch))
+            self._reserved -= taken
+            self._bridge._budget.release(taken)
         if self.paced:
             # Flow control answered only now that the messages before it are taken: the server never
             # runs more than its flow-control window ahead of the consumer.
@@ -135,14 +577,16 @@ class Subscription:
         return batch
 
     async def _answer(self, replies: list[str]) -> None:
+        nc = self._bridge._link.nc if self._bridge._link is not None else None
+        if nc is None:
+            return  # the consumer is re-created on the next connection anyway
         for reply in replies:
-            await self._bridge._nc.publish(reply, b"")
+            await nc.publish(reply, b"")
 
-    # ---- pacing (asyncio side) ----
+    # ---- pacing (asyncio side)
     def backlog(self) -> int:
         """Messages received and not yet taken by trio (ours, and nats-py's queue in front of ours)."""
-        queue = getattr(self._sub, "_pending_queue", None)
-        pending = queue.qsize() if queue is not None else 0
+        pending = self._sub.pending_msgs if self._sub is not None else 0
         return len(self._queue) + pending
 
     def _set_drained(self) -> None:
@@ -168,18 +612,25 @@ class Subscription:
         if self.closed:
             return
         self.closed = True
+        bridge = self._bridge
+        bridge._budget.release(self._reserved)
+        self._reserved = 0
         if self._stream_token is not None:
-            self._bridge._streams.pop(self._stream_token, None)
+            link, token = bridge._link, self._stream_token
+            if link is not None:
+                bridge._call_soon(lambda: link.waiters.pop(token, None))
+            return
+        bridge._subs.discard(self)
         sub = self._sub
         if sub is not None:
-            self._bridge._paced.pop(getattr(sub, "_id", None), None)
-            self._bridge._call_soon(self._set_drained)
+            bridge._paced.pop(natscompat.subscription_id(sub), None)
+            bridge._call_soon(self._set_drained)
             with contextlib.suppress(Exception):
-                await self._bridge._run(sub.unsubscribe())
+                await bridge._run(sub.unsubscribe())
 
 
 class Bridge:
-    """A nats-py connection on an asyncio loop thread, used from trio."""
+    """A connection to NATS on an asyncio loop thread, used from trio; it survives losing its client."""
 
     def __init__(
         self,
@@ -191,6 +642,7 @@ class Bridge:
         on_disconnect: Callable[[], None] | None = None,
         on_reconnect: Callable[[], None] | None = None,
         user_credentials: str | None = None,
+        reply_budget: int = REPLY_BUDGET,
     ):
         self.servers = list(servers)
         self.name = name
@@ -201,20 +653,19 @@ class Bridge:
         self.user_credentials = user_credentials
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._nc: Any = None
+        self._link: _Link | None = None
         self._token: trio.lowlevel.TrioToken | None = None
-        self._mux_prefix = ""
-        self._collectors: dict[str, _Collector] = {}
-        self._streams: dict[str, Subscription] = {}
-        self._acks: dict[str, asyncio.Future[Msg]] = {}
+        self._subs: set[Subscription] = set()  # restored on every new connection
         self._paced: dict[int, Subscription] = {}  # by nats-py subscription id
-        self._closing = False
-        self._next_token = 0
+        self._budget = _ByteBudget(reply_budget)
+        self._largest_reply = _CHUNK_GUESS
         self.connected = False
+        self.reconnects = 0
 
     # ------------------------------------------------------------------ lifecycle
     async def connect(self) -> None:
         """Start the loop thread and connect; raises `Unavailable` with a readable reason."""
+        natscompat.check()
         self._token = trio.lowlevel.current_trio_token()
         ready = threading.Event()
 
@@ -229,82 +680,73 @@ class Bridge:
         self._thread = threading.Thread(target=loop_main, name="natsfs-asyncio", daemon=True)
         self._thread.start()
         ready.wait()
+        self._link = _Link(self.servers, name=self.name, connect_timeout=self.connect_timeout,
+                           user_credentials=self.user_credentials, on_lost=self._lost,
+                           on_restored=self._restored, restore=self._restore, after_msg=self._after_msg)
         try:
-            await self._run(self._connect())
+            await self._run(self._link.open())
         except BaseException:
             await self.close()
             raise
         self.connected = True
 
-    async def _connect(self) -> None:
-        first_error: list[BaseException] = []
-
-        async def error_cb(e: Exception) -> None:
-            if not first_error:
-                first_error.append(e)
-            log.debug("nats: %s", e)
-
-        async def disconnected_cb() -> None:
-            if self.connected and not self._closing:
-                log.warning("lost connection to NATS; reconnecting")
-            self.connected = False
-            if self.on_disconnect:
-                self._to_trio(self.on_disconnect)
-
-        async def reconnected_cb() -> None:
-            self.connected = True
-            log.warning("reconnected to NATS at %s", redact_url(self._nc.connected_url.geturl()) if self._nc else "?")
-            if self.on_reconnect:
-                self._to_trio(self.on_reconnect)
-
-        options: dict[str, Any] = {
-            "servers": self.servers,
-            "name": self.name,
-            "connect_timeout": self.connect_timeout,
-            "allow_reconnect": True,
-            "max_reconnect_attempts": -1,
-            "reconnect_time_wait": 0.5,
-            "error_cb": error_cb,
-            "disconnected_cb": disconnected_cb,
-            "reconnected_cb": reconnected_cb,
-            "pending_size": _PENDING_SIZE,
-        }
-        if self.user_credentials:
-            options["user_credentials"] = self.user_credentials
-        try:
-            # The first connect must fail fast and say why, instead of retrying forever.
-            # (nats-py treats 0 attempts as "forever", hence 1.)
-            options_first = dict(options, max_reconnect_attempts=1, allow_reconnect=False)
-            limit = (self.connect_timeout + 1) * 2 * len(self.servers) + 2
-            nc = await asyncio.wait_for(nats.connect(**options_first), limit)
-            await nc.close()
-            self._nc = await nats.connect(**options)
-        except (TimeoutError, nats.errors.NoServersError, OSError, nats.errors.Error) as e:
-            reason = first_error[0] if first_error else e
-            raise Unavailable(f"cannot connect to NATS at {redact_urls(self.servers)}: {reason}") from None
-        self._mux_prefix = self._nc.new_inbox()
-        await self._nc.subscribe(self._mux_prefix + ".*", cb=self._on_mux, pending_bytes_limit=0)
-        self._install_pacing()
-
     async def close(self) -> None:
         loop = self._loop
         if loop is None:
             return
-        self._closing = True
-        if self._nc is not None:
+        if self._link is not None:
             with contextlib.suppress(Exception):
-                await self._run(self._close_nc())
+                await self._run(self._link.close())
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             await trio.to_thread.run_sync(self._thread.join, 5.0)
         self._loop = None
         self.connected = False
 
-    async def _close_nc(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._nc.drain(), 2.0)
-        with contextlib.suppress(Exception):
-            await self._nc.close()
+    @property
+    def server_info(self) -> dict[str, Any]:
+        """The INFO of the server last connected to (`max_payload`, `version`, ...)."""
+        return self._link.server_info if self._link is not None else {}
+
+    # ---- connection events (asyncio side, then trio)
+    def _lost(self, reason: str) -> None:
+        in_flight = self._budget.used
+        self._to_trio(lambda: self._lost_in_trio(in_flight))
+
+    def _lost_in_trio(self, in_flight: int) -> None:
+        self.connected = False
+        if in_flight >= MIN_REPLY_BUDGET and self._budget.limit > MIN_REPLY_BUDGET:
+            limit = self._budget.shrink()
+            log.warning("the connection was lost with %.1f MiB of replies in flight (a server with a small "
+                        "max_pending drops clients that fall behind): at most %d MiB in flight from now on",
+                        in_flight / 2**20, limit >> 20)
+        if self.on_disconnect:
+            self.on_disconnect()
+
+    def _restored(self) -> None:
+        self._to_trio(self._restored_in_trio)
+
+    def _restored_in_trio(self) -> None:
+        self.connected = True
+        self.reconnects += 1
+        if self.on_reconnect:
+            self.on_reconnect()
+
+    async def _restore(self, nc: Any) -> None:
+        """Subscribe every live subscription again on a new client."""
+        self._paced.clear()
+        for sub in list(self._subs):
+            if sub.closed:
+                continue
+            sub._sub = await nc.subscribe(sub.subject, cb=sub._on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
+            if sub.paced:
+                self._paced[natscompat.subscription_id(sub._sub)] = sub
+
+    def _after_msg(self, sid: int) -> Awaitable[None] | None:
+        """Let a paced subscription's backlog hold up the connection's reader for a moment: the rest
+        waits in the socket and (bounded by the consumer's flow control) on the server."""
+        sub = self._paced.get(sid)
+        return sub.wait_drained() if sub is not None else None
 
     # ------------------------------------------------------------------ plumbing
     def _to_trio(self, fn: Callable[[], None]) -> None:
@@ -317,94 +759,77 @@ class Bridge:
     async def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await an asyncio coroutine from trio; trio cancellation cancels the asyncio task."""
         loop = self._loop
-        if loop is None:
+        if loop is None or self._link is None:
             coro.close()
             raise Unavailable("not connected to NATS")
         return await wait_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
-    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run an arbitrary nats-py coroutine factory on the loop (for tests and tools)."""
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the asyncio loop soon (from any thread)."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(fn)
 
-        async def wrapper() -> T:
-            return await fn()
-
-        return await self._run(wrapper())
-
-    async def _on_mux(self, m: Any) -> None:
-        token = m.subject[len(self._mux_prefix) + 1 :]
-        ack = self._acks.get(token)
-        if ack is not None:
-            if not ack.done():
-                ack.set_result(_convert(m))
-            return
-        collector = self._collectors.get(token)
-        if collector is not None:
-            collector.add(_convert(m))
-            return
-        stream = self._streams.get(token)
-        if stream is not None:
-            msg = _convert(m)
-            if msg.status is not None and not msg.data:
-                self._streams.pop(token, None)
-            await stream._on_msg_converted(msg)
+    def _link_now(self) -> _Link:
+        if self._link is None:
+            raise Unavailable("not connected to NATS")
+        return self._link
 
     # ------------------------------------------------------------------ requests
     async def request(
         self, subject: str, payload: bytes = b"", headers: dict[str, str] | None = None,
         timeout: float | None = None,
     ) -> Msg:
-        return await self._run(self._request(subject, payload, headers, timeout or self.request_timeout))
+        """One request, one reply. `NotFound` when nothing answers on `subject`."""
+        return await self._run(self._link_now().request(subject, payload, headers, timeout or self.request_timeout))
 
-    async def _request(self, subject: str, payload: bytes, headers: dict[str, str] | None,
-                       timeout: float) -> Msg:
+    @property
+    def max_batch_bytes(self) -> int:
+        """The most one batched request may ask for now (within `MAX_BATCH_BYTES` and the budget)."""
+        return max(1, min(MAX_BATCH_BYTES, self._budget.limit - self._largest_reply))
+
+    async def request_many(self, subject: str, payload: bytes = b"", timeout: float | None = None, *,
+                           max_bytes: int = 0) -> list[Msg]:
+        """A request answered by several messages, ending with a status message (direct get batch).
+        `max_bytes`: what the request asks for, held from the reply budget until it ends."""
+        link = self._link_now()
+        held = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
         try:
-            m = await self._nc.request(subject, payload, timeout=timeout, headers=headers)
-        except nats.errors.NoRespondersError:
-            raise NotFound(f"no responders on {subject}") from None
-        except (TimeoutError, nats.errors.TimeoutError):
-            raise Unavailable(f"request on {subject} timed out after {timeout:g}s") from None
-        except nats.errors.Error as e:
-            raise Unavailable(f"request on {subject} failed: {e}") from None
-        return _convert(m)
-
-    async def request_many(self, subject: str, payload: bytes = b"", timeout: float | None = None) -> list[Msg]:
-        """A request answered by several messages, ending with a status message (direct get batch)."""
-        return await self._run(self._request_many(subject, payload, timeout or self.request_timeout))
-
-    async def _request_many(self, subject: str, payload: bytes, timeout: float) -> list[Msg]:
-        self._next_token += 1
-        token = str(self._next_token)
-        collector = _Collector()
-        self._collectors[token] = collector
-        try:
-            await self._nc.publish(subject, payload, reply=f"{self._mux_prefix}.{token}")
-            try:
-                await asyncio.wait_for(collector.done, timeout)
-            except TimeoutError:
-                raise Unavailable(f"request on {subject} timed out after {timeout:g}s") from None
-            return collector.msgs
-        except nats.errors.Error as e:
-            raise Unavailable(f"request on {subject} failed: {e}") from None
+            msgs = await self._run(self._request_many(link, subject, payload, timeout or self.request_timeout))
         finally:
-            del self._collectors[token]
+            self._budget.release(held)
+        for m in msgs:
+            if len(m.data) > self._largest_reply:
+                self._largest_reply = len(m.data)
+        return msgs
 
-    async def request_stream(self, subject: str, payload: bytes = b"") -> Subscription:
-        """A request answered by a stream of messages ending in a status message, handed over as they
-        arrive (`Subscription.next_batch`); the caller stops at the first message with a status."""
-        self._next_token += 1
-        token = f"s{self._next_token}"
-        sub = Subscription(self, subject)
-        sub._stream_token = token
-
-        async def do() -> None:
-            self._streams[token] = sub
-            await self._nc.publish(subject, payload, reply=f"{self._mux_prefix}.{token}")
-
+    @staticmethod
+    async def _request_many(link: _Link, subject: str, payload: bytes, timeout: float) -> list[Msg]:
+        collector = _Collector(subject)
+        token = await link.send(subject, payload, None, collector, timeout=timeout)
         try:
-            await self._run(do())
-        except nats.errors.Error as e:
-            self._streams.pop(token, None)
-            raise Unavailable(f"request on {subject} failed: {e}") from None
+            await asyncio.wait_for(collector.done, timeout)
+        except TimeoutError:
+            raise Unavailable(f"request on {subject} timed out after {timeout:g}s") from None
+        finally:
+            link.waiters.pop(token, None)
+            collector.settle()
+        return collector.msgs
+
+    async def request_stream(self, subject: str, payload: bytes = b"", *, max_bytes: int = 0) -> Subscription:
+        """A request answered by a stream of messages ending in a status message, handed over as they
+        arrive (`Subscription.next_batch`); the caller stops at the first message with a status and
+        unsubscribes. `max_bytes` is held from the reply budget and given back as replies are taken."""
+        link = self._link_now()
+        sub = Subscription(self, subject)
+        sub._reserved = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
+        try:
+            sub._stream_token = await self._run(link.send(subject, payload, None, sub, timeout=self.request_timeout))
+        except BaseException:
+            self._budget.release(sub._reserved)
+            sub._reserved = 0
+            raise
         return sub
 
     async def api(self, subject: str, body: dict[str, Any] | None = None, timeout: float | None = None
@@ -414,133 +839,49 @@ class Bridge:
         m = await self.request("$JS.API." + subject, payload, timeout=timeout)
         return _parse_api_reply(m.data, subject)
 
-    async def publish(self, subject: str, payload: bytes = b"", headers: dict[str, str] | None = None) -> None:
-        """Core NATS publish, no acknowledgement."""
-        await self._run(self._nc.publish(subject, payload, headers=headers))
-
     async def js_publish(self, subject: str, payload: bytes, headers: dict[str, str] | None = None,
                          timeout: float | None = None) -> dict[str, Any]:
-        """Publish into a stream and wait for its ack (`{"stream", "seq", ...}`)."""
-        m = await self.request(subject, payload, headers, timeout)
-        return _parse_api_reply(m.data, subject)
+        """Publish into a stream and wait for its ack (`{"stream", "seq", ...}`). `OutcomeUnknown` when
+        it was sent and no ack came; `Unavailable` when it certainly was not sent."""
+        return await self._run(self._link_now().js_publish(subject, payload, headers,
+                                                           timeout or self.request_timeout))
 
     async def js_publish_many(
         self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]], window: int = 32,
         timeout: float | None = None,
     ) -> list[dict[str, Any] | NatsFSError]:
-        """Publish many stream messages with at most `window` acks outstanding; results in order."""
-        return await self._run(self._js_publish_many(msgs, window, timeout or self.request_timeout))
-
-    async def _js_publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]], window: int,
-                               timeout: float) -> list[dict[str, Any] | NatsFSError]:
-        # Like nats.go's PublishAsync: plain publishes whose acks come back to our reply mux, at most
-        # `window` unacknowledged. Much cheaper per message than one nats-py request each.
-        loop = asyncio.get_running_loop()
-        results: list[dict[str, Any] | NatsFSError] = [Unavailable("not acknowledged")] * len(msgs)
-        sem = asyncio.Semaphore(window)
-        pending: set[asyncio.Future[Msg]] = set()
-
-        async def one(i: int, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
-            await sem.acquire()
-            self._next_token += 1
-            token = f"a{self._next_token}"
-            fut: asyncio.Future[Msg] = loop.create_future()
-            self._acks[token] = fut
-            pending.add(fut)
-            fut.add_done_callback(lambda _: sem.release())
-            try:
-                await self._nc.publish(subject, data, reply=f"{self._mux_prefix}.{token}", headers=headers)
-                m = await asyncio.wait_for(fut, timeout)
-                results[i] = _parse_api_reply(m.data, subject) if m.data else NotFound(
-                    f"no stream takes {subject}") if m.status == "503" else Unavailable(
-                    f"publish to {subject}: status {m.status}")
-            except TimeoutError:
-                results[i] = Unavailable(f"publish to {subject} not acknowledged in {timeout:g}s")
-            except NatsFSError as e:
-                results[i] = e
-            except nats.errors.Error as e:
-                results[i] = Unavailable(f"publish to {subject} failed: {e}")
-            finally:
-                self._acks.pop(token, None)
-                if not fut.done():
-                    fut.cancel()
-
-        await asyncio.gather(*(one(i, s, d, h) for i, (s, d, h) in enumerate(msgs)))
-        return results
+        """Publish many stream messages with at most `window` acks outstanding; results in order, each
+        an ack, or an error as `js_publish` raises it."""
+        return await self._run(self._link_now().js_publish_many(msgs, window, timeout or self.request_timeout))
 
     async def subscribe(self, subject: str, *, paced: bool = False) -> Subscription:
-        """Messages on `subject`, in batches (`Subscription.next_batch`). `paced`: for a JetStream push
-        consumer with flow control, whose backlog is kept short (see `_PACE_HIGH`)."""
+        """Messages on `subject`, in batches (`Subscription.next_batch`), on every connection from now on
+        until unsubscribed. `paced`: for a JetStream push consumer with flow control, whose backlog is
+        kept short (see `_PACE_HIGH`)."""
+        link = self._link_now()
         sub = Subscription(self, subject)
         sub.paced = paced
 
         async def do() -> None:
-            sub._sub = await self._nc.subscribe(subject, cb=sub._on_msg, pending_bytes_limit=0,
-                                                pending_msgs_limit=0)
+            nc = await link.client(self.request_timeout)
+            try:
+                sub._sub = await nc.subscribe(subject, cb=sub._on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
+            except nats.errors.Error as e:
+                raise Unavailable(f"subscribe to {subject}: {e}") from None
             if paced:
-                self._paced[sub._sub._id] = sub
+                self._paced[natscompat.subscription_id(sub._sub)] = sub
+            self._subs.add(sub)
 
         await self._run(do())
         return sub
 
-    def _call_soon(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the asyncio loop soon (from any thread)."""
-        loop = self._loop
-        if loop is not None:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(fn)
-
-    def _install_pacing(self) -> None:
-        """Let a paced subscription's backlog hold up the connection's reader for a moment.
-
-        nats-py's reader parses the socket and hands each message to `_process_msg`; waiting there
-        leaves the rest in the socket (and, bounded by the consumer's flow control, on the server)."""
-        process = self._nc._process_msg
-        paced = self._paced
-
-        async def process_msg(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
-            await process(sid, subject, reply, data, headers)
-            sub = paced.get(sid)
-            if sub is not None:
-                await sub.wait_drained()
-
-        self._nc._process_msg = process_msg
-
-    async def flush(self, timeout: float = 5.0) -> None:
-        try:
-            await self._run(self._nc.flush(timeout))
-        except (TimeoutError, nats.errors.Error) as e:
-            raise Unavailable(f"flush failed: {e}") from None
-
     def new_inbox(self) -> str:
-        return self._nc.new_inbox()
+        return f"_INBOX.{os.urandom(11).hex()}"
 
     @property
     def max_payload(self) -> int:
         """The largest message the server takes, from its INFO (1 MiB by default)."""
-        return int(self._nc.max_payload) if self._nc is not None else 1024 * 1024
-
-
-class _Collector:
-    """Gathers the replies of one multi-message request until its end-of-batch status."""
-
-    __slots__ = ("done", "msgs")
-
-    def __init__(self) -> None:
-        self.msgs: list[Msg] = []
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def add(self, msg: Msg) -> None:
-        if self.done.done():
-            return
-        status = msg.status
-        if status is not None and not msg.data:
-            # 204 EOB ends a batch; 404/408/other statuses end it too (kept for the caller).
-            if status != "204":
-                self.msgs.append(msg)
-            self.done.set_result(None)
-            return
-        self.msgs.append(msg)
+        return int(self.server_info.get("max_payload") or 1024 * 1024)
 
 
 def _parse_api_reply(data: bytes, subject: str) -> dict[str, Any]:
@@ -562,8 +903,13 @@ def _parse_api_reply(data: bytes, subject: str) -> dict[str, Any]:
 # connection that reads chunks straight from spool files, hashes them and publishes them, pipelined,
 # so that work runs on another core. It speaks newline-delimited JSON on stdin/stdout
 # (see natsfs.uploader for the daemon's side); requests of one session are handled in order.
+# Its connection is a `_Link` too: when it is lost, the chunks in flight fail at once (their outcome
+# unknown), the rest of the session is refused, and the next put uses the new connection.
 
 _WORKER_WINDOW = 64
+# Acks of a range come back within milliseconds on a healthy server; one missing after this long (a
+# server restarting just then) leaves the put's outcome unknown, and the daemon sends it again.
+_WORKER_ACK_TIMEOUT = 15.0
 
 
 class _WorkerSession:
@@ -576,20 +922,32 @@ class _WorkerSession:
         self.next_start = 0
         self.turn = asyncio.Condition()
         self.window = asyncio.Semaphore(window)
+        self.failed: dict[str, Any] | None = None  # the error that ended this session, for later ranges
 
 
-async def _worker_send(nc: Any, req: dict[str, Any], s: _WorkerSession, inbox: str,
-                       acks: dict[str, asyncio.Future[Any]]) -> dict[str, Any]:
+def _worker_error(e: BaseException, subject: str) -> dict[str, Any]:
+    """An error reply for the daemon; `kind` says whether the publish may have happened."""
+    if isinstance(e, JetStreamAPIError):
+        return {"description": e.description, "code": e.code, "err_code": e.err_code}
+    if isinstance(e, NotFound):
+        return {"description": f"no stream takes {subject}", "code": 503, "err_code": 0}
+    kind = "outcome_unknown" if isinstance(e, OutcomeUnknown) else "unavailable"
+    return {"description": f"upload worker: {e}", "code": 503, "err_code": 0, "kind": kind}
+
+
+async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> dict[str, Any]:
     """Publish a file range as chunks. Ranges of a session are hashed and published strictly in offset
-    order (a range waits for its turn); their acks are awaited outside that turn, so the next range is
-    already being sent while this one's acks come back."""
+    order (a range waits for its turn) on one connection; their acks are awaited outside that turn, so
+    the next range is already being sent while this one's acks come back."""
     subject, path, start, end, chunk = req["subject"], req["path"], req["start"], req["end"], req["chunk_size"]
     # Chunk i of put `session` is message `<session>.<i>` (JetStream de-duplication, as in adr20.PutSession).
     first_index = start // chunk
-    loop = asyncio.get_running_loop()
-    pending: list[asyncio.Future[Any]] = []
+    pending: list[tuple[str, _Reply]] = []
     async with s.turn:
-        await asyncio.wait_for(s.turn.wait_for(lambda: s.next_start == start), 120)
+        await asyncio.wait_for(s.turn.wait_for(lambda: s.next_start == start or s.failed is not None), 120)
+        if s.failed is not None:
+            return {"error": s.failed}
+        generation = link.generation
         fd = os.open(path, os.O_RDONLY)
         try:
             pos = start
@@ -600,63 +958,55 @@ async def _worker_send(nc: Any, req: dict[str, Any], s: _WorkerSession, inbox: s
                     data += bytes(n - len(data))
                 s.hasher.update(data)
                 await s.window.acquire()
-                token = f"{req['id']}_{len(pending)}"
-                fut = loop.create_future()
-                fut.add_done_callback(lambda _: s.window.release())
-                acks[token] = fut
-                pending.append(fut)
-                await nc.publish(subject, data, reply=f"{inbox}.{token}",
-                                 headers={"Nats-Msg-Id": f"{req['session']}.{first_index + len(pending) - 1}"})
+                waiter = _Reply(subject, ack=True)
+                waiter.fut.add_done_callback(lambda _: s.window.release())
+                try:
+                    msg_id = {"Nats-Msg-Id": f"{req['session']}.{first_index + len(pending)}"}
+                    token = await link.send(subject, data, msg_id, waiter, timeout=30, generation=generation)
+                except BaseException:
+                    waiter.settle()
+                    raise
+                pending.append((token, waiter))
                 pos += n
+        except Exception as e:
+            for token, waiter in pending:
+                link.waiters.pop(token, None)
+                waiter.settle()
+            s.failed = _worker_error(e, subject)
+            return {"error": s.failed}
         finally:
             os.close(fd)
+            s.turn.notify_all()
         s.next_start = end
-        s.turn.notify_all()
-    replies = await asyncio.wait_for(asyncio.gather(*pending), 30 + len(pending))
-    for m in replies:
-        if not m.data:
-            status = (m.headers or {}).get("Status", "")
-            code = 503 if status == "503" else int(status or 500)
-            return {"error": {"description": f"no stream takes {subject}" if status == "503" else f"status {status}",
-                              "code": code, "err_code": 0}}
+    results = await asyncio.gather(*(link.reply(t, w, _WORKER_ACK_TIMEOUT) for t, w in pending),
+                                   return_exceptions=True)
+    for m in results:
         try:
-            _parse_api_reply(m.data, subject)
-        except JetStreamAPIError as e:
-            return {"error": {"description": e.description, "code": e.code, "err_code": e.err_code}}
+            if isinstance(m, BaseException):
+                raise m
+            _parse_ack(m, subject)
         except NatsFSError as e:
-            return {"error": {"description": str(e), "code": 503, "err_code": 0}}
+            s.failed = _worker_error(e, subject)
+            async with s.turn:
+                s.turn.notify_all()
+            return {"error": s.failed}
     return {"chunks": len(pending), "bytes": end - start}
 
 
 async def _worker_main(servers: list[str]) -> None:
     import sys
 
-    async def quiet(e: Exception) -> None:
-        pass  # stderr is the daemon's; the daemon notices a dead worker and says so itself
-
-    options: dict[str, Any] = dict(servers=servers, name="natsfs-upload-worker", pending_size=_PENDING_SIZE,
-                                   error_cb=quiet, reconnect_time_wait=0.5, connect_timeout=5)
+    # Quiet: stderr is the daemon's; the daemon notices a dead worker or failed ranges and says so itself.
+    link = _Link(servers, name="natsfs-upload-worker", connect_timeout=5, quiet=True)
     try:
-        # A probe that fails fast (nats-py retries a first connect forever otherwise): without a
-        # server the worker just exits and the daemon publishes in-process.
-        probe = await nats.connect(**options, allow_reconnect=False, max_reconnect_attempts=1)
-        await probe.close()
-        nc = await nats.connect(**options, allow_reconnect=True, max_reconnect_attempts=-1)
-    except Exception:
+        # Without a server the worker just exits and the daemon publishes in-process.
+        await link.open()
+    except Unavailable:
         raise SystemExit(1) from None
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     out = sys.stdout.buffer
-    inbox = nc.new_inbox()
-    acks: dict[str, asyncio.Future[Any]] = {}
-
-    async def on_ack(m: Any) -> None:
-        fut = acks.pop(m.subject[len(inbox) + 1:], None)
-        if fut is not None and not fut.done():
-            fut.set_result(m)
-
-    await nc.subscribe(inbox + ".*", cb=on_ack, pending_bytes_limit=0)
     sessions: dict[str, _WorkerSession] = {}
 
     async def handle(req: dict[str, Any]) -> None:
@@ -665,7 +1015,7 @@ async def _worker_main(servers: list[str]) -> None:
             op = req["op"]
             if op == "send":
                 s = sessions.setdefault(session, _WorkerSession(req.get("window", _WORKER_WINDOW)))
-                body = await _worker_send(nc, req, s, inbox, acks)
+                body = await _worker_send(link, req, s)
             elif op == "digest":
                 s = sessions.setdefault(session, _WorkerSession(_WORKER_WINDOW))
                 body = {"digest": s.hasher.digest().hex(), "bytes": s.next_start}
@@ -675,7 +1025,8 @@ async def _worker_main(servers: list[str]) -> None:
             else:
                 body = {"error": {"description": f"unknown op {op}", "code": 400, "err_code": 0}}
         except Exception as e:  # the daemon falls back to publishing itself
-            body = {"error": {"description": f"worker: {e!r}", "code": 503, "err_code": 0}}
+            body = {"error": {"description": f"upload worker: {e!r}", "code": 503, "err_code": 0,
+                              "kind": "unavailable"}}
         out.write(json.dumps({"id": req["id"], **body}).encode() + b"\n")
         out.flush()
 
@@ -686,9 +1037,7 @@ async def _worker_main(servers: list[str]) -> None:
         task.add_done_callback(tasks.discard)
     # stdin closed: the daemon is done with us. Don't linger if the server is gone.
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(nc.drain(), 1)
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(nc.close(), 1)
+        await asyncio.wait_for(link.close(), 3)
 
 
 def _read_worker_servers(fd: int) -> list[str]:

@@ -152,11 +152,19 @@ def single_error(exc: BaseException) -> BaseException:
     return exc
 
 
-# JetStream err_codes the daemon reacts to (from nats-server's errors.json).
+# JetStream err_codes the daemon reacts to (nats-server's server/errors.json). Errors are classified by
+# these, never by their description text, which the server words differently between versions.
+ERR_ACCOUNT_RESOURCES_EXCEEDED = 10002  # resource limits exceeded for account
+ERR_INSUFFICIENT_RESOURCES = 10023
+ERR_MEMORY_RESOURCES_EXCEEDED = 10028
+ERR_NO_MESSAGE_FOUND = 10037
+ERR_STORAGE_RESOURCES_EXCEEDED = 10047
+ERR_MSG_TOO_BIG = 10054  # message size exceeds maximum allowed
+ERR_STREAM_NAME_IN_USE = 10058
 ERR_STREAM_NOT_FOUND = 10059
 ERR_WRONG_LAST_SEQUENCE = 10071
+ERR_STORE_FAILED = 10077  # the stream refused to store: maximum messages/bytes (per subject) exceeded
+ERR_HEADER_TOO_BIG = 10097
 ERR_STREAM_SEALED = 10109
-ERR_STORE_FAILED = 10077  # "insufficient resources" / maximum bytes exceeded comes as 10077
-ERR_MAX_BYTES = 10028
-ERR_NO_MESSAGE_FOUND = 10037
-ERR_STREAM_NAME_IN_USE = 10058
+ERR_DUPLICATE_IN_PROCESS = 10158  # a publish with the same Nats-Msg-Id is still being stored
+ERR_WRONG_LAST_SEQUENCE_CONSTANT = 10164  # "wrong last sequence" as newer servers send it

@@ -20,15 +20,27 @@ import trio
 
 from .bridge import Bridge, Msg, Subscription
 from .errors import (
+    ERR_ACCOUNT_RESOURCES_EXCEEDED,
+    ERR_DUPLICATE_IN_PROCESS,
+    ERR_HEADER_TOO_BIG,
+    ERR_INSUFFICIENT_RESOURCES,
+    ERR_MEMORY_RESOURCES_EXCEEDED,
+    ERR_MSG_TOO_BIG,
     ERR_NO_MESSAGE_FOUND,
+    ERR_STORAGE_RESOURCES_EXCEEDED,
+    ERR_STORE_FAILED,
     ERR_STREAM_NOT_FOUND,
+    ERR_STREAM_SEALED,
     ERR_WRONG_LAST_SEQUENCE,
+    ERR_WRONG_LAST_SEQUENCE_CONSTANT,
     Conflict,
     JetStreamAPIError,
     NatsFSError,
     NoSpace,
     NotFound,
+    OutcomeUnknown,
     ReadOnly,
+    TooBig,
     Unavailable,
 )
 from .streams import AccountLimits, StoredMsg, StreamState, WatchBatch, parse_rfc3339_ns
@@ -62,15 +74,23 @@ def _stream_state(info: dict[str, Any]) -> StreamState:
     )
 
 
+_NO_SPACE = frozenset({ERR_STORE_FAILED, ERR_ACCOUNT_RESOURCES_EXCEEDED, ERR_INSUFFICIENT_RESOURCES,
+                       ERR_STORAGE_RESOURCES_EXCEEDED, ERR_MEMORY_RESOURCES_EXCEEDED})
+
+
 def map_publish_error(e: JetStreamAPIError, subject: str) -> NatsFSError:
-    """Turn a publish rejection into the domain error that carries the right errno."""
-    desc = e.description.lower()
-    if e.err_code == ERR_WRONG_LAST_SEQUENCE or "wrong last sequence" in desc:
+    """Turn a publish rejection into the domain error that carries the right errno, by its err_code."""
+    code = e.err_code
+    if code in (ERR_WRONG_LAST_SEQUENCE, ERR_WRONG_LAST_SEQUENCE_CONSTANT):
         return Conflict(f"{subject}: changed by another client ({e.description})")
-    if "sealed" in desc:
+    if code == ERR_STREAM_SEALED:
         return ReadOnly(f"{subject}: bucket is sealed")
-    if "maximum bytes" in desc or "resource" in desc or "exceeded" in desc or "storage" in desc:
+    if code in _NO_SPACE:
         return NoSpace(f"{subject}: refused by the server: {e.description}")
+    if code in (ERR_MSG_TOO_BIG, ERR_HEADER_TOO_BIG):
+        return TooBig(f"{subject}: refused by the server: {e.description}")
+    if code == ERR_DUPLICATE_IN_PROCESS:
+        return OutcomeUnknown(f"{subject}: a publish with the same id is still in process ({e.description})")
     return e
 
 
@@ -94,7 +114,7 @@ class JetStreams:
         # from the past (server >= 2.12, ADR-31/read-after-write). So a client reads its own writes,
         # and every object its watch announced, from any node.
         self.floors: dict[str, int] = {}
-        # Open watches, told when the connection comes back (their consumers may be gone).
+        # Open watches and scans, told when the connection is replaced (their consumers may be gone).
         self._watches: weakref.WeakSet[_ConsumerStream] = weakref.WeakSet()
         previous = bridge.on_reconnect
 
@@ -298,10 +318,12 @@ class JetStreams:
 
     async def get_batch(self, stream: str, subject: str, start_seq: int, batch: int,
                         max_bytes: int) -> list[StoredMsg]:
+        max_bytes = min(max_bytes, self.bridge.max_batch_bytes)  # replies in flight stay within the budget
         body = {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
         for _ in range(_FLOOR_TRIES):
             floored = self._floor_body(stream, body)
-            replies = await self.bridge.request_many(f"$JS.API.DIRECT.GET.{stream}", json.dumps(floored).encode())
+            replies = await self.bridge.request_many(f"$JS.API.DIRECT.GET.{stream}", json.dumps(floored).encode(),
+                                                     max_bytes=max_bytes)
             if floored is body or not replies or replies[0].status != "412":
                 break
             await self._floor_refused(stream)
@@ -318,9 +340,11 @@ class JetStreams:
     async def stream_batch(self, stream: str, subject: str, start_seq: int, batch: int,
                            max_bytes: int) -> BatchStream:
         """Like `get_batch`, but hands messages over as they arrive instead of all at the end."""
+        max_bytes = min(max_bytes, self.bridge.max_batch_bytes)  # replies in flight stay within the budget
         body = self._floor_body(stream, {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch,
                                          "max_bytes": max_bytes})
-        sub = await self.bridge.request_stream(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode())
+        sub = await self.bridge.request_stream(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode(),
+                                               max_bytes=max_bytes)
         return BatchStream(sub, self.bridge.request_timeout, f"{stream} {subject}",
                            on_floor_refused=lambda: self._floor_refused(stream))  # the caller asks again
 
@@ -328,6 +352,7 @@ class JetStreams:
         """(sequence, payload size) of every message on `subject`, without fetching payloads."""
         scan = _ConsumerStream(self.bridge, stream, subject, deliver_policy="all", headers_only=True)
         await scan.start()
+        self._watches.add(scan)
         out: list[tuple[int, int]] = []
         try:
             while not scan.caught_up:

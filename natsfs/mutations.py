@@ -469,7 +469,7 @@ class Mutations:
             await self.store.create_bucket(bucket, storage=c.storage, replicas=c.replicas, compression=c.compression,
                                            max_bytes=c.max_bytes, ttl_ns=int(c.ttl * 1e9))
         except JetStreamAPIError as e:
-            if "already in use" in e.description or e.err_code == ERR_STREAM_NAME_IN_USE:
+            if e.err_code == ERR_STREAM_NAME_IN_USE:
                 raise AlreadyExists(f"bucket {bucket} exists") from None
             raise
         await self.ns.refresh_buckets()

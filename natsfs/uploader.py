@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from .errors import JetStreamAPIError, NatsFSError, Unavailable
+from .errors import JetStreamAPIError, NatsFSError, OutcomeUnknown, Unavailable
 from .jetstream import map_publish_error
 from .secrecy import child_environment
 
@@ -94,6 +94,10 @@ class UploadWorker:
             raise Unavailable("upload worker is gone")
         reply = box[0]
         error = reply.get("error")
+        if error and error.get("kind") in ("unavailable", "outcome_unknown"):
+            # The worker's connection was lost or replaced: callers fall back to publishing in-process.
+            cls = OutcomeUnknown if error["kind"] == "outcome_unknown" else Unavailable
+            raise cls(str(error.get("description", "upload worker failed")))
         if error and int(error.get("code", 0)) == 503:
             # No responders: the worker cannot tell a missing stream from one between leaders; the
             # caller sends the file again in-process, where that is told apart (JetStreams.publish_many).

@@ -29,6 +29,7 @@ class ScriptedBridge:
     """Answers with what a test queued; records every request."""
 
     request_timeout = 10.0
+    max_batch_bytes = 64 << 20
     on_reconnect = None
 
     def __init__(self) -> None:
@@ -42,7 +43,8 @@ class ScriptedBridge:
         self.requests.append((subject, payload))
         return self.replies.pop(0)
 
-    async def request_many(self, subject: str, payload: bytes = b"", timeout: Any = None) -> list[Msg]:
+    async def request_many(self, subject: str, payload: bytes = b"", timeout: Any = None,
+                           max_bytes: Any = None) -> list[Msg]:
         self.requests.append((subject, payload))
         return [self.replies.pop(0)]
 

@@ -1,0 +1,103 @@
+"""Every use of nats-py internals, in one place, checked once at start-up.
+
+natsfs relies on a few things nats-py does not offer as API: the socket read size (a module global),
+a hook into its message dispatch (to pace a subscription whose consumer falls behind), the server's
+INFO as sent (its limits), a subscription's id, and the queue of publishes waiting for a flush (a
+closed client never answers them). Each is reached only through a function here, and
+`check()` verifies that the installed nats-py still has them before anything connects, so an
+incompatible upgrade fails the mount at start with one sentence instead of misbehaving later.
+`pyproject.toml` pins nats-py below the first version not checked against this module.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats.aio.client
+import nats.aio.subscription
+
+from .errors import NatsFSError
+
+# The nats-py versions this module was checked against (keep in step with pyproject.toml).
+SUPPORTED = ((2, 9), (2, 17))
+
+# nats-py reads its socket 32 KiB at a time through a StreamReader limited to 32 KiB, so a 128 KiB
+# chunk costs four reads and as many pause/resume cycles of the selector. Reading 1 MiB at a time
+# makes bulk transfers markedly cheaper; the value is a module global nats-py reads at call time.
+READ_BUFFER = 1024 * 1024
+
+_PROCESS_MSG_PARAMS = ["self", "sid", "subject", "reply", "data", "headers"]
+
+
+class IncompatibleNatsPy(NatsFSError):
+    """The installed nats-py lacks something natsfs patches or reads."""
+
+
+def _version() -> tuple[int, ...]:
+    try:
+        text = importlib.metadata.version("nats-py")
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
+
+
+def check() -> None:
+    """Raise `IncompatibleNatsPy` (one sentence) unless nats-py has everything this module uses."""
+    version = _version()
+    wanted = f"natsfs needs nats-py >={'.'.join(map(str, SUPPORTED[0]))},<{'.'.join(map(str, SUPPORTED[1]))}"
+    if version and not (SUPPORTED[0] <= version < SUPPORTED[1]):
+        raise IncompatibleNatsPy(f"{wanted}, found {'.'.join(map(str, version))}")
+    missing = []
+    if not isinstance(getattr(nats.aio.client, "DEFAULT_BUFFER_SIZE", None), int):
+        missing.append("nats.aio.client.DEFAULT_BUFFER_SIZE")
+    process = getattr(nats.aio.client.Client, "_process_msg", None)
+    if not (inspect.iscoroutinefunction(process)
+            and list(inspect.signature(process).parameters)[:6] == _PROCESS_MSG_PARAMS):
+        missing.append("Client._process_msg(sid, subject, reply, data, headers)")
+    client = nats.aio.client.Client()
+    if not isinstance(getattr(client, "_server_info", None), dict):
+        missing.append("Client._server_info")
+    if not hasattr(client, "_flush_queue"):
+        missing.append("Client._flush_queue")
+    if not isinstance(getattr(nats.aio.subscription.Subscription(None), "_id", None), int):
+        missing.append("Subscription._id")
+    if missing:
+        raise IncompatibleNatsPy(f"{wanted}: the installed nats-py lacks {', '.join(missing)}")
+    nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, READ_BUFFER)
+
+
+def server_info(nc: Any) -> dict[str, Any]:
+    """The INFO the server sent on this connection (limits such as `max_payload`), as a copy."""
+    return dict(nc._server_info or {})
+
+
+def release_flushes(nc: Any) -> None:
+    """Let publishes waiting for a forced flush of a closed client return: its flusher is gone, and
+    without `flush_timeout` they would wait forever (and hold whatever their caller holds)."""
+    queue = getattr(nc, "_flush_queue", None)
+    while queue is not None and not queue.empty():
+        waiting = queue.get_nowait()
+        if not waiting.done():
+            waiting.set_result(None)
+
+
+def subscription_id(sub: Any) -> int:
+    """The protocol id (sid) of a nats-py subscription: the key `hook_messages` callbacks get."""
+    return int(sub._id)
+
+
+def hook_messages(nc: Any, after: Callable[[int], Awaitable[None] | None]) -> None:
+    """Call `after(sid)` once each message has been handed to its subscription, in the connection's
+    reader: a returned awaitable is awaited there, holding the reader (and the socket) for that long."""
+    process = nc._process_msg
+
+    async def process_msg(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        await process(sid, subject, reply, data, headers)
+        waiting = after(sid)
+        if waiting is not None:
+            await waiting
+
+    nc._process_msg = process_msg
