@@ -21,7 +21,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +155,46 @@ def _new_name(raw: bytes) -> str:
     return _name(raw)
 
 
+class _DirTimeGate:
+    """Directory renames, rmdirs and attribute changes publish markers at revisions they read; a
+    directory-time store in between would make them fail as conflicts. They run together; a store
+    of directory times runs alone."""
+
+    def __init__(self) -> None:
+        self._users = 0
+        self._storing = False
+        self._changed = trio.Event()
+
+    async def _wait(self) -> None:
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    @contextlib.asynccontextmanager
+    async def changing(self) -> AsyncIterator[None]:
+        while self._storing:
+            await self._wait()
+        self._users += 1
+        try:
+            yield
+        finally:
+            self._users -= 1
+            self._notify()
+
+    @contextlib.asynccontextmanager
+    async def storing(self) -> AsyncIterator[None]:
+        while self._users or self._storing:
+            await self._wait()
+        self._storing = True
+        try:
+            yield
+        finally:
+            self._storing = False
+            self._notify()
+
+
 class Filesystem:
     """The mount's filesystem, one method per FUSE operation (see the module docstring)."""
 
@@ -184,6 +224,7 @@ class Filesystem:
         # Persisted to the directory's marker a moment later (coalesced), where one exists.
         self._dir_mtimes: dict[tuple[str, ...], int] = {}
         self._dir_times_pending: set[tuple[str, ...]] = set()
+        self._dir_gate = _DirTimeGate()
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         self._nursery: trio.Nursery | None = None
@@ -769,9 +810,12 @@ class Filesystem:
             assert node.dir is not None
             if changes.mtime_ns is not None:
                 self._dir_mtimes.pop(self.ns.mount_path(node.bucket, node.rel), None)
-            marker = node.dir.marker
-            await self.mut.set_dir_attrs(node.bucket, node.rel, node.dir,
-                                         merged(marker.attrs if marker else None, DIR_MODE))
+            async with self._dir_gate.changing():
+                node = await self._path_node(self.ns.mount_path(node.bucket, node.rel))
+                assert node.dir is not None and node.bucket is not None
+                marker = node.dir.marker
+                await self.mut.set_dir_attrs(node.bucket, node.rel, node.dir,
+                                             merged(marker.attrs if marker else None, DIR_MODE))
             return
         if node.kind == LINK:
             return  # symlinks have no mode of their own; times on links are not stored
@@ -803,20 +847,24 @@ class Filesystem:
             await trio.sleep(DIR_TIME_DELAY_S)
         finally:
             self._dir_times_pending.discard(directory)
-        mtime_ns = self._dir_mtimes.get(directory)
         try:
-            node = await self.ns.resolve(directory)
-            if (mtime_ns is None or node.kind != DIR or node.dir is None or node.dir.marker is None
-                    or node.bucket is None):
-                return  # no marker: the time lives in this mount's memory only
-            marker = node.dir.marker
-            if marker.attrs is not None and marker.attrs.mtime_ns == mtime_ns:
-                return
-            cur = marker.attrs or PosixAttrs()
-            await self.mut.set_attrs(node.bucket, marker, dataclasses.replace(cur, mtime_ns=mtime_ns),
-                                     self.mut.dir_defaults)
+            async with self._dir_gate.storing():
+                await self._store_dir_time(directory)
         except NatsFSError as e:
             log.debug("%s: directory time not stored (%s)", "/".join(directory), e)
+
+    async def _store_dir_time(self, directory: tuple[str, ...]) -> None:
+        mtime_ns = self._dir_mtimes.get(directory)
+        node = await self.ns.resolve(directory)
+        if (mtime_ns is None or node.kind != DIR or node.dir is None or node.dir.marker is None
+                or node.bucket is None):
+            return  # no marker: the time lives in this mount's memory only
+        marker = node.dir.marker
+        if marker.attrs is not None and marker.attrs.mtime_ns == mtime_ns:
+            return
+        cur = marker.attrs or PosixAttrs()
+        await self.mut.set_attrs(node.bucket, marker, dataclasses.replace(cur, mtime_ns=mtime_ns),
+                                 self.mut.dir_defaults)
 
     # ------------------------------------------------------------------ namespace changes
     async def unlink(self, parent_inode: InodeNo, name: bytes) -> None:
@@ -901,8 +949,11 @@ class Filesystem:
             await self.mut.delete_bucket(bucket)
             self._detach(path)
             return
-        assert node.dir is not None
-        await self.mut.rmdir(bucket, rel, node.dir, path)
+        async with self._dir_gate.changing():
+            node = await self._path_node(path)
+            if node.dir is None:
+                raise NotADirectory("/".join(path))
+            await self.mut.rmdir(bucket, rel, node.dir, path)
         self._detach(path)
         self._dir_mtimes.pop(path, None)
         self._entries_changed(path[:-1])
@@ -926,8 +977,11 @@ class Filesystem:
         if old == new:
             return
         await self.mut.check_writable(bucket)
-        with self.files.changing(old, new):
-            await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
+        async with self._dir_gate.changing():
+            src = await self._path_node(old)  # read again: a directory time may have been stored meanwhile
+            dst = await self._maybe_node(new)
+            with self.files.changing(old, new):
+                await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
         self._move_staged(bucket, old, new)
         self.inodes.move(old, new)
         for moved in [p for p in self._dir_mtimes if p[: len(old)] == old]:
