@@ -27,7 +27,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,7 +47,7 @@ from .errors import (
     Unavailable,
     single_error,
 )
-from .streams import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, ROLLUP, StoredMsg, Streams, StreamState
+from .streams import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, ROLLUP, MsgBatches, StoredMsg, Streams, StreamState
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,6 @@ DEFAULT_CHUNK_SIZE = 128 * 1024
 # The server refuses a control line (PUB/HPUB/request subject, reply and sizes) over 4096 bytes by default
 # and then closes the connection; INFO does not announce it. Subjects stay below it with room for the rest.
 DEFAULT_MAX_SUBJECT = 4096 - 256
-DEFAULT_MAX_PAYLOAD = 1024 * 1024
 # Room the headers of a meta publish take next to the JSON (rollup, expected sequence, message id).
 _META_HEADER_ROOM = 256
 # How long an ambiguous meta publish is retried and read back: well inside the 120 s duplicate window.
@@ -375,7 +374,7 @@ class ObjectStore:
     @property
     def max_payload(self) -> int:
         """The largest message the server takes."""
-        return int(getattr(self.streams, "max_payload", DEFAULT_MAX_PAYLOAD))
+        return self.streams.max_payload
 
     # ---------------------------------------------------------------- names
     def check_name(self, bucket: str, name: str) -> None:
@@ -507,12 +506,10 @@ class ObjectStore:
         return await self.streams.get_batch(stream_name(bucket), chunk_subject(bucket, nuid), start_seq,
                                             count, max_bytes)
 
-    async def stream_chunks(self, bucket: str, nuid: str, start_seq: int, count: int, max_bytes: int) -> ChunkBatches:
-        """Like `fetch_chunks`, handing chunks over as they arrive when the streams can."""
-        opener = getattr(self.streams, "stream_batch", None)
-        if opener is None:
-            return _OneBatch(await self.fetch_chunks(bucket, nuid, start_seq, count, max_bytes))
-        return await opener(stream_name(bucket), chunk_subject(bucket, nuid), start_seq, count, max_bytes)
+    async def stream_chunks(self, bucket: str, nuid: str, start_seq: int, count: int, max_bytes: int) -> MsgBatches:
+        """Like `fetch_chunks`, handing chunks over as they arrive."""
+        return await self.streams.stream_batch(stream_name(bucket), chunk_subject(bucket, nuid), start_seq, count,
+                                               max_bytes)
 
     async def chunk_index(self, bucket: str, nuid: str) -> list[tuple[int, int]]:
         """(sequence, size) of every chunk of object `nuid`, in order, without their data."""
@@ -988,7 +985,7 @@ class BytesSource:
         self.chunks = 0
 
     async def read_batch(self, chunk_size: int, max_chunks: int) -> list[bytes]:
-        out = []
+        out: list[bytes] = []
         while self._pos < len(self._data) and len(out) < max_chunks:
             piece = self._data[self._pos : self._pos + chunk_size]
             self._pos += len(piece)
@@ -1000,25 +997,3 @@ class BytesSource:
 
     def digest(self) -> bytes:
         return self._hash.digest()
-
-
-class ChunkBatches(Protocol):
-    async def next(self) -> list[StoredMsg] | None: ...
-
-    async def close(self) -> None: ...
-
-
-class _OneBatch:
-    def __init__(self, msgs: list[StoredMsg]):
-        self._msgs: list[StoredMsg] | None = msgs
-
-    async def next(self) -> list[StoredMsg] | None:
-        msgs, self._msgs = self._msgs, None
-        return msgs
-
-    async def close(self) -> None:
-        self._msgs = None
-
-
-def sum_sizes(index: Sequence[tuple[int, int]]) -> int:
-    return sum(size for _, size in index)

@@ -27,7 +27,7 @@ import contextlib
 import hashlib
 import logging
 from array import array
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import cachetools
@@ -649,6 +649,3 @@ class ChunkCache:
         except Exception:
             log.exception("readahead of %s/%s failed unexpectedly", info.bucket, info.name)
 
-    def forget_objects(self, keys: Iterable[tuple[str, str]]) -> None:
-        for key in keys:
-            self._layouts.pop(key, None)

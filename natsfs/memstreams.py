@@ -40,6 +40,7 @@ from .adr20 import (
     stream_name,
 )
 from .errors import (
+    ERR_MSG_TOO_BIG,
     AlreadyExists,
     Conflict,
     InvalidArgument,
@@ -70,7 +71,6 @@ _CONFIG_DEFAULTS: dict[str, Any] = {
 ERR_STREAM_SUBJECT_OVERLAP = 10065
 ERR_STREAM_MISMATCH = 10060
 ERR_ROLLUP_NOT_PERMITTED = 10115
-ERR_MSG_TOO_BIG = 10054
 
 
 def subject_matches(pattern: str, subject: str) -> bool:

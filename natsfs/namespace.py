@@ -130,9 +130,6 @@ class Namespace:
         self._bucket_names.add(bucket)
         return True
 
-    def bucket_names(self) -> list[str]:
-        return sorted(self._bucket_names)
-
     def loaded_buckets(self) -> list[str]:
         """Buckets whose index is loaded or loading."""
         return list(self._buckets)
@@ -159,9 +156,6 @@ class Namespace:
         if watcher is None or not watcher.ready.is_set() or watcher.error is not None or watcher.gone:
             return None
         return watcher.index
-
-    def watcher(self, bucket: str) -> BucketWatcher | None:
-        return self._buckets.get(bucket)
 
     def _changed(self, bucket: str, path: Path) -> None:
         if self.on_change is not None:

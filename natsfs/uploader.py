@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import subprocess
 import sys
 from typing import Any
@@ -80,7 +79,7 @@ class UploadWorker:
             raise Unavailable("upload worker is not running")
         self._next += 1
         rid = body["id"] = self._next
-        event, box = trio.Event(), []
+        event, box = trio.Event(), list[dict[str, Any]]()
         self._waiting[rid] = (event, box)
         try:
             async with self._send_lock:
@@ -128,7 +127,3 @@ class UploadWorker:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-
-
-def chunks_in(start: int, end: int, chunk_size: int) -> int:
-    return math.ceil((end - start) / chunk_size) if end > start else 0

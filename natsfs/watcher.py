@@ -321,7 +321,7 @@ class BucketWatcher:
     async def reconcile(self) -> int:
         """Find meta subjects purged (or missed) behind the consumer's back; the number of names fixed."""
         streams = self.store.streams
-        if not hasattr(streams, "subject_count") or self._side is not None:
+        if self._side is not None:
             return 0
         self.stats["reconciles"] += 1
         checked_at = trio.current_time()
