@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import logging
 import logging.handlers
 import os
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import trio
 
@@ -140,7 +141,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
 class PrivateLogFile(logging.handlers.WatchedFileHandler):
     """A log file only its owner can read (0600), also each time it is reopened after logrotate."""
 
-    def _open(self) -> TextIO:
+    def _open(self) -> io.TextIOWrapper:
         fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         if os.fstat(fd).st_mode & 0o077:
             os.fchmod(fd, 0o600)  # a file left by an older version, or recreated by logrotate
