@@ -47,6 +47,7 @@ from .errors import (
     Unavailable,
     single_error,
 )
+from .retry import Backoff
 from .streams import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, ROLLUP, MsgBatches, StoredMsg, Streams, StreamState
 
 log = logging.getLogger(__name__)
@@ -543,8 +544,8 @@ class ObjectStore:
         `settle_timeout` passes (`OutcomeUnknown`). A `Conflict` after such an attempt is settled the
         same way: the message in the way may be our own earlier attempt."""
         deadline = trio.current_time() + self.settle_timeout
+        backoff = Backoff(timeout=self.settle_timeout)
         ambiguous: NatsFSError | None = None
-        pause = 0.2
         while True:
             try:
                 seq = await self.streams.publish(subject, data, headers)
@@ -561,11 +562,10 @@ class ObjectStore:
                 mine = await self._read_back(bucket, subject, data, expected_revision, deadline, e)
                 if mine is not None:
                     return mine
-                if trio.current_time() >= deadline:
+                if backoff.expired:
                     raise OutcomeUnknown(f"{subject}: the meta publish got no answer ({e}) and was not stored "
                                          f"within {self.settle_timeout:g}s") from None
-                await trio.sleep(pause)
-                pause = min(2.0, pause * 2)
+                await backoff.pause()
                 continue
             try:
                 stored = await self.streams.last_msg(stream_name(bucket), subject)
@@ -579,16 +579,15 @@ class ObjectStore:
                          deadline: float, cause: NatsFSError) -> StoredMsg | None:
         """The stored message if the name's meta is exactly `data` (written after `expected_revision`),
         None if it is something else; `OutcomeUnknown` if the server does not answer before `deadline`."""
-        pause = 0.2
+        backoff = Backoff(timeout=max(0.0, deadline - trio.current_time()))
         while True:
             try:
                 msg = await self.streams.last_msg(stream_name(bucket), subject)
             except Unavailable as e:
-                if trio.current_time() >= deadline:
+                if backoff.expired:
                     raise OutcomeUnknown(f"{subject}: the meta publish got no answer ({cause}) and could not be "
                                          f"read back ({e}): it may or may not be stored") from None
-                await trio.sleep(pause)
-                pause = min(2.0, pause * 2)
+                await backoff.pause()
                 continue
             if msg is not None and msg.data == data and (expected_revision is None or msg.seq > expected_revision):
                 return msg
@@ -769,17 +768,15 @@ class ObjectStore:
 
     async def _purge_settled(self, bucket: str, subject: str, before_seq: int) -> None:
         """A purge (idempotent) retried while the server does not answer, for at most `settle_timeout`."""
-        deadline = trio.current_time() + self.settle_timeout
-        pause = 0.2
+        backoff = Backoff(timeout=self.settle_timeout)
         while True:
             try:
                 await self.streams.purge_subject(stream_name(bucket), subject, before_seq=before_seq)
                 return
             except Unavailable:
-                if trio.current_time() >= deadline:
+                if backoff.expired:
                     raise
-                await trio.sleep(pause)
-                pause = min(2.0, pause * 2)
+                await backoff.pause()
 
 
 class FileSender(Protocol):

@@ -43,6 +43,7 @@ import trio
 from . import natscompat
 from .errors import JetStreamAPIError, NatsFSError, NotFound, OutcomeUnknown, Unavailable
 from .futures import wait_future
+from .retry import Backoff
 from .secrecy import redact_url
 
 log = logging.getLogger(__name__)
@@ -294,7 +295,7 @@ class _Link:
                 log.exception("failing a request after the connection was lost")
 
     async def _reconnect(self, since: float) -> None:
-        wait = _RECONNECT_WAIT[0]
+        backoff = Backoff(*_RECONNECT_WAIT, clock=time.monotonic)
         reported = since
         while not self._closing:
             server = self.servers[self._next_server % len(self.servers)]
@@ -306,8 +307,7 @@ class _Link:
                 if now - reported >= 60:
                     reported = now
                     log.log(self._log_level, "still no connection to NATS after %.0fs: %s", now - since, e)
-                await asyncio.sleep(wait)
-                wait = min(wait * 2, _RECONNECT_WAIT[1])
+                await asyncio.sleep(backoff.next_pause())
                 continue
             log.log(min(self._log_level, logging.INFO), "reconnected to NATS at %s after %.1fs", redact_url(server),
                     time.monotonic() - since)  # (the loss was the warning)

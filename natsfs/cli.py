@@ -29,6 +29,7 @@ import trio
 
 from . import config as cfg
 from .config import Config, parse_duration, parse_size
+from .errors import single_error
 from .secrecy import child_environment
 
 log = logging.getLogger("natsfs")
@@ -167,13 +168,6 @@ def _setup_logging(level: str, log_file: Path | None) -> None:
     logging.getLogger("nats").setLevel(logging.WARNING)
 
 
-def _single_error(exc: BaseException) -> BaseException:
-    """The one exception inside (possibly nested) exception groups, else the group itself."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 def cmd_mount(a: argparse.Namespace) -> int:
     try:
         config = config_from_args(a)
@@ -199,7 +193,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
     try:
         trio.run(serve, config, on_ready)
     except BaseException as e:
-        err = _single_error(e)
+        err = single_error(e)
         if isinstance(err, KeyboardInterrupt):
             return 130
         if isinstance(err, MountError):
@@ -356,7 +350,7 @@ def cmd_bucket(a: argparse.Namespace) -> int:
     try:
         return trio.run(bucket_command, a)
     except BaseException as e:
-        err = _single_error(e)
+        err = single_error(e)
         from .errors import NatsFSError
 
         if isinstance(err, NatsFSError):

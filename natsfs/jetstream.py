@@ -40,6 +40,7 @@ from .errors import (
     TooBig,
     Unavailable,
 )
+from .retry import Backoff
 from .streams import AccountLimits, StoredMsg, StreamState, WatchBatch, parse_rfc3339_ns
 
 log = logging.getLogger(__name__)
@@ -383,7 +384,7 @@ class _ConsumerStream:
         self._last_activity = time.monotonic()
         self._pending_reset = False
         self._stale = False  # re-create before waiting again (the connection was re-established)
-        self._failures = 0
+        self._backoff = Backoff(1.0, 5.0, clock=time.monotonic)  # re-creating the consumer
         self._retry_at = 0.0
         self._closed = False
 
@@ -495,17 +496,16 @@ class _ConsumerStream:
         except NotFound:
             raise
         except NatsFSError as e:
-            self._failures += 1
-            level = logging.WARNING if self._failures == 1 else logging.DEBUG
+            level = logging.WARNING if not self._backoff.failures else logging.DEBUG
             log.log(level, "watch %s: could not re-create the consumer (%s): %s; retrying",
                     self.filter_subject, why, e)
-            self._retry_at = time.monotonic() + min(5.0, 0.5 * 2 ** min(self._failures, 4))
+            self._retry_at = time.monotonic() + self._backoff.next_pause()
             self._last_activity = time.monotonic()
             return False
-        if self._failures:
+        if self._backoff.failures:
             log.warning("watch %s: consumer re-created after %d failed attempts", self.filter_subject,
-                        self._failures)
-        self._failures = 0
+                        self._backoff.failures)
+        self._backoff.reset()
         self._stale = False
         return True
 

@@ -31,6 +31,7 @@ import trio
 from .adr20 import ObjectStore, decode_token, meta_filter, meta_subject, parse_meta, stream_name
 from .errors import MalformedMeta, NatsFSError, NotFound
 from .index import BucketIndex, changed_paths
+from .retry import Backoff
 from .streams import StoredMsg
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class BucketWatcher:
         self._restart = True
 
     async def _run(self) -> None:
-        failures = 0
+        backoff = Backoff(0.5, 5.0)
         while True:
             try:
                 status = await self.store.bucket_status(self.bucket)
@@ -112,12 +113,11 @@ class BucketWatcher:
                 if not self.ready.is_set():
                     self.error = e
                     return
-                failures += 1
-                log.log(logging.WARNING if failures == 1 else logging.DEBUG,
+                log.log(logging.WARNING if not backoff.failures else logging.DEBUG,
                         "bucket %s: cannot open the index watch (%s); retrying", self.bucket, e)
-                await trio.sleep(min(5.0, 0.5 * failures))
+                await backoff.pause()
                 continue
-            failures = 0
+            backoff.reset()
             created = status.created_ns or self._default_created_ns
             self._start_side(created)
             try:

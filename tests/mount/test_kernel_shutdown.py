@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Mount, create_bucket, nats_py_get, nats_py_put, wait_for, with_nats
+from helpers import Mount, check_daemon_logs, create_bucket, nats_py_get, nats_py_put, wait_for, with_nats
 
 FILES = 1000
 FUSECTL = Path("/sys/fs/fuse/connections")
@@ -187,6 +187,7 @@ def test_kill_9_during_a_directory_rename_releases_the_mount(nats_url, bucket_na
         assert sorted(set(moved) | set(left)) == sorted(n.split("/")[1] for n in names)
     finally:
         m.stop()
+    check_daemon_logs([m], [])
 
 
 WRITER = """

@@ -110,6 +110,7 @@ def test_a_retried_meta_is_never_stored_twice(ops_env):
     ops_env(body, setup=one_bucket)
 
 
+@pytest.mark.expect_log("flush: no ack", "b/f: closed without a successful upload")
 def test_a_missing_chunk_ack_means_no_meta_and_the_chunks_are_cleaned_up(ops_env, monkeypatch):
     monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
 
@@ -129,6 +130,7 @@ def test_a_missing_chunk_ack_means_no_meta_and_the_chunks_are_cleaned_up(ops_env
     ops_env(body, setup=one_bucket)
 
 
+@pytest.mark.expect_log("the meta publish got no answer .* it may or may not be stored")
 def test_an_unknown_outcome_keeps_the_chunks_and_a_later_close_adopts_the_stored_meta(ops_env):
     async def body(env: Env):
         env.store.settle_timeout = 0.3
@@ -151,6 +153,10 @@ def test_an_unknown_outcome_keeps_the_chunks_and_a_later_close_adopts_the_stored
     ops_env(body, setup=one_bucket)
 
 
+@pytest.mark.expect_log(
+    "the meta publish got no answer .* it may or may not be stored",
+    "b/f: closed without a successful upload",
+)
 def test_an_unknown_outcome_not_stored_is_purged_once_the_server_answers(ops_env, monkeypatch):
     monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
 
@@ -307,6 +313,7 @@ class LocalSender:
         self.hashers.pop(session, None)
 
 
+@pytest.mark.expect_log("the meta publish got no answer .* it may or may not be stored")
 def test_a_streamed_put_whose_meta_goes_unanswered_is_not_put_a_second_time(ops_env):
     async def body(env: Env):
         import trio

@@ -240,6 +240,7 @@ def _with(info: ObjectInfo, **changes: Any) -> ObjectInfo:
     return ObjectInfo(**{**{f: getattr(info, f) for f in info.__slots__}, **changes})
 
 
+@pytest.mark.expect_log("the meta says 1500 bytes in 3; 700 of 1500 bytes cannot be read")
 @pytest.mark.parametrize("background", [True, False])
 def test_meta_claiming_more_than_the_chunks_hold_is_corrupt(background):
     data = blob(1000)
@@ -254,6 +255,7 @@ def test_meta_claiming_more_than_the_chunks_hold_is_corrupt(background):
     run(body, background=background)
 
 
+@pytest.mark.expect_log("the meta says 900 bytes in 3; 100 of 900 bytes cannot be read")
 @pytest.mark.parametrize("background", [True, False])
 def test_chunks_holding_more_than_the_meta_says_is_corrupt(background):
     data = blob(1000)
@@ -300,6 +302,7 @@ def test_good_digest_read_start_to_end_in_pieces():
     run(body)
 
 
+@pytest.mark.expect_log("digest mismatch: meta says SHA-256=")
 @pytest.mark.parametrize("background", [True, False])
 def test_digest_mismatch_raises_corrupt_naming_both_digests(background):
     data = blob(sum(UNEVEN))
@@ -322,6 +325,7 @@ def test_digest_mismatch_raises_corrupt_naming_both_digests(background):
     run(body, background=background)
 
 
+@pytest.mark.expect_log("digest mismatch: meta says SHA-256=")
 def test_out_of_order_reads_verify_once_every_chunk_has_passed():
     sizes = [50_000] * 8
     data = blob(sum(sizes))
@@ -381,6 +385,7 @@ def damage_records(caplog: pytest.LogCaptureFixture, info: ObjectInfo) -> list[l
 ORDERS = {"front-to-back": list(range(8)), "far-first": [6, 7, 0, 5, 2, 4, 1, 3], "backwards": list(range(7, -1, -1))}
 
 
+@pytest.mark.expect_log("1 of 8 chunks missing")
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("lost", [3, 0, 7])
 def test_a_missing_chunk_fails_its_reads_and_every_other_chunk_reads_exactly(lost, order, caplog):
@@ -416,6 +421,7 @@ def test_a_missing_chunk_fails_its_reads_and_every_other_chunk_reads_exactly(los
     assert "b/obj" in msg and info.nuid in msg and "1 of 8 chunks missing" in msg
 
 
+@pytest.mark.expect_log(r"chunk 3 \(seq 4, bytes 196608..262144\) gone from the stream")
 def test_chunk_gone_after_the_layout_was_proven_fails_alone():
     """A cache that learned the layout before the delete keeps every other chunk's place."""
     data = blob(8 * CHUNK)
@@ -432,6 +438,7 @@ def test_chunk_gone_after_the_layout_was_proven_fails_alone():
     run(body, cache_bytes=1 << 20)
 
 
+@pytest.mark.expect_log("1 of 4 chunks missing")
 @pytest.mark.parametrize("others", ["kept", "purged"])
 def test_missing_chunk_among_interleaved_writes_is_placed_only_when_provable(others):
     """Another object's chunks sit between every pair of chunks. While they are there, a scan of the
@@ -476,6 +483,7 @@ def test_extra_chunk_after_the_meta_is_ignored_with_one_warning(caplog):
     assert "published after the meta" in records[0].getMessage()
 
 
+@pytest.mark.expect_log("the stream holds 5000 bytes in 5 chunks, the meta says 4000 bytes in 4")
 @pytest.mark.parametrize("background", [True, False])
 def test_extra_chunk_before_the_meta_makes_every_read_fail(background, caplog):
     """One chunk too many among the version's own: which one is extra cannot be shown."""
@@ -499,6 +507,7 @@ def test_extra_chunk_before_the_meta_makes_every_read_fail(background, caplog):
     assert len(records) == 1 and "5 chunks" in records[0].getMessage()
 
 
+@pytest.mark.expect_log("the meta says 4000 bytes in 5")
 def test_meta_counting_more_chunks_than_stored_fails_every_read():
     data = blob(4000)
 
@@ -512,6 +521,7 @@ def test_meta_counting_more_chunks_than_stored_fails_every_read():
     run(body)
 
 
+@pytest.mark.expect_log("the stream holds 458752 bytes in 3 chunks")
 def test_oversized_chunk_is_logged_once_however_often_it_is_read(caplog):
     """issue 9: one `cat` of an object with an oversized chunk logged 71 identical ERROR lines."""
     sizes = [CHUNK, CHUNK, 5 * CHUNK]
