@@ -115,6 +115,34 @@ def meta_doc(*, name: str, bucket: str, nuid: str, size: int, chunks: int, diges
     return doc
 
 
+# Go's encoding/json escapes these even in compact output (HTML safety, JavaScript line separators).
+_GO_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_GO_OPTIONAL = ("description", "headers", "metadata", "options", "digest", "deleted")
+
+
+def meta_json(doc: dict[str, Any]) -> bytes:
+    """The bytes nats.go publishes for a meta: json.Marshal of its ObjectInfo, so struct fields in their
+    declared order (`_META_KEYS`), empty `omitempty` fields left out, map keys (headers, metadata) sorted,
+    compact, UTF-8, with Go's HTML escapes. Keys other clients added follow in their own order. The one
+    writer of metas: the daemon, the in-memory fixtures, the test helpers and the bench all use it."""
+    out: dict[str, Any] = {}
+    for key in _META_KEYS:
+        if key not in doc or (key in _GO_OPTIONAL and not doc[key]):
+            continue
+        value = doc[key]
+        if key in ("headers", "metadata") and isinstance(value, dict):
+            value = dict(sorted(value.items()))
+        elif key == "options" and isinstance(value, dict):
+            value = {k: value[k] for k in ("link", "max_chunk_size") if value.get(k)} | {
+                k: v for k, v in value.items() if k not in ("link", "max_chunk_size")}
+        out[key] = value
+    out.update((k, v) for k, v in doc.items() if k not in _META_KEYS)
+    text = json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+    for char, escaped in _GO_ESCAPES.items():
+        text = text.replace(char, escaped)
+    return text.encode()
+
+
 def tombstone_doc(bucket: str, name: str, doc: dict[str, Any]) -> dict[str, Any]:
     """The delete marker nats.go's Delete writes for an object: deleted, no size, chunks or digest."""
     options = doc.get("options")
@@ -393,7 +421,7 @@ class ObjectStore:
 
     def check_meta_payload(self, bucket: str, doc: dict[str, Any], data: bytes | None = None) -> None:
         """`TooBig` when a meta would be over the server's max payload (with room for its headers)."""
-        size = len(data if data is not None else json.dumps(doc).encode())
+        size = len(data if data is not None else meta_json(doc))
         limit = self.max_payload - _META_HEADER_ROOM
         if size > limit:
             raise TooBig(f"the meta of {bucket}/{str(doc.get('name'))[:60]!r} would be {size} bytes, over the "
@@ -528,7 +556,7 @@ class ObjectStore:
         `expected_revision`, only if the name's meta subject still ends at that sequence (0: never
         written), else `Conflict`. An ambiguous outcome is settled (see `_publish_settled`)."""
         subject = self._meta_subject(bucket, doc["name"])
-        data = json.dumps(doc).encode()
+        data = meta_json(doc)
         self.check_meta_payload(bucket, doc, data)
         headers = {ROLLUP: "sub", MSG_ID: msg_id or new_nuid()}
         if expected_revision is not None:

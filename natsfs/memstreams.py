@@ -35,6 +35,7 @@ from .adr20 import (
     ObjectInfo,
     chunk_subject,
     digest_of,
+    meta_json,
     meta_subject,
     parse_meta,
     stream_name,
@@ -595,16 +596,6 @@ def fixture_nuid() -> str:
     return _NUID_PREFIX + tail
 
 
-def _go_meta_json(doc: dict[str, Any]) -> bytes:
-    """Meta JSON with nats.go's key order and compact separators; empty optional fields omitted."""
-    order = ["name", "description", "headers", "metadata", "options", "bucket", "nuid", "size", "mtime", "chunks",
-             "digest", "deleted"]
-    optional = {"description", "headers", "metadata", "options", "digest", "deleted"}
-    out = {k: doc[k] for k in order if k in doc and not (k in optional and not doc[k])}
-    out.update({k: v for k, v in doc.items() if k not in out and k not in order})
-    return json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 def _split(data: bytes, chunk_size: int, chunk_sizes: Sequence[int] | None) -> list[bytes]:
     if chunk_sizes is None:
         return [data[i : i + chunk_size] for i in range(0, len(data), chunk_size)]
@@ -653,7 +644,7 @@ async def put_object(streams: Any, bucket: str, name: str, data: bytes, *, chunk
     doc = {"name": name, "description": description, "headers": headers, "metadata": metadata,
            "options": {"max_chunk_size": chunk_size}, "bucket": bucket, "nuid": nuid, "size": len(data),
            "mtime": ZERO_TIME, "chunks": len(pieces), "digest": digest if digest is not None else digest_of(data)}
-    await streams.publish(meta_subject(bucket, name), _go_meta_json(doc), {ROLLUP: "sub"})
+    await streams.publish(meta_subject(bucket, name), meta_json(doc), {ROLLUP: "sub"})
     if old is not None and not old.get("deleted") and old.get("nuid") and old.get("nuid") != nuid:
         await streams.purge_subject(stream_name(bucket), chunk_subject(bucket, str(old["nuid"])))
     return await _info(streams, bucket, name)
@@ -672,7 +663,7 @@ async def put_link(streams: Any, bucket: str, name: str, target_bucket: str, tar
     elif style == "go":
         doc = {"name": name, "options": {"link": link}, "bucket": bucket, "nuid": fixture_nuid(), "size": 0,
                "mtime": ZERO_TIME, "chunks": 0}
-        await streams.publish(meta_subject(bucket, name), _go_meta_json(doc), {ROLLUP: "sub"})
+        await streams.publish(meta_subject(bucket, name), meta_json(doc), {ROLLUP: "sub"})
     else:
         raise ValueError(f"unknown link style {style!r}")
     return await _info(streams, bucket, name)
@@ -684,7 +675,7 @@ async def delete_object(streams: Any, bucket: str, name: str) -> None:
     if doc is None or doc.get("deleted"):
         raise NotFound(f"no object {name!r} in {bucket}")
     tomb = dict(doc, size=0, chunks=0, digest="", deleted=True, mtime=ZERO_TIME)
-    await streams.publish(meta_subject(bucket, name), _go_meta_json(tomb), {ROLLUP: "sub"})
+    await streams.publish(meta_subject(bucket, name), meta_json(tomb), {ROLLUP: "sub"})
     if doc.get("nuid"):
         await streams.purge_subject(stream_name(bucket), chunk_subject(bucket, str(doc["nuid"])))
 
@@ -697,7 +688,7 @@ async def rename_object(streams: Any, bucket: str, old: str, new: str) -> Object
     target = await _current_doc(streams, bucket, new)
     if target is not None and not target.get("deleted"):
         raise AlreadyExists(f"object {new!r} exists in {bucket}")
-    await streams.publish(meta_subject(bucket, new), _go_meta_json(dict(doc, name=new)), {ROLLUP: "sub"})
+    await streams.publish(meta_subject(bucket, new), meta_json(dict(doc, name=new)), {ROLLUP: "sub"})
     await streams.purge_subject(stream_name(bucket), meta_subject(bucket, old))
     return await _info(streams, bucket, new)
 

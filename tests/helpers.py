@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import os
 import re
 import subprocess
@@ -193,20 +192,20 @@ def nats_py_get(url: str, bucket: str, name: str) -> bytes:
 def raw_put(url: str, bucket: str, name: str, chunks: list[bytes], *, nuid: str | None = None,
             meta_extra: dict[str, Any] | None = None) -> None:
     """Publish an object by hand with exactly these chunks (uneven sizes allowed), as nats.go would."""
-    import hashlib
     import secrets
+
+    from natsfs.adr20 import digest_of, meta_doc, meta_json
 
     nuid = nuid or secrets.token_hex(11)
     data = b"".join(chunks)
-    digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-    meta = {"name": name, "bucket": bucket, "nuid": nuid, "size": len(data), "chunks": len(chunks),
-            "mtime": "0001-01-01T00:00:00Z", "digest": digest, **(meta_extra or {})}
+    doc = meta_doc(name=name, bucket=bucket, nuid=nuid, size=len(data), chunks=len(chunks), digest=digest_of(data))
+    meta = meta_json(doc | (meta_extra or {}))
     enc = base64.urlsafe_b64encode(name.encode()).decode()
 
     async def fn(nc: Any, js: Any) -> None:
         for c in chunks:
             await js.publish(f"$O.{bucket}.C.{nuid}", c)
-        await js.publish(f"$O.{bucket}.M.{enc}", json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
+        await js.publish(f"$O.{bucket}.M.{enc}", meta, headers={"Nats-Rollup": "sub"})
 
     with_nats(url, fn)
 

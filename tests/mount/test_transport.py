@@ -296,6 +296,10 @@ def test_oversize_subject_never_kills_the_mount(private_server, mounter, tmp_pat
     assert "failed unexpectedly" not in m.log()
 
 
+@pytest.mark.expect_log(
+    "(read|flush): .*(connection to NATS lost|no connection to NATS)",
+    "kick/w/[0-9]+.bin: closed without a successful upload",
+)
 def test_kicks_under_16_readers_and_16_writers(tmp_path, mounter):
     """A server with a small max_pending drops the daemon as a slow consumer, and its system account
     kicks the daemon's and the upload worker's connections again and again, while 16 readers and 16

@@ -161,6 +161,7 @@ def _close_errno(path, data: bytes) -> int | None:
     return None
 
 
+@pytest.mark.expect_log("huge.bin: closed without a successful upload")
 def test_bucket_max_bytes_gives_enospc_at_close_and_leaves_no_partial_object(nats_url, bucket_name, mounter):
     create_bucket(nats_url, bucket_name, max_bytes=1024 * 1024)
     m = mounter(nats_url)

@@ -13,9 +13,9 @@ import pytest
 from opskit import Env, errno_of
 
 from natsfs import mutations
-from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_subject, stream_name
+from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
 from natsfs.errors import OutcomeUnknown, Unavailable
-from natsfs.memstreams import MemoryStreams, _go_meta_json, put_object
+from natsfs.memstreams import MemoryStreams, put_object
 from natsfs.staging import PutJournal
 from natsfs.streams import MSG_ID, ROLLUP
 
@@ -229,9 +229,9 @@ def test_a_tombstone_sharing_a_live_nuid_is_purged_when_the_index_meets_it(ops_e
         # What an earlier natsfs rename left: the meta under the new name, a tombstone under the old
         # one carrying the same nuid.
         doc = json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "a"))).data)
-        await ms.publish(meta_subject("b", "moved"), _go_meta_json(dict(doc, name="moved")), {ROLLUP: "sub"})
+        await ms.publish(meta_subject("b", "moved"), meta_json(dict(doc, name="moved")), {ROLLUP: "sub"})
         tomb = dict(doc, deleted=True, size=0, chunks=0, digest="")
-        await ms.publish(meta_subject("b", "a"), _go_meta_json(tomb), {ROLLUP: "sub"})
+        await ms.publish(meta_subject("b", "a"), meta_json(tomb), {ROLLUP: "sub"})
         assert info.nuid
 
     async def body(env: Env):
