@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from .adr20 import ObjectStore
 from .bridge import Bridge
+from .compose import open_store
 from .config import default_data_dir, parse_duration, parse_size
 from .errors import NotEmpty, Unavailable
 from .jetstream import JetStreams
@@ -33,7 +34,7 @@ async def connected_store(servers: list[str]) -> AsyncIterator[ObjectStore]:
     bridge = Bridge(servers)
     await bridge.connect()
     try:
-        yield ObjectStore(JetStreams(bridge))
+        yield open_store(JetStreams(bridge))
     finally:
         await bridge.close()
 
