@@ -678,8 +678,10 @@ class ObjectStore:
                 raise
             raise error from None
 
-    async def _publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
-                                 replace_tombstone: bool, msg_id: str = "") -> ObjectInfo:
+    async def publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
+                                replace_tombstone: bool, msg_id: str = "") -> ObjectInfo:
+        """`publish_meta`; with `replace_tombstone`, a name whose current meta is a tombstone (a deleted
+        object) counts as free (`expected_revision` 0) and is replaced at the tombstone's revision."""
         msg_id = msg_id or new_nuid()
         try:
             return await self.publish_meta(bucket, doc, expected_revision=expected_revision, msg_id=msg_id)
@@ -730,7 +732,7 @@ class ObjectStore:
         moved = dict(doc, name=new, mtime=ZERO_TIME)
         if change is not None:
             change(moved)
-        new_info = await self._publish_replacing(bucket, moved, target_revision, True)
+        new_info = await self.publish_replacing(bucket, moved, target_revision, True)
         await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
         return new_info, revision
 
@@ -931,7 +933,7 @@ class PutSession:
             extra(doc)
         self.meta_state = _META_SENT
         try:
-            info = await self.store._publish_replacing(self.bucket, doc, expected_revision, replace_tombstone,
+            info = await self.store.publish_replacing(self.bucket, doc, expected_revision, replace_tombstone,
                                                        msg_id=f"{self.nuid}.meta")
         except NatsFSError as e:
             if not isinstance(e, Unavailable):

@@ -64,7 +64,8 @@ def build_filesystem(config: Config, streams: Streams, *, file_sender: FileSende
     """Build (not start) the layers of a mount of `config` over `streams`. Spool files left by a daemon
     that died are moved to lost+found first (see `Spool.rescue_leftovers`)."""
     store = open_store(streams, config, file_sender=file_sender)
-    namespace = Namespace(store, bucket=config.bucket)
+    namespace = Namespace(store, bucket=config.bucket, poll_interval=config.bucket_poll_interval,
+                          reconcile_interval=config.reconcile_interval)
     cache = ChunkCache(store, cache_bytes=config.cache_size, batch_bytes=config.fetch_batch_bytes,
                        parallelism=config.fetch_parallelism)
     spool = Spool(spool_root(config.cache_dir, config.mountpoint.resolve()), config.spool_size)

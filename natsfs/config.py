@@ -86,6 +86,16 @@ class Config:
     flush_rate_floor: int = 1024 * 1024
     # At unmount/SIGTERM: how long the daemon may spend storing files still open for writing.
     shutdown_timeout: float = 60.0
+    # Background timers (seconds). How often the bucket list is read again (buckets other clients
+    # created or deleted); how often each loaded bucket's index is checked against the server for metas
+    # purged behind its watch's back; how long a bucket's sealed state is trusted before it is read
+    # again; how often unfinished puts are settled; how long after purging a put's chunks their subject
+    # is checked empty (chunks still on their way from the upload worker land meanwhile).
+    bucket_poll_interval: float = 2.0
+    reconcile_interval: float = 5.0
+    sealed_ttl: float = 2.0
+    settle_interval: float = 2.0
+    purge_check_delay: float = 3.0
     # Publish written files from a helper process (its own connection, its own GIL).
     upload_worker: bool = True
     uid: int = 0

@@ -20,9 +20,10 @@ from typing import Any
 import trio
 
 from .adr20 import ObjectInfo, ObjectStore, valid_bucket_name
+from .config import Config
 from .errors import NatsFSError, NotADirectory, NotFound
 from .index import BucketIndex, Dir
-from .watcher import RECONCILE_S, BucketWatcher, summary
+from .watcher import BucketWatcher, summary
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,6 @@ class NodeKind(enum.StrEnum):
 
 
 ROOT, BUCKET, DIR, FILE, LINK = NodeKind.ROOT, NodeKind.BUCKET, NodeKind.DIR, NodeKind.FILE, NodeKind.LINK
-# Seconds between two polls of the stream list (new and removed buckets at the root).
-BUCKET_POLL_S = 2.0
 
 
 @dataclass(slots=True)
@@ -54,8 +53,9 @@ class Node:
 
 
 class Namespace:
-    def __init__(self, store: ObjectStore, *, bucket: str | None = None, poll_interval: float = BUCKET_POLL_S,
-                 reconcile_interval: float = RECONCILE_S):
+    def __init__(self, store: ObjectStore, *, bucket: str | None = None,
+                 poll_interval: float = Config.bucket_poll_interval,
+                 reconcile_interval: float = Config.reconcile_interval):
         self.store = store
         self.single_bucket = bucket
         self.poll_interval = poll_interval

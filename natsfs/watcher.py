@@ -29,6 +29,7 @@ from collections.abc import Callable
 import trio
 
 from .adr20 import ObjectStore, decode_token, meta_filter, meta_subject, parse_meta, stream_name
+from .config import Config
 from .errors import MalformedMeta, NatsFSError, NotFound
 from .index import BucketIndex, changed_paths
 from .retry import Backoff
@@ -38,9 +39,6 @@ log = logging.getLogger(__name__)
 
 Path = tuple[str, ...]
 
-# How often (seconds) a watched bucket is checked for purges the consumer cannot deliver. A check that
-# took t seconds is not repeated before 100 t, so huge buckets cost the server at most about 1%.
-RECONCILE_S = 5.0
 # When (seconds after the meta that showed it) a name suspected of having been renamed away is read back.
 CONFIRM_DELAYS = (0.0, 0.05, 0.25, 1.0, 4.0)
 # The watch counts as quiet (everything published has arrived) after this long without a message.
@@ -54,7 +52,7 @@ class BucketWatcher:
 
     def __init__(self, store: ObjectStore, bucket: str, *, on_change: Callable[[Path], None] | None = None,
                  on_gone: Callable[[BucketWatcher], None] | None = None,
-                 reconcile_interval: float = RECONCILE_S, default_created_ns: int = 0):
+                 reconcile_interval: float = Config.reconcile_interval, default_created_ns: int = 0):
         self.store = store
         self.bucket = bucket
         self.stream = stream_name(bucket)
@@ -316,6 +314,7 @@ class BucketWatcher:
                 pass  # the watch finds out and decides
             except NatsFSError as e:
                 log.debug("bucket %s: reconciliation failed: %s", self.bucket, e)
+            # A check that took t seconds is not repeated before 100 t: huge buckets cost the server ~1%.
             interval = max(self.reconcile_interval, 100 * (time.monotonic() - started))
 
     async def reconcile(self) -> int:

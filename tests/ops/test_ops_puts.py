@@ -14,7 +14,6 @@ import pytest
 import trio
 from opskit import Env, errno_of
 
-from natsfs import mutations
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
 from natsfs.compose import spool_root
 from natsfs.errors import OutcomeUnknown, Unavailable
@@ -114,9 +113,7 @@ def test_a_retried_meta_is_never_stored_twice(ops_env):
 
 
 @pytest.mark.expect_log("flush: no ack", "b/f: closed without a successful upload")
-def test_a_missing_chunk_ack_means_no_meta_and_the_chunks_are_cleaned_up(ops_env, monkeypatch):
-    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
-
+def test_a_missing_chunk_ack_means_no_meta_and_the_chunks_are_cleaned_up(ops_env):
     async def body(env: Env):
         fi = await create_and_write(env, "f", DATA)
         env.streams.fail_next_publish(OutcomeUnknown("no ack"), subject="$O.b.C.>")
@@ -130,7 +127,7 @@ def test_a_missing_chunk_ack_means_no_meta_and_the_chunks_are_cleaned_up(ops_env
         kept = list((env.fs.staging.spool.lost_found / "b").iterdir())
         assert [p.read_bytes() for p in kept] == [DATA]
 
-    ops_env(body, setup=one_bucket)
+    ops_env(body, setup=one_bucket, purge_check_delay=0.0)
 
 
 @pytest.mark.expect_log("the meta publish got no answer .* it may or may not be stored")
@@ -160,9 +157,7 @@ def test_an_unknown_outcome_keeps_the_chunks_and_a_later_close_adopts_the_stored
     "the meta publish got no answer .* it may or may not be stored",
     "b/f: closed without a successful upload",
 )
-def test_an_unknown_outcome_not_stored_is_purged_once_the_server_answers(ops_env, monkeypatch):
-    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
-
+def test_an_unknown_outcome_not_stored_is_purged_once_the_server_answers(ops_env):
     async def body(env: Env):
         env.store.settle_timeout = 0.3
         fi = await create_and_write(env, "f", DATA)
@@ -179,11 +174,10 @@ def test_an_unknown_outcome_not_stored_is_purged_once_the_server_answers(ops_env
         assert all_chunk_msgs(env) == 1 and not env.fs.mut.journal.pending
         assert await env.store.get_info("b", "f") is None
 
-    ops_env(body, setup=one_bucket)
+    ops_env(body, setup=one_bucket, purge_check_delay=0.0)
 
 
-def test_puts_left_by_a_killed_daemon_are_cleaned_at_the_next_mount(ops_env, tmp_path, monkeypatch):
-    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
+def test_puts_left_by_a_killed_daemon_are_cleaned_at_the_next_mount(ops_env, tmp_path):
     ms = MemoryStreams()
 
     journal_path = spool_root(tmp_path / "cache", Path("/nonexistent").resolve()) / "puts.journal"
@@ -210,7 +204,7 @@ def test_puts_left_by_a_killed_daemon_are_cleaned_at_the_next_mount(ops_env, tmp
 
     journal_path.parent.mkdir(parents=True)
     trio.run(earlier_run)
-    ops_env(body, streams=ms)
+    ops_env(body, streams=ms, purge_check_delay=0.0)
 
 
 def test_rename_purges_the_old_meta_and_leaves_no_tombstone(ops_env):
@@ -346,9 +340,7 @@ def test_a_streamed_put_whose_meta_goes_unanswered_is_not_put_a_second_time(ops_
     ops_env(body, setup=one_bucket)
 
 
-def test_chunks_whose_purge_fails_are_purged_once_the_server_answers(ops_env, monkeypatch):
-    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
-
+def test_chunks_whose_purge_fails_are_purged_once_the_server_answers(ops_env):
     async def body(env: Env):
         old = await env.store.get_info("b", "old.txt")
         b = (await env.lookup("b")).st_ino
@@ -360,7 +352,7 @@ def test_chunks_whose_purge_fails_are_purged_once_the_server_answers(ops_env, mo
         await env.fs.mut.settle_puts()
         assert chunk_msgs(env, old.nuid) == 0 and not env.fs.mut.journal.pending
 
-    ops_env(body, setup=one_bucket)
+    ops_env(body, setup=one_bucket, purge_check_delay=0.0)
 
 
 def test_a_rename_retries_the_purge_of_the_old_name(ops_env):
