@@ -10,11 +10,12 @@ import stat
 import pyfuse3
 import pytest
 import trio
+from gowriters import delete_object, put_link, put_object, rename_object
 from opskit import CTX, ROOT, Env, Listing, errno_of
 
 from natsfs.adr20 import ObjectStore, digest_of
 from natsfs.core.filesystem import XATTR_STATS
-from natsfs.memstreams import MemoryStreams, delete_object, put_link, put_object, rename_object
+from natsfs.memstreams import MemoryStreams
 
 DATA = bytes(range(256)) * 1200  # 307200 bytes
 UNEVEN = [1000, 131072, 17, 100000, 75111]

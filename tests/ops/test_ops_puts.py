@@ -12,12 +12,13 @@ from typing import Any
 import pyfuse3
 import pytest
 import trio
+from gowriters import put_object
 from opskit import Env, errno_of
 
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
 from natsfs.compose import spool_root
 from natsfs.errors import OutcomeUnknown, Unavailable
-from natsfs.memstreams import MemoryStreams, put_object
+from natsfs.memstreams import MemoryStreams
 from natsfs.staging import PutJournal
 from natsfs.streams import MSG_ID, ROLLUP
 

@@ -10,11 +10,12 @@ from typing import Any
 import pyfuse3
 import pytest
 import trio
+from gowriters import put_object
 from opskit import ROOT, Env, errno_of
 
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, stream_name
 from natsfs.errors import NoSpace, Unavailable
-from natsfs.memstreams import MemoryStreams, put_object
+from natsfs.memstreams import MemoryStreams
 from natsfs.mutations import STREAM_BATCH
 
 

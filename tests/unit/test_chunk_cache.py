@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from gowriters import put_object
 
 from natsfs.adr20 import ObjectInfo, ObjectStore, chunk_subject, digest_of, stream_name
 from natsfs.chunk_cache import ChunkCache
 from natsfs.errors import Corrupt, Stale, Unavailable
-from natsfs.memstreams import MemoryBatchStream, MemoryStreams, put_object
+from natsfs.memstreams import MemoryBatchStream, MemoryStreams
 from natsfs.streams import StoredMsg
 
 KiB = 1024

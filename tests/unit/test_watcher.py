@@ -6,9 +6,10 @@ import json
 
 import trio
 import trio.testing
+from gowriters import delete_object, put_object, rename_object
 
 from natsfs.adr20 import ObjectStore, meta_subject, stream_name
-from natsfs.memstreams import MemoryStreams, delete_object, put_object, rename_object
+from natsfs.memstreams import MemoryStreams
 from natsfs.namespace import Namespace
 from natsfs.watcher import BucketWatcher
 
