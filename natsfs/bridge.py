@@ -497,11 +497,11 @@ class Subscription:
         self._wake = trio.Event()
         self._wake_scheduled = False
         self._lock = threading.Lock()
-        self._sub: Any = None
-        self._stream_token: str | None = None
+        self.nats_sub: Any = None  # nats-py's subscription (set by the bridge)
+        self.stream_token: str | None = None  # a request_stream's reply token
         self._interrupted = False
         self._error: NatsFSError | None = None
-        self._reserved = 0  # budget bytes held for replies not yet taken
+        self.reserved = 0  # budget bytes held for replies not yet taken (set by the bridge)
         # Paced: answer flow-control requests when `next_batch` takes what came before them, not on
         # arrival, and keep the backlog short (see _PACE_HIGH).
         self.paced = False
@@ -509,9 +509,9 @@ class Subscription:
         self.closed = False
 
     # ---- asyncio side
-    async def _on_msg(self, m: Any) -> None:
+    async def on_msg(self, m: Any) -> None:
         msg = _convert(m)
-        nc = self._bridge._link.nc if self._bridge._link is not None else None
+        nc = self._bridge.current_client()
         if msg.status == "100" and msg.reply and not self.paced and nc is not None:
             # JetStream flow control: answer at once, from the loop that owns the connection.
             await nc.publish(msg.reply, b"")
@@ -522,14 +522,13 @@ class Subscription:
 
     def deliver(self, msg: Msg) -> bool:
         """A reply of this subscription's request (from the reply inbox); True once it ended."""
-        if len(msg.data) > self._bridge._largest_reply:
-            self._bridge._largest_reply = len(msg.data)
+        self._bridge.note_reply_size(len(msg.data))
         self._enqueue(msg)
         return _ends_batch(msg)
 
     def fail(self, reason: str) -> None:
         self._error = Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})")
-        self._bridge._to_trio(self.interrupt)
+        self._bridge.call_in_trio(self.interrupt)
 
     def _enqueue(self, msg: Msg) -> None:
         with self._lock:
@@ -537,7 +536,7 @@ class Subscription:
             if self._wake_scheduled:
                 return
             self._wake_scheduled = True
-        self._bridge._to_trio(self._set_wake)
+        self._bridge.call_in_trio(self._set_wake)
 
     # ---- trio side
     def _set_wake(self) -> None:
@@ -562,22 +561,22 @@ class Subscription:
             self._queue.clear()
         if not batch and self._error is not None:
             raise self._error
-        if self._reserved:
-            taken = min(self._reserved, sum(len(m.data) for m in batch))
-            self._reserved -= taken
-            self._bridge._budget.release(taken)
+        if self.reserved:
+            taken = min(self.reserved, sum(len(m.data) for m in batch))
+            self.reserved -= taken
+            self._bridge.release_reply_bytes(taken)
         if self.paced:
             # Flow control answered only now that the messages before it are taken: the server never
             # runs more than its flow-control window ahead of the consumer.
             replies = [m.reply for m in batch if m.reply and m.status == "100"]
             if replies:
-                await self._bridge._run(self._answer(replies))
+                await self._bridge.run_on_loop(self._answer(replies))
             if batch:
-                self._bridge._call_soon(self._set_drained)
+                self._bridge.call_on_loop(self._set_drained)
         return batch
 
     async def _answer(self, replies: list[str]) -> None:
-        nc = self._bridge._link.nc if self._bridge._link is not None else None
+        nc = self._bridge.current_client()
         if nc is None:
             return  # the consumer is re-created on the next connection anyway
         for reply in replies:
@@ -586,7 +585,7 @@ class Subscription:
     # ---- pacing (asyncio side)
     def backlog(self) -> int:
         """Messages received and not yet taken by trio (ours, and nats-py's queue in front of ours)."""
-        pending = self._sub.pending_msgs if self._sub is not None else 0
+        pending = self.nats_sub.pending_msgs if self.nats_sub is not None else 0
         return len(self._queue) + pending
 
     def _set_drained(self) -> None:
@@ -613,20 +612,17 @@ class Subscription:
             return
         self.closed = True
         bridge = self._bridge
-        bridge._budget.release(self._reserved)
-        self._reserved = 0
-        if self._stream_token is not None:
-            link, token = bridge._link, self._stream_token
-            if link is not None:
-                bridge._call_soon(lambda: link.waiters.pop(token, None))
+        bridge.release_reply_bytes(self.reserved)
+        self.reserved = 0
+        if self.stream_token is not None:
+            bridge.drop_stream_waiter(self.stream_token)
             return
-        bridge._subs.discard(self)
-        sub = self._sub
+        bridge.forget_subscription(self)
+        sub = self.nats_sub
         if sub is not None:
-            bridge._paced.pop(natscompat.subscription_id(sub), None)
-            bridge._call_soon(self._set_drained)
+            bridge.call_on_loop(self._set_drained)
             with contextlib.suppress(Exception):
-                await bridge._run(sub.unsubscribe())
+                await bridge.run_on_loop(sub.unsubscribe())
 
 
 class Bridge:
@@ -684,7 +680,7 @@ class Bridge:
                            user_credentials=self.user_credentials, on_lost=self._lost,
                            on_restored=self._restored, restore=self._restore, after_msg=self._after_msg)
         try:
-            await self._run(self._link.open())
+            await self.run_on_loop(self._link.open())
         except BaseException:
             await self.close()
             raise
@@ -696,7 +692,7 @@ class Bridge:
             return
         if self._link is not None:
             with contextlib.suppress(Exception):
-                await self._run(self._link.close())
+                await self.run_on_loop(self._link.close())
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             await trio.to_thread.run_sync(self._thread.join, 5.0)
@@ -711,7 +707,7 @@ class Bridge:
     # ---- connection events (asyncio side, then trio)
     def _lost(self, reason: str) -> None:
         in_flight = self._budget.used
-        self._to_trio(lambda: self._lost_in_trio(in_flight))
+        self.call_in_trio(lambda: self._lost_in_trio(in_flight))
 
     def _lost_in_trio(self, in_flight: int) -> None:
         self.connected = False
@@ -724,7 +720,7 @@ class Bridge:
             self.on_disconnect()
 
     def _restored(self) -> None:
-        self._to_trio(self._restored_in_trio)
+        self.call_in_trio(self._restored_in_trio)
 
     def _restored_in_trio(self) -> None:
         self.connected = True
@@ -738,9 +734,9 @@ class Bridge:
         for sub in list(self._subs):
             if sub.closed:
                 continue
-            sub._sub = await nc.subscribe(sub.subject, cb=sub._on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
+            sub.nats_sub = await nc.subscribe(sub.subject, cb=sub.on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
             if sub.paced:
-                self._paced[natscompat.subscription_id(sub._sub)] = sub
+                self._paced[natscompat.subscription_id(sub.nats_sub)] = sub
 
     def _after_msg(self, sid: int) -> Awaitable[None] | None:
         """Let a paced subscription's backlog hold up the connection's reader for a moment: the rest
@@ -749,14 +745,14 @@ class Bridge:
         return sub.wait_drained() if sub is not None else None
 
     # ------------------------------------------------------------------ plumbing
-    def _to_trio(self, fn: Callable[[], None]) -> None:
+    def call_in_trio(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the trio thread soon (from the asyncio thread); ignore a finished trio run."""
         if self._token is None:
             return
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(fn)
 
-    async def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def run_on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await an asyncio coroutine from trio; trio cancellation cancels the asyncio task."""
         loop = self._loop
         if loop is None or self._link is None:
@@ -764,12 +760,37 @@ class Bridge:
             raise Unavailable("not connected to NATS")
         return await wait_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
-    def _call_soon(self, fn: Callable[[], None]) -> None:
+    def call_on_loop(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the asyncio loop soon (from any thread)."""
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(fn)
+
+    # ---- what a Subscription needs of its bridge
+    def current_client(self) -> Any:
+        """The nats-py client of the current connection, None while there is none."""
+        return self._link.nc if self._link is not None else None
+
+    def note_reply_size(self, size: int) -> None:
+        """Remember the largest reply seen (budget reservations leave room for one more of them)."""
+        self._largest_reply = max(self._largest_reply, size)
+
+    def release_reply_bytes(self, n: int) -> None:
+        """Give back reply budget a subscription held for replies it has now handed over."""
+        self._budget.release(n)
+
+    def drop_stream_waiter(self, token: str) -> None:
+        """A `request_stream` subscription closed: its replies are no longer routed to it."""
+        link = self._link
+        if link is not None:
+            self.call_on_loop(lambda: link.waiters.pop(token, None))
+
+    def forget_subscription(self, sub: Subscription) -> None:
+        """A `subscribe` subscription closed: it is not restored on the next connection or paced."""
+        self._subs.discard(sub)
+        if sub.nats_sub is not None:
+            self._paced.pop(natscompat.subscription_id(sub.nats_sub), None)
 
     def _link_now(self) -> _Link:
         if self._link is None:
@@ -782,7 +803,8 @@ class Bridge:
         timeout: float | None = None,
     ) -> Msg:
         """One request, one reply. `NotFound` when nothing answers on `subject`."""
-        return await self._run(self._link_now().request(subject, payload, headers, timeout or self.request_timeout))
+        link = self._link_now()
+        return await self.run_on_loop(link.request(subject, payload, headers, timeout or self.request_timeout))
 
     @property
     def max_batch_bytes(self) -> int:
@@ -796,7 +818,7 @@ class Bridge:
         link = self._link_now()
         held = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
         try:
-            msgs = await self._run(self._request_many(link, subject, payload, timeout or self.request_timeout))
+            msgs = await self.run_on_loop(self._request_many(link, subject, payload, timeout or self.request_timeout))
         finally:
             self._budget.release(held)
         for m in msgs:
@@ -823,12 +845,13 @@ class Bridge:
         unsubscribes. `max_bytes` is held from the reply budget and given back as replies are taken."""
         link = self._link_now()
         sub = Subscription(self, subject)
-        sub._reserved = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
+        sub.reserved = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
         try:
-            sub._stream_token = await self._run(link.send(subject, payload, None, sub, timeout=self.request_timeout))
+            sub.stream_token = await self.run_on_loop(link.send(subject, payload, None, sub,
+                                                                timeout=self.request_timeout))
         except BaseException:
-            self._budget.release(sub._reserved)
-            sub._reserved = 0
+            self._budget.release(sub.reserved)
+            sub.reserved = 0
             raise
         return sub
 
@@ -843,7 +866,7 @@ class Bridge:
                          timeout: float | None = None) -> dict[str, Any]:
         """Publish into a stream and wait for its ack (`{"stream", "seq", ...}`). `OutcomeUnknown` when
         it was sent and no ack came; `Unavailable` when it certainly was not sent."""
-        return await self._run(self._link_now().js_publish(subject, payload, headers,
+        return await self.run_on_loop(self._link_now().js_publish(subject, payload, headers,
                                                            timeout or self.request_timeout))
 
     async def js_publish_many(
@@ -852,7 +875,7 @@ class Bridge:
     ) -> list[dict[str, Any] | NatsFSError]:
         """Publish many stream messages with at most `window` acks outstanding; results in order, each
         an ack, or an error as `js_publish` raises it."""
-        return await self._run(self._link_now().js_publish_many(msgs, window, timeout or self.request_timeout))
+        return await self.run_on_loop(self._link_now().js_publish_many(msgs, window, timeout or self.request_timeout))
 
     async def subscribe(self, subject: str, *, paced: bool = False) -> Subscription:
         """Messages on `subject`, in batches (`Subscription.next_batch`), on every connection from now on
@@ -865,14 +888,14 @@ class Bridge:
         async def do() -> None:
             nc = await link.client(self.request_timeout)
             try:
-                sub._sub = await nc.subscribe(subject, cb=sub._on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
+                sub.nats_sub = await nc.subscribe(subject, cb=sub.on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
             except nats.errors.Error as e:
                 raise Unavailable(f"subscribe to {subject}: {e}") from None
             if paced:
-                self._paced[natscompat.subscription_id(sub._sub)] = sub
+                self._paced[natscompat.subscription_id(sub.nats_sub)] = sub
             self._subs.add(sub)
 
-        await self._run(do())
+        await self.run_on_loop(do())
         return sub
 
     def new_inbox(self) -> str:
