@@ -48,7 +48,16 @@ from .errors import (
     single_error,
 )
 from .retry import Backoff
-from .streams import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, ROLLUP, MsgBatches, StoredMsg, Streams, StreamState
+from .streams import (
+    EXPECTED_LAST_SUBJECT_SEQ,
+    MSG_ID,
+    ROLLUP,
+    AccountLimits,
+    MsgBatches,
+    StoredMsg,
+    Streams,
+    StreamState,
+)
 
 log = logging.getLogger(__name__)
 
@@ -436,6 +445,10 @@ class ObjectStore:
         names = await self.streams.stream_names()
         return sorted(n[len(STREAM_PREFIX):] for n in names
                       if n.startswith(STREAM_PREFIX) and valid_bucket_name(n[len(STREAM_PREFIX):]))
+
+    async def account_limits(self) -> AccountLimits:
+        """The account's JetStream limits and usage (what all buckets together may hold)."""
+        return await self.streams.account_limits()
 
     async def bucket_status(self, bucket: str) -> BucketStatus:
         if not valid_bucket_name(bucket):

@@ -887,7 +887,7 @@ class Filesystem:
             used, total = status.size, status.max_bytes
             files = status.messages
         else:
-            limits = await self.ns.store.streams.account_limits()
+            limits = await self.ns.store.account_limits()
             used, total = limits.storage_used, limits.max_storage
             files = 0
         if total <= 0:
