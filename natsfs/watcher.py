@@ -125,7 +125,7 @@ class BucketWatcher:
                     return
             except NatsFSError as e:
                 log.warning("bucket %s: index watch failed (%s); starting it again", self.bucket, e)
-                await trio.sleep(1.0)
+                await backoff.pause()
             finally:
                 with trio.CancelScope(shield=True):
                     await watch.close()
