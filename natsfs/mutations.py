@@ -12,7 +12,6 @@ carry a live object's nuid (`purge_shared_tombstones`), once the server answers.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from .adr20 import (
     PosixAttrs,
     PutSession,
     chunk_subject,
+    meta_json,
     set_posix_attrs,
     stream_name,
 )
@@ -61,7 +61,7 @@ DIR_MODE = 0o755
 
 
 def check_meta_size(doc: dict[str, Any], limit: int) -> None:
-    size = len(json.dumps(doc).encode())
+    size = len(meta_json(doc))
     if size > limit:
         raise TooBig(f"the meta of {doc.get('name')!r} would be {size} bytes, over --max-meta-bytes {limit}",
                      log_level=logging.WARNING)
