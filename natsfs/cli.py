@@ -1,4 +1,4 @@
-"""Command line: `natsfs mount|umount|bucket ...`, option parsing, exit codes, one-sentence errors.
+"""Command line: `natsfs mount|umount|bucket|fsck ...`, option parsing, exit codes, one-sentence errors.
 
 `natsfs mount` without `--foreground` starts the daemon as a child process and waits until it
 reports the mount live (exit 0) or reports why it could not start (exit 1, one sentence). The child
@@ -100,12 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--compression", action="store_true")
     bc.add_argument("--max-bytes", default="-1")
     bc.add_argument("--ttl", default="0")
+    bc.add_argument("--no-atomic", action="store_true",
+                    help="no atomic batches: puts go in the nats.go order and large files stream while written")
     bsub.add_parser("ls")
     bs = bsub.add_parser("seal")
     bs.add_argument("name")
     br = bsub.add_parser("rm")
     br.add_argument("name")
     br.add_argument("--force", action="store_true", help="delete even if it holds objects")
+
+    f = sub.add_parser("fsck", help="check a bucket for orphan chunks, damaged objects and dangerous tombstones")
+    f.add_argument("bucket")
+    f.add_argument("--server", help="NATS URL(s) (default: $NATS_URL, else the embedded server if running)")
+    f.add_argument("--repair", action="store_true",
+                   help="purge orphan chunks and tombstones that carry a live object's nuid")
+    f.add_argument("--verify", action="store_true", help="also read every object and check its digest")
+    f.add_argument("--grace", default="5m",
+                   help="chunks without a meta younger than this are a put in progress, not orphans (default 5m)")
     return p
 
 
@@ -359,9 +370,25 @@ def cmd_bucket(a: argparse.Namespace) -> int:
         raise
 
 
+def cmd_fsck(a: argparse.Namespace) -> int:
+    """Exit 0: clean or repaired; 1: problems remain; 2: the check could not run."""
+    from .errors import NatsFSError
+    from .tools import fsck_command
+
+    try:
+        return trio.run(fsck_command, a)
+    except BaseException as e:
+        err = single_error(e)
+        if isinstance(err, NatsFSError):
+            print(f"natsfs fsck: {err}", file=sys.stderr)
+            return 2
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    handlers: dict[str, Any] = {"mount": cmd_mount, "umount": cmd_umount, "bucket": cmd_bucket}
+    handlers: dict[str, Any] = {"mount": cmd_mount, "umount": cmd_umount, "bucket": cmd_bucket,
+                                "fsck": cmd_fsck}
     return int(handlers[a.command](a))
 
 
