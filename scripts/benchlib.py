@@ -399,9 +399,7 @@ async def populate_metas(nc: Any, bucket: str, names: Sequence[str], window: int
     futures: list[Any] = []
     for i, name in enumerate(names):
         digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(name.encode()).digest()).decode()
-        doc = {"name": name, "options": {"max_chunk_size": CHUNK}, "bucket": bucket, "nuid": nuid.next().decode(),
-               "size": 1024 + i % 3072, "mtime": "0001-01-01T00:00:00Z", "chunks": 1, "digest": digest}
-        meta = json.dumps(doc, separators=(",", ":")).encode()
+        meta = meta_json(bucket, name, nuid.next().decode(), 1024 + i % 3072, 1, digest, chunk_size=CHUNK)
         futures.append(await js.publish_async(f"$O.{bucket}.M.{encode_name(name)}", meta,
                                               headers={"Nats-Rollup": "sub"}, wait_stall=60))
         if len(futures) >= window:
