@@ -625,6 +625,21 @@ class Subscription:
                 await bridge.run_on_loop(sub.unsubscribe())
 
 
+def _unwind_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what still runs on a stopped loop and let it unwind (briefly), as `asyncio.run` does: no
+    task is destroyed while pending (a request cut short by the unmount logs nothing)."""
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        done, _ = loop.run_until_complete(asyncio.wait(tasks, timeout=2.0))
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved: the connection is going away, whatever it was
+    with contextlib.suppress(Exception):
+        loop.run_until_complete(loop.shutdown_asyncgens())
+
+
 class Bridge:
     """A connection to NATS on an asyncio loop thread, used from trio; it survives losing its client."""
 
@@ -671,6 +686,7 @@ class Bridge:
             asyncio.set_event_loop(loop)
             ready.set()
             loop.run_forever()
+            _unwind_tasks(loop)
             loop.close()
 
         self._thread = threading.Thread(target=loop_main, name="natsfs-asyncio", daemon=True)
