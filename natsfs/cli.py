@@ -28,7 +28,7 @@ from typing import Any
 import trio
 
 from . import config as cfg
-from .config import Config, parse_duration, parse_size
+from .config import Config, default_flush_timeout, parse_duration, parse_size
 from .errors import single_error
 from .secrecy import child_environment
 
@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--entry-timeout", default="60s",
                    help="how long the kernel may keep names and attributes without asking (changes are "
                         "pushed to it anyway)")
-    m.add_argument("--flush-timeout", default="10s",
-                   help="close/fsync fail with EIO when a file is not stored within this (plus 1 s per MiB)")
+    m.add_argument("--flush-timeout",
+                   help="close/fsync fail with EIO when a file is not stored within this (plus 1 s per MiB); "
+                        "default 10s, 30s with several servers (a cluster's election after a node loss)")
     m.add_argument("--shutdown-timeout", default="60s",
                    help="at unmount or SIGTERM, how long to spend storing files still open for writing")
     m.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -145,7 +146,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         entry_timeout=parse_duration(a.entry_timeout),
         attr_timeout=parse_duration(a.entry_timeout),
         request_timeout=parse_duration(a.request_timeout),
-        flush_timeout=parse_duration(a.flush_timeout),
+        flush_timeout=parse_duration(a.flush_timeout) if a.flush_timeout else default_flush_timeout(_servers(a.server)),
         shutdown_timeout=parse_duration(a.shutdown_timeout),
     )
 
@@ -188,7 +189,9 @@ def cmd_mount(a: argparse.Namespace) -> int:
     if not a.foreground:
         return _spawn_daemon(a, config)
     if a.servers_fd is not None:
-        config = dataclasses.replace(config, servers=_read_servers(a.servers_fd))
+        servers = _read_servers(a.servers_fd)
+        config = dataclasses.replace(config, servers=servers, flush_timeout=parse_duration(a.flush_timeout)
+                                     if a.flush_timeout else default_flush_timeout(servers))
     _setup_logging(a.log_level, a.log_file)
     from .mount import MountError, serve
 

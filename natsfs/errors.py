@@ -160,6 +160,7 @@ def single_error(exc: BaseException) -> BaseException:
 ERR_ACCOUNT_RESOURCES_EXCEEDED = 10002  # resource limits exceeded for account
 ERR_INSUFFICIENT_RESOURCES = 10023
 ERR_MEMORY_RESOURCES_EXCEEDED = 10028
+ERR_NO_MESSAGE_FOUND = 10037
 ERR_STORAGE_RESOURCES_EXCEEDED = 10047
 ERR_MSG_TOO_BIG = 10054  # message size exceeds maximum allowed
 ERR_STREAM_NAME_IN_USE = 10058

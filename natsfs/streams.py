@@ -8,7 +8,7 @@ last subject sequence did not match), `NoSpace` (stream limits refuse the messag
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Sequence
+from collections.abc import AsyncIterable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -140,8 +140,10 @@ class Streams(Protocol):
     async def subject_counts(self, stream: str, filter_subject: str) -> tuple[dict[str, int], int, bool]:
         """(messages per matching subject, the stream's last sequence, whether the listing is one snapshot)."""
 
-    async def publish_batch(self, batch_id: str, msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]]) -> int:
-        """Publish `msgs` as one atomic batch (the last one commits it) and return the commit's sequence.
+    async def publish_batch(self, batch_id: str,
+                            messages: Callable[[], AsyncIterable[tuple[str, bytes, dict[str, str]]]]) -> int:
+        """Publish `messages()` as one atomic batch (the last one commits it) and return the commit's
+        sequence; `messages` may be called again to send a batch cut off before its commit once more.
         `OutcomeUnknown` when the commit was sent and its ack did not come back (stored or not: read
         back); any other error means nothing of the batch was stored."""
 
