@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close/fsync fail with EIO when a file is not stored within this (plus 1 s per MiB)")
     m.add_argument("--shutdown-timeout", default="60s",
                    help="at unmount or SIGTERM, how long to spend storing files still open for writing")
+    m.add_argument("--write-back", nargs="?", const="0s", default=None, metavar="DELAY",
+                   help="close returns once the bytes are durable on local disk (spool file and journal "
+                        "fsynced); they are uploaded in the background DELAY later (default 0s) and replayed "
+                        "by the next mount with the same --cache-dir if the daemon dies")
     m.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     m.add_argument("--log-file", type=Path, help="log here (default: stderr in the foreground)")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
@@ -134,6 +138,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         request_timeout=parse_duration(a.request_timeout),
         flush_timeout=parse_duration(a.flush_timeout),
         shutdown_timeout=parse_duration(a.shutdown_timeout),
+        write_back=parse_duration(a.write_back) if a.write_back is not None else None,
     )
 
 
@@ -265,7 +270,7 @@ def _rebuild_args(a: argparse.Namespace) -> list[str]:
               "storage": "--storage", "max_bytes": "--max-bytes", "ttl": "--ttl", "log_level": "--log-level",
               "entry_timeout": "--entry-timeout", "flush_timeout": "--flush-timeout",
               "request_timeout": "--request-timeout",
-              "shutdown_timeout": "--shutdown-timeout"}
+              "shutdown_timeout": "--shutdown-timeout", "write_back": "--write-back"}
     for attr, flag in simple.items():
         value = getattr(a, attr)
         if value is not None:
