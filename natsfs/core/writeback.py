@@ -84,6 +84,7 @@ class WriteBack:
     # ------------------------------------------------------------------ replay
     def resume(self) -> None:
         """Queue every upload an earlier run of this mount left in the journal (before serving)."""
+        self.progress_path.unlink(missing_ok=True)
         if not self.journal.pending:
             return
         resumed = 0
@@ -187,14 +188,12 @@ class WriteBack:
                 await self._changed.wait()
                 log.info("unmounting: %d of %d write-back upload(s) done", total - len(self.pending), total)
         left = self.pending
-        self._progress(total)
+        if total:
+            self._progress(total)  # the last line `natsfs umount` prints (removed at the next mount)
         if left:
             log.warning("unmounting: %d write-back upload(s) not done after %g s (%s); their bytes stay in %s "
                         "and the next mount with this cache dir uploads them", len(left), timeout,
                         ", ".join(f"{sf.bucket}/{sf.name}" for sf in left[:5]), self.fs.staging.spool.dir)
-        else:
-            self.progress_path.unlink(missing_ok=True)
-        self.journal.close()
 
     def _progress(self, total: int) -> None:
         pending = self.pending
