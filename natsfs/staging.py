@@ -21,10 +21,11 @@ must store it, and a second close waits for the first), `shadows_index` (lookups
 `shown`, `ended`, `serves_reads`, `never_stored`. DIRTY never goes straight to DISCARDED: unstored bytes
 are stored or kept, never dropped. Copy-on-write progress (`copied`) and a streaming upload (the session
 and the offset claimed so far, a part of DIRTY: `may_stream`, `claim_stream`, `break_stream`) are the
-other facts a resumed upload needs. The write-back journal will persist exactly this: the spool file's
-id, bucket, name, base nuid and revision, the state's value (a plain string), `copied`, the POSIX
-attributes and the xattr changes (data, not callbacks); after a crash DIRTY resumes as DIRTY, UPLOADING
-is settled by reading the meta back (the put journal knows the nuid), STORED and UNLINKED are dropped.
+other facts a resumed upload needs. The write-back journal (`natsfs.journal`) persists exactly this
+(`journal_entry`): the spool file's id, bucket, name, base version and revision, the state's value (a
+plain string), `copied`, the POSIX attributes and the xattr changes (data, not callbacks); after a crash
+(`resume`) DIRTY resumes as DIRTY, UPLOADING too (the put journal settles a put whose meta may have been
+stored: `Mutations.upload` recognises its nuid), and only files that are DIRTY or UPLOADING are recorded.
 
 Disk I/O of more than a small write, and all reading and hashing for uploads, runs on worker threads.
 """
