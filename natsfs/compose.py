@@ -53,6 +53,18 @@ def open_write_back_journal(path: Path, write_back: bool) -> WriteBackJournal | 
     return None
 
 
+def pending_write_backs(path: Path) -> frozenset[str]:
+    """The spool files a write-back journal still waits to upload (left as they are, one log line)."""
+    if not path.exists():
+        return frozenset()
+    left = WriteBackJournal(path)
+    left.close()
+    if left.pending:
+        log.warning("%d file(s) closed in write-back mode are not uploaded yet; a read-only mount leaves them "
+                    "for the next mount with --write-back", len(left.pending))
+    return frozenset(left.pending)
+
+
 def open_store(streams: Streams, config: Config | None = None, *, file_sender: FileSender | None = None
                ) -> ObjectStore:
     """The ADR-20 client over `streams`, with a mount's settings (or the defaults, for the tools)."""
@@ -92,8 +104,14 @@ def build_filesystem(config: Config, streams: Streams, *, file_sender: FileSende
                        parallelism=config.fetch_parallelism)
     root = spool_root(config.cache_dir, config.mountpoint.resolve())
     spool = Spool(root, config.spool_size)
-    journal = open_write_back_journal(root / WRITE_BACK_JOURNAL, config.write_back is not None)
-    spool.rescue_leftovers(frozenset(journal.pending) if journal is not None else frozenset())
+    journal_path = root / WRITE_BACK_JOURNAL
+    if config.read_only:
+        # Nothing can be uploaded: pending write-back uploads wait for the next writable write-back mount.
+        spool.rescue_leftovers(pending_write_backs(journal_path))
+        journal = None
+    else:
+        journal = open_write_back_journal(journal_path, config.write_back is not None)
+        spool.rescue_leftovers(frozenset(journal.pending) if journal is not None else frozenset())
     staging = Staging(spool)
     fs = Filesystem(namespace, cache, config, staging, kernel, journal)
     return Built(config, store, namespace, cache, staging, fs, Operations(fs))

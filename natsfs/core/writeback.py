@@ -26,7 +26,7 @@ import trio
 
 from ..errors import Conflict, NatsFSError, Unavailable
 from ..journal import WriteBackJournal
-from ..staging import StagedFile
+from ..staging import StagedFile, WriteState
 
 if TYPE_CHECKING:
     from .filesystem import Filesystem
@@ -58,12 +58,18 @@ class WriteBack:
     async def closed(self, sf: StagedFile) -> None:
         """A close (or fsync) in write-back mode: returns once the bytes and their journal record are
         durable on local disk; the upload follows in the background."""
-        async with sf.lock:
-            if not sf.unstored:
-                return
-            await self.fs.fill_staged(sf)
-            await trio.to_thread.run_sync(os.fsync, sf.fd)
+        if sf.state is WriteState.UPLOADING:
+            # The uploader is storing it (holding its lock for the whole put): its bytes cannot change
+            # meanwhile and were synced before the record that queued this upload. Only the record is
+            # written again (a rename changes its name).
             entry = sf.journal_entry()
+        else:
+            async with sf.lock:
+                if not sf.unstored:
+                    return
+                await self.fs.fill_staged(sf)
+                await trio.to_thread.run_sync(os.fsync, sf.fd)
+                entry = sf.journal_entry()
         async with self._journal_lock:
             await trio.to_thread.run_sync(self.journal.record, entry)
         self.schedule(sf, self.delay)

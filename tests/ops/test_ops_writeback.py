@@ -146,3 +146,43 @@ def test_without_write_back_a_dead_runs_pending_files_go_to_lost_found(ops_env, 
     kept = list((root / "lost+found" / "leftover").iterdir())
     assert [p.read_bytes() for p in kept] == [b"never uploaded"]
     assert not (root / WRITE_BACK_JOURNAL).exists()
+
+
+def test_a_renamed_pending_file_is_replayed_under_its_new_name(ops_env):
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "draft.txt", b"renamed before its upload")
+        await env.ops.rename(ROOT, b"draft.txt", ROOT, b"final.txt", 0, None)
+        assert await env.cat("final.txt") == b"renamed before its upload"
+
+    async def second(env: Env):
+        with trio.fail_after(10):
+            while await env.store.get_info("b", "final.txt") is None:
+                await trio.sleep(0.01)
+        assert await env.store.get_info("b", "draft.txt") is None
+        assert await env.cat("final.txt") == b"renamed before its upload"
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+
+
+def test_a_read_only_mount_leaves_pending_uploads_for_the_next_write_back_mount(ops_env, tmp_path):
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "a.txt", b"waiting")
+
+    async def read_only(env: Env):
+        assert await env.store.get_info("b", "a.txt") is None
+
+    async def second(env: Env):
+        with trio.fail_after(10):
+            while await env.store.get_info("b", "a.txt") is None:
+                await trio.sleep(0.01)
+        assert await env.cat("a.txt") == b"waiting"
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(read_only, bucket="b", streams=ms, read_only=True)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not (spool_root(tmp_path / "cache", Path("/nonexistent")) / "lost+found").exists()
