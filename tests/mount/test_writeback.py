@@ -152,3 +152,18 @@ def test_without_write_back_a_dead_runs_journal_is_kept_in_lost_found(nats_url, 
     assert [p.read_bytes() for p in leftovers] == [b"closed, never uploaded"]
     assert not journal_path(m).exists()
     assert in_bucket(nats_url, bucket_name, "w.txt") is None
+
+
+def test_a_replayed_upload_never_overwrites_another_clients_newer_version(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    nats_py_put(nats_url, bucket_name, "shared.txt", b"version 1")
+    m = mounter(nats_url, "--bucket", bucket_name, LATER)
+    (m / "shared.txt").write_bytes(b"my pending version")
+    kill_daemon(m)
+    nats_py_put(nats_url, bucket_name, "shared.txt", b"their newer version")
+    remount(m, "--write-back")
+    assert wait_for(lambda: "another client changed it meanwhile; your bytes are kept at" in m.log(), 60)
+    assert nats_py_get(nats_url, bucket_name, "shared.txt") == b"their newer version"
+    kept = list((spool_root(m.cache_dir, m.path.resolve()) / "lost+found" / bucket_name).iterdir())
+    assert [p.read_bytes() for p in kept] == [b"my pending version"]
+    assert wait_for(lambda: (m / "shared.txt").read_bytes() == b"their newer version", 10)

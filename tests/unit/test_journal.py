@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from pathlib import Path
 
+from natsfs.adr20 import ObjectInfo, PosixAttrs
 from natsfs.journal import WriteBackJournal, frame, read_records
+from natsfs.staging import Spool, StagedFile, WriteState
 
 
 def entry(entry_id: str, name: str, size: int = 0) -> dict[str, object]:
@@ -102,3 +105,28 @@ def test_done_of_an_unknown_id_writes_nothing(tmp_path: Path) -> None:
     j.done("nothing")
     j.close()
     assert path.read_bytes() == b""
+
+
+def test_a_staged_file_resumes_from_its_journal_entry(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, 1 << 20)
+    base = ObjectInfo(bucket="b", name="d/f", nuid="N1", size=3, chunks=1, digest="SHA-256=x", mtime_ns=5,
+                      revision=42, chunk_size=128)
+    sf = StagedFile(spool, ino=7, path=("d", "f"), bucket="b", name="d/f", base=base,
+                    attrs=PosixAttrs(0o640, 10, 20, 99))
+    sf.skip_copy()
+    os.pwrite(sf.fd, b"new bytes", 0)
+    sf.size = 9
+    sf.touch()
+    sf.change_xattr("user.k", b"\x00v")
+    sf.change_xattr("user.gone", None)
+    j = WriteBackJournal(tmp_path / "wb.journal")
+    j.record(sf.journal_entry())
+    j.close()
+    entry = next(iter(WriteBackJournal(tmp_path / "wb.journal").pending.values()))
+    again = StagedFile.resume(Spool(tmp_path, 1 << 20), entry, ino=9, path=("d", "f"))
+    assert again.state is WriteState.DIRTY and again.unstored and again.serves_reads
+    assert (again.base, again.base_revision, again.size) == (base, 42, 9)
+    assert (again.mode, again.uid, again.gid, again.mtime_ns) == (0o640, 10, 20, sf.mtime_ns)
+    assert again.xattr_changes == [("user.k", b"\x00v"), ("user.gone", None)]
+    assert os.pread(again.fd, 9, 0) == b"new bytes"
+    assert again.spool_path == sf.spool_path
