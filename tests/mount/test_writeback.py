@@ -114,14 +114,21 @@ def test_pending_files_show_local_bytes_while_the_server_is_down_and_umount_wait
 def test_a_server_restart_during_write_back_uploads_loses_nothing(private_server, bucket_name, mounter):
     url = private_server.url
     create_bucket(url, bucket_name)
-    m = mounter(url, "--bucket", bucket_name, "--write-back")
+    m = mounter(url, "--bucket", bucket_name, LATER)
     files = {f"r{i}.bin": os.urandom(700_000) for i in range(8)}
     for name, data in files.items():
         (m / name).write_bytes(data)
     private_server.stop()
+    # The unmount starts the uploads at once (no more delay) while the server is down; it comes back.
+    proc = m.proc
+    umounting = subprocess.Popen([sys.executable, "-m", "natsfs", "umount", str(m.path)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    assert wait_for(lambda: "write-back upload postponed" in m.log(), 30)
     private_server.start()
-    r = umount(m)
-    assert r.returncode == 0, r.stderr
+    _, err = umounting.communicate(timeout=120)
+    assert umounting.returncode == 0, err
+    assert proc is not None and proc.wait(30) == 0
+    assert "8 of 8 write-back upload(s) done" in err
     for name, data in files.items():
         assert nats_py_get(url, bucket_name, name) == data
     assert " ERROR " not in m.log()
