@@ -508,10 +508,24 @@ class ChunkCache:
         if chunks < 2 or step <= 0 or not 0 < tail <= step or layout.gone or not layout.intact:
             return False
         subject = chunk_subject(info.bucket, info.nuid)
+        guessed: list[StoredMsg] | None = None
         if not layout.seqs:
             # The first chunk: the first message on the subject, with chunks-1 more after it (what a walk
-            # checks for chunk 0). It is kept whatever the rest turns out to be.
-            msgs = await self._fetch(info, 1, 1, step)
+            # checks for chunk 0). It is kept whatever the rest turns out to be. With the meta right
+            # after the last chunk (one writer), the last probe's sequence is known already: both go out
+            # together, and the guess is used only if the first probe confirms it.
+            if info.revision > chunks:
+                replies: dict[str, list[StoredMsg]] = {}
+
+                async def probe(what: str, seq: int) -> None:
+                    replies[what] = await self._fetch(info, seq, 1, step)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(probe, "first", 1)
+                    nursery.start_soon(probe, "last", info.revision - 1)
+                msgs, guessed = replies["first"], replies["last"]
+            else:
+                msgs = await self._fetch(info, 1, 1, step)
             if not msgs:
                 return False
             m = msgs[0]
@@ -528,7 +542,7 @@ class ChunkCache:
         last_seq = first + chunks - 1
         if info.revision and last_seq > info.revision:
             return False
-        msgs = await self._fetch(info, last_seq, 1, step)
+        msgs = guessed if guessed and guessed[0].seq == last_seq else await self._fetch(info, last_seq, 1, step)
         if not msgs:
             return False
         m = msgs[0]
