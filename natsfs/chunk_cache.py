@@ -61,7 +61,7 @@ import cachetools
 import trio
 
 from .adr20 import ObjectInfo, ObjectStore, chunk_subject, format_digest, parse_digest
-from .errors import Corrupt, NatsFSError, Stale, Unavailable
+from .errors import Corrupt, NatsFSError, Stale, Unavailable, single_error
 from .futures import wait_future
 from .streams import StoredMsg
 
@@ -520,9 +520,15 @@ class ChunkCache:
                 async def probe(what: str, seq: int) -> None:
                     replies[what] = await self._fetch(info, seq, 1, step)
 
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(probe, "first", 1)
-                    nursery.start_soon(probe, "last", info.revision - 1)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(probe, "first", 1)
+                        nursery.start_soon(probe, "last", info.revision - 1)
+                except BaseExceptionGroup as group:
+                    error = single_error(group)
+                    if error is group:
+                        raise
+                    raise error from None
                 msgs, guessed = replies["first"], replies["last"]
             else:
                 msgs = await self._fetch(info, 1, 1, step)

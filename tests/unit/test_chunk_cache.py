@@ -772,3 +772,17 @@ def test_a_foreign_message_at_a_computed_sequence_is_never_served():
         assert await cache.read(info, 0, len(data)) == data
 
     run_tampered(body, cache_bytes=1 << 20)
+
+
+def test_a_failed_probe_surfaces_as_its_own_error_and_the_next_read_works():
+    data = blob(8 * CHUNK)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "p", data, chunk_size=CHUNK)
+        ms.fail_next("get_batch", Unavailable("injected"))
+        with pytest.raises(Unavailable, match="injected"):
+            await cache.read(info, 7 * CHUNK, 10)
+        assert await cache.read(info, 7 * CHUNK, 10) == data[7 * CHUNK : 7 * CHUNK + 10]
+        assert cache.stats.layouts_computed == 1
+
+    run(body)
