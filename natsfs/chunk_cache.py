@@ -709,44 +709,28 @@ class ChunkCache:
             slot_of = {layout.seqs[k]: k for k in range(start, end)}
             last_seq = layout.seqs[end - 1]
             wanted = layout.ends[end - 1] - layout.start_of(start)
-            self.stats.fetch_requests += 1
-            batches = await self.store.stream_chunks(info.bucket, info.nuid, layout.seqs[start], end - start,
-                                                     max(wanted, self.batch_bytes))
-            got_any = False
-            previous = 0
-            try:
-                beyond = False
-                while not beyond and (msgs := await batches.next()) is not None:
-                    if layout.generation != generation:
-                        return out  # slots were rebuilt meanwhile; the reader looks again
-                    for m in msgs:
-                        got_any = True
-                        if m.subject != subject:
-                            raise self._stray(info, layout, m, f"a chunk of {subject}")
-                        if m.seq <= previous:
-                            raise self._stray(info, layout, m, f"after seq {previous}")
-                        previous = m.seq
-                        if m.seq > last_seq:
-                            beyond = True  # beyond the run (chunks in it are gone)
-                            break
-                        idx = slot_of.get(m.seq)
-                        if layout.computed and not self._fits(info, layout, idx, m):
-                            raise _Unproven
-                        if idx is None or len(m.data) != layout.size_of(idx):
-                            raise self._stray(info, layout, m, "a chunk of this version's layout")
-                        out[idx] = m.data
-                        self._store(info, layout, idx, m.data)
-                        self.stats.chunks_fetched += 1
-                        self.stats.bytes_fetched += len(m.data)
-                        # Readers waiting for this chunk go on now, not when the whole run is in.
-                        self._release(keys[idx - start], events)
-            finally:
-                await batches.close()
+            msgs = await self._fetch(info, layout.seqs[start], end - start, max(wanted, self.batch_bytes))
             if layout.generation != generation:
-                return out
-            if not got_any and not await self._fetch(info, 1, 1, 1):
+                return out  # slots were rebuilt meanwhile; the reader looks again
+            if not msgs and not await self._fetch(info, 1, 1, 1):
                 # Not one chunk of the version is left: it was replaced and purged.
                 raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
+            previous = 0
+            for m in msgs:
+                if m.subject != subject:
+                    raise self._stray(info, layout, m, f"a chunk of {subject}")
+                if m.seq <= previous:
+                    raise self._stray(info, layout, m, f"after seq {previous}")
+                previous = m.seq
+                if m.seq > last_seq:
+                    break  # beyond the run (chunks in it are gone)
+                idx = slot_of.get(m.seq)
+                if layout.computed and not self._fits(info, layout, idx, m):
+                    raise _Unproven
+                if idx is None or len(m.data) != layout.size_of(idx):
+                    raise self._stray(info, layout, m, "a chunk of this version's layout")
+                out[idx] = m.data
+                self._store(info, layout, idx, m.data)
             missing = []
             for k in range(start, end):
                 if k not in out and not await self._fetch_one(info, layout, k, subject, out):
@@ -764,15 +748,11 @@ class ChunkCache:
                              + " gone from the stream; reads of those bytes fail (EIO)")
         finally:
             for key in keys:
-                self._release(key, events)
+                ev = self._inflight.get(key)
+                if ev is not None and ev in events:
+                    del self._inflight[key]
+                    ev.set()
         return out
-
-    def _release(self, key: ChunkKey, events: list[trio.Event]) -> None:
-        """End this fetch's claim on `key` (if it holds it), waking the readers that wait for it."""
-        ev = self._inflight.get(key)
-        if ev is not None and ev in events:
-            del self._inflight[key]
-            ev.set()
 
     async def _fetch_one(self, info: ObjectInfo, layout: Layout, idx: int, subject: str,
                          out: dict[int, bytes]) -> bool:

@@ -266,17 +266,17 @@ def test_chunks_holding_more_than_the_meta_says_is_corrupt(background):
     run(body, background=background)
 
 
-@pytest.mark.parametrize("step", ["walk", "scan", "fetch"])
-def test_fetch_failure_is_reported_and_the_next_read_works(step):
+@pytest.mark.parametrize("op", ["stream_batch", "subject_index", "get_batch"])
+def test_fetch_failure_is_reported_and_the_next_read_works(op):
     sizes = [100_000] * 10
     data = blob(sum(sizes))
 
     async def body(ms, store, cache):
         info = await put_object(ms, "b", "f", data, chunk_sizes=sizes)
-        if step == "fetch":
+        if op == "get_batch":
             assert await cache.read(info, 900_000, 10) == data[900_000:900_010]  # layout known, one chunk cached
-        ms.fail_next("subject_index" if step == "scan" else "stream_batch", Stale("injected"))
-        off = 0 if step == "walk" else 500_000
+        ms.fail_next(op, Stale("injected"))
+        off = 0 if op == "stream_batch" else 500_000
         with pytest.raises(Stale, match="injected"):
             await cache.read(info, off, 10)
         assert await cache.read(info, off, 10) == data[off : off + 10]
