@@ -1,4 +1,4 @@
-"""Command line: `natsfs mount|umount|bucket ...`, option parsing, exit codes, one-sentence errors.
+"""Command line: `natsfs mount|umount|bucket|fsck ...`, option parsing, exit codes, one-sentence errors.
 
 `natsfs mount` without `--foreground` starts the daemon as a child process and waits until it
 reports the mount live (exit 0) or reports why it could not start (exit 1, one sentence). The child
@@ -27,7 +27,7 @@ from typing import Any, TextIO
 import trio
 
 from . import config as cfg
-from .config import Config, parse_duration, parse_size
+from .config import Config, default_flush_timeout, parse_duration, parse_size
 from .secrecy import child_environment
 
 log = logging.getLogger("natsfs")
@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--entry-timeout", default="60s",
                    help="how long the kernel may keep names and attributes without asking (changes are "
                         "pushed to it anyway)")
-    m.add_argument("--flush-timeout", default="10s",
-                   help="close/fsync fail with EIO when a file is not stored within this (plus 1 s per MiB)")
+    m.add_argument("--flush-timeout",
+                   help="close/fsync fail with EIO when a file is not stored within this (plus 1 s per MiB); "
+                        "default 10s, 30s with several servers (a cluster's election after a node loss)")
     m.add_argument("--shutdown-timeout", default="60s",
                    help="at unmount or SIGTERM, how long to spend storing files still open for writing")
     m.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -98,12 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--compression", action="store_true")
     bc.add_argument("--max-bytes", default="-1")
     bc.add_argument("--ttl", default="0")
+    bc.add_argument("--no-atomic", action="store_true",
+                    help="no atomic batches: puts go in the nats.go order and large files stream while written")
     bsub.add_parser("ls")
     bs = bsub.add_parser("seal")
     bs.add_argument("name")
     br = bsub.add_parser("rm")
     br.add_argument("name")
     br.add_argument("--force", action="store_true", help="delete even if it holds objects")
+
+    f = sub.add_parser("fsck", help="check a bucket for orphan chunks, damaged objects and dangerous tombstones")
+    f.add_argument("bucket")
+    f.add_argument("--server", help="NATS URL(s) (default: $NATS_URL, else the embedded server if running)")
+    f.add_argument("--repair", action="store_true",
+                   help="purge orphan chunks and tombstones that carry a live object's nuid")
+    f.add_argument("--verify", action="store_true", help="also read every object and check its digest")
+    f.add_argument("--grace", default="5m",
+                   help="chunks without a meta younger than this are a put in progress, not orphans (default 5m)")
     return p
 
 
@@ -132,7 +144,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         entry_timeout=parse_duration(a.entry_timeout),
         attr_timeout=parse_duration(a.entry_timeout),
         request_timeout=parse_duration(a.request_timeout),
-        flush_timeout=parse_duration(a.flush_timeout),
+        flush_timeout=parse_duration(a.flush_timeout) if a.flush_timeout else default_flush_timeout(_servers(a.server)),
         shutdown_timeout=parse_duration(a.shutdown_timeout),
     )
 
@@ -182,7 +194,9 @@ def cmd_mount(a: argparse.Namespace) -> int:
     if not a.foreground:
         return _spawn_daemon(a, config)
     if a.servers_fd is not None:
-        config = dataclasses.replace(config, servers=_read_servers(a.servers_fd))
+        servers = _read_servers(a.servers_fd)
+        config = dataclasses.replace(config, servers=servers, flush_timeout=parse_duration(a.flush_timeout)
+                                     if a.flush_timeout else default_flush_timeout(servers))
     _setup_logging(a.log_level, a.log_file)
     from .mount import MountError, serve
 
@@ -364,9 +378,25 @@ def cmd_bucket(a: argparse.Namespace) -> int:
         raise
 
 
+def cmd_fsck(a: argparse.Namespace) -> int:
+    """Exit 0: clean or repaired; 1: problems remain; 2: the check could not run."""
+    from .errors import NatsFSError
+    from .tools import fsck_command
+
+    try:
+        return trio.run(fsck_command, a)
+    except BaseException as e:
+        err = _single_error(e)
+        if isinstance(err, NatsFSError):
+            print(f"natsfs fsck: {err}", file=sys.stderr)
+            return 2
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    handlers: dict[str, Any] = {"mount": cmd_mount, "umount": cmd_umount, "bucket": cmd_bucket}
+    handlers: dict[str, Any] = {"mount": cmd_mount, "umount": cmd_umount, "bucket": cmd_bucket,
+                                "fsck": cmd_fsck}
     return int(handlers[a.command](a))
 
 

@@ -99,3 +99,10 @@ class Config:
     compression: bool = False
     max_bytes: int = -1
     ttl: float = 0.0
+
+
+def default_flush_timeout(servers: tuple[str, ...]) -> float:
+    """10 s; 30 s given several servers: after a cluster node dies, its streams need an election (up to
+    ~10 s of nats-server's Raft timeouts) before they take publishes again, and a close should wait
+    that out rather than fail."""
+    return 30.0 if len(servers) > 1 else 10.0

@@ -779,8 +779,8 @@ def test_a_failed_probe_surfaces_as_its_own_error_and_the_next_read_works():
 
     async def body(ms, store, cache):
         info = await put_object(ms, "b", "p", data, chunk_size=CHUNK)
-        ms.fail_next("get_batch", Unavailable("injected"))
-        with pytest.raises(Unavailable, match="injected"):
+        ms.fail_next("get_batch", Stale("injected"))  # an answer, not silence: not asked again
+        with pytest.raises(Stale, match="injected"):
             await cache.read(info, 7 * CHUNK, 10)
         assert await cache.read(info, 7 * CHUNK, 10) == data[7 * CHUNK : 7 * CHUNK + 10]
         assert cache.stats.layouts_computed == 1
