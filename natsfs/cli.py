@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 10s, 30s with several servers (a cluster's election after a node loss)")
     m.add_argument("--shutdown-timeout", default="60s",
                    help="at unmount or SIGTERM, how long to spend storing files still open for writing")
+    m.add_argument("--write-back", nargs="?", const="0s", default=None, metavar="DELAY",
+                   help="close returns once the bytes are durable on local disk (spool file and journal "
+                        "fsynced); they are uploaded in the background DELAY later (default 0s) and replayed "
+                        "by the next mount with the same --cache-dir if the daemon dies")
     m.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     m.add_argument("--log-file", type=Path, help="log here (default: stderr in the foreground)")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
@@ -148,6 +152,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         request_timeout=parse_duration(a.request_timeout),
         flush_timeout=parse_duration(a.flush_timeout) if a.flush_timeout else default_flush_timeout(_servers(a.server)),
         shutdown_timeout=parse_duration(a.shutdown_timeout),
+        write_back=parse_duration(a.write_back) if a.write_back is not None else None,
     )
 
 
@@ -274,7 +279,7 @@ def _rebuild_args(a: argparse.Namespace) -> list[str]:
               "storage": "--storage", "max_bytes": "--max-bytes", "ttl": "--ttl", "log_level": "--log-level",
               "entry_timeout": "--entry-timeout", "flush_timeout": "--flush-timeout",
               "request_timeout": "--request-timeout",
-              "shutdown_timeout": "--shutdown-timeout"}
+              "shutdown_timeout": "--shutdown-timeout", "write_back": "--write-back"}
     for attr, flag in simple.items():
         value = getattr(a, attr)
         if value is not None:
@@ -294,11 +299,13 @@ def _rebuild_args(a: argparse.Namespace) -> list[str]:
 def cmd_umount(a: argparse.Namespace) -> int:
     """Unmount; when files are still open, ask the daemon (SIGTERM) to store what is open for
     writing and unmount, and wait for it (its own wait is bounded by --shutdown-timeout)."""
+    target = _outside_path(a.mountpoint)
+    write_back = _write_back_progress(target)
     proc = subprocess.run(["fusermount3", "-u", str(a.mountpoint)], capture_output=True, text=True)
     if proc.returncode == 0:
+        _print_write_back_progress(write_back)
         return 0
     msg = (proc.stderr.strip().splitlines() or ["unmount failed"])[-1]
-    target = _outside_path(a.mountpoint)
     daemons = _daemons_of(target) if "busy" in msg.lower() else []
     if not daemons:
         print(f"natsfs: {msg}", file=sys.stderr)
@@ -313,10 +320,53 @@ def cmd_umount(a: argparse.Namespace) -> int:
             return 1
     while _is_mounted(target) and any(_alive(pid) for pid in daemons):
         time.sleep(0.1)
+    _print_write_back_progress(write_back)
     if _is_mounted(target):
         print(f"natsfs: {target} is still mounted", file=sys.stderr)
         return 1
     return 0
+
+
+def _write_back_progress(target: str) -> list[tuple[int, Path]]:
+    """(pid, progress file) of each daemon of `target` mounted with --write-back: after the unmount it
+    uploads what is still queued and writes its progress there (natsfs.core.writeback)."""
+    from .compose import spool_root  # the mount's modules, only when unmounting
+    from .core.writeback import PROGRESS_FILE
+
+    found = []
+    for pid in _daemons_of(target):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [os.fsdecode(x) for x in f.read().split(b"\0")]
+        except OSError:
+            continue
+        if not any(x == "--write-back" or x.startswith("--write-back=") for x in argv):
+            continue
+        cache_dir = cfg.default_cache_dir()
+        for i, x in enumerate(argv):
+            if x == "--cache-dir" and i + 1 < len(argv):
+                cache_dir = Path(argv[i + 1])
+            elif x.startswith("--cache-dir="):
+                cache_dir = Path(x.split("=", 1)[1])
+        found.append((pid, spool_root(cache_dir, Path(target)) / PROGRESS_FILE))
+    return found
+
+
+def _print_write_back_progress(daemons: list[tuple[int, Path]]) -> None:
+    """Wait for write-back daemons to finish their uploads and exit, printing each progress line once."""
+    last = ""
+    if daemons:
+        print("natsfs: waiting for pending write-back uploads", file=sys.stderr)
+    while any(_alive(pid) for pid, _ in daemons):
+        for _, progress in daemons:
+            try:
+                text = progress.read_text().strip()
+            except OSError:
+                continue
+            if text and text != last:
+                print(f"natsfs: {text}", file=sys.stderr)
+                last = text
+        time.sleep(0.1)
 
 
 def _outside_path(path: Path) -> str:

@@ -96,6 +96,10 @@ class Config:
     sealed_ttl: float = 2.0
     settle_interval: float = 2.0
     purge_check_delay: float = 3.0
+    # Write-back mode (--write-back[=DELAY]): None is off (close returns once the object is stored);
+    # otherwise close returns once the bytes and a journal record are fsynced on local disk, and a
+    # background uploader puts the file this many seconds later (a rewrite meanwhile merges into one put).
+    write_back: float | None = None
     # Publish written files from a helper process (its own connection, its own GIL).
     upload_worker: bool = True
     uid: int = 0

@@ -475,6 +475,7 @@ def test_unexpected_exception_in_readahead_does_not_take_the_mount_down(ops_env)
         env.streams.fail_next("get_batch", RuntimeError("readahead blew up"))
         assert await env.ops.read(fi.fh, 154_096, 4096) == DATA[154_096:158_192]  # sequential: readahead starts
         await env.settle()
+        assert not env.streams._faults  # the readahead met the failure
         assert await env.ops.read(fi.fh, 240_000, 4096) == DATA[240_000:244_096]
         await env.ops.release(fi.fh)
 
