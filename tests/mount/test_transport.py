@@ -300,6 +300,9 @@ def test_oversize_subject_never_kills_the_mount(private_server, mounter, tmp_pat
 @pytest.mark.expect_log(
     "(read|flush): .*connection to NATS",
     "kick/w/[0-9]+.bin: closed without a successful upload",
+    # Known and left for the bridge: a replaced client's nats-py subscription tasks are dropped, not
+    # awaited (asyncio reports them when they are collected). Declared so that it stays visible here.
+    "Task was destroyed but it is pending!\n.*Subscription._wait_for_msgs",
 )
 def test_kicks_under_16_readers_and_16_writers(tmp_path, mounter):
     """A server with a small max_pending drops the daemon as a slow consumer, and its system account
