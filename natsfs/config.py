@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .auth import Connection
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
@@ -88,8 +90,10 @@ class Config:
     shutdown_timeout: float = 60.0
     # Publish written files from a helper process (its own connection, its own GIL).
     upload_worker: bool = True
+    # Owner, group and permission bits (0o666/0o777 less `umask`) of objects without stored attributes.
     uid: int = 0
     gid: int = 0
+    umask: int = 0o022
     # Show setuid, setgid and sticky bits stored in `natsfs.mode` metadata (any client can write
     # them, so they are masked off unless the mount is asked for them).
     allow_setuid: bool = False
@@ -99,3 +103,13 @@ class Config:
     compression: bool = False
     max_bytes: int = -1
     ttl: float = 0.0
+    # How to reach NATS beyond the server URLs: user/password, token, NKey, creds, TLS (natsfs/auth.py).
+    credentials: Connection = field(default_factory=Connection)
+
+    @property
+    def file_mode(self) -> int:
+        return 0o666 & ~self.umask
+
+    @property
+    def dir_mode(self) -> int:
+        return 0o777 & ~self.umask

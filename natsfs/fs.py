@@ -46,10 +46,12 @@ from .handles import DirHandle, HandleTable, ReadHandle
 from .inodes import InodeTable
 from .kernel import KernelNotifier
 from .links import link_target
-from .mutations import DIR_MODE, FILE_MODE, Mutations, check_meta_size
+from .mutations import Mutations, check_meta_size
 from .names import NAME_MAX
 from .namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
+from .secrecy import redact_urls
 from .staging import Spool, StagedFile, Staging
+from .status import recent_problems
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +305,7 @@ class Operations(pyfuse3.Operations):
         writable = self.writable and not (node.bucket is not None and self._known_sealed(node.bucket))
         if node.kind in (ROOT, BUCKET, DIR):
             marker = node.dir.marker if node.dir is not None else None
-            mode = _apply_owner(a, marker.attrs if marker is not None else None, DIR_MODE,
+            mode = _apply_owner(a, marker.attrs if marker is not None else None, self.config.dir_mode,
                                 self.config.allow_setuid)
             if node.kind == ROOT and self.ns.single_bucket is None:
                 mode = 0o755  # buckets are made with mkdir here
@@ -317,7 +319,7 @@ class Operations(pyfuse3.Operations):
         else:
             info = node.info
             assert info is not None
-            mode = _apply_owner(a, info.attrs, FILE_MODE, self.config.allow_setuid)
+            mode = _apply_owner(a, info.attrs, self.config.file_mode, self.config.allow_setuid)
             a.st_mode = stat.S_IFREG | (mode if writable else mode & ~0o222)
             # Deleted or replaced while open: no name links to it any more, as fstat shows on a local disk.
             a.st_nlink = 0 if self._nameless(ino) else 1
@@ -773,7 +775,7 @@ class Operations(pyfuse3.Operations):
             assert node.dir is not None
             marker = node.dir.marker
             await self.mut.set_dir_attrs(node.bucket, node.rel, node.dir,
-                                         merged(marker.attrs if marker else None, DIR_MODE))
+                                         merged(marker.attrs if marker else None, self.config.dir_mode))
             return
         if node.kind == LINK:
             return  # symlinks have no mode of their own; times on links are not stored
@@ -792,7 +794,7 @@ class Operations(pyfuse3.Operations):
             return
         assert node.info is not None
         current = node.info.attrs
-        new = merged(current, FILE_MODE)
+        new = merged(current, self.config.file_mode)
         if not fields.update_mtime:
             new = PosixAttrs(new.mode, new.uid, new.gid, current.mtime_ns if current else None)
         info = await self.mut.set_attrs(node.bucket, node.info, new, self.mut.file_defaults)
@@ -1012,6 +1014,8 @@ class Operations(pyfuse3.Operations):
             "handles": len(self.handles),
             "namespace": self.ns.stats(),
             "kernel_invalidations": self.kernel.done,
+            "servers": redact_urls(self.config.servers) if self.config.servers else "embedded nats-server",
+            "recent_errors": recent_problems(),
         }
 
     # ------------------------------------------------------------------ links

@@ -6,6 +6,7 @@ Owns the trio nursery every background task lives in, the mount/unmount calls, s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from . import sdnotify
 from .adr20 import ObjectStore
 from .bridge import Bridge
 from .chunk_cache import ChunkCache
@@ -83,13 +85,13 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
 
 
 async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready: Callable[[], None]) -> None:
-    bridge = Bridge(servers, request_timeout=config.request_timeout)
+    bridge = Bridge(servers, request_timeout=config.request_timeout, auth=config.credentials)
     try:
         await bridge.connect()
     except NatsFSError as e:
         raise MountError(str(e)) from None
     try:
-        worker = UploadWorker(servers)
+        worker = UploadWorker(dataclasses.replace(config.credentials, servers=tuple(servers)))
         store = ObjectStore(JetStreams(bridge), chunk_size=config.chunk_size, file_sender=worker,
                             max_subject_bytes=config.max_subject_bytes,
                             settle_timeout=3 * config.request_timeout)
@@ -200,5 +202,6 @@ class _FuseLoop:
                 if not self.running:
                     return
                 log.info("received %s: unmounting", signal.Signals(signum).name)
+                sdnotify.notify("STOPPING=1", "STATUS=storing open files and unmounting")
                 pyfuse3.terminate()
                 return
