@@ -112,7 +112,8 @@ class Connection:
         for name in ("creds_file", "nkey_file", "tls_ca", "tls_cert", "tls_key"):
             path = getattr(self, name)
             if path and not os.access(path, os.R_OK):
-                raise Unavailable(f"cannot read {path} (given as {name.replace('_', '-')})")
+                flag = OPTION_FLAGS.get(name, "--" + name.replace("_", "-"))
+                raise Unavailable(f"cannot read {path} (given as {flag})")
 
 
 def nats_config_dir(environ: Mapping[str, str]) -> Path:
