@@ -123,7 +123,7 @@ def _jwt(signer_seed: bytes, subject: str, nats_claims: dict[str, Any], name: st
 def _creds_setup(tmp_path: Path) -> tuple[str, list[str], str]:
     """Operator mode: an operator, a system account, an account with JetStream, and a user's creds file."""
     op_seed, op_pub = _keypair(nkeys.PREFIX_BYTE_OPERATOR)
-    sys_seed, sys_pub = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    _sys_seed, sys_pub = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
     acc_seed, acc_pub = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
     user_seed, user_pub = _keypair(nkeys.PREFIX_BYTE_USER)
     unlimited = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True,
