@@ -176,9 +176,10 @@ def resolve(options: Mapping[str, Any], environ: Mapping[str, str] | None = None
             values[name] = split_servers(value) if name == "servers" else str(value)
     if "servers" not in values:
         values["servers"] = ()
+    home = env.get("HOME") or str(Path.home())
     for name in ("creds_file", "nkey_file", "tls_ca", "tls_cert", "tls_key"):
-        if name in values:
-            values[name] = os.path.expanduser(values[name])
+        if name in values and values[name].startswith("~/"):  # as the NATS CLI writes contexts
+            values[name] = os.path.join(home, values[name][2:])
     return Connection(**values)
 
 

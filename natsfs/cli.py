@@ -37,13 +37,13 @@ log = logging.getLogger("natsfs")
 
 COMMANDS = ("mount", "umount", "bucket", "status")
 # Mount options mount(8) and fstab use that mean something only to mount(8), systemd or mount.fuse3.
+# (mount.fuse3 adds "dev,suid" to what fstab says; those, "rw", "exec", "atime" and "async" are the defaults.)
 IGNORED_MOUNT_OPTIONS = frozenset({"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "owner",
-                                   "_netdev", "nofail", "sw", "loop"})
+                                   "_netdev", "nofail", "dev", "suid", "exec", "atime", "async"})
 IGNORED_MOUNT_PREFIXES = ("x-", "comment=", "setuid=", "drop_privileges")
 # Generic mount flags and FUSE options passed to the kernel (through libfuse) as they are.
-KERNEL_MOUNT_OPTIONS = frozenset({"allow_other", "allow_root", "default_permissions", "auto_unmount", "suid",
-                                  "nosuid", "dev", "nodev", "exec", "noexec", "sync", "async", "dirsync",
-                                  "atime", "noatime", "nodiratime", "relatime", "strictatime"})
+KERNEL_MOUNT_OPTIONS = frozenset({"allow_other", "allow_root", "default_permissions", "auto_unmount", "nosuid",
+                                  "nodev", "noexec", "sync", "dirsync", "noatime", "nodiratime", "relatime"})
 # Hidden plumbing options that `-o` must not reach.
 _PRIVATE_DESTS = frozenset({"ready_fd", "servers_fd", "help"})
 
