@@ -85,7 +85,10 @@ def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> li
     """`-o key=value,flag` as the options `--key value --flag`; kernel/FUSE options stay `-o`, the
     fstab-only ones are dropped, anything else is an error (`parser.error`)."""
     rest, options = _split_mount_options(argv)
-    actions = {a.dest: a for a in parser._actions if a.dest not in _PRIVATE_DESTS}
+    # By dest (creds_file) and by flag (creds for --creds, cache_dir for --cache-dir).
+    actions = {a.dest: a for a in parser._actions if a.dest not in _PRIVATE_DESTS and a.option_strings}
+    actions |= {flag.lstrip("-").replace("-", "_"): a for a in list(actions.values()) for flag in a.option_strings
+                if flag.startswith("--")}
     expanded: list[str] = []
     kernel: list[str] = []
     for option in options:
@@ -94,6 +97,9 @@ def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> li
             kernel.append(key)
         elif key == "ro" and not has_value:
             expanded.append("--read-only")
+        elif key in ("password", "token"):
+            parser.error(f"{key} cannot be a mount option (every user sees those in the process list): "
+                         f"use {key}_file=FILE or $NATS_{key.upper()}")
         elif key in IGNORED_MOUNT_OPTIONS or option.startswith(IGNORED_MOUNT_PREFIXES):
             continue
         elif key in actions and actions[key].option_strings:

@@ -12,6 +12,8 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -166,3 +168,37 @@ def test_status_of_a_live_mount(private_server, mounter):
     assert as_json.returncode == 0 and '"cache_limit": 268435456' in as_json.stdout
     missing = subprocess.run([str(NATSFS), "status", str(m.path.parent)], capture_output=True, text=True, timeout=30)
     assert missing.returncode == 1 and "cannot read the status of" in missing.stderr
+
+
+def test_type_notify_ready_only_once_mounted_and_stopping_on_sigterm(private_server, tmp_path):
+    """What natsfs@.service relies on: READY=1 when the mount is live, STOPPING=1 at SIGTERM, exit 0."""
+    url = private_server.url
+    create_bucket(url, "b1")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    address = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(address))
+        sock.settimeout(30)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")} | {
+            "NOTIFY_SOCKET": str(address), "NATS_URL": url}
+        proc = subprocess.Popen([str(NATSFS), "mount", str(mp), "--foreground", "--log-file", "-", "-o",
+                                 f"bucket=b1,cache_dir={tmp_path / 'cache'}"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            ready = sock.recv(4096).decode()
+            with open("/proc/mounts") as f:
+                assert any(line.split()[1] == str(mp) for line in f)  # already live when READY=1 arrives
+            assert ready.splitlines()[0] == "READY=1"
+            (mp / "f.txt").write_bytes(b"stored before the stop")
+            proc.send_signal(signal.SIGTERM)
+            assert sock.recv(4096).decode().splitlines()[0] == "STOPPING=1"
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, stderr
+    assert "received SIGTERM: unmounting" in stderr and " ERROR " not in stderr
+    assert not _daemons(mp) or wait_for(lambda: not _daemons(mp), 20)
+    assert nats_py_get(url, "b1", "f.txt") == b"stored before the stop"

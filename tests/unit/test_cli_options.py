@@ -38,16 +38,18 @@ def test_every_option_as_o_key_value():
     argv = expand_mount_options(_mount_parser(), ["/mnt", "-o", "cache_dir=/var/cache/natsfs,bucket=b",
                                                   "-oro,allow_other,default_permissions,_netdev,nofail,"
                                                   "x-systemd.automount,uid=1000,gid=100,umask=027,dev,suid,rw,"
-                                                  "compression,nosuid"])
+                                                  "compression,nosuid", "-o", "creds=/c,tls_ca=/ca"])
     a = _mount_parser().parse_args(argv)
     assert a.cache_dir == Path("/var/cache/natsfs") and a.bucket == "b" and a.read_only and a.compression
     assert (a.uid, a.gid, a.umask) == (1000, 100, "027")
     assert a.options == ["allow_other,default_permissions,nosuid"]
+    assert (a.creds_file, a.tls_ca) == ("/c", "/ca")
 
 
 @pytest.mark.parametrize("bad, message", [("frobnicate", "unknown mount option: frobnicate"),
                                           ("bucket", "needs a value"), ("read_only=1", "takes no value"),
-                                          ("ready_fd=3", "unknown mount option")])
+                                          ("ready_fd=3", "unknown mount option"),
+                                          ("password=pw", "use password_file=FILE")])
 def test_bad_o_options_are_refused(bad, message, capsys):
     with pytest.raises(SystemExit):
         expand_mount_options(_mount_parser(), ["/mnt", "-o", bad])
