@@ -13,6 +13,7 @@ moves it away.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import logging.handlers
@@ -28,7 +29,7 @@ import trio
 
 from . import auth, sdnotify, status
 from . import config as cfg
-from .config import Config, parse_duration, parse_size
+from .config import Config
 from .errors import NatsFSError
 from .secrecy import child_environment
 
@@ -134,40 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mount", help="mount buckets on a directory")
     m.add_argument("mountpoint", type=Path)
     auth.add_options(m)
-    m.add_argument("--bucket", help="mount only this bucket, as the root")
     m.add_argument("--foreground", action="store_true", help="stay in the foreground until unmounted")
-    m.add_argument("--cache-dir", type=Path, default=cfg.default_cache_dir())
-    m.add_argument("--cache-size", default="256MiB", help="chunk cache size in memory (e.g. 256MiB, 1GiB)")
-    m.add_argument("--spool-size", default="16GiB", help="local disk for staged writes")
-    m.add_argument("--chunk-size", default="128KiB", help="chunk size of objects written through the mount")
-    m.add_argument("--max-meta-bytes", default="16KiB", help="largest meta the mount will write")
-    m.add_argument("--request-timeout", default="10s",
-                   help="how long a request to the server may take (an unanswered write is settled for 3 times this)")
-    m.add_argument("--data-dir", type=Path, default=cfg.default_data_dir(),
-                   help="where the embedded nats-server keeps its store")
-    m.add_argument("--read-only", action="store_true")
-    m.add_argument("--allow-setuid", action="store_true",
-                   help="show setuid, setgid and sticky bits stored in object metadata (masked off by default)")
+    add_config_options(m)
     m.add_argument("-o", dest="options", action="append",
                    help="mount options, comma separated: any option here as key=value (cache_dir=/x), ro, "
                         "allow_other, default_permissions and other FUSE/kernel options; _netdev, nofail, "
                         "x-systemd.* are for mount(8)/systemd and ignored")
-    m.add_argument("--uid", type=int, help="owner of objects without stored attributes (default: yours)")
-    m.add_argument("--gid", type=int, help="group of objects without stored attributes (default: yours)")
-    m.add_argument("--umask", default="022",
-                   help="permission bits masked off objects without stored attributes (octal, default 022)")
-    m.add_argument("--storage", choices=("file", "memory"), default="file", help="storage of new buckets")
-    m.add_argument("--replicas", type=int, default=1, help="replicas of new buckets")
-    m.add_argument("--compression", action="store_true", help="compress new buckets (s2)")
-    m.add_argument("--max-bytes", default="-1", help="size limit of new buckets (-1: none)")
-    m.add_argument("--ttl", default="0", help="object TTL of new buckets (e.g. 7d; 0: none)")
-    m.add_argument("--entry-timeout", default="60s",
-                   help="how long the kernel may keep names and attributes without asking (changes are "
-                        "pushed to it anyway)")
-    m.add_argument("--flush-timeout", default="10s",
-                   help="close/fsync fail with EIO when a file is not stored within this (plus 1 s per MiB)")
-    m.add_argument("--shutdown-timeout", default="60s",
-                   help="at unmount or SIGTERM, how long to spend storing files still open for writing")
     m.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     m.add_argument("--log-file", type=Path,
                    help="log to this file, or `-` for stderr (the journal under systemd); default: stderr in "
@@ -204,45 +177,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """One option per `Config` option field (config.py `option`): `--name-with-dashes`, its help and
+    default from the field; absent options stay None, so `config_from_args` keeps the field's default."""
+    for f in cfg.option_fields():
+        flag = "--" + f.name.replace("_", "-")
+        default = f.metadata["shown"] or (f.default if f.default is not dataclasses.MISSING else None)
+        text = f.metadata["help"]
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=text)
+        else:
+            parser.add_argument(flag, dest=f.name, choices=f.metadata["choices"],
+                                help=f"{text} (default: {default})" if default not in (None, "") else text)
+
+
 def connection_from_args(a: argparse.Namespace) -> auth.Connection:
     """The connection settings the options name (with the environment and the NATS context)."""
     return auth.resolve({name: getattr(a, name, None) for name in auth.OPTION_DESTS})
 
 
 def config_from_args(a: argparse.Namespace, connection: auth.Connection) -> Config:
-    max_bytes = parse_size(a.max_bytes) if a.max_bytes not in ("-1", "") else -1
-    try:
-        umask = int(a.umask, 8)
-    except ValueError:
-        raise ValueError(f"not an octal umask: {a.umask!r}") from None
-    return Config(
-        mountpoint=a.mountpoint,
-        servers=connection.servers,
-        credentials=connection,
-        umask=umask & 0o777,
-        bucket=a.bucket,
-        read_only=a.read_only,
-        allow_setuid=a.allow_setuid,
-        cache_dir=a.cache_dir,
-        cache_size=parse_size(a.cache_size),
-        spool_size=parse_size(a.spool_size),
-        chunk_size=parse_size(a.chunk_size),
-        max_meta_bytes=parse_size(a.max_meta_bytes),
-        data_dir=a.data_dir,
-        fuse_options=tuple(o for v in a.options or [] for o in v.split(",") if o),
-        uid=os.getuid() if a.uid is None else a.uid,
-        gid=os.getgid() if a.gid is None else a.gid,
-        storage=a.storage,
-        replicas=a.replicas,
-        compression=a.compression,
-        max_bytes=max_bytes,
-        ttl=parse_duration(a.ttl),
-        entry_timeout=parse_duration(a.entry_timeout),
-        attr_timeout=parse_duration(a.entry_timeout),
-        request_timeout=parse_duration(a.request_timeout),
-        flush_timeout=parse_duration(a.flush_timeout),
-        shutdown_timeout=parse_duration(a.shutdown_timeout),
-    )
+    """A `Config` from the parsed options: each given option parsed by its field's `parse`."""
+    values: dict[str, Any] = {"uid": os.getuid(), "gid": os.getgid()}
+    for f in cfg.option_fields():
+        given = getattr(a, f.name, None)
+        if given is None:
+            continue
+        parse = f.metadata["parse"]
+        try:
+            values[f.name] = parse(given) if parse is not None else given
+        except ValueError as e:
+            raise ValueError(f"--{f.name.replace('_', '-')}: {e}") from None
+    if "entry_timeout" in values:
+        values["attr_timeout"] = values["entry_timeout"]
+    return Config(mountpoint=a.mountpoint, servers=connection.servers, credentials=connection,
+                  fuse_options=tuple(o for v in a.options or [] for o in v.split(",") if o), **values)
 
 
 class PrivateLogFile(logging.handlers.WatchedFileHandler):

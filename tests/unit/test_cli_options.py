@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from natsfs import auth
-from natsfs.cli import build_parser, daemon_arguments, expand_mount_options, normalize_argv, source_arguments
+from natsfs.cli import (
+    build_parser,
+    config_from_args,
+    daemon_arguments,
+    expand_mount_options,
+    normalize_argv,
+    source_arguments,
+)
+from natsfs.config import Config, option_fields
 
 
 def _mount_parser() -> argparse.ArgumentParser:
@@ -40,10 +48,25 @@ def test_every_option_as_o_key_value():
                                                   "x-systemd.automount,uid=1000,gid=100,umask=027,dev,suid,rw,"
                                                   "compression,nosuid", "-o", "creds=/c,tls_ca=/ca"])
     a = _mount_parser().parse_args(argv)
-    assert a.cache_dir == Path("/var/cache/natsfs") and a.bucket == "b" and a.read_only and a.compression
-    assert (a.uid, a.gid, a.umask) == (1000, 100, "027")
-    assert a.options == ["allow_other,default_permissions,nosuid"]
+    config = config_from_args(a, auth.Connection())
+    assert config.cache_dir == Path("/var/cache/natsfs") and config.bucket == "b"
+    assert config.read_only and config.compression
+    assert (config.uid, config.gid, config.umask, config.file_mode, config.dir_mode) == (1000, 100, 0o27, 0o640,
+                                                                                          0o750)
+    assert config.fuse_options == ("allow_other", "default_permissions", "nosuid")
     assert (a.creds_file, a.tls_ca) == ("/c", "/ca")
+
+
+def test_options_are_generated_from_config():
+    """Every `option(...)` field of Config is a mount option with its default and parser."""
+    a = _mount_parser().parse_args(["/mnt", "--cache-size", "1GiB", "--entry-timeout", "5m", "--max-bytes", "-1"])
+    config = config_from_args(a, auth.Connection())
+    assert (config.cache_size, config.entry_timeout, config.attr_timeout, config.max_bytes) == (1 << 30, 300, 300, -1)
+    assert config.spool_size == Config(mountpoint=Path("/")).spool_size  # not given: the field's default
+    flags = {s for act in _mount_parser()._actions for s in act.option_strings}
+    assert {"--" + f.name.replace("_", "-") for f in option_fields()} <= flags
+    with pytest.raises(ValueError, match="--cache-size: not a size"):
+        config_from_args(_mount_parser().parse_args(["/mnt", "--cache-size", "lots"]), auth.Connection())
 
 
 @pytest.mark.parametrize("bad, message", [("frobnicate", "unknown mount option: frobnicate"),
