@@ -1,8 +1,9 @@
 """Open file and directory handles: which version a reader holds, how it reads, what it has verified.
 
-A `ReadHandle` pins the `ObjectInfo` (nuid, size, digest) the file had at open, so a reader keeps
-reading the version it opened even when the bucket moves on, and tracks sequential access for
-readahead. (Digests are checked per version by the chunk cache, not per handle.)
+A `FileHandle` (an open file: it reads, and writes when opened for writing) pins the `ObjectInfo`
+(nuid, size, digest) the file had at open, so a reader keeps reading the version it opened even when
+the bucket moves on, and tracks sequential access for readahead. (Digests are checked per version by
+the chunk cache, not per handle.)
 A `DirHandle` is a snapshot of a directory listing taken at `opendir`, so that entries added or
 removed during a `readdir` cycle never make others be skipped or repeated.
 """
@@ -11,15 +12,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NewType
 
 from .adr20 import ObjectInfo
+from .inodes import InodeNo
+
+# A handle number as the kernel knows it (`fh`).
+HandleNo = NewType("HandleNo", int)
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
-class ReadHandle:
-    ino: int
+class FileHandle:
+    ino: InodeNo
     info: ObjectInfo
     writable: bool = False
     next_offset: int = 0
@@ -37,7 +43,7 @@ class ReadHandle:
 
 @dataclass
 class DirHandle:
-    ino: int
+    ino: InodeNo
     path: tuple[str, ...]
     # (name, mount path, namespace node) of every entry, as listed at opendir
     entries: list[tuple[str, tuple[str, ...], Any]] = field(default_factory=list)
@@ -45,23 +51,23 @@ class DirHandle:
 
 class HandleTable:
     def __init__(self) -> None:
-        self._handles: dict[int, ReadHandle | DirHandle] = {}
+        self._handles: dict[HandleNo, FileHandle | DirHandle] = {}
         self._next = 1
 
-    def add(self, handle: ReadHandle | DirHandle) -> int:
-        fh = self._next
+    def add(self, handle: FileHandle | DirHandle) -> HandleNo:
+        fh = HandleNo(self._next)
         self._next += 1
         self._handles[fh] = handle
         return fh
 
-    def get(self, fh: int) -> ReadHandle | DirHandle | None:
+    def get(self, fh: HandleNo) -> FileHandle | DirHandle | None:
         return self._handles.get(fh)
 
-    def pop(self, fh: int) -> ReadHandle | DirHandle | None:
+    def pop(self, fh: HandleNo) -> FileHandle | DirHandle | None:
         return self._handles.pop(fh, None)
 
     def __len__(self) -> int:
         return len(self._handles)
 
-    def values(self) -> list[ReadHandle | DirHandle]:
+    def values(self) -> list[FileHandle | DirHandle]:
         return list(self._handles.values())

@@ -9,69 +9,72 @@ below it) to a new path while keeping the inode numbers.
 from __future__ import annotations
 
 import logging
-
-import pyfuse3
+from typing import NewType
 
 from .errors import Stale
 
 log = logging.getLogger(__name__)
 
 Path = tuple[str, ...]
-ROOT_INODE = int(pyfuse3.ROOT_INODE)
+# An inode number as the kernel knows it (never reused during a mount).
+InodeNo = NewType("InodeNo", int)
+ROOT_INODE = InodeNo(1)  # FUSE_ROOT_ID
 # First segment of the path an inode is kept under once its name went away (no lookup can reach it).
 DETACHED = "\x00detached"
 
 
 class InodeTable:
     def __init__(self) -> None:
-        self._ino_of: dict[Path, int] = {(): ROOT_INODE}
-        self._path_of: dict[int, Path] = {ROOT_INODE: ()}
-        self._lookups: dict[int, int] = {}
+        self._ino_of: dict[Path, InodeNo] = {(): ROOT_INODE}
+        self._path_of: dict[InodeNo, Path] = {ROOT_INODE: ()}
+        self._lookups: dict[InodeNo, int] = {}
         self._next = ROOT_INODE + 1
-        # The nuid whose bytes the kernel may hold in its page cache for an inode.
-        self.cached_version: dict[int, str] = {}
 
     def __len__(self) -> int:
         return len(self._path_of)
 
-    def ino_for(self, path: Path) -> int:
+    def __contains__(self, ino: InodeNo) -> bool:
+        return ino in self._path_of
+
+    def ino_for(self, path: Path) -> InodeNo:
         ino = self._ino_of.get(path)
         if ino is None:
-            ino = self._next
+            ino = InodeNo(self._next)
             self._next += 1
             self._ino_of[path] = ino
             self._path_of[ino] = path
         return ino
 
-    def known(self, path: Path) -> int | None:
+    def known(self, path: Path) -> InodeNo | None:
         return self._ino_of.get(path)
 
-    def path_of(self, ino: int) -> Path:
+    def path_of(self, ino: InodeNo) -> Path:
         path = self._path_of.get(ino)
         if path is None:
             raise Stale(f"inode {ino} is not known (forgotten)")
         return path
 
-    def lookup(self, path: Path) -> int:
+    def lookup(self, path: Path) -> InodeNo:
         """A lookup the kernel will later `forget`: the inode, with its count raised by one."""
         ino = self.ino_for(path)
         self._lookups[ino] = self._lookups.get(ino, 0) + 1
         return ino
 
-    def forget(self, ino: int, nlookup: int) -> None:
+    def forget(self, ino: InodeNo, nlookup: int) -> bool:
+        """Drop `nlookup` lookups; True when the inode itself is gone (the kernel forgot every one)."""
         count = self._lookups.get(ino, 0) - nlookup
         if count > 0:
             self._lookups[ino] = count
-            return
+            return False
         self._lookups.pop(ino, None)
         if ino == ROOT_INODE:
-            return
+            return False
         path = self._path_of.pop(ino, None)
         if path is not None and self._ino_of.get(path) == ino:
             del self._ino_of[path]
-        self.cached_version.pop(ino, None)
+        return True
 
-    def lookup_count(self, ino: int) -> int:
+    def lookup_count(self, ino: InodeNo) -> int:
         return self._lookups.get(ino, 0)
 
     def move(self, old: Path, new: Path) -> None:
@@ -88,14 +91,13 @@ class InodeTable:
             self._ino_of[np] = ino
             self._path_of[ino] = np
 
-    def is_detached(self, ino: int) -> bool:
+    def is_detached(self, ino: InodeNo) -> bool:
         path = self._path_of.get(ino)
         return path is not None and path[:1] == (DETACHED,)
 
-    def detach(self, path: Path) -> int | None:
+    def detach(self, path: Path) -> InodeNo | None:
         """The object at `path` is gone: its inode (if any) no longer maps a path."""
         ino = self._ino_of.pop(path, None)
         if ino is not None:
             self._path_of[ino] = (DETACHED, str(ino))
-            self.cached_version.pop(ino, None)
         return ino

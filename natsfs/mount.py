@@ -1,4 +1,4 @@
-"""Composition: build the layers for one mount, run pyfuse3 under trio, and tear down cleanly.
+"""Mounting: build the layers of one mount (`natsfs.compose`), run pyfuse3 under trio, tear down cleanly.
 
 Owns the trio nursery every background task lives in, the mount/unmount calls, signal handling
 (SIGTERM/SIGINT → `pyfuse3.terminate()`), the embedded server's lifetime, and readiness reporting.
@@ -18,18 +18,14 @@ import pyfuse3
 import trio
 
 from . import sdnotify
-from .adr20 import ObjectStore
 from .bridge import Bridge
-from .chunk_cache import ChunkCache
+from .compose import build_filesystem
 from .config import Config
 from .errors import NatsFSError, NotFound
-from .fs import Operations
 from .jetstream import JetStreams
 from .kernel import clone_device, session_device_fd
-from .namespace import Namespace
 from .secrecy import redact_urls
 from .server import EmbeddedServer
-from .staging import Spool, Staging
 from .uploader import UploadWorker
 
 log = logging.getLogger(__name__)
@@ -92,35 +88,26 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
         raise MountError(str(e)) from None
     try:
         worker = UploadWorker(dataclasses.replace(config.credentials, servers=tuple(servers)))
-        store = ObjectStore(JetStreams(bridge), chunk_size=config.chunk_size, file_sender=worker,
-                            max_subject_bytes=config.max_subject_bytes,
-                            settle_timeout=3 * config.request_timeout)
+        built = build_filesystem(config, JetStreams(bridge), file_sender=worker)
         if config.bucket is not None:
             try:
-                await store.bucket_status(config.bucket)
+                await built.store.bucket_status(config.bucket)
             except NotFound:
                 raise MountError(f"no bucket named {config.bucket!r} on {redact_urls(servers)}") from None
-        namespace = Namespace(store, bucket=config.bucket)
-        cache = ChunkCache(store, cache_bytes=config.cache_size, batch_bytes=config.fetch_batch_bytes,
-                           parallelism=config.fetch_parallelism)
-        spool = Spool(spool_root(config.cache_dir, mountpoint), config.spool_size)
-        spool.rescue_leftovers()
-        ops = Operations(namespace, cache, config, Staging(spool))
+        fs = built.fs
         async with trio.open_nursery() as nursery:
             try:
-                await namespace.start(nursery)
+                await built.start(nursery)
             except NatsFSError as e:
                 raise MountError(f"cannot read buckets: {e}") from None
-            cache.start(nursery)
-            ops.start(nursery)
             if config.upload_worker:
                 await worker.start(nursery)
             try:
-                pyfuse3.init(ops, str(mountpoint), fuse_options(config))
+                pyfuse3.init(built.ops, str(mountpoint), fuse_options(config))
             except RuntimeError as e:
                 raise MountError(f"cannot mount {mountpoint}: {e}") from None
             try:
-                ops.kernel.attach(clone_device(session_device_fd()))
+                fs.kernel.attach(clone_device(session_device_fd()))
             except OSError as e:
                 log.warning("cannot send invalidations to the kernel (%s); its caches expire after %g s",
                             e, config.entry_timeout)
@@ -134,11 +121,11 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             finally:
                 fuse.ended()  # from here on, a signal must not touch the (closing) FUSE session
                 with trio.CancelScope(shield=True):
-                    await ops.kernel.close()
+                    await fs.kernel.close()
                     # Every request was answered: the staged bytes are all the writers were told
                     # were written. Requests not read yet get ENOTCONN once the session is gone.
                     try:
-                        await ops.shutdown(config.shutdown_timeout)
+                        await fs.shutdown(config.shutdown_timeout)
                     except Exception:
                         log.exception("storing open files at unmount failed; staged bytes stay in the spool "
                                       "and are rescued at the next mount")
@@ -149,11 +136,6 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
     finally:
         with trio.CancelScope(shield=True):
             await bridge.close()
-
-
-def spool_root(cache_dir: Path, mountpoint: Path) -> Path:
-    """Each mountpoint stages in its own directory, so mounts sharing a cache dir never mix spools."""
-    return cache_dir / ("mnt" + str(mountpoint).replace("%", "%25").replace("/", "%2F"))
 
 
 async def raise_kernel_readahead(mountpoint: Path, kb: int) -> None:

@@ -48,7 +48,7 @@ from .errors import (
 )
 from .index import BucketIndex, Dir
 from .namespace import Namespace
-from .staging import StagedFile, Staging, UnfinishedPut
+from .staging import StagedFile, Staging, UnfinishedPut, WriteState
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,11 @@ class Mutations:
             sealed = False
         self._sealed[bucket] = (now, sealed)
         return sealed
+
+    def known_sealed(self, bucket: str) -> bool | None:
+        """What is known of a bucket's sealed state without asking the server (None: never asked)."""
+        cached = self._sealed.get(bucket)
+        return cached[1] if cached is not None else None
 
     def forget_sealed(self, bucket: str) -> None:
         self._sealed.pop(bucket, None)
@@ -256,9 +261,8 @@ class Mutations:
         """Called after every change of a staged file's content at `offset` (or a truncate to it)."""
         if offset < sf.stream_claimed:
             self._break_stream(sf)
-        elif (self._nursery is not None and not sf.stream_dead and sf.stream_running is None
-              and not sf.unlinked and sf.size - sf.stream_claimed >= STREAM_BATCH):
-            sf.stream_running = trio.Event()
+        elif self._nursery is not None and sf.may_stream(STREAM_BATCH):
+            sf.streaming_started()
             self._nursery.start_soon(self._stream_ahead, sf)
 
     async def _stream_ahead(self, sf: StagedFile) -> None:
@@ -268,29 +272,21 @@ class Mutations:
         in_flight = trio.Semaphore(STREAM_PARALLEL)
         try:
             async with trio.open_nursery() as nursery:
-                while not sf.stream_dead and not sf.closed and sf.size - sf.stream_claimed >= STREAM_BATCH:
+                while not sf.stream_dead and not sf.ended and sf.size - sf.stream_claimed >= STREAM_BATCH:
                     await in_flight.acquire()
                     async with sf.lock:
-                        if sf.stream_dead or sf.closed or sf.unlinked:
+                        if sf.stream_dead or sf.ended or sf.unlinked:
                             in_flight.release()
                             break
-                        if sf.stream is None:
-                            sf.stream = self.store.start_put(sf.bucket, chunk, name=sf.name)
-                        start = sf.stream_claimed
-                        end = start + min(STREAM_BATCH, (sf.size - start) // chunk * chunk)
-                        # Claimed before it is read: a write into [start, end) from now on breaks the
-                        # stream, so sending needs no lock and writers never wait for it.
-                        sf.stream_claimed = end
-                        session = sf.stream
+                        session, start, end = sf.claim_stream(
+                            lambda: self.store.start_put(sf.bucket, chunk, name=sf.name), STREAM_BATCH, chunk)
                     nursery.start_soon(self._send_range, sf, session, start, end, in_flight)
         except (NatsFSError, ExceptionGroup) as e:
             log.info("%s/%s: streaming upload stopped (%s); the whole file is sent at close", sf.bucket,
                      sf.name, single_error(e))
             self._break_stream(sf)
         finally:
-            running, sf.stream_running = sf.stream_running, None
-            if running is not None:
-                running.set()
+            sf.streaming_ended()
 
     async def _send_range(self, sf: StagedFile, session: PutSession, start: int, end: int,
                           in_flight: trio.Semaphore) -> None:
@@ -300,10 +296,7 @@ class Mutations:
             in_flight.release()
 
     def _break_stream(self, sf: StagedFile) -> None:
-        sf.stream_dead = True
-        session = sf.stream
-        running = sf.stream_running
-        sf.stream, sf.stream_claimed = None, 0
+        session, running = sf.break_stream()
         if session is not None and self._nursery is not None:
             self._nursery.start_soon(self._abort_after, session, running)
 
@@ -332,70 +325,79 @@ class Mutations:
         if sf.stream_running is not None:
             await sf.stream_running.wait()
         async with sf.lock:
-            if not sf.dirty or sf.unlinked or sf.closed:
+            if sf.state is not WriteState.DIRTY:
                 return None
-            await self.check_writable(sf.bucket)
-            base_doc = None
-            expected, old_nuid = sf.base_revision, sf.base.nuid if sf.base is not None else ""
-            replace_tombstone = sf.base is None
-            unsettled = self._unsettled_nuid(sf.bucket, sf.name)
-            if sf.base is not None or unsettled:
-                got = await self.store.get_meta_doc(sf.bucket, sf.name)
-                got_nuid = str(got[0].get("nuid") or "") if got is not None else ""
-                if got is not None and got[1] != sf.base_revision and got_nuid in unsettled:
-                    # An earlier put of this file whose outcome was unknown was stored after all: it is
-                    # ours, not another client's change. This put replaces it.
-                    self.journal.finished(sf.bucket, got_nuid)
-                    base_doc, expected, old_nuid, replace_tombstone = got[0], got[1], got_nuid, False
-                elif sf.base is not None:
-                    if got is None or got[1] != sf.base_revision:
-                        self._break_stream(sf)
-                        raise Conflict(f"{sf.bucket}/{sf.name} was changed by another client since it was opened")
-                    base_doc = got[0]
-            attrs, defaults = sf.attrs(), self.file_defaults
-
-            changes = list(sf.meta_changes)
-
-            def extra(doc: dict[str, Any]) -> None:
-                for change in changes:
-                    change(doc)
-                set_posix_attrs(doc, attrs, defaults)
-
-            common: dict[str, Any] = dict(base=base_doc, expected_revision=expected, old_nuid=old_nuid,
-                                          extra=extra, replace_tombstone=replace_tombstone)
-            session = sf.stream
+            sf.begin_upload()
             try:
-                if session is not None and not sf.stream_dead and session.chunk_size == chunk_size:
-                    # The front was streamed while it was written: send the rest, then the meta.
-                    try:
-                        await session.send_file(str(sf.spool_path), sf.fd, sf.stream_claimed, sf.size)
-                        digest = await session.digest()
-                    except Unavailable:
-                        if not session.remote:
-                            raise
-                        # The upload worker went away mid-file: send the whole file from here. (Only
-                        # before the meta: a meta without an answer is never followed by a second put.)
-                        await session.abort()
-                        info = await self._put_whole(sf, chunk_size, common)
-                    else:
-                        info = await session.commit(sf.name, digest, **common)
-                else:
-                    self._break_stream(sf)
-                    info = await self._put_whole(sf, chunk_size, common)
+                info, xattrs_stored = await self._upload(sf, chunk_size)
             except BaseException:
-                if session is not None and self._nursery is not None:
-                    # In the background: a close that ran out of time must not wait for the purge too.
-                    self._nursery.start_soon(self._abort_after, session, None)
-                elif session is not None:
-                    with trio.CancelScope(shield=True):
-                        await session.abort()
+                sf.upload_failed()
                 raise
-            finally:
-                sf.reset_stream()
-            sf.uploaded_as(info)
-            sf.meta_changes.clear()
+            sf.stored(info, xattrs_stored)
             self._apply(sf.bucket, info)
             return info
+
+    async def _upload(self, sf: StagedFile, chunk_size: int) -> tuple[ObjectInfo, int]:
+        """The put of an uploading staged file (its lock held); the stored meta and how many of its
+        xattr changes it holds."""
+        await self.check_writable(sf.bucket)
+        base_doc = None
+        expected, old_nuid = sf.base_revision, sf.base.nuid if sf.base is not None else ""
+        replace_tombstone = sf.base is None
+        unsettled = self._unsettled_nuid(sf.bucket, sf.name)
+        if sf.base is not None or unsettled:
+            got = await self.store.get_meta_doc(sf.bucket, sf.name)
+            got_nuid = str(got[0].get("nuid") or "") if got is not None else ""
+            if got is not None and got[1] != sf.base_revision and got_nuid in unsettled:
+                # An earlier put of this file whose outcome was unknown was stored after all: it is
+                # ours, not another client's change. This put replaces it.
+                self.journal.finished(sf.bucket, got_nuid)
+                base_doc, expected, old_nuid, replace_tombstone = got[0], got[1], got_nuid, False
+            elif sf.base is not None:
+                if got is None or got[1] != sf.base_revision:
+                    self._break_stream(sf)
+                    raise Conflict(f"{sf.bucket}/{sf.name} was changed by another client since it was opened")
+                base_doc = got[0]
+        attrs, defaults = sf.attrs(), self.file_defaults
+
+        changes = list(sf.xattr_changes)
+
+        def extra(doc: dict[str, Any]) -> None:
+            sf.apply_xattr_changes(doc, changes)
+            set_posix_attrs(doc, attrs, defaults)
+
+        common: dict[str, Any] = dict(base=base_doc, expected_revision=expected, old_nuid=old_nuid,
+                                      extra=extra, replace_tombstone=replace_tombstone)
+        session = sf.stream
+        try:
+            if session is not None and not sf.stream_dead and session.chunk_size == chunk_size:
+                # The front was streamed while it was written: send the rest, then the meta.
+                try:
+                    await session.send_file(str(sf.spool_path), sf.fd, sf.stream_claimed, sf.size)
+                    digest = await session.digest()
+                except Unavailable:
+                    if not session.remote:
+                        raise
+                    # The upload worker went away mid-file: send the whole file from here. (Only
+                    # before the meta: a meta without an answer is never followed by a second put.)
+                    await session.abort()
+                    info = await self._put_whole(sf, chunk_size, common)
+                else:
+                    info = await session.commit(sf.name, digest, **common)
+            else:
+                self._break_stream(sf)
+                info = await self._put_whole(sf, chunk_size, common)
+        except BaseException:
+            if session is not None and self._nursery is not None:
+                # In the background: a close that ran out of time must not wait for the purge too.
+                self._nursery.start_soon(self._abort_after, session, None)
+            elif session is not None:
+                with trio.CancelScope(shield=True):
+                    await session.abort()
+            raise
+        finally:
+            sf.reset_stream()
+        return info, len(changes)
 
     async def delete(self, bucket: str, info: ObjectInfo, *, keep_chunks: bool = False) -> None:
         """Delete an object (or link): tombstone, then purge its chunks unless another name shares them

@@ -10,6 +10,7 @@ confirmed gone before its directory is dropped and its watch stopped.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -27,14 +28,24 @@ log = logging.getLogger(__name__)
 
 Path = tuple[str, ...]
 
-ROOT, BUCKET, DIR, FILE, LINK = "root", "bucket", "dir", "file", "link"
+
+
+class NodeKind(enum.StrEnum):
+    ROOT = "root"  # the mount's root: all buckets, or the one bucket mounted
+    BUCKET = "bucket"  # a bucket's directory at the root of an all-buckets mount
+    DIR = "dir"  # a directory inside a bucket (a marker object, or names below it)
+    FILE = "file"  # an object
+    LINK = "link"  # an ADR-20 link, shown as a symlink
+
+
+ROOT, BUCKET, DIR, FILE, LINK = NodeKind.ROOT, NodeKind.BUCKET, NodeKind.DIR, NodeKind.FILE, NodeKind.LINK
 # Seconds between two polls of the stream list (new and removed buckets at the root).
 BUCKET_POLL_S = 2.0
 
 
 @dataclass(slots=True)
 class Node:
-    kind: str
+    kind: NodeKind
     bucket: str | None = None
     rel: Path = ()
     dir: Dir | None = None

@@ -1,4 +1,4 @@
-"""Writes staged on local disk until close, then put as one object.
+"""Writes staged on local disk until close, then put as one object: the write path's state machine.
 
 `Spool` owns the directory of spool files under the cache dir, the byte budget (`--spool-size`),
 `lost+found`, where the bytes of an upload that could not be stored are kept for the user, and the
@@ -6,8 +6,25 @@
 `StagedFile` is the one shared staged state of a file that is being written: every handle of that
 inode reads and writes the same spool file. It knows the version it was staged from (for
 copy-on-write and for the optimistic-concurrency check at upload) and the POSIX attributes to store.
-Spool files are plain sparse files named by a random id; a later write-back journal only has to
-record (id → bucket, name, base revision) to make them recoverable after a crash.
+
+Design note: the write state machine. A staged file is always in exactly one `WriteState`, and only
+`StagedFile`'s own methods move it (an illegal move raises `IllegalTransition`: a bug, never input):
+
+    UNCHANGED --write/truncate--> DIRTY --upload--> UPLOADING --stored--> STORED --write--> DIRTY
+        (new files start DIRTY)              UPLOADING --failed/conflict/cancelled--> DIRTY
+    UNCHANGED/DIRTY/UPLOADING/STORED --unlink or replaced while open--> UNLINKED
+    DIRTY/UPLOADING --not storable (conflict, unmount, last close)--> KEPT (lost+found)
+    UNLINKED --its upload refused as a conflict--> KEPT;  UNCHANGED/STORED/UNLINKED --last close--> DISCARDED
+
+The questions the filesystem asks are properties of the state: `unstored` (DIRTY or UPLOADING: a close
+must store it, and a second close waits for the first), `shadows_index` (lookups show the staged file),
+`shown`, `ended`, `serves_reads`, `never_stored`. DIRTY never goes straight to DISCARDED: unstored bytes
+are stored or kept, never dropped. Copy-on-write progress (`copied`) and a streaming upload (the session
+and the offset claimed so far, a part of DIRTY: `may_stream`, `claim_stream`, `break_stream`) are the
+other facts a resumed upload needs. The write-back journal will persist exactly this: the spool file's
+id, bucket, name, base nuid and revision, the state's value (a plain string), `copied`, the POSIX
+attributes and the xattr changes (data, not callbacks); after a crash DIRTY resumes as DIRTY, UPLOADING
+is settled by reading the meta back (the put journal knows the nuid), STORED and UNLINKED are dropped.
 
 Disk I/O of more than a small write, and all reading and hashing for uploads, runs on worker threads.
 """
@@ -15,6 +32,7 @@ Disk I/O of more than a small write, and all reading and hashing for uploads, ru
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import json
 import logging
@@ -29,6 +47,7 @@ from typing import Any
 
 import trio
 
+from . import xattrs
 from .adr20 import ObjectInfo, PosixAttrs, PutSession
 from .errors import NatsFSError, NoSpace
 from .names import escape
@@ -192,11 +211,44 @@ class Spool:
         return dest
 
 
+class WriteState(enum.StrEnum):
+    """Where a staged file is on its way to the bucket (see the module's design note)."""
+
+    UNCHANGED = "unchanged"  # staged from a stored version, not changed yet (its bytes copied in or not)
+    DIRTY = "dirty"  # changed since it was last stored; a new file starts here (close creates the object)
+    UPLOADING = "uploading"  # being stored; a close that comes meanwhile waits for the outcome
+    STORED = "stored"  # the bucket holds exactly these bytes and attributes
+    UNLINKED = "unlinked"  # deleted or replaced while open: its handles still read and write, nothing is stored
+    DISCARDED = "discarded"  # the spool file is gone (end)
+    KEPT = "kept"  # the bytes were moved to lost+found, never stored (end)
+
+
+_NEXT: dict[WriteState, frozenset[WriteState]] = {
+    WriteState.UNCHANGED: frozenset({WriteState.DIRTY, WriteState.UNLINKED, WriteState.DISCARDED}),
+    # Never DIRTY -> DISCARDED: unstored bytes are stored or kept in lost+found, never dropped.
+    WriteState.DIRTY: frozenset({WriteState.DIRTY, WriteState.UPLOADING, WriteState.UNLINKED, WriteState.KEPT}),
+    WriteState.UPLOADING: frozenset({WriteState.STORED, WriteState.DIRTY, WriteState.UNLINKED, WriteState.KEPT}),
+    WriteState.STORED: frozenset({WriteState.DIRTY, WriteState.UNLINKED, WriteState.DISCARDED}),
+    WriteState.UNLINKED: frozenset({WriteState.UNLINKED, WriteState.DISCARDED, WriteState.KEPT}),
+    WriteState.DISCARDED: frozenset(),
+    WriteState.KEPT: frozenset(),
+}
+_UNSTORED = frozenset({WriteState.DIRTY, WriteState.UPLOADING})
+_SHADOWING = frozenset({WriteState.UNCHANGED, WriteState.DIRTY, WriteState.UPLOADING})
+_ENDED = frozenset({WriteState.DISCARDED, WriteState.KEPT})
+
+
+class IllegalTransition(RuntimeError):
+    """A staged file was asked to move to a state it cannot reach from where it is (a bug, never input)."""
+
+
 class StagedFile:
-    """The staged content and attributes of one file being written."""
+    """The staged content and attributes of one file being written, and its `WriteState`.
+
+    Only the methods here change a staged file; everything else reads it."""
 
     def __init__(self, spool: Spool, *, ino: int, path: tuple[str, ...], bucket: str, name: str,
-                 base: ObjectInfo | None, attrs: PosixAttrs):
+                 base: ObjectInfo | None, attrs: PosixAttrs, new: bool = False, unlinked: bool = False):
         self.spool = spool
         self.ino = ino
         self.path = path
@@ -206,36 +258,63 @@ class StagedFile:
         self.base_revision = base.revision if base is not None else 0
         self.fd, self.spool_path = spool.create()
         self.size = 0
-        self.dirty = False
-        self.filled = base is None  # copy-on-write: base content copied in on first write
-        self.uploaded = False  # stored at least once under this name
-        self.unlinked = False
-        self.opens = 0
+        # `new`: an empty new file is still a file, so close creates the object.
+        self.state = WriteState.UNLINKED if unlinked else WriteState.DIRTY if new else WriteState.UNCHANGED
+        self.copied = base is None  # copy-on-write: the base version's bytes are in the spool file
         self.lock = trio.Lock()  # held by uploads and by everything that changes the content
         self.mode = attrs.mode
         self.uid = attrs.uid
         self.gid = attrs.gid
         self.mtime_ns = attrs.mtime_ns or time.time_ns()
         self.mtime_explicit = False
-        self.closed = False
-        # Streaming upload: while a file grows from the front, its full chunks are sent as they are
-        # written, so close only has to send the tail and the meta (see Mutations.stream_ahead).
+        # Streaming upload (part of DIRTY): while a file grows from the front, its full chunks are sent
+        # as they are written, so close only has to send the tail and the meta (Mutations.stream_ahead).
         self.stream: PutSession | None = None
         self.stream_claimed = 0  # bytes [0, claimed) have been read for sending
         self.stream_running: trio.Event | None = None
         self.stream_dead = False  # content below `claimed` changed: no streaming until the next upload
-        # Changes to the meta (xattrs) of a file that has no stored object yet, applied at upload.
-        self.meta_changes: list[Callable[[dict[str, Any]], None]] = []
+        # Extended attributes set or removed (None) on a file that has no stored object yet, stored
+        # with its first upload.
+        self.xattr_changes: list[tuple[str, bytes | None]] = []
 
-    def reset_stream(self) -> None:
-        self.stream = None
-        self.stream_claimed = 0
-        self.stream_dead = False
+    def _to(self, state: WriteState) -> None:
+        if state not in _NEXT[self.state]:
+            raise IllegalTransition(f"{self.bucket}/{self.name}: {self.state} -> {state}")
+        self.state = state
+
+    # ------------------------------------------------------------------ what the state says
+    @property
+    def unstored(self) -> bool:
+        """Holds bytes the bucket does not have yet that a close (or unmount) must store."""
+        return self.state in _UNSTORED
 
     @property
     def shadows_index(self) -> bool:
         """While this is true, lookups and listings show the staged file rather than the index."""
-        return not self.unlinked and (self.dirty or not self.uploaded)
+        return self.state in _SHADOWING
+
+    @property
+    def shown(self) -> bool:
+        """Its inode shows the staged file (also once unlinked: what its open handles hold)."""
+        return self.state in _SHADOWING or self.state is WriteState.UNLINKED
+
+    @property
+    def ended(self) -> bool:
+        return self.state in _ENDED
+
+    @property
+    def unlinked(self) -> bool:
+        return self.state is WriteState.UNLINKED
+
+    @property
+    def never_stored(self) -> bool:
+        """No object exists for it yet (its xattrs live here until the first upload)."""
+        return not self.ended and self.base is None
+
+    @property
+    def serves_reads(self) -> bool:
+        """Reads come from the spool file (it holds every byte of the file)."""
+        return self.copied and not self.ended
 
     def attrs(self) -> PosixAttrs:
         return PosixAttrs(self.mode, self.uid, self.gid, self.mtime_ns if self.mtime_explicit else None)
@@ -246,10 +325,102 @@ class StagedFile:
                           chunks=0, digest="", mtime_ns=self.mtime_ns,
                           revision=self.base_revision, attrs=PosixAttrs(self.mode, self.uid, self.gid, None))
 
+    def apply_xattr_changes(self, doc: dict[str, Any], changes: list[tuple[str, bytes | None]] | None = None) -> None:
+        for key, value in self.xattr_changes if changes is None else changes:
+            xattrs.set_object(doc, key, value)
+
+    # ------------------------------------------------------------------ attributes and names
+    def set_attrs(self, mode: int | None, uid: int | None, gid: int | None, mtime_ns: int | None) -> None:
+        """chmod/chown/utimens of a file not stored yet: stored with its data at the next upload."""
+        if mode is not None:
+            self.mode = mode
+        if uid is not None:
+            self.uid = uid
+        if gid is not None:
+            self.gid = gid
+        if mtime_ns is not None:
+            self.mtime_ns = mtime_ns
+            self.mtime_explicit = True
+
+    def change_xattr(self, key: str, value: bytes | None) -> None:
+        self.xattr_changes.append((key, value))
+
+    def rebase(self, info: ObjectInfo) -> None:
+        """This mount changed the stored version's meta itself (attributes, xattrs): the upload that
+        follows replaces `info`, not a conflict."""
+        self.base = info
+        self.base_revision = info.revision
+
+    def move(self, path: tuple[str, ...], name: str, renamed: ObjectInfo | None) -> None:
+        """Renamed (by this mount): it now lives at `path`; `renamed` is its stored version's new meta."""
+        self.path = path
+        self.name = name
+        if renamed is not None:
+            self.rebase(renamed)
+
+    def unlink(self) -> None:
+        """Deleted or replaced while open: writes through open handles now go nowhere, as on a local disk."""
+        self._to(WriteState.UNLINKED)
+
+    # ------------------------------------------------------------------ uploads
+    def begin_upload(self) -> None:
+        self._to(WriteState.UPLOADING)
+
+    def upload_failed(self) -> None:
+        """The upload ended without storing (error, conflict or cancelled): the bytes stay unstored."""
+        if self.state is WriteState.UPLOADING:
+            self._to(WriteState.DIRTY)
+
+    def stored(self, info: ObjectInfo, xattrs_stored: int) -> None:
+        """The upload stored `info` (with the first `xattrs_stored` xattr changes)."""
+        self.rebase(info)
+        del self.xattr_changes[:xattrs_stored]
+        if self.state is WriteState.UPLOADING:
+            self._to(WriteState.STORED)
+
+    # ------------------------------------------------------------------ streaming (within DIRTY)
+    def may_stream(self, batch: int) -> bool:
+        return (not self.stream_dead and self.stream_running is None and self.state is WriteState.DIRTY
+                and self.size - self.stream_claimed >= batch)
+
+    def streaming_started(self) -> trio.Event:
+        self.stream_running = trio.Event()
+        return self.stream_running
+
+    def claim_stream(self, start_put: Callable[[], PutSession], batch: int, chunk: int) -> tuple[PutSession, int, int]:
+        """The next range of full chunks to send, claimed before it is read: a write into it from now on
+        breaks the stream, so sending needs no lock and writers never wait for it."""
+        if self.stream is None:
+            self.stream = start_put()
+        start = self.stream_claimed
+        end = start + min(batch, (self.size - start) // chunk * chunk)
+        self.stream_claimed = end
+        return self.stream, start, end
+
+    def streaming_ended(self) -> None:
+        running, self.stream_running = self.stream_running, None
+        if running is not None:
+            running.set()
+
+    def break_stream(self) -> tuple[PutSession | None, trio.Event | None]:
+        """Stop streaming until the next upload; returns the session to abort and the send to wait for."""
+        self.stream_dead = True
+        session, self.stream, self.stream_claimed = self.stream, None, 0
+        return session, self.stream_running
+
+    def reset_stream(self) -> None:
+        self.stream = None
+        self.stream_claimed = 0
+        self.stream_dead = False
+
     # ------------------------------------------------------------------ content
+    def skip_copy(self) -> None:
+        """Nothing of the base version's content survives (O_TRUNC): no copy needed."""
+        self.copied = True
+
     async def fill(self, read: Callable[[int, int], Awaitable[bytes]], upto: int | None = None) -> None:
         """Copy the base version's bytes in (copy-on-write), at most `upto` of them."""
-        if self.filled:
+        if self.copied:
             return
         assert self.base is not None
         total = self.base.size if upto is None else min(upto, self.base.size)
@@ -262,7 +433,7 @@ class StagedFile:
             await trio.to_thread.run_sync(os.pwrite, self.fd, data, pos)
             pos += len(data)
         self.size = max(self.size, total)
-        self.filled = True
+        self.copied = True
 
     async def write(self, offset: int, data: bytes) -> int:
         end = offset + len(data)
@@ -300,21 +471,20 @@ class StagedFile:
         self.touch()
 
     def touch(self) -> None:
-        self.dirty = True
+        """The content changed (a write or truncate, always under `lock`, so never while uploading)."""
+        if self.state is WriteState.UPLOADING:
+            raise IllegalTransition(f"{self.bucket}/{self.name}: changed while uploading")
+        if self.state is not WriteState.UNLINKED:
+            self._to(WriteState.DIRTY)
         self.mtime_ns = time.time_ns()
         self.mtime_explicit = False
 
-    def uploaded_as(self, info: ObjectInfo) -> None:
-        self.base = info
-        self.base_revision = info.revision
-        self.dirty = False
-        self.uploaded = True
-
     # ------------------------------------------------------------------ endings
     def discard(self) -> None:
-        if self.closed:
+        """Drop the spool file (nothing in it is needed: stored, unchanged, or unlinked)."""
+        if self.ended:
             return
-        self.closed = True
+        self._to(WriteState.DISCARDED)
         with contextlib.suppress(OSError):
             os.close(self.fd)
         self.spool_path.unlink(missing_ok=True)
@@ -322,7 +492,7 @@ class StagedFile:
 
     def keep(self) -> Path:
         """Move the staged bytes to lost+found (an upload that could not be stored) and return where."""
-        self.closed = True
+        self._to(WriteState.KEPT)
         with contextlib.suppress(OSError):
             os.ftruncate(self.fd, self.size)
             os.close(self.fd)
@@ -358,10 +528,6 @@ class Staging:
         n = len(path)
         return [sf for sf in self._by_ino.values()
                 if len(sf.path) == n + 1 and sf.path[:n] == path and sf.shadows_index]
-
-    def under(self, path: tuple[str, ...]) -> list[StagedFile]:
-        n = len(path)
-        return [sf for sf in self._by_ino.values() if sf.path[:n] == path and len(sf.path) > n]
 
     def all(self) -> list[StagedFile]:
         return list(self._by_ino.values())

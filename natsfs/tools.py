@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from .adr20 import ObjectStore
 from .auth import OPTION_DESTS, Connection, resolve
 from .bridge import Bridge
+from .compose import open_store
 from .config import default_data_dir, parse_duration, parse_size
 from .errors import NotEmpty, Unavailable
 from .jetstream import JetStreams
@@ -36,7 +37,7 @@ async def connected_store(connection: Connection) -> AsyncIterator[ObjectStore]:
     bridge = Bridge(connection.servers, auth=connection)
     await bridge.connect()
     try:
-        yield ObjectStore(JetStreams(bridge))
+        yield open_store(JetStreams(bridge))
     finally:
         await bridge.close()
 

@@ -1,9 +1,11 @@
-"""The ops tier: `natsfs.fs.Operations` driven directly (no kernel) over MemoryStreams.
+"""The ops tier: the filesystem core and its FUSE adapter driven directly (no kernel) over MemoryStreams.
 
-`ops_env(body, ...)` builds MemoryStreams → ObjectStore → Namespace + ChunkCache → Operations inside
-`trio.run` with a nursery (Namespace.start and readahead need one), runs `async body(env)` and tears
-everything down. `pyfuse3.readdir_reply` needs the kernel, so it is replaced by a fake that records
-entries into the token it is given (an `opskit.Listing`).
+`ops_env(body, ...)` builds the mount's graph with the composition root (`natsfs.compose`) over
+MemoryStreams inside `trio.run`, starts every background task of a mount in a nursery (bucket watches,
+readahead, streaming uploads, settling of unfinished puts; kernel invalidations are only recorded, as
+no kernel is attached), runs `async body(env)` and tears everything down. `pyfuse3.readdir_reply` needs
+the kernel, so it is replaced by a fake that records entries into the token it is given (an
+`opskit.Listing`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,9 @@ from helpers import FIXTURES  # noqa: F401 - used by the ops tests
 from opskit import Env, fake_readdir_reply
 
 from natsfs.adr20 import ObjectStore
-from natsfs.chunk_cache import ChunkCache
+from natsfs.compose import build_filesystem
 from natsfs.config import Config
-from natsfs.fs import Operations
 from natsfs.memstreams import MemoryStreams
-from natsfs.namespace import Namespace
 
 Setup = Callable[[MemoryStreams, ObjectStore], Awaitable[None]]
 
@@ -37,20 +37,16 @@ def ops_env(monkeypatch, tmp_path):
             streams: MemoryStreams | None = None, **config_kw: Any) -> Any:
         async def main() -> Any:
             ms = streams or MemoryStreams()
-            store = ObjectStore(ms)
-            if setup is not None:
-                await setup(ms, store)
             config = Config(mountpoint=Path("/nonexistent"), bucket=bucket, uid=1234, gid=5678,
                             **({"cache_size": 64 << 20, "cache_dir": tmp_path / "cache"} | config_kw))
-            ns = Namespace(store, bucket=bucket)
-            cache = ChunkCache(store, cache_bytes=config.cache_size, batch_bytes=config.fetch_batch_bytes,
-                               parallelism=config.fetch_parallelism)
-            ops = Operations(ns, cache, config)
+            built = build_filesystem(config, ms)
+            if setup is not None:
+                await setup(ms, built.store)
             async with trio.open_nursery() as nursery:
-                await ns.start(nursery)
-                cache.start(nursery)
+                await built.start(nursery)
                 try:
-                    return await body(Env(ms, store, ns, cache, ops, config, nursery))
+                    return await body(Env(ms, built.store, built.namespace, built.cache, built.fs, built.ops,
+                                          config, nursery))
                 finally:
                     nursery.cancel_scope.cancel()
 

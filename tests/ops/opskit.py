@@ -16,6 +16,7 @@ from helpers import FIXTURES
 from natsfs.adr20 import ObjectStore
 from natsfs.chunk_cache import ChunkCache
 from natsfs.config import Config
+from natsfs.core.filesystem import Filesystem
 from natsfs.fs import Operations
 from natsfs.memstreams import MemoryStreams
 from natsfs.namespace import Namespace
@@ -23,6 +24,18 @@ from natsfs.namespace import Namespace
 __all__ = ["FIXTURES"]
 
 ROOT = pyfuse3.ROOT_INODE
+
+
+class Ctx:
+    """What pyfuse3 hands a request about its caller."""
+
+    uid = 1000
+    gid = 1000
+    pid = 1
+    umask = 0o022
+
+
+CTX = Ctx()
 # Replay keeps what replay.py keeps of a dumped stream config.
 _KEEP = {"name", "subjects", "retention", "max_consumers", "max_msgs", "max_bytes", "max_age", "max_msgs_per_subject",
          "max_msg_size", "storage", "num_replicas", "discard", "duplicate_window", "allow_rollup_hdrs", "deny_delete",
@@ -59,7 +72,8 @@ class Env:
     store: ObjectStore
     ns: Namespace
     cache: ChunkCache
-    ops: Operations
+    fs: Filesystem  # the core
+    ops: Operations  # its FUSE adapter
     config: Config
     nursery: trio.Nursery
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pyfuse3
 import pytest
+import trio
 from opskit import Env, errno_of
 
 from natsfs import mutations
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_subject, stream_name
+from natsfs.compose import spool_root
 from natsfs.errors import OutcomeUnknown, Unavailable
 from natsfs.memstreams import MemoryStreams, _go_meta_json, put_object
 from natsfs.staging import PutJournal
@@ -73,7 +76,7 @@ def test_lost_ack_of_a_stored_meta_is_success_not_estale_and_nothing_is_purged(o
         await env.ops.release(fi.fh)
         assert await stored(env, "f") == DATA
         assert all_chunk_msgs(env) == 4 + 1  # this object's and old.txt's, nothing orphaned
-        assert not env.ops.mut.journal.pending and not env.ops.mut.journal.active
+        assert not env.fs.mut.journal.pending and not env.fs.mut.journal.active
 
     ops_env(body, setup=one_bucket)
 
@@ -119,11 +122,11 @@ def test_a_missing_chunk_ack_means_no_meta_and_the_chunks_are_cleaned_up(ops_env
         assert await err(env.ops.flush(fi.fh)) == errno.EIO
         await env.ops.release(fi.fh)  # the bytes go to lost+found
         assert await env.store.get_info("b", "f") is None
-        assert len(env.ops.mut.journal.pending) == 1
-        await env.ops.mut.settle_puts()  # the purge is checked once more...
+        assert len(env.fs.mut.journal.pending) == 1
+        await env.fs.mut.settle_puts()  # the purge is checked once more...
         assert all_chunk_msgs(env) == 1
-        assert not env.ops.mut.journal.pending  # ...and the record closed
-        kept = list((env.config.cache_dir / "lost+found" / "b").iterdir())
+        assert not env.fs.mut.journal.pending  # ...and the record closed
+        kept = list((env.fs.staging.spool.lost_found / "b").iterdir())
         assert [p.read_bytes() for p in kept] == [DATA]
 
     ops_env(body, setup=one_bucket)
@@ -146,7 +149,7 @@ def test_an_unknown_outcome_keeps_the_chunks_and_a_later_close_adopts_the_stored
         await env.ops.release(fi.fh)
         assert await stored(env, "f") == b"Z" + DATA[1:]
         assert chunk_msgs(env, first.nuid) == 0
-        assert not env.ops.mut.journal.pending
+        assert not env.fs.mut.journal.pending
 
     ops_env(body, setup=one_bucket)
 
@@ -162,12 +165,12 @@ def test_an_unknown_outcome_not_stored_is_purged_once_the_server_answers(ops_env
         assert await err(env.ops.flush(fi.fh)) == errno.EIO
         await env.ops.release(fi.fh)
         assert all_chunk_msgs(env) == 5  # not known to be unstored: kept for now
-        await env.ops.mut.settle_puts()  # still away: nothing happens, one warning line
+        await env.fs.mut.settle_puts()  # still away: nothing happens, one warning line
         assert all_chunk_msgs(env) == 5
         env.streams._faults.clear()
-        await env.ops.mut.settle_puts()
-        await env.ops.mut.settle_puts()
-        assert all_chunk_msgs(env) == 1 and not env.ops.mut.journal.pending
+        await env.fs.mut.settle_puts()
+        await env.fs.mut.settle_puts()
+        assert all_chunk_msgs(env) == 1 and not env.fs.mut.journal.pending
         assert await env.store.get_info("b", "f") is None
 
     ops_env(body, setup=one_bucket)
@@ -177,28 +180,31 @@ def test_puts_left_by_a_killed_daemon_are_cleaned_at_the_next_mount(ops_env, tmp
     monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
     ms = MemoryStreams()
 
-    async def setup(ms_: MemoryStreams, store: ObjectStore) -> None:
-        await one_bucket(ms_, store)
+    journal_path = spool_root(tmp_path / "cache", Path("/nonexistent").resolve()) / "puts.journal"
+
+    async def earlier_run() -> None:
+        await one_bucket(ms, ObjectStore(ms))
         # An earlier run recorded two puts and died: one had stored its meta, one had not.
-        journal = PutJournal(tmp_path / "cache" / "puts.journal")
-        done = await put_object(ms_, "b", "done", DATA)
+        journal = PutJournal(journal_path)
+        done = await put_object(ms, "b", "done", DATA)
         journal.started("b", done.nuid, "done")
         journal.started("b", "orphanNUID", "half")
         for i in range(3):
-            await ms_.publish(chunk_subject("b", "orphanNUID"), b"c" * 100, {MSG_ID: f"orphanNUID.{i}"})
+            await ms.publish(chunk_subject("b", "orphanNUID"), b"c" * 100, {MSG_ID: f"orphanNUID.{i}"})
         journal.close()
 
     async def body(env: Env):
-        assert len(env.ops.mut.journal.pending) == 2
-        await env.ops.mut.settle_puts()
-        await env.ops.mut.settle_puts()
+        assert len(env.fs.mut.journal.pending) == 2
+        await env.fs.mut.settle_puts()
+        await env.fs.mut.settle_puts()
         assert chunk_msgs(env, "orphanNUID") == 0
         assert await stored(env, "done") == DATA
-        assert not env.ops.mut.journal.pending
-        assert PutJournal(tmp_path / "cache" / "puts.journal").pending == {}
+        assert not env.fs.mut.journal.pending
+        assert PutJournal(journal_path).pending == {}
 
-    (tmp_path / "cache").mkdir()
-    ops_env(body, setup=setup, streams=ms)
+    journal_path.parent.mkdir(parents=True)
+    trio.run(earlier_run)
+    ops_env(body, streams=ms)
 
 
 def test_rename_purges_the_old_meta_and_leaves_no_tombstone(ops_env):
@@ -231,7 +237,7 @@ def test_a_tombstone_sharing_a_live_nuid_is_purged_when_the_index_meets_it(ops_e
     async def body(env: Env):
         b = (await env.lookup("b")).st_ino
         assert (await env.listdir(b)).names == ["moved"]
-        await env.ops.mut.purge_shared_tombstones()
+        await env.fs.mut.purge_shared_tombstones()
         assert env.streams.subjects(stream_name("b")).get(meta_subject("b", "a")) is None
         assert await stored(env, "moved") == DATA
 
@@ -313,7 +319,6 @@ def test_a_streamed_put_whose_meta_goes_unanswered_is_not_put_a_second_time(ops_
 
         env.store.file_sender = LocalSender(env.streams)
         env.store.settle_timeout = 0.3
-        env.ops.mut.start(env.nursery)  # streaming uploads
         data = bytes(range(256)) * (24 * 1024)  # 6 MiB: the first 4 MiB are streamed while written
         fi = await create_and_write(env, "big", data)
         while all_chunk_msgs(env) < 33:
@@ -343,10 +348,10 @@ def test_chunks_whose_purge_fails_are_purged_once_the_server_answers(ops_env, mo
         env.streams.fail_next("purge_subject", Unavailable("away"))
         await env.ops.unlink(b, b"old.txt", Ctx())  # the tombstone is stored; the purge is not
         assert chunk_msgs(env, old.nuid) == 1
-        assert ("b", old.nuid) in env.ops.mut.journal.pending
-        await env.ops.mut.settle_puts()
-        await env.ops.mut.settle_puts()
-        assert chunk_msgs(env, old.nuid) == 0 and not env.ops.mut.journal.pending
+        assert ("b", old.nuid) in env.fs.mut.journal.pending
+        await env.fs.mut.settle_puts()
+        await env.fs.mut.settle_puts()
+        assert chunk_msgs(env, old.nuid) == 0 and not env.fs.mut.journal.pending
 
     ops_env(body, setup=one_bucket)
 

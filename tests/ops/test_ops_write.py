@@ -9,16 +9,22 @@ from typing import Any
 
 import pyfuse3
 import pytest
+import trio
 from opskit import ROOT, Env, errno_of
 
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, stream_name
 from natsfs.errors import NoSpace, Unavailable
 from natsfs.memstreams import MemoryStreams, put_object
+from natsfs.mutations import STREAM_BATCH
 
 
 async def one_bucket(ms: MemoryStreams, store: ObjectStore) -> None:
     await store.create_bucket("b", max_bytes=4 << 20)
     await put_object(ms, "b", "old.txt", b"old content")
+
+
+def chunk_count(env: Env) -> int:
+    return sum(n for s, n in env.streams.subjects(stream_name("b")).items() if ".C." in s)
 
 
 async def err(coro: Any) -> int:
@@ -70,7 +76,7 @@ def test_create_write_close_stores_an_object(ops_env):
         await write_file(env, b, "new.bin", b"x" * 300_000)
         assert await stored(env, "new.bin") == b"x" * 300_000
         assert (await env.lookup("b/new.bin")).st_size == 300_000
-        assert env.ops.staging.spool.used == 0 and len(env.ops.staging) == 0
+        assert env.fs.staging.spool.used == 0 and len(env.fs.staging) == 0
 
     ops_env(body, setup=one_bucket)
 
@@ -102,9 +108,9 @@ def test_conflict_keeps_both_versions(ops_env, tmp_path):
         assert await err(env.ops.flush(fi.fh)) == errno.ESTALE
         await env.ops.release(fi.fh)
         assert await stored(env, "old.txt") == b"theirs"
-        kept = list((tmp_path / "cache" / "lost+found" / "b").iterdir())
+        kept = list((env.fs.staging.spool.lost_found / "b").iterdir())
         assert len(kept) == 1 and kept[0].read_bytes() == b"mine"
-        assert env.ops.counters["conflicts"] == 1
+        assert env.fs.counters["conflicts"] == 1
 
     ops_env(body, setup=one_bucket)
 
@@ -239,3 +245,32 @@ def test_buckets_by_mkdir_and_rmdir(ops_env):
         assert "fresh" not in await env.store.list_buckets()
 
     ops_env(body, setup=one_bucket)
+
+
+def test_the_fast_tier_streams_a_growing_file_before_it_is_closed(ops_env):
+    """Streaming uploads run in the ops tier: the full chunks of a file written from the front are on
+    the server before close, and close adds only the rest and the meta."""
+
+    async def body(env: Env):
+        chunk = env.config.chunk_size
+        data = os.urandom(6 * 1024 * 1024)
+        fi, _ = await env.ops.create(ROOT, b"growing.bin", 0o644, os.O_WRONLY, Ctx())
+        for off in range(0, len(data), 1 << 20):
+            await env.ops.write(fi.fh, off, data[off : off + (1 << 20)])
+        streamed = 0
+        with trio.move_on_after(10):
+            while streamed < STREAM_BATCH // chunk:
+                await trio.sleep(0.01)
+                streamed = chunk_count(env)
+        assert streamed >= STREAM_BATCH // chunk  # sent while still open
+        assert await env.store.get_info("b", "growing.bin") is None  # no meta before close
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        info = await env.store.get_info("b", "growing.bin")
+        assert info is not None and info.size == len(data) and chunk_count(env) == -(-len(data) // chunk)
+        assert await env.cat("growing.bin") == data
+
+    async def big_bucket(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+
+    ops_env(body, setup=big_bucket, bucket="b")

@@ -1,4 +1,4 @@
-"""handles: ReadHandle readahead planning, DirHandle snapshots, handle numbers.
+"""handles: FileHandle readahead planning, DirHandle snapshots, handle numbers.
 
 (The digest check that used to live in handles.Verifier is now done per version by the chunk cache;
 its tests are in test_chunk_cache.py.)
@@ -7,7 +7,7 @@ its tests are in test_chunk_cache.py.)
 from __future__ import annotations
 
 from natsfs.adr20 import ObjectInfo, digest_of
-from natsfs.handles import DirHandle, HandleTable, ReadHandle
+from natsfs.handles import DirHandle, FileHandle, HandleTable
 
 
 def info() -> ObjectInfo:
@@ -16,7 +16,7 @@ def info() -> ObjectInfo:
 
 
 def test_readahead_grows_while_sequential_and_collapses_on_seek():
-    h = ReadHandle(ino=5, info=info())
+    h = FileHandle(ino=5, info=info())
     size = 128 * 1024
     lo, hi = 1 << 20, 8 << 20
     assert h.plan_readahead(0, size, lo, hi) == lo
@@ -29,7 +29,7 @@ def test_readahead_grows_while_sequential_and_collapses_on_seek():
 
 
 def test_small_jitter_keeps_readahead_but_a_seek_back_drops_it():
-    h = ReadHandle(ino=5, info=info())
+    h = FileHandle(ino=5, info=info())
     size = 4096
     base = 100 * size
     h.readahead, h.next_offset = 0, base
@@ -43,9 +43,9 @@ def test_small_jitter_keeps_readahead_but_a_seek_back_drops_it():
 def test_handle_numbers_are_unique_and_not_reused():
     t = HandleTable()
     a = t.add(DirHandle(1, ()))
-    b = t.add(ReadHandle(2, info()))
+    b = t.add(FileHandle(2, info()))
     assert a != b and len(t) == 2
-    assert isinstance(t.get(b), ReadHandle) and isinstance(t.get(a), DirHandle)
+    assert isinstance(t.get(b), FileHandle) and isinstance(t.get(a), DirHandle)
     assert t.pop(a) is not None and t.pop(a) is None and t.get(a) is None
     c = t.add(DirHandle(1, ()))
     assert c not in (a, b) and len(t) == 2

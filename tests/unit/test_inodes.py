@@ -102,10 +102,9 @@ def test_move_over_an_existing_path_detaches_it():
 def test_detach():
     t = InodeTable()
     a = t.lookup(("a",))
-    t.cached_version[a] = "nuid1"
-    assert t.detach(("a",)) == a
+    assert t.detach(("a",)) == a  # the caller drops the inode's cached version (core.openfiles)
     assert t.known(("a",)) is None
-    assert a not in t.cached_version
+    assert a in t and t.is_detached(a)
     assert t.detach(("a",)) is None
     new = t.lookup(("a",))
     assert new != a
@@ -113,9 +112,10 @@ def test_detach():
     assert t.path_of(new) == ("a",)
 
 
-def test_forget_drops_cached_version():
+def test_forget_says_when_the_inode_is_gone():
     t = InodeTable()
     a = t.lookup(("a",))
-    t.cached_version[a] = "n"
-    t.forget(a, 1)
-    assert a not in t.cached_version
+    t.lookup(("a",))
+    assert t.forget(a, 1) is False and a in t
+    assert t.forget(a, 1) is True  # the caller then drops its cached version (core.openfiles)
+    assert a not in t

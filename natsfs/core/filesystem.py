@@ -1,0 +1,1055 @@
+"""The filesystem core: every FUSE operation's logic, with no pyfuse3 in sight.
+
+`Filesystem` turns paths into namespace nodes, opens, reads, writes, stages, uploads, renames and
+deletes through the layers below, and answers in domain values (`Attributes`, `Opened`, `FsUsage`);
+`natsfs.fs` (the FUSE adapter) decodes requests into calls here and those values into pyfuse3 replies,
+and maps the domain errors raised here to errnos. The ops tests drive this class directly over
+`MemoryStreams`.
+
+What the core keeps per inode lives in its tables: paths and lookup counts (`InodeTable`), open
+handles (`HandleTable`), the open-file record of each inode (`OpenFileTable`, see its design note),
+staged content (`Staging`), and the requests in flight that kernel invalidations wait for (`serving`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import stat
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from .. import xattrs
+from ..adr20 import ObjectInfo, PosixAttrs, valid_bucket_name
+from ..chunk_cache import ChunkCache
+from ..config import Config
+from ..errors import (
+    AlreadyExists,
+    BadName,
+    Conflict,
+    Corrupt,
+    InvalidArgument,
+    IsADirectory,
+    NameTooLong,
+    NatsFSError,
+    NotADirectory,
+    NotEmpty,
+    NotFound,
+    ReadOnly,
+    Unavailable,
+)
+from ..handles import DirHandle, FileHandle, HandleNo, HandleTable
+from ..inodes import ROOT_INODE, InodeNo, InodeTable
+from ..kernel import KernelNotifier
+from ..links import link_target
+from ..mutations import Mutations, check_meta_size
+from ..names import NAME_MAX
+from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
+from ..secrecy import redact_urls
+from ..staging import StagedFile, Staging
+from ..status import recent_problems
+from .openfiles import OpenFileTable
+
+log = logging.getLogger(__name__)
+
+XATTR_STATS = b"user.natsfs.stats"
+PETABYTE = 1 << 50
+
+
+@dataclass(frozen=True, slots=True)
+class Attributes:
+    """What stat(2) shows of an inode, and how long the kernel may keep it."""
+
+    ino: InodeNo
+    mode: int
+    nlink: int
+    size: int
+    uid: int
+    gid: int
+    mtime_ns: int  # also shown as atime and ctime
+    blksize: int
+    entry_timeout: float
+    attr_timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    fh: HandleNo
+    keep_cache: bool  # the kernel's pages of this inode still hold this version
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who makes a request (the owner of what it creates)."""
+
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttrChanges:
+    """setattr: the fields to change (None: leave as is)."""
+
+    size: int | None = None
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    mtime_ns: int | None = None
+
+    @property
+    def posix(self) -> bool:
+        return self.mode is not None or self.uid is not None or self.gid is not None or self.mtime_ns is not None
+
+
+@dataclass(frozen=True, slots=True)
+class FsUsage:
+    """statfs(2)."""
+
+    block_size: int
+    blocks: int
+    blocks_free: int
+    files: int
+    files_free: int
+    name_max: int
+
+
+def _owner(attrs: PosixAttrs | None, default_mode: int, default_uid: int, default_gid: int, special_bits: bool
+           ) -> tuple[int, int, int]:
+    """(permission bits, uid, gid) from an object's stored metadata, else the defaults.
+
+    Setuid, setgid and sticky bits come from any client's metadata, so they show only when the
+    mount was asked to honour them (`special_bits`, `--allow-setuid`)."""
+    if attrs is None:
+        return default_mode, default_uid, default_gid
+    uid = attrs.uid if attrs.uid is not None else default_uid
+    gid = attrs.gid if attrs.gid is not None else default_gid
+    if attrs.mode is None:
+        return default_mode, uid, gid
+    return attrs.mode & (0o7777 if special_bits else 0o777), uid, gid
+
+
+def _name(raw: bytes) -> str:
+    return os.fsdecode(raw)
+
+
+def _new_name(raw: bytes) -> str:
+    """A name this mount is asked to create: refused before anything is stored when it is over
+    NAME_MAX bytes (`ENAMETOOLONG`) or not UTF-8 (`EILSEQ`: no ADR-20 client could use it)."""
+    if len(raw) > NAME_MAX:
+        raise NameTooLong(f"{raw[:40]!r}...: {len(raw)} bytes, over {NAME_MAX}")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadName(f"{raw!r} is not UTF-8") from None
+    return _name(raw)
+
+
+class Filesystem:
+    """The mount's filesystem, one method per FUSE operation (see the module docstring)."""
+
+    def __init__(self, namespace: Namespace, cache: ChunkCache, config: Config, staging: Staging,
+                 kernel: KernelNotifier | None = None):
+        self.ns = namespace
+        self.cache = cache
+        self.config = config
+        self.inodes = InodeTable()
+        self.handles = HandleTable()
+        self.writable = not config.read_only
+        # Requests in flight per inode they name; invalidations of those inodes wait (kernel.py).
+        self._in_flight: dict[InodeNo, int] = {}
+        self.kernel = kernel if kernel is not None else KernelNotifier()
+        self.kernel.busy = self._in_flight.__contains__
+        self.staging = staging
+        self.mut = Mutations(namespace, namespace.store, self.staging, config)
+        self.files = OpenFileTable()
+        # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
+        self._reported_links: set[tuple[str, str, int]] = set()
+        self._nursery: trio.Nursery | None = None
+        self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
+        self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0}
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Background work of the operations (kernel invalidations, refreshes) runs in `nursery`."""
+        self._nursery = nursery
+        self.kernel.start(nursery)
+        self.mut.start(nursery)
+        self.ns.on_change = self.entry_changed
+
+    def entry_changed(self, bucket: str, rel: tuple[str, ...] | None) -> None:
+        """The namespace says an entry appeared, changed or vanished: drop what the kernel cached of it.
+
+        Unchanged objects keep their page cache; a changed one loses its attributes, pages and name
+        entry, so the next access comes back to us and sees the new version.
+        """
+        if rel is None:
+            if self.ns.single_bucket is None:
+                self.kernel.entry(ROOT_INODE, os.fsencode(bucket))
+                self.kernel.inode(ROOT_INODE, attr_only=True)
+            return
+        path = self.ns.mount_path(bucket, rel)
+        if self.files.is_own(path):
+            # This mount is changing it right now: the kernel learns the outcome from our answer, and
+            # the request holds the very locks an invalidation would wait for.
+            return
+        ino = self.inodes.known(path)
+        if ino is not None and self._readers_left_behind(ino, bucket, rel):
+            # Open handles read the version they opened, but the path now shows another one (or
+            # nothing). The path gets a fresh inode at its next lookup; the old inode stays with those
+            # handles, with its own attributes and page cache, as a file replaced by rename(2) or
+            # unlinked while open does on a local disk. Neither ever sees the other's bytes or size.
+            self._detach(path)
+            ino = None
+        if ino is not None and self.files.uploading(ino):
+            # Our own upload: the page cache holds exactly what was written; only attributes moved.
+            self.kernel.inode(ino, attr_only=True)
+        elif ino is not None:
+            self.files.forget_cached_version(ino)
+            self.kernel.inode(ino)
+        if path:
+            parent = self.inodes.known(path[:-1])
+            if parent is not None:
+                self.kernel.entry(parent, os.fsencode(path[-1]))
+
+    @contextlib.contextmanager
+    def serving(self, inodes: Sequence[InodeNo]) -> Iterator[None]:
+        """A request naming `inodes` is being served: the kernel may hold their inode or page locks
+        until it is answered, so no invalidation that could wait on them goes out meanwhile."""
+        for ino in inodes:
+            self._in_flight[ino] = self._in_flight.get(ino, 0) + 1
+        try:
+            yield
+        finally:
+            for ino in inodes:
+                left = self._in_flight.pop(ino, 1) - 1
+                if left:
+                    self._in_flight[ino] = left
+                else:
+                    self.kernel.idle(ino)
+
+    def handle_inode(self, fh: HandleNo) -> InodeNo | None:
+        handle = self.handles.get(fh)
+        return handle.ino if handle is not None else None
+
+    def _detach(self, path: tuple[str, ...]) -> None:
+        """The name at `path` is gone: its inode keeps only its open handles, not the kernel's pages."""
+        ino = self.inodes.detach(path)
+        if ino is not None:
+            self.files.forget_cached_version(ino)
+
+    def _readers_left_behind(self, ino: InodeNo, bucket: str, rel: tuple[str, ...]) -> bool:
+        """Whether `ino` has handles open for reading a version the path no longer shows."""
+        if not self.files.is_open(ino) or self.files.uploading(ino) or self.staging.get(ino) is not None:
+            return False
+        index = self.ns.loaded_index(bucket)
+        current = index.get(rel) if index is not None else None
+        nuid = current.nuid if isinstance(current, ObjectInfo) else None
+        return any(h.info.nuid != nuid for h in self._readers(ino))
+
+    def _readers(self, ino: InodeNo) -> list[FileHandle]:
+        return [h for h in self.handles.values() if isinstance(h, FileHandle) and h.ino == ino]
+
+    # ------------------------------------------------------------------ attributes
+    def _attr(self, ino: InodeNo, node: Node) -> Attributes:
+        c = self.config
+        size, nlink = 0, 1
+        writable = self.writable and not (node.bucket is not None and self._known_sealed(node.bucket))
+        if node.kind in (ROOT, BUCKET, DIR):
+            marker = node.dir.marker if node.dir is not None else None
+            mode, uid, gid = _owner(marker.attrs if marker is not None else None, c.dir_mode, c.uid, c.gid,
+                                    c.allow_setuid)
+            if node.kind == ROOT and self.ns.single_bucket is None:
+                mode = c.dir_mode  # buckets are made with mkdir here
+            mode = stat.S_IFDIR | (mode if writable else mode & ~0o222)
+            nlink = 2
+        elif node.kind == LINK:
+            assert node.info is not None
+            mode, uid, gid = stat.S_IFLNK | 0o777, c.uid, c.gid
+            size = len(os.fsencode(self._link_target(node)))
+        else:
+            info = node.info
+            assert info is not None
+            mode, uid, gid = _owner(info.attrs, c.file_mode, c.uid, c.gid, c.allow_setuid)
+            mode = stat.S_IFREG | (mode if writable else mode & ~0o222)
+            # Deleted or replaced while open: no name links to it any more, as fstat shows on a local disk.
+            nlink = 0 if self._nameless(ino) else 1
+            size = info.size
+        # Large enough that cp, cat and dd move 1 MiB per system call (fewer FUSE round trips).
+        blksize = max(self.cache.store.chunk_size, 1 << 20)
+        return Attributes(ino=ino, mode=mode, nlink=nlink, size=size, uid=uid, gid=gid,
+                          mtime_ns=node.mtime_ns or self.ns.started_ns, blksize=blksize,
+                          entry_timeout=c.entry_timeout, attr_timeout=c.attr_timeout)
+
+    def _link_target(self, node: Node) -> str:
+        """The link's symlink target, built only from validated parts (see natsfs/links.py)."""
+        info = node.info
+        assert info is not None and info.link is not None and node.bucket is not None
+        target = link_target(info.link, self.ns.mount_path(node.bucket, node.rel), self.ns.single_bucket)
+        if target.outside is not None and (node.bucket, info.nuid, info.revision) not in self._reported_links:
+            self._reported_links.add((node.bucket, info.nuid, info.revision))
+            log.log(logging.WARNING if target.hostile else logging.INFO, "link %r in bucket %r reads as %r: %s",
+                    info.name, node.bucket, target.text, target.outside)
+        return target.text
+
+    def _known_sealed(self, bucket: str) -> bool:
+        return bool(self.mut.known_sealed(bucket))
+
+    async def _node(self, ino: InodeNo) -> Node:
+        """What an inode is now: its staged state while that differs from the bucket, else the index."""
+        sf = self.staging.get(ino)
+        if sf is not None and sf.shown:
+            return self._staged_node(sf)
+        try:
+            return await self.ns.resolve(self.inodes.path_of(ino))
+        except NotFound:
+            readers = self._readers(ino)
+            if not readers or not self._nameless(ino):
+                raise
+            # Deleted or replaced while open (by this mount or another client): what its handles hold.
+            info = readers[0].info
+            return Node(FILE, info.bucket, (), None, info, info.mtime_ns)
+
+    async def _path_node(self, path: tuple[str, ...]) -> Node:
+        sf = self.staging.at_path(path)
+        if sf is not None:
+            return self._staged_node(sf)
+        return await self.ns.resolve(path)
+
+    async def _maybe_node(self, path: tuple[str, ...]) -> Node | None:
+        try:
+            return await self._path_node(path)
+        except NotFound:
+            return None
+
+    def _staged_node(self, sf: StagedFile) -> Node:
+        info = sf.as_info()
+        return Node(FILE, sf.bucket, self.ns.split(sf.path)[1], None, info, sf.mtime_ns)
+
+    def _refuse_if_read_only(self) -> None:
+        if self.config.read_only:
+            raise ReadOnly("this mount is read-only")
+
+    def _in_bucket(self, path: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+        """(bucket, path inside it) for a path where objects can live; EPERM at a multi-bucket root."""
+        bucket, rel = self.ns.split(path)
+        if bucket is None or not rel:
+            raise NatsFSError("only buckets (directories) live at the root", errno=errno.EPERM,
+                              log_level=logging.INFO)
+        return bucket, rel
+
+    # ------------------------------------------------------------------ lookups
+    async def lookup(self, parent_inode: InodeNo, name: bytes) -> Attributes:
+        parent = self.inodes.path_of(parent_inode)
+        if len(name) > NAME_MAX:
+            raise NameTooLong(f"lookup of a {len(name)}-byte name")
+        path = (*parent, _name(name))
+        if name in (b".", b".."):
+            raise NotFound("dot lookups are answered by the kernel")
+        node = await self._path_node(path)
+        if node.kind == BUCKET and node.bucket is not None:
+            await self._refresh_sealed(node.bucket)
+        return self._attr(self.inodes.lookup(path), node)
+
+    async def _refresh_sealed(self, bucket: str) -> None:
+        """Whether a bucket is sealed (it then shows without write bits) is read in the background: a
+        lookup answers from what is known and never waits on the server."""
+        if self._nursery is None or self.mut.known_sealed(bucket) is None:
+            await self.mut.sealed(bucket)  # the first time: nothing known to answer from yet
+            return
+        if bucket in self._refreshing:
+            return
+        self._refreshing.add(bucket)
+        self._nursery.start_soon(self._read_sealed, bucket)
+
+    async def _read_sealed(self, bucket: str) -> None:
+        before = self._known_sealed(bucket)
+        try:
+            sealed = await self.mut.sealed(bucket)
+        except NatsFSError as e:
+            log.debug("bucket %s: sealed state not refreshed: %s", bucket, e)
+            return
+        finally:
+            self._refreshing.discard(bucket)
+        ino = self.inodes.known(self.ns.mount_path(bucket, ()))
+        if sealed != before and ino is not None:
+            self.kernel.inode(ino, attr_only=True)
+
+    async def getattr(self, inode: InodeNo) -> Attributes:
+        return self._attr(inode, await self._node(inode))
+
+    def _nameless(self, inode: InodeNo) -> bool:
+        return self.files.is_unlinked(inode) or self.inodes.is_detached(inode)
+
+    def forget(self, inode_list: Sequence[tuple[InodeNo, int]]) -> None:
+        for ino, nlookup in inode_list:
+            if self.inodes.forget(ino, nlookup):
+                self.files.forget_cached_version(ino)
+
+    async def readlink(self, inode: InodeNo) -> bytes:
+        node = await self._node(inode)
+        if node.kind != LINK:
+            raise NatsFSError("not a symlink", errno=errno.EINVAL, log_level=logging.DEBUG)
+        return os.fsencode(self._link_target(node))
+
+    # ------------------------------------------------------------------ directories
+    async def opendir(self, inode: InodeNo) -> HandleNo:
+        path = self.inodes.path_of(inode)
+        listing = dict(await self.ns.listdir(path))
+        for sf in self.staging.children(path):
+            listing[sf.path[-1]] = self._staged_node(sf)
+        entries = [(name, (*path, name), listing[name]) for name in sorted(listing)]
+        return self.handles.add(DirHandle(inode, path, entries))
+
+    def readdir(self, fh: HandleNo, start_id: int, reply: Callable[[bytes, Attributes, int], bool]) -> None:
+        """Hand the entries from `start_id` on to `reply(name, attributes, next id)` until it refuses one;
+        an entry counts as a lookup only once it was accepted."""
+        handle = self.handles.get(fh)
+        if not isinstance(handle, DirHandle):
+            raise NatsFSError("bad directory handle", errno=errno.EBADF)
+        for i in range(start_id, len(handle.entries)):
+            name, path, node = handle.entries[i]
+            ino = self.inodes.ino_for(path)
+            if not reply(os.fsencode(name), self._attr(ino, node), i + 1):
+                if self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
+                    self.files.forget_cached_version(ino)
+                return
+            self.inodes.lookup(path)
+
+    def releasedir(self, fh: HandleNo) -> None:
+        self.handles.pop(fh)
+
+    # ------------------------------------------------------------------ files
+    async def open(self, inode: InodeNo, flags: int) -> Opened:
+        node = await self._node(inode)
+        if node.kind != FILE:
+            raise NatsFSError("not a regular file", errno=errno.EISDIR if node.kind != LINK else errno.ELOOP,
+                              log_level=logging.DEBUG)
+        info = node.info
+        assert info is not None and node.bucket is not None
+        writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        if writing or flags & (os.O_TRUNC | os.O_APPEND):
+            await self.mut.check_writable(node.bucket)
+        if flags & os.O_TRUNC:
+            sf = self._stage(inode, node)
+            async with sf.lock:
+                sf.skip_copy()
+                await sf.truncate(0)
+            self.mut.after_write(sf, 0)
+        return self._open_handle(inode, node, writing)
+
+    def _open_handle(self, inode: InodeNo, node: Node, writing: bool) -> Opened:
+        info = node.info
+        assert info is not None
+        fh = self.handles.add(FileHandle(inode, info, writable=writing))
+        self.files.opened(inode, writing=writing)
+        if self.staging.get(inode) is not None:
+            keep = True  # every byte of a staged file went through this kernel's page cache
+        else:
+            # Unchanged since the kernel last cached it: let the page cache serve rereads.
+            keep = self.files.cached_version(inode) == info.nuid
+            self.files.set_cached_version(inode, info.nuid)
+        return Opened(fh, keep)
+
+    def _stage(self, inode: InodeNo, node: Node) -> StagedFile:
+        """The shared staged state of `inode`, created from the version `node` shows if there is none."""
+        sf = self.staging.get(inode)
+        if sf is not None and not sf.ended:
+            return sf
+        assert node.bucket is not None and node.info is not None
+        base = node.info if node.info.nuid or node.info.revision else None
+        attrs = node.info.attrs or PosixAttrs()
+        sf = StagedFile(self.staging.spool, ino=inode, path=self.inodes.path_of(inode), bucket=node.bucket,
+                        name=node.info.name, base=base,
+                        attrs=PosixAttrs(attrs.mode, attrs.uid, attrs.gid, node.info.mtime_ns),
+                        unlinked=self.files.is_unlinked(inode))
+        self.staging.add(sf)
+        return sf
+
+    async def _fill(self, sf: StagedFile, upto: int | None = None) -> None:
+        """Copy-on-write: bring the base version's bytes into the spool before changing them."""
+        if sf.copied:
+            return
+        base = sf.base
+        assert base is not None
+
+        async def read(offset: int, size: int) -> bytes:
+            return await self.cache.read(base, offset, size)
+
+        await sf.fill(read, upto)
+
+    async def create(self, parent_inode: InodeNo, name: bytes, mode: int, flags: int, caller: Caller
+                     ) -> tuple[Opened, Attributes]:
+        self._refuse_if_read_only()
+        path = (*self.inodes.path_of(parent_inode), _new_name(name))
+        bucket, rel = self._in_bucket(path)
+        self.ns.store.check_name(bucket, "/".join(rel))
+        await self.mut.check_writable(bucket)
+        existing = await self._maybe_node(path)
+        if existing is not None:
+            if flags & os.O_EXCL:
+                raise AlreadyExists("/".join(path))
+            ino = self.inodes.lookup(path)
+            info = await self.open(ino, flags)
+            return info, self._attr(ino, await self._node(ino))
+        parent = await self._path_node(path[:-1])
+        if parent.kind not in (ROOT, BUCKET, DIR):
+            raise NotADirectory("/".join(path[:-1]))
+        ino = self.inodes.lookup(path)
+        sf = StagedFile(self.staging.spool, ino=ino, path=path, bucket=bucket, name="/".join(rel), base=None,
+                        attrs=PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None), new=True)
+        self.staging.add(sf)
+        node = self._staged_node(sf)
+        return self._open_handle(ino, node, True), self._attr(ino, node)
+
+    async def read(self, fh: HandleNo, off: int, size: int) -> bytes:
+        handle = self._file_handle(fh)
+        sf = self.staging.get(handle.ino)
+        if sf is not None and sf.serves_reads:
+            return await sf.read(off, size)
+        ra = handle.plan_readahead(off, size, self.config.readahead_min, self._readahead_max())
+        try:
+            return await self.cache.read(handle.info, off, size, ra)
+        except Corrupt:
+            # The cache refuses this version from now on; drop whatever the kernel cached of it.
+            self.files.forget_cached_version(handle.ino)
+            self.kernel.inode(handle.ino)
+            raise
+
+    async def write(self, fh: HandleNo, off: int, buf: bytes) -> int:
+        self._refuse_if_read_only()
+        handle = self._file_handle(fh)
+        if not handle.writable:
+            raise NatsFSError("file not open for writing", errno=errno.EBADF)
+        sf = self.staging.get(handle.ino)
+        if sf is None or sf.ended:
+            sf = self._stage(handle.ino, await self._version_of(handle))
+        async with sf.lock:
+            await self._fill(sf)
+            written = await sf.write(off, buf)
+        self.mut.after_write(sf, off)
+        self.counters["writes"] += 1
+        self.counters["write_bytes"] += written
+        return written
+
+    async def _version_of(self, handle: FileHandle) -> Node:
+        """What a handle's first write starts from: the object now at the inode's path if it is still
+        the version the handle opened (renamed or re-attributed by anyone: same nuid), else the pinned
+        version, whose upload then fails as a conflict instead of overwriting a newer object."""
+        pinned = Node(FILE, handle.info.bucket, (), None, handle.info)
+        if self.files.is_unlinked(handle.ino):
+            return pinned
+        try:
+            node = await self.ns.resolve(self.inodes.path_of(handle.ino))
+        except NatsFSError:
+            return pinned
+        if node.kind == FILE and node.info is not None and node.info.nuid == handle.info.nuid:
+            return node
+        return pinned
+
+    def _file_handle(self, fh: HandleNo) -> FileHandle:
+        handle = self.handles.get(fh)
+        if not isinstance(handle, FileHandle):
+            raise NatsFSError("bad file handle", errno=errno.EBADF)
+        return handle
+
+    def _readahead_max(self) -> int:
+        return max(self.config.readahead_min, min(self.config.readahead_max, self.cache.cache_bytes // 4))
+
+    async def flush(self, fh: HandleNo) -> None:
+        handle = self._file_handle(fh)
+        if handle.writable:  # a reader closing must not store a writer's half-written bytes
+            await self._store_in_time(handle.ino)
+
+    async def fsync(self, fh: HandleNo) -> None:
+        handle = self._file_handle(fh)
+        await self._store_in_time(handle.ino)
+
+    async def _store_in_time(self, ino: InodeNo) -> None:
+        """`_upload` under one deadline for the whole store (every request, retry and fallback in it):
+        `flush_timeout` seconds plus one per `flush_rate_floor` bytes staged. Past it the close fails
+        with EIO; the bytes stay staged (the next close tries again, release keeps them)."""
+        sf = self.staging.get(ino)
+        if sf is None or not sf.unstored:
+            return
+        limit = self.config.flush_timeout + sf.size / self.config.flush_rate_floor
+        with trio.move_on_after(limit) as scope:
+            await self._upload(ino)
+        if scope.cancelled_caught:
+            raise Unavailable(f"{sf.bucket}/{sf.name}: not stored within {limit:.0f} s (the server is unreachable "
+                              "or too slow)")
+
+    async def shutdown(self, timeout: float) -> None:
+        """Unmounting: store what files still open for writing hold (within `timeout` in all, progress in
+        the log); keep what cannot be stored in lost+found, one log line per file. Nothing is dropped
+        silently."""
+        pending = [sf for sf in self.staging.all() if sf.unstored]
+        if pending:
+            log.info("unmounting: storing %d file(s) still open for writing (%d bytes), for at most %g s",
+                     len(pending), sum(sf.size for sf in pending), timeout)
+        causes: dict[int, str] = {}
+        with trio.move_on_after(timeout):
+            for n, sf in enumerate(pending, 1):
+                try:
+                    await self._upload(InodeNo(sf.ino))
+                except NatsFSError as e:
+                    causes[sf.ino] = str(e)
+                    continue
+                if not sf.unstored:
+                    log.info("unmounting: stored %s/%s (%d bytes; %d of %d)", sf.bucket, sf.name, sf.size, n,
+                             len(pending))
+        for sf in self.staging.all():
+            self.staging.remove(sf)
+            if sf.unstored:
+                self.mut.discard_stream(sf)
+                kept = sf.keep()
+                log.warning("%s/%s: not stored before unmounting (%s); its bytes are kept at %s", sf.bucket,
+                            sf.name, causes.get(sf.ino, f"no time left after {timeout:g} s"), kept)
+            else:
+                self.mut.discard(sf)
+
+    async def _upload(self, ino: InodeNo) -> None:
+        sf = self.staging.get(ino)
+        if sf is None or not sf.unstored:
+            return
+        try:
+            with self.files.own_upload(ino):
+                info = await self.mut.upload(sf, self.config.chunk_size)
+        except Conflict as e:
+            self.counters["conflicts"] += 1
+            self.mut.discard_stream(sf)
+            kept = sf.keep()
+            self.staging.remove(sf)
+            log.warning("%s/%s: not stored, another client changed it meanwhile; your bytes are kept at %s",
+                        sf.bucket, sf.name, kept)
+            raise Conflict(f"{e} (kept at {kept})", log_level=logging.DEBUG) from None
+        if info is not None:
+            self.files.set_cached_version(ino, info.nuid)
+            self.counters["uploads"] += 1
+            self.counters["upload_bytes"] += info.size
+
+    async def release(self, fh: HandleNo) -> None:
+        handle = self.handles.pop(fh)
+        if not isinstance(handle, FileHandle):
+            return
+        last = self.files.released(handle.ino, writing=handle.writable)
+        if last is None:
+            return
+        if last.purge_later is not None:
+            await self.mut.purge_unused(*last.purge_later)
+        sf = self.staging.get(handle.ino)
+        if sf is None:
+            return
+        self.staging.remove(sf)
+        if sf.unstored:
+            self.mut.discard_stream(sf)
+            kept = sf.keep()
+            log.error("%s/%s: closed without a successful upload; the bytes are kept at %s", sf.bucket, sf.name,
+                      kept)
+        else:
+            self.mut.discard(sf)
+
+    # ------------------------------------------------------------------ attributes
+    async def setattr(self, inode: InodeNo, changes: AttrChanges) -> Attributes:
+        self._refuse_if_read_only()
+        node = await self._node(inode)
+        if node.kind in (ROOT, BUCKET):
+            if changes.size is not None:
+                raise IsADirectory("a bucket")
+            return self._attr(inode, node)  # bucket directories keep no attributes: accepted, not stored
+        assert node.bucket is not None
+        await self.mut.check_writable(node.bucket)
+        if changes.size is not None:
+            if node.kind != FILE:
+                raise IsADirectory("/".join(node.rel))
+            sf = self._stage(inode, node)
+            async with sf.lock:
+                await self._fill(sf, upto=changes.size)
+                await sf.truncate(changes.size)
+            self.mut.after_write(sf, changes.size)
+        if changes.posix:
+            await self._set_posix(inode, node, changes)
+        if changes.size is not None and not self.files.has_writers(inode):
+            # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
+            await self._upload(inode)
+            left = self.staging.get(inode)
+            if left is not None and not self.files.is_open(inode):
+                self.staging.remove(left)
+                self.mut.discard(left)
+        return self._attr(inode, await self._node(inode))
+
+    async def _set_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:
+        def merged(current: PosixAttrs | None, default_mode: int) -> PosixAttrs:
+            cur = current or PosixAttrs()
+            return PosixAttrs(
+                changes.mode if changes.mode is not None else (cur.mode if cur.mode is not None else default_mode),
+                changes.uid if changes.uid is not None else cur.uid,
+                changes.gid if changes.gid is not None else cur.gid,
+                changes.mtime_ns if changes.mtime_ns is not None else cur.mtime_ns,
+            )
+
+        assert node.bucket is not None
+        if node.kind == DIR:
+            assert node.dir is not None
+            marker = node.dir.marker
+            await self.mut.set_dir_attrs(node.bucket, node.rel, node.dir,
+                                         merged(marker.attrs if marker else None, self.config.dir_mode))
+            return
+        if node.kind == LINK:
+            return  # symlinks have no mode of their own; times on links are not stored
+        sf = self.staging.get(inode)
+        if sf is not None and sf.shadows_index:
+            # Stored together with the data at the next upload.
+            sf.set_attrs(changes.mode, changes.uid, changes.gid, changes.mtime_ns)
+            return
+        assert node.info is not None
+        current = node.info.attrs
+        new = merged(current, self.config.file_mode)
+        if changes.mtime_ns is None:
+            new = PosixAttrs(new.mode, new.uid, new.gid, current.mtime_ns if current else None)
+        info = await self.mut.set_attrs(node.bucket, node.info, new, self.mut.file_defaults)
+        if sf is not None and not sf.ended:
+            sf.rebase(info)
+
+    # ------------------------------------------------------------------ namespace changes
+    async def unlink(self, parent_inode: InodeNo, name: bytes) -> None:
+        self._refuse_if_read_only()
+        path = (*self.inodes.path_of(parent_inode), _name(name))
+        bucket, _ = self._in_bucket(path)
+        node = await self._path_node(path)
+        if node.kind in (DIR, BUCKET, ROOT):
+            raise IsADirectory("/".join(path))
+        await self.mut.check_writable(bucket)
+        ino = self.inodes.known(path)
+        sf = self.staging.get(ino) if ino is not None else None
+        stored = await self._index_info(path)
+        open_here = self.files.is_open(ino)
+        with self.files.changing(path):
+            if stored is not None:
+                await self.mut.delete(bucket, stored, keep_chunks=open_here)
+            elif sf is None or sf.ended:
+                raise NotFound("/".join(path))
+        self._forget_open_version(ino, bucket, stored, open_here)
+        if sf is not None and not sf.ended:
+            sf.unlink()
+        self._detach(path)
+
+    def _forget_open_version(self, ino: InodeNo | None, bucket: str, stored: ObjectInfo | None, open_here: bool
+                             ) -> None:
+        """An object this mount deleted or replaced while it holds it open: like a local disk, those
+        handles keep reading (its chunks are purged at the last close) and their writes go nowhere."""
+        if ino is None or not open_here:
+            return
+        self.files.unlinked_while_open(ino, (bucket, stored.nuid) if stored is not None and stored.nuid else None)
+
+    async def _index_info(self, path: tuple[str, ...]) -> ObjectInfo | None:
+        """The object the bucket (not the staging area) has at `path`, if any."""
+        try:
+            node = await self.ns.resolve(path)
+        except NotFound:
+            return None
+        return node.info if node.kind in (FILE, LINK) else None
+
+    async def mkdir(self, parent_inode: InodeNo, name: bytes, mode: int, caller: Caller) -> Attributes:
+        self._refuse_if_read_only()
+        path = (*self.inodes.path_of(parent_inode), _new_name(name))
+        bucket, rel = self.ns.split(path)
+        if bucket is None or not rel:
+            return await self._make_bucket(path, mode)
+        self.ns.store.check_name(bucket, "/".join(rel) + "/")
+        if await self._maybe_node(path) is not None:
+            raise AlreadyExists("/".join(path))
+        parent = await self._path_node(path[:-1])
+        if parent.kind not in (ROOT, BUCKET, DIR):
+            raise NotADirectory("/".join(path[:-1]))
+        await self.mut.mkdir(bucket, rel, PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None))
+        node = await self.ns.resolve(path)
+        return self._attr(self.inodes.lookup(path), node)
+
+    async def _make_bucket(self, path: tuple[str, ...], mode: int) -> Attributes:
+        """mkdir at the root of an all-buckets mount creates a bucket with the mount's defaults."""
+        if self.ns.single_bucket is not None or len(path) != 1:
+            raise AlreadyExists("/")
+        bucket = path[0]
+        if not valid_bucket_name(bucket):
+            raise InvalidArgument(f"invalid bucket name {bucket!r}: letters, digits, '-' and '_' only")
+        if await self.ns.bucket_exists(bucket):
+            raise AlreadyExists(f"bucket {bucket}")
+        await self.mut.create_bucket(bucket)
+        node = await self.ns.resolve(path)
+        return self._attr(self.inodes.lookup(path), node)
+
+    async def rmdir(self, parent_inode: InodeNo, name: bytes) -> None:
+        self._refuse_if_read_only()
+        path = (*self.inodes.path_of(parent_inode), _name(name))
+        bucket, rel = self.ns.split(path)
+        node = await self._path_node(path)
+        if node.kind not in (DIR, BUCKET):
+            raise NotADirectory("/".join(path))
+        if bucket is None or not rel:
+            if self.ns.single_bucket is not None or bucket is None:
+                raise NatsFSError("the root of the mount", errno=errno.EBUSY, log_level=logging.INFO)
+            await self.mut.delete_bucket(bucket)
+            self._detach(path)
+            return
+        assert node.dir is not None
+        await self.mut.rmdir(bucket, rel, node.dir, path)
+        self._detach(path)
+
+    async def rename(self, parent_inode_old: InodeNo, name_old: bytes, parent_inode_new: InodeNo, name_new: bytes,
+                     *, noreplace: bool = False, exchange: bool = False) -> None:
+        self._refuse_if_read_only()
+        old = (*self.inodes.path_of(parent_inode_old), _name(name_old))
+        new = (*self.inodes.path_of(parent_inode_new), _new_name(name_new))
+        if exchange:
+            raise InvalidArgument("RENAME_EXCHANGE is not supported")
+        bucket_old, rel_old = self.ns.split(old)
+        bucket_new, rel_new = self.ns.split(new)
+        if bucket_old is None or bucket_new is None or not rel_old or not rel_new or bucket_old != bucket_new:
+            raise NatsFSError("rename across buckets (or of a bucket)", errno=errno.EXDEV, log_level=logging.DEBUG)
+        bucket = bucket_old
+        src = await self._path_node(old)
+        dst = await self._maybe_node(new)
+        if dst is not None and noreplace:
+            raise AlreadyExists("/".join(new))
+        if old == new:
+            return
+        await self.mut.check_writable(bucket)
+        with self.files.changing(old, new):
+            await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
+        self._move_staged(bucket, old, new)
+        self.inodes.move(old, new)
+
+    async def _rename(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...], rel_old: tuple[str, ...],
+                      rel_new: tuple[str, ...], src: Node, dst: Node | None) -> None:
+        if src.kind == DIR:
+            if dst is not None and dst.kind != DIR:
+                raise NotADirectory("/".join(new))
+            if new[: len(old)] == old:
+                raise InvalidArgument("cannot move a directory into itself")
+            if dst is not None and self.staging.children(new):
+                raise NotEmpty("/".join(new))  # files being written there count
+            assert src.dir is not None
+            await self.mut.rename_dir(bucket, rel_old, src.dir, rel_new, dst.dir if dst is not None else None)
+            return
+        if dst is not None and dst.kind == DIR:
+            raise IsADirectory("/".join(new))
+        self.ns.store.check_name(bucket, "/".join(rel_new))
+        stored = await self._index_info(old)
+        target = await self._index_info(new)
+        dst_ino = self.inodes.known(new)
+        target_open = self.files.is_open(dst_ino)
+        if stored is not None:
+            await self.mut.rename_object(bucket, stored, "/".join(rel_new), target, keep_target_chunks=target_open)
+        elif target is not None:
+            # A file that exists only in the staging area replaces an object: delete that one now;
+            # the staged bytes are stored under the new name when they are closed.
+            await self.mut.delete(bucket, target, keep_chunks=target_open)
+        self._forget_open_version(dst_ino, bucket, target, target_open)
+        dst_sf = self.staging.get(dst_ino) if dst_ino is not None else None
+        if dst_sf is not None and not dst_sf.ended:
+            dst_sf.unlink()
+
+    def _move_staged(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+        """Staged files at or under `old` now belong to `new` (and to the renamed objects' revisions)."""
+        index = self.ns.loaded_index(bucket)
+        for sf in self.staging.all():
+            if sf.path[: len(old)] != old or sf.unlinked:
+                continue
+            path = new + sf.path[len(old):]
+            name = "/".join(self.ns.split(path)[1])
+            moved = index.objects.get(name) if index is not None and sf.base is not None else None
+            same = moved is not None and sf.base is not None and moved.nuid == sf.base.nuid
+            sf.move(path, name, moved if same else None)
+
+    async def link(self, inode: InodeNo, new_parent_inode: InodeNo, new_name: bytes) -> Attributes:
+        self._refuse_if_read_only()
+        raise NatsFSError("hard links are not supported", errno=errno.EPERM, log_level=logging.INFO)
+
+    async def mknod(self, parent_inode: InodeNo, name: bytes, mode: int, caller: Caller) -> Attributes:
+        self._refuse_if_read_only()
+        if not stat.S_ISREG(mode):
+            raise NatsFSError("device nodes, FIFOs and sockets are not supported", errno=errno.EPERM,
+                              log_level=logging.INFO)
+        info, attr = await self.create(parent_inode, name, mode, os.O_WRONLY | os.O_EXCL, caller)
+        await self.flush(info.fh)
+        await self.release(info.fh)
+        return attr
+
+    # ------------------------------------------------------------------ filesystem
+    async def statfs(self) -> FsUsage:
+        bsize = 4096
+        used, total = 0, -1
+        if self.ns.single_bucket is not None:
+            status = await self.ns.store.bucket_status(self.ns.single_bucket)
+            used, total = status.size, status.max_bytes
+            files = status.messages
+        else:
+            limits = await self.ns.store.streams.account_limits()
+            used, total = limits.storage_used, limits.max_storage
+            files = 0
+        if total <= 0:
+            total = used + PETABYTE
+        used_blocks = -(-used // bsize)
+        blocks = max(-(-total // bsize), used_blocks)
+        return FsUsage(block_size=bsize, blocks=blocks, blocks_free=blocks - used_blocks, files=files + 1_000_000,
+                       files_free=1_000_000, name_max=NAME_MAX)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "cache": self.cache.stats.as_dict() | {"cached_bytes": self.cache.cached_bytes,
+                                                   "cache_limit": self.cache.cache_bytes},
+            "fs": dict(self.counters),
+            "staged_files": len(self.staging),
+            "spool_bytes": self.staging.spool.used,
+            "inodes": len(self.inodes),
+            "handles": len(self.handles),
+            "namespace": self.ns.stats(),
+            "kernel_invalidations": self.kernel.done,
+            "servers": redact_urls(self.config.servers) if self.config.servers else "embedded nats-server",
+            "recent_errors": recent_problems(),
+        }
+
+    # ------------------------------------------------------------------ links
+    async def symlink(self, parent_inode: InodeNo, name: bytes, target: bytes) -> Attributes:
+        """`ln -s` makes an ADR-20 link (AddLink / AddBucketLink) to the object or bucket it names."""
+        self._refuse_if_read_only()
+        path = (*self.inodes.path_of(parent_inode), _new_name(name))
+        bucket, rel = self._in_bucket(path)
+        self.ns.store.check_name(bucket, "/".join(rel))
+        await self.mut.check_writable(bucket)
+        if await self._maybe_node(path) is not None:
+            raise AlreadyExists("/".join(path))
+        target_path = self._link_target_path(path[:-1], os.fsdecode(target))
+        target_bucket, target_rel = self.ns.split(target_path)
+        if target_bucket is None:
+            raise InvalidArgument("a link can name an object or a bucket, not the root of the mount")
+        if not target_rel:
+            if not await self.ns.bucket_exists(target_bucket):
+                raise NotFound(f"no bucket {target_bucket}")
+            await self.mut.add_link(bucket, "/".join(rel), target_bucket, None)
+        else:
+            node = await self._maybe_node(target_path)
+            if node is None:
+                raise NotFound(f"link target {'/'.join(target_path)} does not exist")
+            if node.kind == LINK:
+                raise InvalidArgument("ADR-20 links cannot point at links")
+            if node.kind != FILE:
+                raise InvalidArgument("ADR-20 links point at objects or buckets, not directories")
+            stored = await self._index_info(target_path)
+            if stored is None:
+                raise NotFound(f"link target {'/'.join(target_path)} is not stored yet (close it first)")
+            await self.mut.add_link(bucket, "/".join(rel), target_bucket, stored.name)
+        node = await self.ns.resolve(path)
+        return self._attr(self.inodes.lookup(path), node)
+
+    def _link_target_path(self, directory: tuple[str, ...], target: str) -> tuple[str, ...]:
+        """The mount path a symlink target names, relative to the link's directory or absolute
+        under the mountpoint; `EXDEV` for anything outside the mount."""
+        outside = NatsFSError(f"link target {target!r} is outside the mount", errno=errno.EXDEV,
+                              log_level=logging.INFO)
+        if target.startswith("/"):
+            root = str(self.config.mountpoint.resolve())
+            if target != root and not target.startswith(root.rstrip("/") + "/"):
+                raise outside
+            parts: list[str] = []
+            segments = target[len(root):].split("/")
+        else:
+            parts = list(directory)
+            segments = target.split("/")
+        for seg in segments:
+            if seg in ("", "."):
+                continue
+            if seg == "..":
+                if not parts:
+                    raise outside
+                parts.pop()
+            else:
+                parts.append(seg)
+        return tuple(parts)
+
+    # ------------------------------------------------------------------ extended attributes
+    async def _meta_doc(self, node: Node) -> tuple[dict[str, Any], int]:
+        """The full meta document of a file or link (or what a staged new file will store)."""
+        assert node.info is not None and node.bucket is not None
+        ino = self.inodes.known(self.ns.mount_path(node.bucket, node.rel))
+        sf = self.staging.get(ino) if ino is not None else None
+        if sf is not None and sf.never_stored:
+            doc: dict[str, Any] = {"name": sf.name, "bucket": sf.bucket}
+            sf.apply_xattr_changes(doc)
+            return doc, 0
+        got = await self.ns.store.get_meta_doc(node.bucket, node.info.name)
+        if got is None or got[0].get("deleted"):
+            raise NotFound(f"{node.bucket}/{node.info.name}")
+        return got
+
+    async def getxattr(self, inode: InodeNo, name: bytes) -> bytes:
+        if inode == ROOT_INODE and name == XATTR_STATS:
+            return json.dumps(self.stats()).encode()
+        key = os.fsdecode(name)
+        if not key.startswith(xattrs.USER):
+            # Only the user.* namespace exists here. `ls -l` asks every file for security.selinux and
+            # system.posix_acl_access; ENOTSUP (rather than ENODATA) tells it this filesystem has none
+            # of those at all, so it stops asking after the first file: no request per entry.
+            raise NatsFSError(f"{key}: only user.* attributes exist here", errno=errno.EOPNOTSUPP,
+                              log_level=logging.DEBUG)
+        node = await self._node(inode)
+        if node.kind == BUCKET and node.bucket is not None:
+            st = await self.ns.store.bucket_status(node.bucket)
+            return xattrs.get_bucket(st.config, st.size, st.messages, key)
+        if node.kind in (FILE, LINK):
+            doc, revision = await self._meta_doc(node)
+            return xattrs.get_object(doc, revision, key)
+        raise xattrs.NoAttribute(key)
+
+    async def listxattr(self, inode: InodeNo) -> list[bytes]:
+        node = await self._node(inode)
+        names: list[bytes] = [XATTR_STATS] if inode == ROOT_INODE else []
+        if node.kind == BUCKET and node.bucket is not None:
+            st = await self.ns.store.bucket_status(node.bucket)
+            names += xattrs.list_bucket(st.config, st.size, st.messages)
+        elif node.kind in (FILE, LINK):
+            doc, revision = await self._meta_doc(node)
+            names += xattrs.list_object(doc, revision)
+        return names
+
+    async def setxattr(self, inode: InodeNo, name: bytes, value: bytes) -> None:
+        self._refuse_if_read_only()
+        await self._change_xattr(inode, os.fsdecode(name), value)
+
+    async def removexattr(self, inode: InodeNo, name: bytes) -> None:
+        self._refuse_if_read_only()
+        await self._change_xattr(inode, os.fsdecode(name), None)
+
+    async def _change_xattr(self, inode: InodeNo, key: str, value: bytes | None) -> None:
+        node = await self._node(inode)
+        if node.kind == BUCKET and node.bucket is not None:
+            await self.mut.change_bucket(node.bucket, lambda config: xattrs.set_bucket(config, key, value))
+            return
+        if node.kind not in (FILE, LINK) or node.bucket is None or node.info is None:
+            raise NatsFSError("extended attributes live on files, links and buckets", errno=errno.EPERM,
+                              log_level=logging.INFO)
+        await self.mut.check_writable(node.bucket)
+
+        def change(doc: dict[str, Any]) -> None:
+            xattrs.set_object(doc, key, value)
+
+        sf = self.staging.get(inode)
+        if sf is not None and sf.never_stored:
+            # No object yet: check now, store with the data at close.
+            doc, _ = await self._meta_doc(node)
+            change(doc)
+            check_meta_size(doc, self.config.max_meta_bytes)
+            self.ns.store.check_meta_payload(node.bucket, doc)
+            sf.change_xattr(key, value)
+            return
+        stored = await self._index_info(self.inodes.path_of(inode))
+        if stored is None:
+            raise NotFound("/".join(node.rel))
+        info = await self.mut.change_meta(node.bucket, stored, change)
+        if sf is not None and not sf.ended and sf.base is not None:
+            sf.rebase(info)  # our own change: not a conflict at upload
