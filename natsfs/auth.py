@@ -74,7 +74,7 @@ class Connection:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> Connection:
+    def from_json(cls, text: str | bytes | bytearray) -> Connection:
         doc = json.loads(text)
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in doc.items() if k in known}
