@@ -148,7 +148,7 @@ def test_read_only_mount_refuses_writes_with_erofs(private_server, mounter):
 def test_status_of_a_live_mount(private_server, mounter):
     url = private_server.url
     create_bucket(url, "b1")
-    m = mounter(url)
+    m = mounter(url, "--spool-size", "4MiB")
     (m / "b1" / "data.bin").write_bytes(b"z" * (3 << 20))
     assert (m / "b1" / "data.bin").read_bytes() == b"z" * (3 << 20)
     proc = subprocess.run([str(NATSFS), "status", str(m.path)], capture_output=True, text=True, timeout=30)
@@ -162,6 +162,14 @@ def test_status_of_a_live_mount(private_server, mounter):
     assert "3.0 MiB stored in 1 uploads" in report["written"]
     assert report["pending uploads"].strip() == "0 files, 0 B staged"
     assert report["recent errors"].strip() == "none"
+    # A warning of the daemon is one of the recent problems it reports.
+    with pytest.raises(OSError) as full:
+        (m / "b1" / "too-big.bin").write_bytes(b"y" * (5 << 20))
+    assert full.value.errno == errno.ENOSPC
+    after = subprocess.run([str(NATSFS), "status", str(m.path)], capture_output=True, text=True, timeout=30)
+    problems = after.stdout.split("recent errors:", 1)[1].splitlines()
+    assert int(problems[0]) == len(problems) - 1 >= 1, after.stdout
+    assert all("WARNING spool is full" in line for line in problems[1:]), after.stdout
     # JSON for scripts (without a mountpoint: every natsfs mount, also other sessions' here).
     as_json = subprocess.run([str(NATSFS), "status", "--json", str(m.path)], capture_output=True, text=True,
                              timeout=30)
