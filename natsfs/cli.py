@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="show what the daemon of a mount is doing")
     st.add_argument("mountpoint", type=Path, nargs="?", help="a natsfs mount (default: every natsfs mount)")
     st.add_argument("--json", action="store_true", help="print the daemon's figures as JSON")
+    st.add_argument("--prometheus", action="store_true",
+                    help="print Prometheus text metrics (for node_exporter's textfile collector)")
 
     b = sub.add_parser("bucket", help="manage buckets")
     auth.add_options(b, suppress=True)
@@ -456,7 +458,12 @@ def cmd_status(a: argparse.Namespace) -> int:
             print(f"natsfs: cannot read the status of {target}: {reason}", file=sys.stderr)
             failed = 1
             continue
-        print(json.dumps(stats, indent=2) if a.json else status.format_status(target, stats))
+        if a.json:
+            print(json.dumps(stats, indent=2))
+        elif a.prometheus:
+            print(status.prometheus_text(target, stats))
+        else:
+            print(status.format_status(target, stats))
     sys.stdout.flush()
     if failed and a.mountpoint is not None:
         os._exit(1)  # a thread may still wait on a daemon that does not answer

@@ -100,3 +100,27 @@ def format_status(mountpoint: str, stats: dict[str, Any]) -> str:
     lines.append(f"recent errors:    {len(problems) or 'none'}")
     lines += [f"  {p}" for p in problems]
     return "\n".join(lines)
+
+
+def prometheus_text(mountpoint: str, stats: dict[str, Any]) -> str:
+    """The figures in Prometheus' text format (for node_exporter's textfile collector, `--prometheus`)."""
+    cache, fs = stats.get("cache", {}), stats.get("fs", {})
+    label = '{mountpoint="' + mountpoint.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+    metrics = [
+        ("natsfs_cache_bytes", "gauge", "bytes in the chunk cache", cache.get("cached_bytes", 0)),
+        ("natsfs_cache_limit_bytes", "gauge", "chunk cache size", cache.get("cache_limit", 0)),
+        ("natsfs_cache_hits_total", "counter", "chunk cache hits", cache.get("hits", 0)),
+        ("natsfs_cache_misses_total", "counter", "chunk cache misses", cache.get("misses", 0)),
+        ("natsfs_read_bytes_total", "counter", "bytes read through the mount", cache.get("read_bytes", 0)),
+        ("natsfs_fetched_bytes_total", "counter", "bytes fetched from NATS", cache.get("bytes_fetched", 0)),
+        ("natsfs_written_bytes_total", "counter", "bytes written through the mount", fs.get("write_bytes", 0)),
+        ("natsfs_uploaded_bytes_total", "counter", "bytes stored in NATS", fs.get("upload_bytes", 0)),
+        ("natsfs_pending_uploads", "gauge", "files staged but not stored yet", stats.get("staged_files", 0)),
+        ("natsfs_spool_bytes", "gauge", "bytes staged on local disk", stats.get("spool_bytes", 0)),
+        ("natsfs_recent_problems", "gauge", "warnings and errors kept for status",
+         len(stats.get("recent_errors") or [])),
+    ]
+    lines = []
+    for name, kind, text, value in metrics:
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name}{label} {value}"]
+    return "\n".join(lines)

@@ -162,6 +162,10 @@ def test_status_of_a_live_mount(private_server, mounter):
     assert "3.0 MiB stored in 1 uploads" in report["written"]
     assert report["pending uploads"].strip() == "0 files, 0 B staged"
     assert report["recent errors"].strip() == "none"
+    metrics = subprocess.run([str(NATSFS), "status", "--prometheus", str(m.path)], capture_output=True, text=True,
+                             timeout=30)
+    assert f'natsfs_written_bytes_total{{mountpoint="{m.path}"}} {3 << 20}' in metrics.stdout.splitlines()
+    assert "# TYPE natsfs_pending_uploads gauge" in metrics.stdout
     # A warning of the daemon is one of the recent problems it reports.
     with pytest.raises(OSError) as full:
         (m / "b1" / "too-big.bin").write_bytes(b"y" * (5 << 20))
