@@ -1,10 +1,15 @@
-"""Command line: `natsfs mount|umount|bucket ...`, option parsing, exit codes, one-sentence errors.
+"""Command line: `natsfs mount|umount|status|bucket ...`, option parsing, exit codes, one-sentence errors.
 
-`natsfs mount` without `--foreground` starts the daemon as a child process and waits until it
-reports the mount live (exit 0) or reports why it could not start (exit 1, one sentence). The child
-reports over a pipe named by the hidden `--ready-fd` option. The child runs isolated (`python -I`),
-and the server URLs (which may carry credentials) reach it through another pipe (`--servers-fd`),
-never on its command line or in its environment.
+The mount options are generated from `Config` (config.py `option` fields) plus the connection options
+(auth.py); each is also `-o key=value`, and mount(8)'s form `natsfs SOURCE MOUNTPOINT -o OPTIONS` (as
+mount.fuse3 runs it for `-t fuse.natsfs`) is turned into `natsfs mount` first.
+
+`natsfs mount` without `--foreground` starts the daemon as a child process with the user's own
+arguments (less the connection options) and waits until it reports the mount live (exit 0) or reports
+why it could not start (exit 1, one sentence). The child reports over a pipe named by the hidden
+`--ready-fd` option. The child runs isolated (`python -I`), and the connection settings (server URLs
+and credentials, which may be secret) reach it through another pipe (`--servers-fd`), never on its
+command line or in its environment.
 
 The daemon's log file is created 0600 in a directory created 0700, and is reopened when logrotate
 moves it away.
