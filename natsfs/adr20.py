@@ -14,6 +14,15 @@ only once its meta is known not to be stored; puts that end otherwise are handed
 settles them later (see `natsfs.staging.PutJournal`). Names are checked before anything is sent: valid
 UTF-8 (`BadName`), no request subject over `max_subject_bytes` (`NameTooLong`: an oversize control line
 makes the server drop the connection), no meta over the server's max payload (`TooBig`).
+
+Atomic puts: in a bucket whose stream allows atomic batch publish (`allow_atomic`, nats-server >= 2.12;
+`create_bucket` sets it), a put of at most `ATOMIC_MAX_CHUNKS` chunks is one batch whose commit is the
+meta, so it is stored whole or not at all and needs no journal record (`_put_batch`). Verified on
+nats-server 2.15: the expected-last-subject-sequence header works inside a batch (a mismatch refuses the
+whole batch); a message id the stream already saw refuses the whole batch (10201) instead of being
+acknowledged as a duplicate, while the ids of a refused or abandoned batch are not remembered. So an
+unacknowledged commit is read back and, if not stored, the same batch (same ids) is sent again: stored
+at most once. Other puts keep the nats.go order (`PutSession`).
 """
 
 from __future__ import annotations
@@ -27,17 +36,20 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
 
 from .errors import (
+    ERR_ATOMIC_DISABLED,
+    ERR_BATCH_DUPLICATE_ID,
     AlreadyExists,
     BadName,
     Conflict,
     InvalidArgument,
+    JetStreamAPIError,
     MalformedMeta,
     NameTooLong,
     NatsFSError,
@@ -47,7 +59,15 @@ from .errors import (
     Unavailable,
     single_error,
 )
-from .streams import EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, ROLLUP, StoredMsg, Streams, StreamState
+from .streams import (
+    BATCH_MAX_MSGS,
+    EXPECTED_LAST_SUBJECT_SEQ,
+    MSG_ID,
+    ROLLUP,
+    StoredMsg,
+    Streams,
+    StreamState,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +81,9 @@ DEFAULT_MAX_PAYLOAD = 1024 * 1024
 _META_HEADER_ROOM = 256
 # How long an ambiguous meta publish is retried and read back: well inside the 120 s duplicate window.
 SETTLE_S = 60.0
+# The most chunks a put sent as one atomic batch can have: a batch holds at most 1000 messages, the
+# last one being the meta.
+ATOMIC_MAX_CHUNKS = BATCH_MAX_MSGS - 1
 BUCKET_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]+$")
 # Keys of a meta's `metadata` map that carry POSIX attributes written by natsfs.
 ATTR_MODE = "natsfs.mode"
@@ -371,6 +394,8 @@ class ObjectStore:
         self.settle_timeout = settle_timeout
         # Told of every put that sends chunks, so that no put can leave orphan chunks unnoticed.
         self.put_log: PutLog | None = None
+        # Whether each bucket's stream allows atomic batch publish (from its last status).
+        self._atomic: dict[str, bool] = {}
 
     @property
     def max_payload(self) -> int:
@@ -412,12 +437,16 @@ class ObjectStore:
     async def bucket_status(self, bucket: str) -> BucketStatus:
         if not valid_bucket_name(bucket):
             raise NotFound(f"no bucket {bucket!r}")
-        return bucket_status(bucket, await self.streams.stream_info(stream_name(bucket)))
+        st = await self.streams.stream_info(stream_name(bucket))
+        self._atomic[bucket] = bool(st.config.get("allow_atomic"))
+        return bucket_status(bucket, st)
 
     async def create_bucket(self, bucket: str, *, description: str = "", storage: str = "file",
                             replicas: int = 1, compression: bool = False, max_bytes: int = -1,
-                            ttl_ns: int = 0, metadata: dict[str, str] | None = None) -> BucketStatus:
-        """Create a bucket with the stream config nats.go's CreateObjectStore uses."""
+                            ttl_ns: int = 0, metadata: dict[str, str] | None = None,
+                            atomic: bool = True) -> BucketStatus:
+        """Create a bucket with the stream config nats.go's CreateObjectStore uses, plus (`atomic`) the
+        flag that lets puts of up to `ATOMIC_MAX_CHUNKS` chunks go as one atomic batch."""
         if not valid_bucket_name(bucket):
             raise InvalidArgument(f"invalid bucket name {bucket!r} (letters, digits, - and _ only)")
         config: dict[str, Any] = {
@@ -438,6 +467,8 @@ class ObjectStore:
             "allow_rollup_hdrs": True,
             "allow_direct": True,
             "compression": "s2" if compression else "none",
+            # Servers before 2.12 ignore it.
+            "allow_atomic": atomic,
         }
         if metadata:
             config["metadata"] = metadata
@@ -611,23 +642,208 @@ class ObjectStore:
         the meta is stored, the new chunks are purged and the previous version stays intact.
         With `replace_tombstone`, a new name (expected revision 0) may replace a deleted object."""
         self.check_name(bucket, name)
+        chunk_size = chunk_size or self.chunk_size
+        commit: dict[str, Any] = dict(base=base, expected_revision=expected_revision, old_nuid=old_nuid,
+                                      extra=extra, replace_tombstone=replace_tombstone)
+        head: list[bytes] = []
+        if self.batch_fits(bucket, 1, chunk_size):
+            # Read up to one batch ahead: a source that ends within it is put atomically.
+            while len(head) <= ATOMIC_MAX_CHUNKS and (more := await source.read_batch(
+                    chunk_size, ATOMIC_MAX_CHUNKS + 1 - len(head))):
+                head += more
+            if 0 < len(head) <= ATOMIC_MAX_CHUNKS:
+                read = head
+
+                async def replay(hasher: Any) -> AsyncIterator[bytes]:
+                    for chunk in read:
+                        hasher.update(chunk)
+                        yield chunk
+
+                return await self._put_batch(bucket, name, replay, chunk_size, window, **commit)
         session = self.start_put(bucket, chunk_size, window, name)
         try:
+            await session.send(head)
             await self._send_all(session, source, window)
-            return await session.commit(name, source.digest(), base=base, expected_revision=expected_revision,
-                                        old_nuid=old_nuid, extra=extra, replace_tombstone=replace_tombstone)
+            return await session.commit(name, source.digest(), **commit)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await session.abort()
             raise
 
     async def put_file(self, bucket: str, name: str, path: str, fd: int, size: int, **kwargs: Any) -> ObjectInfo:
-        """`put` of the first `size` bytes of a local file (a spool file), by the upload worker if any."""
+        """`put` of the first `size` bytes of a local file (a spool file): one atomic batch when the
+        bucket allows it and the object fits, else by the upload worker if any."""
         self.check_name(bucket, name)
-        session = self.start_put(bucket, kwargs.pop("chunk_size", None), kwargs.pop("window", 64), name)
+        chunk_size = kwargs.pop("chunk_size", None) or self.chunk_size
+        window = kwargs.pop("window", 64)
+        if size > 0 and self.batch_fits(bucket, size, chunk_size):
+
+            def file_chunks(hasher: Any) -> AsyncIterator[bytes]:
+                return _file_chunks(fd, size, chunk_size, hasher)
+
+            return await self._put_batch(bucket, name, file_chunks, chunk_size, window, **kwargs)
+        session = self.start_put(bucket, chunk_size, window, name)
         try:
             await session.send_file(path, fd, 0, size)
             return await session.commit(name, await session.digest(), **kwargs)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await session.abort()
+            raise
+
+    # ---------------------------------------------------------------- atomic puts
+    def batch_fits(self, bucket: str, size: int, chunk_size: int | None = None) -> bool:
+        """Whether a put of `size` bytes into `bucket` goes as one atomic batch: the bucket is known to
+        allow atomic publish (`allow_atomic`, seen in its status) and the chunks and meta fit one batch."""
+        chunks = -(-size // (chunk_size or self.chunk_size))
+        return (self._atomic.get(bucket, False) and chunks <= ATOMIC_MAX_CHUNKS
+                and getattr(self.streams, "publish_batch", None) is not None)
+
+    async def _put_batch(self, bucket: str, name: str, chunks_of: Callable[[Any], AsyncIterator[bytes]],
+                         chunk_size: int, window: int, *, base: dict[str, Any] | None = None,
+                         expected_revision: int | None = None, old_nuid: str = "",
+                         extra: Callable[[dict[str, Any]], None] | None = None,
+                         replace_tombstone: bool = False) -> ObjectInfo:
+        """A put as one atomic batch: chunks `<nuid>.<i>` and the meta (rollup, expected revision) are
+        stored together at the commit or not at all, so no crash leaves a partial version or orphan
+        chunks, and no put journal record is needed. `chunks_of(hasher)` yields the chunks (fed to the
+        hasher) and is called again for each attempt.
+
+        - A tombstone in the way of a new name: the batch is sent again on the tombstone's revision.
+        - A commit without an ack (`OutcomeUnknown`): the name's meta is read back; ours is success;
+          anything else and the same batch (same message ids, new batch id) is sent again until
+          `settle_timeout`. A batch stored meanwhile makes the server refuse the resend as a duplicate
+          (`ERR_BATCH_DUPLICATE_ID`), which is read back too: a batch is never stored twice.
+        - A batch the server does not take as such (atomic publish turned off, too many batches in
+          flight): the ordinary put, unless an earlier attempt's outcome is still unknown."""
+        meta_subj = self._meta_subject(bucket, name)
+        expected = expected_revision
+        nuid = new_nuid()
+        subject = chunk_subject(bucket, nuid)
+        ambiguous: NatsFSError | None = None
+        deadline = 0.0
+        pause = 0.2
+        attempt = 0
+        sent: dict[str, bytes] = {}
+        noted = self._note_replacing(bucket, old_nuid, nuid, name)
+        try:
+            while True:
+                attempt += 1
+                hasher = hashlib.sha256()
+
+                async def messages(hasher: Any = hasher, expected: int | None = expected
+                                   ) -> AsyncIterator[tuple[str, bytes, dict[str, str]]]:
+                    size = count = 0
+                    async for chunk in chunks_of(hasher):
+                        yield subject, chunk, {MSG_ID: f"{nuid}.{count}"}
+                        size += len(chunk)
+                        count += 1
+                    doc = meta_doc(name=name, bucket=bucket, nuid=nuid, size=size, chunks=count,
+                                   digest=format_digest(hasher.digest()), base=base, chunk_size=chunk_size)
+                    if extra is not None:
+                        extra(doc)
+                    data = json.dumps(doc).encode()
+                    self.check_meta_payload(bucket, doc, data)
+                    headers = {ROLLUP: "sub", MSG_ID: f"{nuid}.meta"}
+                    if expected is not None:
+                        headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
+                    sent["meta"] = data
+                    yield meta_subj, data, headers
+
+                try:
+                    seq = await self.streams.publish_batch(f"{nuid}.{attempt}", messages())  # type: ignore[attr-defined]
+                    break
+                except OutcomeUnknown as e:
+                    if ambiguous is None:
+                        ambiguous, deadline = e, trio.current_time() + self.settle_timeout
+                    mine = await self._read_back(bucket, meta_subj, sent["meta"], expected, deadline, e)
+                    if mine is not None:
+                        seq = mine.seq
+                        break
+                except Conflict:
+                    if ambiguous is not None:
+                        mine = await self._read_back(bucket, meta_subj, sent["meta"], expected, deadline,
+                                                     ambiguous)
+                        if mine is not None:
+                            seq = mine.seq
+                            break
+                        raise
+                    if not (replace_tombstone and expected == 0 and attempt == 1):
+                        raise
+                    current = await self.get_info(bucket, name)
+                    if current is None or not current.deleted:
+                        raise
+                    expected = current.revision
+                    continue
+                except JetStreamAPIError as e:
+                    if ambiguous is not None:
+                        mine = await self._read_back(bucket, meta_subj, sent["meta"], expected, deadline,
+                                                     ambiguous)
+                        if mine is not None:
+                            seq = mine.seq
+                            break
+                        if e.err_code == ERR_BATCH_DUPLICATE_ID:
+                            raise Conflict(f"{bucket}/{name}: stored, then changed by another client") from None
+                        raise
+                    if e.err_code == ERR_ATOMIC_DISABLED:
+                        self._atomic[bucket] = False
+                    log.info("%s/%s: the server did not take the put as one batch (%s); putting it in order",
+                             bucket, name, e.description)
+                    sent.clear()  # that batch was refused: nothing of it can be stored
+                    return await self._put_in_order(bucket, name, chunks_of, chunk_size, window, base=base,
+                                                    expected_revision=expected, old_nuid=old_nuid, extra=extra,
+                                                    replace_tombstone=replace_tombstone)
+                except Unavailable:
+                    if ambiguous is None:
+                        raise  # cut off before the commit: nothing of this put is stored
+                if trio.current_time() >= deadline:
+                    raise OutcomeUnknown(f"{bucket}/{name}: the put's commit got no answer ({ambiguous}) and was "
+                                         f"not stored within {self.settle_timeout:g}s")
+                await trio.sleep(pause)
+                pause = min(2.0, pause * 2)
+        except BaseException as e:
+            if "meta" in sent and (isinstance(e, OutcomeUnknown) or not isinstance(e, NatsFSError)):
+                # The commit may have been sent and stored (no answer, or cancelled by the caller's deadline).
+                self._journal_unknown(bucket, nuid, name)
+            with trio.CancelScope(shield=True):
+                await self._end_replacing(bucket, old_nuid, name, noted, stored=False)
+            raise
+        stored_msg = await self._stored_meta(bucket, meta_subj, seq, sent["meta"])
+        if old_nuid and old_nuid != nuid:
+            await self._end_replacing(bucket, old_nuid, name, noted, stored=True)
+        return parse_meta(bucket, stored_msg)
+
+    def _journal_unknown(self, bucket: str, nuid: str, name: str) -> None:
+        """A batch whose commit may have been stored: the `PutLog` settles it like an unfinished put
+        (kept if the name holds it, else its chunk subject is purged: empty, as nothing was stored)."""
+        if self.put_log is not None:
+            self.put_log.started(bucket, nuid, name)
+            self.put_log.failed(bucket, nuid, name, meta_unknown=True, purged=False)
+
+    async def _stored_meta(self, bucket: str, meta_subj: str, seq: int, data: bytes) -> StoredMsg:
+        """The meta just stored at `seq`, with the server's timestamp when it can be read."""
+        try:
+            stored = await self.streams.last_msg(stream_name(bucket), meta_subj)
+        except NatsFSError:
+            stored = None
+        if stored is not None and stored.seq == seq:
+            return stored
+        return StoredMsg(seq, meta_subj, None, data, time.time_ns())
+
+    async def _put_in_order(self, bucket: str, name: str, chunks_of: Callable[[Any], AsyncIterator[bytes]],
+                            chunk_size: int, window: int, **commit: Any) -> ObjectInfo:
+        """The ordinary put (chunks, then meta) of what `chunks_of` yields."""
+        session = self.start_put(bucket, chunk_size, window, name)
+        hasher = hashlib.sha256()
+        try:
+            group: list[bytes] = []
+            async for chunk in chunks_of(hasher):
+                group.append(chunk)
+                if len(group) >= max(1, window // 2):
+                    await session.send(group)
+                    group = []
+            await session.send(group)
+            return await session.commit(name, hasher.digest(), **commit)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await session.abort()
@@ -758,17 +974,41 @@ class ObjectStore:
     async def purge_chunks(self, bucket: str, nuid: str) -> None:
         await self.streams.purge_subject(stream_name(bucket), chunk_subject(bucket, nuid))
 
-    async def purge_chunks_later_if_needed(self, bucket: str, nuid: str, name: str) -> None:
+    async def purge_chunks_later_if_needed(self, bucket: str, nuid: str, name: str) -> bool:
         """Purge the chunks of a version no meta uses any more; if the server does not answer, hand
-        them to the `PutLog` (settled once it answers) instead of leaving them behind."""
+        them to the `PutLog` (settled once it answers) instead of leaving them behind. True if purged."""
         try:
             await self.purge_chunks(bucket, nuid)
+            return True
         except NatsFSError as e:
             if self.put_log is not None:
                 log.debug("purge of %s/%s failed (%s); settled later", bucket, nuid, e)
                 self.put_log.orphaned(bucket, nuid, name)
             else:
                 log.warning("could not purge the chunks of %s/%s (left for fsck): %s", bucket, nuid, e)
+            return False
+
+    def _note_replacing(self, bucket: str, old_nuid: str, new_nuid: str, name: str) -> bool:
+        """Record the version a put replaces before the meta that replaces it is sent: a daemon killed
+        between that meta and the purge of the old chunks leaves them to the next mount (which keeps
+        them when the name still holds them). True when recorded (end it with `_end_replacing`)."""
+        if self.put_log is None or not old_nuid or old_nuid == new_nuid:
+            return False
+        self.put_log.started(bucket, old_nuid, name)
+        return True
+
+    async def _end_replacing(self, bucket: str, old_nuid: str, name: str, noted: bool, *, stored: bool) -> None:
+        """After the meta of a put that replaces `old_nuid`: stored (purge the old chunks) or not (the
+        old version stays). A meta whose fate stays unknown counts as not stored here: if it turns out
+        stored, the old chunks are left for `natsfs fsck` (the record is not kept: a pending record
+        under the name would make a later close of the file take another client's change for its own)."""
+        if stored:
+            if await self.purge_chunks_later_if_needed(bucket, old_nuid, name) and noted:
+                assert self.put_log is not None
+                self.put_log.finished(bucket, old_nuid)
+        elif noted:
+            assert self.put_log is not None
+            self.put_log.finished(bucket, old_nuid)
 
     async def _purge_settled(self, bucket: str, subject: str, before_seq: int) -> None:
         """A purge (idempotent) retried while the server does not answer, for at most `settle_timeout`."""
@@ -908,12 +1148,15 @@ class PutSession:
         if extra is not None:
             extra(doc)
         self.meta_state = _META_SENT
+        noted = self.store._note_replacing(self.bucket, old_nuid, self.nuid, name)
         try:
             info = await self.store._publish_replacing(self.bucket, doc, expected_revision, replace_tombstone,
                                                        msg_id=f"{self.nuid}.meta")
-        except NatsFSError as e:
-            if not isinstance(e, Unavailable):
+        except BaseException as e:
+            if isinstance(e, NatsFSError) and not isinstance(e, Unavailable):
                 self.meta_state = _META_REFUSED  # the server said no (or nothing was sent): not stored
+            with trio.CancelScope(shield=True):
+                await self.store._end_replacing(self.bucket, old_nuid, name, noted, stored=False)
             raise
         self.meta_state = _META_STORED
         self.done = True
@@ -921,7 +1164,7 @@ class PutSession:
             self.store.put_log.finished(self.bucket, self.nuid)
         await self._forget()
         if old_nuid and old_nuid != self.nuid:
-            await self.store.purge_chunks_later_if_needed(self.bucket, old_nuid, name)
+            await self.store._end_replacing(self.bucket, old_nuid, name, noted, stored=True)
         return info
 
     async def abort(self) -> None:
@@ -964,6 +1207,17 @@ def _read_chunks(fd: int, start: int, end: int, chunk_size: int, hasher: Any) ->
         out.append(data)
         pos += n
     return out
+
+
+async def _file_chunks(fd: int, size: int, chunk_size: int, hasher: Any) -> AsyncIterator[bytes]:
+    """The first `size` bytes of a file as chunks, read and hashed on a worker thread a few at a time."""
+    pos = 0
+    step = chunk_size * 16
+    while pos < size:
+        stop = min(size, pos + step)
+        for chunk in await trio.to_thread.run_sync(_read_chunks, fd, pos, stop, chunk_size, hasher):
+            yield chunk
+        pos = stop
 
 
 class ChunkSource(Protocol):

@@ -1,4 +1,4 @@
-"""Command line: `natsfs mount|umount|status|bucket ...`, option parsing, exit codes, one-sentence errors.
+"""Command line: `natsfs mount|umount|status|bucket|fsck ...`, option parsing, exit codes, one-sentence errors.
 
 The mount options are generated from `Config` (config.py `option` fields) plus the connection options
 (auth.py); each is also `-o key=value`, and mount(8)'s form `natsfs SOURCE MOUNTPOINT -o OPTIONS` (as
@@ -41,7 +41,7 @@ from .secrecy import child_environment
 log = logging.getLogger("natsfs")
 
 
-COMMANDS = ("mount", "umount", "bucket", "status")
+COMMANDS = ("mount", "umount", "bucket", "status", "fsck")
 # Mount options mount(8) and fstab use that mean something only to mount(8), systemd or mount.fuse3.
 # (mount.fuse3 adds "dev,suid" to what fstab says; those, "rw", "exec", "atime" and "async" are the defaults.)
 IGNORED_MOUNT_OPTIONS = frozenset({"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "owner",
@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--compression", action="store_true")
     bc.add_argument("--max-bytes", default="-1")
     bc.add_argument("--ttl", default="0")
+    bc.add_argument("--no-atomic", action="store_true",
+                    help="no atomic batches: puts go in the nats.go order and large files stream while written")
     bl = bsub.add_parser("ls")
     bs = bsub.add_parser("seal")
     bs.add_argument("name")
@@ -181,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--force", action="store_true", help="delete even if it holds objects")
     for leaf in (bc, bl, bs, br):  # the connection options also after the subcommand
         auth.add_options(leaf, suppress=True)
+
+    f = sub.add_parser("fsck", help="check a bucket for orphan chunks, damaged objects and dangerous tombstones")
+    f.add_argument("bucket")
+    auth.add_options(f)
+    f.add_argument("--repair", action="store_true",
+                   help="purge orphan chunks and tombstones that carry a live object's nuid")
+    f.add_argument("--verify", action="store_true", help="also read every object and check its digest")
+    f.add_argument("--grace", default="5m",
+                   help="chunks without a meta younger than this are a put in progress, not orphans (default 5m)")
     return p
 
 
@@ -490,6 +501,21 @@ def cmd_bucket(a: argparse.Namespace) -> int:
         raise
 
 
+def cmd_fsck(a: argparse.Namespace) -> int:
+    """Exit 0: clean or repaired; 1: problems remain; 2: the check could not run."""
+    from .errors import NatsFSError
+    from .tools import fsck_command
+
+    try:
+        return trio.run(fsck_command, a)
+    except BaseException as e:
+        err = _single_error(e)
+        if isinstance(err, NatsFSError):
+            print(f"natsfs fsck: {err}", file=sys.stderr)
+            return 2
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
@@ -500,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     a.argv = argv
     handlers: dict[str, Any] = {"mount": cmd_mount, "umount": cmd_umount, "bucket": cmd_bucket,
-                                "status": cmd_status}
+                                "status": cmd_status, "fsck": cmd_fsck}
     return int(handlers[a.command](a))
 
 

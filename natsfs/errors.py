@@ -162,6 +162,10 @@ ERR_STORAGE_RESOURCES_EXCEEDED = 10047
 ERR_MSG_TOO_BIG = 10054  # message size exceeds maximum allowed
 ERR_STREAM_NAME_IN_USE = 10058
 ERR_STREAM_NOT_FOUND = 10059
+# A batch refused because the stream does not allow atomic publish.
+ERR_ATOMIC_DISABLED = 10174
+# A batch refused because a message id in it was seen within the stream's duplicate window.
+ERR_BATCH_DUPLICATE_ID = 10201
 ERR_WRONG_LAST_SEQUENCE = 10071
 ERR_STORE_FAILED = 10077  # the stream refused to store: maximum messages/bytes (per subject) exceeded
 ERR_HEADER_TOO_BIG = 10097

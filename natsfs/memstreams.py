@@ -6,6 +6,8 @@ stream configs (subjects with `*`/`>` wildcards, `max_bytes`/`max_msgs` with dis
 the headers `Nats-Rollup`, `Nats-Expected-Last-Subject-Sequence`/`Nats-Expected-Stream` and `Nats-Msg-Id`
 (de-duplication within the stream's `duplicate_window`, checked after the expected sequence, as the server
 does), subject purges (optionally below a sequence),
+atomic batches (`publish_batch`: all or nothing at the commit, dropped when cut off, at most
+`max_open_batches` open),
 direct gets (last per subject, batched next-by-subject with `max_bytes`), headers-only subject scans and
 ordered watches (last per subject, or everything, then live). It raises the `natsfs.errors` exceptions
 `natsfs.jetstream.JetStreams` raises for the same causes. Every operation is a trio checkpoint, so
@@ -25,7 +27,7 @@ import json
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -40,6 +42,8 @@ from .adr20 import (
     stream_name,
 )
 from .errors import (
+    ERR_ATOMIC_DISABLED,
+    ERR_BATCH_DUPLICATE_ID,
     AlreadyExists,
     Conflict,
     InvalidArgument,
@@ -48,8 +52,10 @@ from .errors import (
     NotFound,
     OutcomeUnknown,
     ReadOnly,
+    Unavailable,
 )
 from .streams import (
+    BATCH_MAX_MSGS,
     EXPECTED_LAST_SUBJECT_SEQ,
     EXPECTED_STREAM,
     MSG_ID,
@@ -65,12 +71,14 @@ _CONFIG_DEFAULTS: dict[str, Any] = {
     "retention": "limits", "max_consumers": -1, "max_msgs": -1, "max_bytes": -1, "max_age": 0,
     "max_msgs_per_subject": -1, "max_msg_size": -1, "discard": "old", "storage": "file", "num_replicas": 1,
     "duplicate_window": 120 * 10**9, "sealed": False, "deny_delete": False, "deny_purge": False,
-    "allow_rollup_hdrs": False, "allow_direct": False, "compression": "none",
+    "allow_rollup_hdrs": False, "allow_direct": False, "compression": "none", "allow_atomic": False,
 }
 ERR_STREAM_SUBJECT_OVERLAP = 10065
 ERR_STREAM_MISMATCH = 10060
 ERR_ROLLUP_NOT_PERMITTED = 10115
 ERR_MSG_TOO_BIG = 10054
+ERR_BATCH_TOO_LARGE = 10199
+ERR_BATCH_TOO_MANY = 10210
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -184,6 +192,9 @@ class MemoryStreams:
         self._faults: list[tuple[str, str | None, BaseException]] = []
         self._lost_acks: list[str | None] = []
         self.max_payload = 1024 * 1024
+        # Batches open at once (nats-server counts them per stream; tests use one stream at a time).
+        self.max_open_batches = 50
+        self.open_batches = 0
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, op: str, exc: BaseException, *, subject: str | None = None, times: int = 1) -> None:
@@ -307,6 +318,58 @@ class MemoryStreams:
                            window: int = 32) -> list[int]:
         await self._enter("publish_many")
         return [self._acked(subject, self._publish(subject, bytes(data), headers)) for subject, data, headers in msgs]
+
+    async def publish_batch(self, batch_id: str, msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]]) -> int:
+        """An atomic batch as nats-server 2.12+ stores it: nothing is visible before the commit, and the
+        commit stores every message or none (a refusal of any message drops the batch). A "publish"
+        fault injected for a message of the batch cuts the batch off there, as a killed publisher does:
+        nothing is stored. A lost ack (`lose_next_ack`) applies to the commit."""
+        await self._enter("publish_batch")
+        if self.open_batches >= self.max_open_batches:
+            raise JetStreamAPIError("atomic publish too many inflight", code=429, err_code=ERR_BATCH_TOO_MANY)
+        self.open_batches += 1
+        try:
+            return await self._publish_batch(batch_id, msgs)
+        finally:
+            self.open_batches -= 1
+
+    async def _publish_batch(self, batch_id: str, msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]]) -> int:
+        received: list[tuple[str, bytes, dict[str, str]]] = []
+        async for subject, data, headers in msgs:
+            if received:
+                try:
+                    self._fault("publish", received[-1][0])
+                except OutcomeUnknown as e:  # only a commit can be stored without an ack
+                    raise Unavailable(f"batch {batch_id} cut off: {e}") from None
+            received.append((subject, bytes(data), dict(headers)))
+            await trio.lowlevel.checkpoint()
+        if not received:
+            raise InvalidArgument(f"batch {batch_id} is empty")
+        self._fault("publish", received[-1][0])
+        subject = received[-1][0]
+        st = next((s for s in self._streams.values() if s.takes(received[0][0])), None)
+        if st is None:
+            raise NotFound(f"no stream takes {received[0][0]}")
+        if not st.config.get("allow_atomic"):
+            raise JetStreamAPIError("atomic publish is disabled", code=400, err_code=ERR_ATOMIC_DISABLED)
+        if len(received) > BATCH_MAX_MSGS:
+            raise JetStreamAPIError("atomic publish batch is too large", code=400, err_code=ERR_BATCH_TOO_LARGE)
+        ids = [h.get(MSG_ID) for _, _, h in received if h.get(MSG_ID)]
+        window = int(st.config.get("duplicate_window", 120 * 10**9))
+        if len(set(ids)) != len(ids) or any(
+                i in st.msg_ids and self.clock() - st.msg_ids[i][1] < window for i in ids):
+            raise JetStreamAPIError("atomic publish batch contains duplicate message id", code=400,
+                                    err_code=ERR_BATCH_DUPLICATE_ID)
+        saved = (dict(st.msgs), {k: list(v) for k, v in st.by_subject.items()}, st.last_seq, st.last_ts, st.bytes,
+                 dict(st.msg_ids))
+        seq = 0
+        try:
+            for subj, data, headers in received:
+                seq = self._publish(subj, data, headers)
+        except BaseException:
+            st.msgs, st.by_subject, st.last_seq, st.last_ts, st.bytes, st.msg_ids = saved
+            raise
+        return self._acked(subject, seq)
 
     def _acked(self, subject: str, seq: int) -> int:
         if self._ack_lost(subject):

@@ -261,7 +261,9 @@ class Mutations:
         """Called after every change of a staged file's content at `offset` (or a truncate to it)."""
         if offset < sf.stream_claimed:
             self._break_stream(sf)
-        elif self._nursery is not None and sf.may_stream(STREAM_BATCH):
+        elif (self._nursery is not None and sf.may_stream(STREAM_BATCH)
+              and not self.store.batch_fits(sf.bucket, sf.size, self.config.chunk_size)):
+            # A file that still fits one atomic batch is put whole at close (all or nothing).
             sf.streaming_started()
             self._nursery.start_soon(self._stream_ahead, sf)
 

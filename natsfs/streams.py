@@ -8,7 +8,7 @@ last subject sequence did not match), `NoSpace` (stream limits refuse the messag
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -20,6 +20,14 @@ EXPECTED_STREAM = "Nats-Expected-Stream"
 # JetStream de-duplication: a message whose id the stream saw within its duplicate window is not stored
 # again (the ack says `duplicate`). Checked after the expected-sequence headers.
 MSG_ID = "Nats-Msg-Id"
+# Atomic batch publish (nats-server >= 2.12, stream flag `allow_atomic`): every message of a batch carries
+# the batch id and its 1-based position; the last one carries the commit. Nothing of a batch is visible
+# before its commit is stored; a batch that is refused, incomplete or idle for `BATCH_IDLE_S` is dropped.
+BATCH_ID = "Nats-Batch-Id"
+BATCH_SEQUENCE = "Nats-Batch-Sequence"
+BATCH_COMMIT = "Nats-Batch-Commit"
+BATCH_MAX_MSGS = 1000
+BATCH_IDLE_S = 10.0
 
 
 @dataclass(slots=True)
@@ -109,6 +117,11 @@ class Streams(Protocol):
                         max_bytes: int) -> list[StoredMsg]: ...
 
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]: ...
+
+    async def publish_batch(self, batch_id: str, msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]]) -> int:
+        """Publish `msgs` as one atomic batch (the last one commits it) and return the commit's sequence.
+        `OutcomeUnknown` when the commit was sent and its ack did not come back (stored or not: read
+        back); any other error means nothing of the batch was stored."""
 
     async def sequences(self, stream: str, start_seq: int, stop_seq: int) -> list[int]: ...
 

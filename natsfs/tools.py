@@ -1,12 +1,14 @@
-"""One-shot commands that talk to NATS without a mount: `natsfs bucket create|ls|seal|rm`."""
+"""One-shot commands that talk to NATS without a mount: `natsfs bucket create|ls|seal|rm`, `natsfs fsck`."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from .adr20 import ObjectStore
 from .auth import OPTION_DESTS, Connection, resolve
@@ -54,7 +56,7 @@ async def bucket_command(a: argparse.Namespace) -> int:
             max_bytes = parse_size(a.max_bytes) if a.max_bytes not in ("-1", "") else -1
             await store.create_bucket(a.name, description=a.description, storage=a.storage,
                                       replicas=a.replicas, compression=a.compression, max_bytes=max_bytes,
-                                      ttl_ns=int(parse_duration(a.ttl) * 1e9))
+                                      ttl_ns=int(parse_duration(a.ttl) * 1e9), atomic=not a.no_atomic)
         elif a.bucket_command == "seal":
             await store.seal_bucket(a.name)
         elif a.bucket_command == "rm":
@@ -62,3 +64,38 @@ async def bucket_command(a: argparse.Namespace) -> int:
                 raise NotEmpty(f"bucket {a.name} holds objects (use --force)")
             await store.delete_bucket(a.name)
     return 0
+
+
+class _Bar:
+    """`fsck.Progress` as a tqdm bar on stderr (only on a terminal)."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def start(self, label: str, total: int) -> None:
+        from tqdm import tqdm
+
+        self.close()
+        self._bar = tqdm(total=total, desc=label, unit="", file=sys.stderr, leave=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+async def fsck_command(a: argparse.Namespace) -> int:
+    from .fsck import check_bucket
+
+    async with connected_store(resolve_connection(a)) as store:
+        report = await check_bucket(store, a.bucket, repair=a.repair, verify=a.verify,
+                                    grace_s=parse_duration(a.grace),
+                                    progress=_Bar() if sys.stderr.isatty() else None)
+    for finding in report.findings:
+        print(finding.line())
+    print(report.summary())
+    return 1 if report.problems_left else 0

@@ -26,7 +26,10 @@ DATA = bytes(range(256)) * 2000  # 512,000 bytes: 4 chunks of 128 KiB
 
 
 async def one_bucket(ms: MemoryStreams, store: ObjectStore) -> None:
+    # Puts in the nats.go order (chunks, then meta): a bucket without atomic batches. Atomic puts are
+    # tested in test_ops_atomic.py.
     await store.create_bucket("b")
+    await store.update_bucket("b", lambda config: config.update(allow_atomic=False))
     await put_object(ms, "b", "old.txt", b"old content")
 
 

@@ -1,0 +1,319 @@
+"""`natsfs fsck BUCKET [--repair] [--verify]`: find (and fix what can be fixed without guessing) what
+interrupted writers and hostile clients leave in an ADR-20 bucket.
+
+Owns the bucket check and its report. What it looks at, in one pass:
+- every meta subject's last message (a last-per-subject watch): metas that do not parse, names no
+  client can use (a subject token that is not base64 of UTF-8, subjects over `max_subject_bytes`), and,
+  as a note that is no problem, names a mount cannot show (`natsfs.names`: hidden there);
+- every chunk subject (the stream's per-subject counts): a chunk subject that no meta references is an
+  ORPHAN (an interrupted put, or a purge that never happened) unless its newest message is younger
+  than `grace_s` (default 300 s): then it is a put IN PROGRESS (a live mount sends chunks before the
+  meta; a put never pauses that long between chunks while it runs) and left alone;
+- every live object's chunks (headers-only scan, placed by `chunk_cache.place_chunks`, the rule reads
+  use): chunks missing, or not adding up to the meta's size and count;
+- names sharing a live object's nuid: a TOMBSTONE carrying a live nuid (other clients' Delete or Put
+  of that name purge the nuid, destroying the live object) and two live names on one nuid (a rename
+  interrupted between its steps);
+- with `verify`, every intact object's bytes against its meta's SHA-256 digest.
+
+`repair` purges orphan chunk subjects (checked young again just before) and neutralises dangerous
+tombstones by purging the tombstone's meta subject up to its revision (a newer meta stays). Everything
+else (damaged objects, shared live names, bad names, digest mismatches) is reported and left alone:
+fixing it would mean guessing which bytes or which name are right. Live objects are never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+
+from .adr20 import (
+    ObjectInfo,
+    ObjectStore,
+    chunk_subject,
+    decode_token,
+    format_digest,
+    parse_digest,
+    parse_meta,
+    stream_name,
+)
+from .chunk_cache import place_chunks
+from .errors import MalformedMeta, NameTooLong, NatsFSError
+from .names import placement
+from .streams import StoredMsg
+
+GRACE_S = 300.0
+# Objects checked at once (each one headers-only scan of its chunks; `--verify` reads them too).
+PARALLEL = 8
+
+# Kinds of finding. Problems are everything but the NOTES.
+ORPHAN = "orphan chunks"
+IN_PROGRESS = "put in progress"
+HIDDEN = "name a mount cannot show"
+DAMAGED = "damaged object"
+SHARED_TOMBSTONE = "tombstone sharing a live nuid"
+SHARED_NAMES = "names sharing one nuid"
+BAD_NAME = "unusable name"
+BAD_META = "unreadable meta"
+DIGEST = "digest mismatch"
+NOTES = (IN_PROGRESS, HIDDEN)
+
+
+@dataclass
+class Finding:
+    kind: str
+    where: str  # the object name or chunk subject concerned
+    detail: str
+    repairable: bool = False
+    repaired: bool = False
+
+    def line(self) -> str:
+        state = " [repaired]" if self.repaired else " [repairable: --repair]" if self.repairable else ""
+        return f"{self.kind}: {self.where}: {self.detail}{state}"
+
+
+@dataclass
+class Report:
+    bucket: str
+    objects: int = 0
+    tombstones: int = 0
+    chunk_subjects: int = 0
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def problems_left(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind not in NOTES and not f.repaired]
+
+    def summary(self) -> str:
+        counts: dict[str, int] = defaultdict(int)
+        for f in self.findings:
+            counts[f.kind + (" (repaired)" if f.repaired else "")] += 1
+        head = (f"{self.bucket}: {self.objects} objects, {self.tombstones} tombstones, "
+                f"{self.chunk_subjects} chunk subjects")
+        if not counts:
+            return head + ": clean"
+        return head + ": " + ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+
+
+class Progress(Protocol):
+    """Where the check reports how far it is (a progress bar on a terminal)."""
+
+    def start(self, label: str, total: int) -> None: ...
+
+    def advance(self, n: int = 1) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _NoProgress:
+    def start(self, label: str, total: int) -> None:
+        pass
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+async def _meta_messages(store: ObjectStore, bucket: str) -> list[StoredMsg]:
+    """The last message of every meta subject, tombstones included."""
+    watch = await store.watch_metas(bucket)
+    out: dict[str, StoredMsg] = {}
+    try:
+        while True:
+            batch = await watch.next_batch(timeout=5.0)
+            if batch.reset:
+                out.clear()
+            for m in batch.msgs:
+                out[m.subject] = m
+            if batch.caught_up:
+                return list(out.values())
+    finally:
+        await watch.close()
+
+
+def _doc_nuid(msg: StoredMsg) -> tuple[str, bool] | None:
+    """(nuid, deleted) from a meta's JSON, even one `parse_meta` refuses; None when there is none."""
+    try:
+        doc = json.loads(msg.data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("nuid"), str) or not doc["nuid"]:
+        return None
+    return doc["nuid"], bool(doc.get("deleted"))
+
+
+async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False, verify: bool = False,
+                       grace_s: float = GRACE_S, progress: Progress | None = None,
+                       clock: Callable[[], int] = time.time_ns) -> Report:
+    """Check one bucket (see the module docstring); with `repair`, fix what can be fixed safely."""
+    progress = progress or _NoProgress()
+    stream = stream_name(bucket)
+    await store.bucket_status(bucket)  # NotFound for a bucket that does not exist
+    report = Report(bucket)
+    metas = await _meta_messages(store, bucket)
+    live: dict[str, ObjectInfo] = {}
+    tombstones: dict[str, tuple[ObjectInfo, str]] = {}  # name -> (info, its meta subject)
+    referenced: set[str] = set()  # nuids a meta that is not a tombstone names
+    for m in metas:
+        token = m.subject.rsplit(".", 1)[-1]
+        held = _doc_nuid(m)
+        if held is not None and not held[1]:
+            referenced.add(held[0])
+        try:
+            info = parse_meta(bucket, m)
+        except MalformedMeta as e:
+            report.findings.append(Finding(BAD_META, m.subject, str(e)))
+            continue
+        if decode_token(token) is None:
+            report.findings.append(Finding(BAD_NAME, info.name, "its meta subject is not base64 of UTF-8"))
+        else:
+            try:
+                store.check_name(bucket, info.name)
+            except NameTooLong as e:
+                report.findings.append(Finding(BAD_NAME, info.name[:60] + "...", str(e)))
+        if not info.deleted and placement(info.name, marker_candidate=info.size == 0)[0] is None:
+            report.findings.append(Finding(HIDDEN, info.name[:60] + ("..." if len(info.name) > 60 else ""),
+                                           "no path segment may be empty, '.', '..' or over 255 bytes, and "
+                                           "escaped it is still over 255 bytes (other clients can use it)"))
+        if info.deleted:
+            tombstones[info.name] = (info, m.subject)
+        else:
+            live[info.name] = info
+    report.objects, report.tombstones = len(live), len(tombstones)
+
+    # Names sharing a nuid.
+    by_nuid: dict[str, list[ObjectInfo]] = defaultdict(list)
+    for info in live.values():
+        if info.nuid and info.link is None:
+            by_nuid[info.nuid].append(info)
+    for nuid, infos in by_nuid.items():
+        if len(infos) > 1:
+            names = ", ".join(sorted(i.name for i in infos))
+            report.findings.append(Finding(SHARED_NAMES, names, f"live names share nuid {nuid} (an interrupted "
+                                           "rename?): deleting one with another client destroys the others"))
+    for t, subject in tombstones.values():
+        if not t.nuid or t.nuid not in by_nuid:
+            continue
+        owner = by_nuid[t.nuid][0].name
+        f = Finding(SHARED_TOMBSTONE, t.name, f"carries the nuid of live {owner!r}: a Delete or Put of this name "
+                    f"by another client would purge its chunks", repairable=True)
+        report.findings.append(f)
+        if repair:
+            # Up to the tombstone's revision: a meta stored under the name since stays.
+            await _repair(f, store.streams.purge_subject(stream, subject, before_seq=t.revision + 1))
+
+    # Chunk subjects.
+    counts, _, _ = await store.streams.subject_counts(stream, f"$O.{bucket}.C.>")  # type: ignore[attr-defined]
+    report.chunk_subjects = len(counts)
+    prefix = f"$O.{bucket}.C."
+    unreferenced = [s for s in counts if s[len(prefix):] not in referenced]
+    progress.start("chunk subjects", len(unreferenced))
+    orphans: list[tuple[Finding, StoredMsg]] = []
+    for subject in unreferenced:
+        found = await _check_orphan(store, report, stream, subject, counts[subject], grace_s, clock)
+        if found is not None:
+            orphans.append(found)
+        progress.advance()
+    if repair and orphans:
+        # A meta stored since the metas were read makes its chunks no orphans: read them again.
+        now_referenced = {held[0] for m in await _meta_messages(store, bucket)
+                          if (held := _doc_nuid(m)) is not None and not held[1]}
+        for f, newest in orphans:
+            if f.where[len(prefix):] in now_referenced:
+                f.kind, f.repairable, f.detail = IN_PROGRESS, False, "a meta referencing them was just stored"
+                continue
+            # Only what existed when it was found old: a message stored since stays.
+            await _repair(f, store.streams.purge_subject(stream, f.where, before_seq=newest.seq + 1))
+
+    # Live objects: chunks and sizes (and digests).
+    objects = [i for i in live.values() if i.link is None and i.chunks > 0]
+    progress.start("objects", len(objects))
+    limit = trio.Semaphore(PARALLEL)
+
+    async def check(info: ObjectInfo) -> None:
+        try:
+            await _check_object(store, report, info, counts.get(chunk_subject(bucket, info.nuid), 0), verify)
+            progress.advance()
+        finally:
+            limit.release()
+
+    async with trio.open_nursery() as nursery:
+        for info in objects:
+            await limit.acquire()  # held by the task: no more tasks than run at once
+            nursery.start_soon(check, info)
+    progress.close()
+    report.findings.sort(key=lambda f: (f.kind, f.where))
+    return report
+
+
+async def _repair(finding: Finding, action: Awaitable[None]) -> None:
+    """Run one repair; a refusal (a sealed bucket, `deny_purge`) is noted on the finding, and the
+    check goes on."""
+    try:
+        await action
+    except NatsFSError as e:
+        finding.detail += f" (repair failed: {e})"
+        return
+    finding.repaired = True
+
+
+async def _check_orphan(store: ObjectStore, report: Report, stream: str, subject: str, count: int, grace_s: float,
+                        clock: Callable[[], int]) -> tuple[Finding, StoredMsg] | None:
+    """An unreferenced chunk subject: a put in progress when its newest chunk is young, else orphans
+    (returned with that newest chunk, for a repair)."""
+    newest = await store.streams.last_msg(stream, subject)
+    if newest is None:
+        return None  # purged meanwhile
+    age = (clock() - newest.time_ns) / 1e9
+    if age < grace_s:
+        report.findings.append(Finding(IN_PROGRESS, subject, f"{count} chunks, the newest {age:.0f}s old "
+                                       f"(younger than {grace_s:g}s: left alone)"))
+        return None
+    f = Finding(ORPHAN, subject, f"{count} chunks no meta references, the newest {age:.0f}s old", repairable=True)
+    report.findings.append(f)
+    return f, newest
+
+
+async def _check_object(store: ObjectStore, report: Report, info: ObjectInfo, count: int, verify: bool) -> None:
+    present = await store.chunk_index(info.bucket, info.nuid) if count else []
+    placed = place_chunks(info.size, info.chunks, info.revision, [], present)
+    if not placed.intact:
+        report.findings.append(Finding(DAMAGED, info.name, "; ".join(placed.problems) +
+                                       f" ({placed.unreadable} bytes unreadable)"))
+        return
+    if verify:
+        want = parse_digest(info.digest)
+        if want is None:
+            if info.digest:
+                report.findings.append(Finding(DIGEST, info.name, f"unreadable digest {info.digest[:40]!r}"))
+            return
+        got = await _digest(store, info, placed.slots)
+        if got != want:
+            report.findings.append(Finding(DIGEST, info.name, f"the bytes hash to {format_digest(got)}, "
+                                           f"the meta says {info.digest}"))
+
+
+async def _digest(store: ObjectStore, info: ObjectInfo, slots: list[tuple[int, int]]) -> bytes:
+    """SHA-256 of the object's chunks, fetched in order from the first one's sequence."""
+    h = hashlib.sha256()
+    seq = slots[0][0]
+    left = len(slots)
+    while left:
+        msgs = await store.fetch_chunks(info.bucket, info.nuid, seq, min(left, 64), 8 << 20)
+        msgs = [m for m in msgs if info.revision == 0 or m.seq < info.revision]
+        if not msgs:
+            raise NatsFSError(f"{info.bucket}/{info.name}: chunks vanished while being verified")
+        for m in msgs:
+            h.update(m.data)
+        left -= len(msgs)
+        seq = msgs[-1].seq + 1
+    return h.digest()

@@ -1,0 +1,165 @@
+"""`natsfs.fsck.check_bucket` over MemoryStreams: what it finds, what `repair` fixes, what it leaves."""
+
+from __future__ import annotations
+
+import json
+
+import trio
+
+from natsfs import fsck
+from natsfs.adr20 import BytesSource, ObjectStore, chunk_subject, meta_subject, new_nuid, stream_name
+from natsfs.memstreams import MemoryStreams, put_object
+from natsfs.streams import ROLLUP
+
+CHUNK = 1024
+S = 10**9
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000 * S
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def run(fn):
+    async def main():
+        clock = Clock()
+        ms = MemoryStreams(clock=clock)
+        store = ObjectStore(ms, chunk_size=CHUNK, max_subject_bytes=600)
+        await store.create_bucket("b")
+        return await fn(ms, store, clock)
+
+    return trio.run(main)
+
+
+def kinds(report: fsck.Report, *, left: bool = False) -> list[tuple[str, str]]:
+    found = report.problems_left if left else report.findings
+    return sorted((f.kind, f.where) for f in found)
+
+
+async def read(store: ObjectStore, name: str) -> bytes:
+    info = await store.get_info("b", name)
+    msgs = await store.fetch_chunks("b", info.nuid, 0, info.chunks + 1, 1 << 30)
+    return b"".join(m.data for m in msgs)
+
+
+def test_a_clean_bucket_is_clean_with_verify():
+    async def body(ms, store, clock):
+        await store.put("b", "a", BytesSource(b"a" * 5000))
+        await put_object(ms, "b", "dir/c", b"c" * 3000, chunk_size=CHUNK)
+        await store.add_link("b", "l", "b", "a")
+        report = await fsck.check_bucket(store, "b", verify=True)
+        assert report.findings == [] and report.objects == 3 and report.summary().endswith("clean")
+
+    run(body)
+
+
+def test_finds_orphans_damage_shared_tombstones_bad_names_and_repairs_only_what_is_safe():
+    async def body(ms, store, clock):
+        a = b"".join(bytes([i]) * CHUNK for i in range(5))
+        await store.put("b", "a", BytesSource(a))
+        await store.put("b", "keep", BytesSource(b"k" * 2500))
+        info_a = await store.get_info("b", "a")
+        # An interrupted put (old) and a put in progress (young).
+        orphan = chunk_subject("b", new_nuid())
+        await ms.publish(orphan, b"o" * CHUNK)
+        await ms.publish(orphan, b"o" * 10)
+        clock.now += 3600 * S
+        young = chunk_subject("b", new_nuid())
+        await ms.publish(young, b"y" * CHUNK)
+        # A meta missing a chunk.
+        await store.put("b", "broken", BytesSource(b"q" * 3000))
+        broken = await store.get_info("b", "broken")
+        victim = next(m.seq for m in ms.messages(stream_name("b")) if m.subject == chunk_subject("b", broken.nuid))
+        await ms.delete_msg(stream_name("b"), victim)
+        # A tombstone carrying live "a"'s nuid.
+        tomb = {"name": "ghost", "bucket": "b", "nuid": info_a.nuid, "mtime": "0001-01-01T00:00:00Z",
+                "deleted": True}
+        await ms.publish(meta_subject("b", "ghost"), json.dumps(tomb).encode(), {ROLLUP: "sub"})
+        # A name no client can address: a meta subject that is not base64 of UTF-8, and one too long.
+        bad = {"name": "x", "bucket": "b", "nuid": "", "size": 0, "chunks": 0, "mtime": "0001-01-01T00:00:00Z"}
+        await ms.publish("$O.b.M.%%%", json.dumps(bad).encode())
+        long_name = "n" * 700
+        doc = {"name": long_name, "bucket": "b", "nuid": "", "size": 0, "chunks": 0,
+               "mtime": "0001-01-01T00:00:00Z"}
+        await ms.publish(meta_subject("b", long_name), json.dumps(doc).encode())
+        # A name other clients can use but a mount cannot show (a segment over 255 bytes, even escaped).
+        await put_object(ms, "b", "h/" + "x" * 300, b"hidden")
+        clock.now += 10 * S
+
+        report = await fsck.check_bucket(store, "b", grace_s=300, clock=clock)
+        assert kinds(report) == sorted([
+            (fsck.ORPHAN, orphan), (fsck.IN_PROGRESS, young), (fsck.DAMAGED, "broken"),
+            (fsck.SHARED_TOMBSTONE, "ghost"), (fsck.BAD_NAME, "x"), (fsck.BAD_NAME, "n" * 60 + "..."),
+            (fsck.HIDDEN, "h/" + "x" * 58 + "..."), (fsck.HIDDEN, "n" * 60 + "...")])
+        assert "1 of 3 chunks missing" in next(f.detail for f in report.findings if f.kind == fsck.DAMAGED)
+        assert all(not f.repaired for f in report.findings)
+
+        repaired = await fsck.check_bucket(store, "b", repair=True, grace_s=300, clock=clock)
+        assert sorted((f.kind, f.where) for f in repaired.findings if f.repaired) == sorted([
+            (fsck.ORPHAN, orphan), (fsck.SHARED_TOMBSTONE, "ghost")])
+        assert ms.subjects(stream_name("b")).get(orphan) is None
+        assert ms.subjects(stream_name("b")).get(young) == 1  # in progress: untouched
+        assert await store.get_info("b", "ghost") is None
+        assert await read(store, "a") == a and await read(store, "keep") == b"k" * 2500
+
+        again = await fsck.check_bucket(store, "b", grace_s=300, clock=clock)
+        assert kinds(again, left=True) == sorted([
+            (fsck.DAMAGED, "broken"), (fsck.BAD_NAME, "x"), (fsck.BAD_NAME, "n" * 60 + "...")])
+
+    run(body)
+
+
+def test_verify_finds_a_digest_mismatch_and_wrong_sizes_are_damage():
+    async def body(ms, store, clock):
+        await store.put("b", "f", BytesSource(b"f" * 3000))
+        doc, rev = await store.get_meta_doc("b", "f")
+        await store.publish_meta("b", dict(doc, digest="SHA-256=" + "A" * 43 + "="), expected_revision=rev)
+        await store.put("b", "g", BytesSource(b"g" * 3000))
+        doc, rev = await store.get_meta_doc("b", "g")
+        await store.publish_meta("b", dict(doc, size=3001), expected_revision=rev)
+        plain = await fsck.check_bucket(store, "b")
+        assert kinds(plain) == [(fsck.DAMAGED, "g")]
+        verified = await fsck.check_bucket(store, "b", verify=True)
+        assert kinds(verified) == [(fsck.DAMAGED, "g"), (fsck.DIGEST, "f")]
+
+    run(body)
+
+
+def test_an_orphan_referenced_by_a_meta_stored_during_the_check_is_not_purged():
+    async def body(ms, store, clock):
+        nuid = new_nuid()
+        await ms.publish(chunk_subject("b", nuid), b"late")
+        clock.now += 3600 * S
+        real_last = ms.last_msg
+
+        async def last_msg_then_commit(stream, subject):
+            got = await real_last(stream, subject)
+            if subject == chunk_subject("b", nuid):
+                doc = {"name": "late", "bucket": "b", "nuid": nuid, "size": 4, "chunks": 1,
+                       "mtime": "0001-01-01T00:00:00Z"}
+                await ms.publish(meta_subject("b", "late"), json.dumps(doc).encode(), {ROLLUP: "sub"})
+            return got
+
+        ms.last_msg = last_msg_then_commit
+        report = await fsck.check_bucket(store, "b", repair=True, clock=clock)
+        assert kinds(report) == [(fsck.IN_PROGRESS, chunk_subject("b", nuid))]
+        assert ms.subjects(stream_name("b"))[chunk_subject("b", nuid)] == 1
+
+    run(body)
+
+
+def test_a_repair_the_bucket_refuses_is_reported_and_the_check_goes_on():
+    async def body(ms, store, clock):
+        orphan = chunk_subject("b", new_nuid())
+        await ms.publish(orphan, b"o")
+        clock.now += 3600 * S
+        await store.seal_bucket("b")
+        report = await fsck.check_bucket(store, "b", repair=True, clock=clock)
+        assert kinds(report, left=True) == [(fsck.ORPHAN, orphan)]
+        assert "repair failed" in report.findings[0].detail and "sealed" in report.findings[0].detail
+        assert ms.subjects(stream_name("b"))[orphan] == 1
+
+    run(body)
