@@ -684,7 +684,18 @@ class ObjectStore:
             return await self._put_batch(bucket, name, file_chunks, chunk_size, window, **kwargs)
         session = self.start_put(bucket, chunk_size, window, name)
         try:
-            await session.send_file(path, fd, 0, size)
+            try:
+                await session.send_file(path, fd, 0, size)
+            except Unavailable as e:
+                if not session.remote:
+                    raise
+                # The worker lost its server, or the stream its leader: send from here, where unanswered
+                # publishes are sent again while a cluster elects a new leader (publish_many).
+                log.info("%s/%s: the upload worker could not send it (%s); sending it in-process", bucket, name, e)
+                await session.abort()
+                session = self.start_put(bucket, chunk_size, window, name)
+                session.remote = False
+                await session.send_file(path, fd, 0, size)
             return await session.commit(name, await session.digest(), **kwargs)
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -729,10 +740,10 @@ class ObjectStore:
         try:
             while True:
                 attempt += 1
-                hasher = hashlib.sha256()
 
-                async def messages(hasher: Any = hasher, expected: int | None = expected
-                                   ) -> AsyncIterator[tuple[str, bytes, dict[str, str]]]:
+                async def messages(expected: int | None = expected) -> AsyncIterator[tuple[str, bytes, dict[str, str]]]:
+                    # (A fresh hasher each time: the streams may ask for the messages again, see publish_batch.)
+                    hasher = hashlib.sha256()
                     size = count = 0
                     async for chunk in chunks_of(hasher):
                         yield subject, chunk, {MSG_ID: f"{nuid}.{count}"}
@@ -751,7 +762,7 @@ class ObjectStore:
                     yield meta_subj, data, headers
 
                 try:
-                    seq = await self.streams.publish_batch(f"{nuid}.{attempt}", messages())  # type: ignore[attr-defined]
+                    seq = await self.streams.publish_batch(f"{nuid}.{attempt}", messages)  # type: ignore[attr-defined]
                     break
                 except OutcomeUnknown as e:
                     if ambiguous is None:

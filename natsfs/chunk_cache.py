@@ -50,6 +50,10 @@ _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefi
 # Checking a sequence gap of a damaged version for room scans it (headers only): at most this many
 # gaps, each at most this many sequences long.
 GAP_CHECKS = 16
+# A fetch the server did not answer (its node died, a stream between leaders) is tried again for this
+# long before the read fails: a cluster elects a new leader within about ten seconds.
+FETCH_RETRY_S = 15.0
+_FETCH_PAUSE_S = 0.25
 GAP_SCAN_LIMIT = 100_000
 
 # The sequence of a slot that stands for bytes whose chunks cannot be placed (missing, or not provably
@@ -63,7 +67,7 @@ class Layout:
     also has one `UNPROVEN` slot covering the bytes no chunk can be proven to hold."""
 
     __slots__ = ("busy", "complete", "ends", "error", "generation", "gone", "grew", "hash_pos", "hasher",
-                 "intact", "reported", "seqs", "verdict")
+                 "intact", "reported", "retry_error", "seqs", "verdict")
 
     def __init__(self) -> None:
         self.seqs = array("q")
@@ -76,6 +80,7 @@ class Layout:
         self.busy = False  # a walk or scan is under way; wait on `grew`
         self.grew = trio.Event()
         self.error: NatsFSError | None = None
+        self.retry_error = False  # `error` is the server not answering: worth another walk
         # Digest check of this version: chunks are hashed in order as they become available.
         self.hasher = hashlib.sha256()
         self.hash_pos = 0  # index of the next chunk to hash
@@ -334,10 +339,15 @@ class ChunkCache:
         if layout is None:
             layout = Layout()
             self._layouts[key] = layout
+        deadline = trio.current_time() + FETCH_RETRY_S
         while layout.known_bytes < end and not layout.complete:
             if layout.error is not None:
                 error, layout.error = layout.error, None
-                raise error
+                if not layout.retry_error or trio.current_time() >= deadline:
+                    raise error
+                log.debug("%s/%s: fetching the layout again after: %s", info.bucket, info.name, error)
+                await trio.sleep(_FETCH_PAUSE_S)
+                continue
             if layout.busy:
                 await layout.grew.wait()
             elif offset <= layout.known_bytes + self.batch_bytes:
@@ -430,10 +440,10 @@ class ChunkCache:
             elif len(layout.seqs) >= info.chunks:
                 layout.complete = True
         except NatsFSError as e:
-            layout.error = e
+            layout.error, layout.retry_error = e, _unanswered(e)
         except Exception as e:
             log.exception("fetching %s/%s failed unexpectedly", info.bucket, info.name)
-            layout.error = Unavailable(f"{info.bucket}/{info.name}: fetch failed: {e!r}")
+            layout.error, layout.retry_error = Unavailable(f"{info.bucket}/{info.name}: fetch failed: {e!r}"), False
         finally:
             layout.busy = False
             layout.wake()
@@ -477,8 +487,17 @@ class ChunkCache:
 
     # ------------------------------------------------------------------ fetching
     async def _fetch(self, info: ObjectInfo, start_seq: int, count: int, max_bytes: int) -> list[StoredMsg]:
-        self.stats.fetch_requests += 1
-        msgs = await self.store.fetch_chunks(info.bucket, info.nuid, start_seq, count, max_bytes)
+        deadline = trio.current_time() + FETCH_RETRY_S
+        while True:
+            self.stats.fetch_requests += 1
+            try:
+                msgs = await self.store.fetch_chunks(info.bucket, info.nuid, start_seq, count, max_bytes)
+                break
+            except Unavailable as e:
+                if not _unanswered(e) or trio.current_time() >= deadline:
+                    raise
+                log.debug("%s/%s: fetching chunks again after: %s", info.bucket, info.name, e)
+                await trio.sleep(_FETCH_PAUSE_S)
         self.stats.chunks_fetched += len(msgs)
         self.stats.bytes_fetched += sum(len(m.data) for m in msgs)
         return msgs
@@ -652,3 +671,9 @@ class ChunkCache:
     def forget_objects(self, keys: Iterable[tuple[str, str]]) -> None:
         for key in keys:
             self._layouts.pop(key, None)
+
+
+def _unanswered(error: NatsFSError) -> bool:
+    """The server did not answer (worth asking again), as opposed to answering with something wrong:
+    replies that are not the chunk asked for are `Unavailable` too, but logged at DEBUG (`_stray`)."""
+    return isinstance(error, Unavailable) and error.log_level != logging.DEBUG

@@ -34,7 +34,7 @@ import trio
 
 from . import auth, sdnotify, status
 from . import config as cfg
-from .config import Config
+from .config import Config, default_flush_timeout
 from .errors import NatsFSError
 from .secrecy import child_environment
 
@@ -228,6 +228,8 @@ def config_from_args(a: argparse.Namespace, connection: auth.Connection) -> Conf
             raise ValueError(f"--{f.name.replace('_', '-')}: {e}") from None
     if "entry_timeout" in values:
         values["attr_timeout"] = values["entry_timeout"]
+    if "flush_timeout" not in values:
+        values["flush_timeout"] = default_flush_timeout(connection.servers)
     return Config(mountpoint=a.mountpoint, servers=connection.servers, credentials=connection,
                   fuse_options=tuple(o for v in a.options or [] for o in v.split(",") if o), **values)
 

@@ -132,8 +132,10 @@ class Config:
                                     "write is settled for 3 times this)", parse=parse_duration, shown="10s")
     # One deadline for storing a file at close/fsync: this many seconds plus one per
     # `flush_rate_floor` bytes staged (a big file on a slow link is not cut short).
+    # (The CLI's default is `default_flush_timeout(servers)`.)
     flush_timeout: float = option(10.0, help="close/fsync fail with EIO when a file is not stored within this "
-                                  "(plus 1 s per MiB)", parse=parse_duration, shown="10s")
+                                  "(plus 1 s per MiB)", parse=parse_duration,
+                                  shown="10s, 30s with several servers (a cluster's election after a node loss)")
     flush_rate_floor: int = 1024 * 1024
     # At unmount/SIGTERM: how long the daemon may spend storing files still open for writing.
     shutdown_timeout: float = option(60.0, help="at unmount or SIGTERM, how long to spend storing files "
@@ -172,3 +174,10 @@ class Config:
 def option_fields() -> list[Any]:
     """The `Config` fields that are `natsfs mount` options, in declaration order."""
     return [f for f in fields(Config) if "help" in f.metadata]
+
+
+def default_flush_timeout(servers: tuple[str, ...]) -> float:
+    """10 s; 30 s given several servers: after a cluster node dies, its streams need an election (up to
+    ~10 s of nats-server's Raft timeouts) before they take publishes again, and a close should wait
+    that out rather than fail."""
+    return 30.0 if len(servers) > 1 else 10.0

@@ -7,11 +7,13 @@ sequence-gap and stall detection with transparent re-creation, and headers-only 
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -24,6 +26,7 @@ from .errors import (
     ERR_INSUFFICIENT_RESOURCES,
     ERR_MEMORY_RESOURCES_EXCEEDED,
     ERR_MSG_TOO_BIG,
+    ERR_NO_MESSAGE_FOUND,
     ERR_STORAGE_RESOURCES_EXCEEDED,
     ERR_STORE_FAILED,
     ERR_STREAM_NOT_FOUND,
@@ -60,6 +63,23 @@ STALL_S = 3.5
 # The least rate (bytes/s) at which the server is expected to store a committed batch: the commit's ack
 # may take this long on top of the request timeout.
 _BATCH_COMMIT_RATE = 16 * 1024 * 1024
+# How long a clustered stream (or the JetStream API) may go without a leader before a publish or an
+# API call gives up: a node's loss is followed by an election that takes a few seconds.
+FAILOVER_S = 15.0
+_FAILOVER_PAUSE_S = 0.25
+_FLOOR_TRIES = 20  # direct gets refused for a floor (412) asked again, a pause apart, before failing
+ERR_CLUSTER_NOT_AVAILABLE = 10008  # "JetStream system temporarily unavailable" (503)
+_READ_ATTEMPT_S = 3.0
+_READ_ONLY_API = ("INFO", "STREAM.INFO.", "STREAM.NAMES", "STREAM.LIST", "STREAM.MSG.GET.", "CONSUMER.INFO.")
+
+
+async def _noting_first_subject(msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]], first: list[str]
+                                ) -> AsyncIterator[tuple[str, bytes, dict[str, str]]]:
+    """`msgs`, noting the subject of the first one in `first` (once something of a batch was sent)."""
+    async for msg in msgs:
+        if not first:
+            first.append(msg[0])
+        yield msg
 
 
 def _stream_state(info: dict[str, Any]) -> StreamState:
@@ -125,6 +145,12 @@ class JetStreams:
 
     def __init__(self, bridge: Bridge):
         self.bridge = bridge
+        # Per stream, the highest sequence this client has seen stored (acks, watch deliveries, reads).
+        # Direct gets carry it as `min_last_seq`: on a replicated stream any replica may answer, and
+        # one that has not applied that far yet hands the request to the leader instead of answering
+        # from the past (server >= 2.12, ADR-31/read-after-write). So a client reads its own writes,
+        # and every object its watch announced, from any node.
+        self.floors: dict[str, int] = {}
         # Open watches and scans, told when the connection is replaced (their consumers may be gone).
         self._watches: weakref.WeakSet[_ConsumerStream] = weakref.WeakSet()
         previous = bridge.on_reconnect
@@ -190,12 +216,14 @@ class JetStreams:
             raise
 
     async def create_stream(self, config: dict[str, Any]) -> StreamState:
+        self.floors.pop(config["name"], None)
         return _stream_state(await self._api(f"STREAM.CREATE.{config['name']}", config))
 
     async def update_stream(self, config: dict[str, Any]) -> StreamState:
         return _stream_state(await self._api(f"STREAM.UPDATE.{config['name']}", config))
 
     async def delete_stream(self, name: str) -> None:
+        self.floors.pop(name, None)
         try:
             await self._api(f"STREAM.DELETE.{name}")
         except JetStreamAPIError as e:
@@ -215,13 +243,54 @@ class JetStreams:
 
     # ---------------------------------------------------------------- messages
     async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
+        deadline = trio.current_time() + FAILOVER_S
+        while True:
+            try:
+                ack = await self.bridge.js_publish(subject, data, headers)
+            except JetStreamAPIError as e:
+                raise map_publish_error(e, subject) from None
+            except NotFound:
+                await self._await_leader(subject, deadline)
+                continue
+            self._observe(ack)
+            return int(ack["seq"])
+
+    def _observe(self, ack: dict[str, Any]) -> None:
+        stream, seq = ack.get("stream"), int(ack.get("seq", 0))
+        if stream and seq > self.floors.get(stream, 0):
+            self.floors[stream] = seq
+
+    def _floor_body(self, stream: str, body: dict[str, Any]) -> dict[str, Any]:
+        floor = self.floors.get(stream, 0)
+        return {**body, "min_last_seq": floor} if floor else body
+
+    async def _floor_refused(self, stream: str) -> None:
+        """A direct get answered 412: the replica that had it had not applied our floor yet (and did not
+        hand it to the leader). Ask again, with the floor: reading without it could serve the past.
+        Only a stream that now ends before the floor (deleted and created again: its sequences started
+        over) makes the floor go."""
+        floor = self.floors.get(stream, 0)
+        with contextlib.suppress(NotFound):
+            if (await self.stream_info(stream)).last_seq < floor:
+                log.info("stream %s ends before sequence %d seen earlier (created again); reading without a "
+                         "floor", stream, floor)
+                self.floors.pop(stream, None)
+                return
+        await trio.sleep(_FAILOVER_PAUSE_S)
+
+    async def _await_leader(self, subject: str, deadline: float) -> None:
+        """A publish to `subject` had no responders. `NotFound` if no stream takes the subject; else the
+        stream is clustered and between leaders (a node was lost): pause before the caller sends the same
+        message again (its `Nats-Msg-Id` makes that safe), `Unavailable` once `deadline` has passed."""
         try:
-            ack = await self.bridge.js_publish(subject, data, headers)
-        except JetStreamAPIError as e:
-            raise map_publish_error(e, subject) from None
-        except NotFound:
-            raise NotFound(f"no stream takes {subject}") from None
-        return int(ack["seq"])
+            reply = await _api(self.bridge, "STREAM.NAMES", {"subject": subject})
+        except Unavailable:
+            reply = {"streams": ["?"]}  # the API has no leader either: a cluster in the middle of an election
+        if not reply.get("streams"):
+            raise NotFound(f"no stream takes {subject}")
+        if trio.current_time() >= deadline:
+            raise Unavailable(f"the stream taking {subject} has had no leader for {FAILOVER_S:g}s")
+        await trio.sleep(_FAILOVER_PAUSE_S)
 
     @property
     def max_payload(self) -> int:
@@ -230,17 +299,59 @@ class JetStreams:
 
     async def publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]],
                            window: int = 32) -> list[int]:
+        """Publish stream messages (chunks, each with its own `Nats-Msg-Id`), pipelined. Messages that
+        got no ack, or no responders while their stream elects a leader, are sent again until
+        `FAILOVER_S` has passed: the server's de-duplication keeps a message stored twice out."""
         results = await self.bridge.js_publish_many(msgs, window)
+        deadline = trio.current_time() + FAILOVER_S
+        while again := [i for i, r in enumerate(results) if isinstance(r, NotFound | Unavailable)]:
+            first = results[again[0]]
+            if isinstance(first, NotFound):
+                await self._await_leader(msgs[again[0]][0], deadline)
+            elif trio.current_time() >= deadline:
+                raise first
+            else:
+                log.debug("%d of %d publishes got no ack (%s); sending them again", len(again), len(msgs), first)
+                await trio.sleep(_FAILOVER_PAUSE_S)
+            retried = await self.bridge.js_publish_many([msgs[i] for i in again], window)
+            for i, r in zip(again, retried, strict=True):
+                results[i] = r
         seqs: list[int] = []
         for subject_data, r in zip(msgs, results, strict=True):
             if isinstance(r, JetStreamAPIError):
                 raise map_publish_error(r, subject_data[0])
             if isinstance(r, NatsFSError):
                 raise r
+            self._observe(r)
             seqs.append(int(r["seq"]))
         return seqs
 
-    async def publish_batch(self, batch_id: str, msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]]) -> int:
+    async def publish_batch(self, batch_id: str,
+                            messages: Callable[[], AsyncIterable[tuple[str, bytes, dict[str, str]]]]) -> int:
+        """One atomic batch of `messages()` (see `_publish_batch`). A batch refused for want of responders
+        or cut off by a lost connection before its commit stored nothing: while a clustered stream elects
+        a new leader (or the connection is replaced) it is sent again, from `messages()` anew and under a
+        new batch id, for up to `FAILOVER_S`. An unanswered commit (`OutcomeUnknown`) is the caller's to
+        settle."""
+        deadline: float | None = None
+        attempt = 0
+        while True:
+            attempt += 1
+            first_subject: list[str] = []
+            batch = _noting_first_subject(messages(), first_subject)
+            try:
+                return await self._publish_batch(batch_id if attempt == 1 else f"{batch_id}.r{attempt}", batch)
+            except OutcomeUnknown:
+                raise
+            except (NotFound, Unavailable) as e:
+                if not first_subject:
+                    raise
+                if deadline is None:
+                    deadline = trio.current_time() + FAILOVER_S
+                log.debug("batch %s cut off before its commit (%s); sending it again", batch_id, e)
+                await self._await_leader(first_subject[0], deadline)
+
+    async def _publish_batch(self, batch_id: str, msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]]) -> int:
         """One atomic batch, as nats-server 2.12+ takes it (verified on 2.15): the first message must be
         a request; the server answers every message sent with a reply subject with an empty message
         (or a refusal such as "atomic publish is disabled"), and the commit, on the last, with the only
@@ -288,20 +399,37 @@ class JetStreams:
         await self._api(f"STREAM.PURGE.{stream}", body)
 
     async def last_msg(self, stream: str, subject: str) -> StoredMsg | None:
-        m = await self.bridge.request(f"$JS.API.DIRECT.GET.{stream}.{subject}")
-        if m.status == "404":
-            return None
-        if m.status is not None and not m.data and "Nats-Sequence" not in (m.headers or {}):
-            raise Unavailable(f"direct get {stream} {subject}: status {m.status} {m.headers}")
-        return _direct_msg(m)
+        """The last message on `subject`, from the stream's leader (`STREAM.MSG.GET`), not a direct get:
+        what this answers decides conflicts and settles publishes, and a replica may not have applied
+        the latest write yet (on a replicated stream even `min_last_seq` was seen to let a stale meta
+        through right after a rewrite of it)."""
+        try:
+            reply = await _api(self.bridge, f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject})
+        except JetStreamAPIError as e:
+            if e.err_code == ERR_NO_MESSAGE_FOUND:
+                return None
+            if e.err_code == ERR_STREAM_NOT_FOUND or e.code == 404:
+                raise NotFound(f"no stream {stream}") from None
+            raise
+        m = reply.get("message") or {}
+        self._observe({"stream": stream, "seq": m.get("seq", 0)})
+        headers = _parse_header_block(base64.b64decode(m["hdrs"])) if m.get("hdrs") else {}
+        kept = {k: v for k, v in headers.items() if not k.startswith("Nats-") or k == "Nats-Rollup"} or None
+        when = m.get("time")
+        return StoredMsg(int(m["seq"]), str(m.get("subject", subject)), kept, base64.b64decode(m.get("data") or ""),
+                         parse_rfc3339_ns(when) if when else 0)
 
     async def get_batch(self, stream: str, subject: str, start_seq: int, batch: int,
                         max_bytes: int) -> list[StoredMsg]:
         max_bytes = min(max_bytes, self.bridge.max_batch_bytes)  # replies in flight stay within the budget
         body = {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
-
-        replies = await self.bridge.request_many(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode(),
-                                                 max_bytes=max_bytes)
+        for _ in range(_FLOOR_TRIES):
+            floored = self._floor_body(stream, body)
+            replies = await self.bridge.request_many(f"$JS.API.DIRECT.GET.{stream}", json.dumps(floored).encode(),
+                                                     max_bytes=max_bytes)
+            if floored is body or not replies or replies[0].status != "412":
+                break
+            await self._floor_refused(stream)
         out: list[StoredMsg] = []
         for m in replies:
             if m.headers and "Nats-Sequence" in m.headers:
@@ -316,10 +444,12 @@ class JetStreams:
                            max_bytes: int) -> BatchStream:
         """Like `get_batch`, but hands messages over as they arrive instead of all at the end."""
         max_bytes = min(max_bytes, self.bridge.max_batch_bytes)  # replies in flight stay within the budget
-        body = {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
+        body = self._floor_body(stream, {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch,
+                                         "max_bytes": max_bytes})
         sub = await self.bridge.request_stream(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode(),
                                                max_bytes=max_bytes)
-        return BatchStream(sub, self.bridge.request_timeout, f"{stream} {subject}")
+        return BatchStream(sub, self.bridge.request_timeout, f"{stream} {subject}",
+                           on_floor_refused=lambda: self._floor_refused(stream))  # the caller asks again
 
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
         """(sequence, payload size) of every message on `subject`, without fetching payloads."""
@@ -369,7 +499,7 @@ class JetStreams:
 
     async def watch(self, stream: str, filter_subject: str, *, last_per_subject: bool = True) -> _ConsumerStream:
         w = _ConsumerStream(self.bridge, stream, filter_subject,
-                            deliver_policy="last_per_subject" if last_per_subject else "all")
+                            deliver_policy="last_per_subject" if last_per_subject else "all", floors=self.floors)
         await w.start(stream_created_ns=(await self.stream_info(stream)).created_ns)
         self._watches.add(w)
         return w
@@ -378,10 +508,12 @@ class JetStreams:
 class BatchStream:
     """The replies of one batched direct get, in arrival order; `next()` is None after the last."""
 
-    def __init__(self, sub: Subscription, timeout: float, what: str):
+    def __init__(self, sub: Subscription, timeout: float, what: str,
+                 on_floor_refused: Callable[[], Awaitable[None]] | None = None):
         self._sub = sub
         self._timeout = timeout
         self._what = what
+        self._on_floor_refused = on_floor_refused
         self.done = False
 
     async def next(self) -> list[StoredMsg] | None:
@@ -398,6 +530,8 @@ class BatchStream:
                 continue
             self.done = True
             await self.close()
+            if m.status == "412" and self._on_floor_refused is not None:
+                await self._on_floor_refused()
             if m.status not in ("204", "404", "408"):
                 raise Unavailable(f"direct get batch {self._what}: status {m.status}")
             break
@@ -406,6 +540,16 @@ class BatchStream:
     async def close(self) -> None:
         self.done = True
         await self._sub.unsubscribe()
+
+
+def _parse_header_block(raw: bytes) -> dict[str, str]:
+    """`NATS/1.0\r\nKey: Value\r\n...` as a dict (the first value of a repeated key)."""
+    out: dict[str, str] = {}
+    for line in raw.decode(errors="replace").split("\r\n")[1:]:
+        key, sep, value = line.partition(":")
+        if sep and key.strip() and key.strip() not in out:
+            out[key.strip()] = value.strip()
+    return out
 
 
 def _direct_msg(m: Msg, *, full: bool = True) -> StoredMsg:
@@ -434,8 +578,9 @@ class _ConsumerStream:
     """
 
     def __init__(self, bridge: Bridge, stream: str, filter_subject: str, *, deliver_policy: str,
-                 headers_only: bool = False, start_seq: int = 0):
+                 headers_only: bool = False, start_seq: int = 0, floors: dict[str, int] | None = None):
         self.bridge = bridge
+        self.floors = floors  # raised to every sequence delivered (see JetStreams.floors)
         self.stream = stream
         self.filter_subject = filter_subject
         self.deliver_policy = deliver_policy
@@ -624,6 +769,8 @@ class _ConsumerStream:
                 return out
             self._cseq = cseq
             self._last_sseq = sseq
+            if self.floors is not None and sseq > self.floors.get(self.stream, 0):
+                self.floors[self.stream] = sseq
             # (Nats-Msg-Size only comes with headers-only deliveries, where it is wanted.)
             out.msgs.append(StoredMsg(sseq, m.subject, m.headers or None, m.data, ts))
             if pending == 0:
@@ -641,11 +788,30 @@ class _ConsumerStream:
 async def _api(bridge: Bridge, subject: str, body: dict[str, Any] | None = None,
                timeout: float | None = None) -> dict[str, Any]:
     """`bridge.api`, where "no responders" means JetStream is not answering (`Unavailable`), not that
-    something does not exist: only an error reply from the server says that."""
-    try:
-        return await bridge.api(subject, body, timeout)
-    except NotFound as e:
-        raise Unavailable(f"JetStream API {subject}: {e}") from None
+    something does not exist: only an error reply from the server says that. "No responders" and
+    "JetStream system temporarily unavailable" (a cluster electing a leader after losing a node) are
+    asked again for up to `FAILOVER_S`, and so are requests that only read (`INFO`, `STREAM.INFO`...)
+    and got no answer at all: the connection's server may just have been lost."""
+    deadline = trio.current_time() + FAILOVER_S
+    read_only = subject.startswith(_READ_ONLY_API)
+    while True:
+        attempt_timeout = timeout
+        if read_only and timeout is None and trio.current_time() < deadline:
+            # A clustered stream without a leader leaves its INFO unanswered: ask again soon rather than
+            # wait the whole request timeout once.
+            attempt_timeout = min(bridge.request_timeout, _READ_ATTEMPT_S)
+        try:
+            return await bridge.api(subject, body, attempt_timeout)
+        except NotFound as e:
+            if trio.current_time() >= deadline:
+                raise Unavailable(f"JetStream API {subject}: {e}") from None
+        except Unavailable:
+            if not read_only or trio.current_time() >= deadline:
+                raise
+        except JetStreamAPIError as e:
+            if e.err_code != ERR_CLUSTER_NOT_AVAILABLE or trio.current_time() >= deadline:
+                raise
+        await trio.sleep(_FAILOVER_PAUSE_S)
 
 
 async def _stream_info(bridge: Bridge, name: str) -> StreamState:

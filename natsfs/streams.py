@@ -8,7 +8,7 @@ last subject sequence did not match), `NoSpace` (stream limits refuse the messag
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Sequence
+from collections.abc import AsyncIterable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -118,8 +118,10 @@ class Streams(Protocol):
 
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]: ...
 
-    async def publish_batch(self, batch_id: str, msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]]) -> int:
-        """Publish `msgs` as one atomic batch (the last one commits it) and return the commit's sequence.
+    async def publish_batch(self, batch_id: str,
+                            messages: Callable[[], AsyncIterable[tuple[str, bytes, dict[str, str]]]]) -> int:
+        """Publish `messages()` as one atomic batch (the last one commits it) and return the commit's
+        sequence; `messages` may be called again to send a batch cut off before its commit once more.
         `OutcomeUnknown` when the commit was sent and its ack did not come back (stored or not: read
         back); any other error means nothing of the batch was stored."""
 

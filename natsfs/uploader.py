@@ -100,6 +100,10 @@ class UploadWorker:
             # The worker's connection was lost or replaced: callers fall back to publishing in-process.
             cls = OutcomeUnknown if error["kind"] == "outcome_unknown" else Unavailable
             raise cls(str(error.get("description", "upload worker failed")))
+        if error and int(error.get("code", 0)) == 503:
+            # No responders: the worker cannot tell a missing stream from one between leaders; the
+            # caller sends the file again in-process, where that is told apart (JetStreams.publish_many).
+            raise Unavailable(f"upload worker: {error.get('description', 'no responders')}")
         if error:
             raise map_publish_error(JetStreamAPIError(error.get("description", "error"), code=int(error.get("code", 0)),
                                                       err_code=int(error.get("err_code", 0))), body.get("subject", ""))

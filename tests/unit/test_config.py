@@ -66,3 +66,19 @@ def test_parse_duration(text, expected):
 def test_parse_duration_rejects(text):
     with pytest.raises(ValueError, match="duration"):
         parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--server", "nats://a:4222"], 10.0),
+        (["--server", "nats://a:4222,nats://b:4222,nats://c:4222"], 30.0),
+        (["--server", "nats://a:4222,nats://b:4222", "--flush-timeout", "5s"], 5.0),
+    ],
+)
+def test_flush_timeout_waits_out_a_cluster_election_when_several_servers_are_given(args, expected):
+    from natsfs.cli import build_parser, config_from_args, connection_from_args
+
+    a = build_parser().parse_args(["mount", "/mnt/x", *args])
+    config = config_from_args(a, connection_from_args(a))
+    assert config.flush_timeout == expected
