@@ -115,6 +115,8 @@ def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> li
                 if has_value:
                     parser.error(f"mount option {key} takes no value")
                 expanded.append(flag)
+            elif not has_value and action.nargs == "?":
+                expanded.append(f"{flag}={action.const}")  # (a bare flag would take the mountpoint)
             elif not has_value:
                 parser.error(f"mount option {key} needs a value ({key}=...)")
             else:
@@ -204,6 +206,10 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         text = f.metadata["help"]
         if f.type in (bool, "bool"):
             parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=text)
+        elif f.metadata["optional"] is not None:
+            metavar = "DELAY" if f.metadata["parse"] is cfg.parse_duration else "VALUE"
+            parser.add_argument(flag, dest=f.name, nargs="?", const=f.metadata["optional"], metavar=metavar,
+                                help=f"{text} (default: {default})")
         else:
             parser.add_argument(flag, dest=f.name, choices=f.metadata["choices"],
                                 help=f"{text} (default: {default})" if default not in (None, "") else text)
@@ -369,7 +375,7 @@ def daemon_arguments(argv: list[str], given: Path | None, mountpoint: str) -> li
     into argv) and `--log-file`, which the parent sets."""
     parser = build_parser()
     mount_parser = next(act for act in parser._actions if isinstance(act, argparse._SubParsersAction)).choices["mount"]
-    takes_value = {flag: act.nargs != 0 for act in mount_parser._actions for flag in act.option_strings}
+    takes_value = {flag: act.nargs for act in mount_parser._actions for flag in act.option_strings}
     dropped = {flag for act in mount_parser._actions if act.dest in (*auth.OPTION_DESTS, "log_file")
                for flag in act.option_strings}
     out = ["mount", mountpoint]
@@ -378,7 +384,9 @@ def daemon_arguments(argv: list[str], given: Path | None, mountpoint: str) -> li
     while i < len(rest):
         arg = rest[i]
         flag, inline, _ = arg.partition("=")
-        consumes = takes_value.get(flag, False) and not inline and arg.startswith("-")
+        nargs = takes_value.get(flag, 0)
+        consumes = nargs != 0 and not inline and arg.startswith("-") and not (
+            nargs == "?" and (i + 1 >= len(rest) or rest[i + 1].startswith("-")))
         if given is not None and not arg.startswith("-") and Path(arg) == given:
             given = None  # the positional mountpoint, given absolute above
             i += 1
@@ -397,11 +405,13 @@ def daemon_arguments(argv: list[str], given: Path | None, mountpoint: str) -> li
 def cmd_umount(a: argparse.Namespace) -> int:
     """Unmount; when files are still open, ask the daemon (SIGTERM) to store what is open for
     writing and unmount, and wait for it (its own wait is bounded by --shutdown-timeout)."""
+    target = _outside_path(a.mountpoint)
+    write_back = _write_back_progress(target)
     proc = subprocess.run(["fusermount3", "-u", str(a.mountpoint)], capture_output=True, text=True)
     if proc.returncode == 0:
+        _print_write_back_progress(write_back)
         return 0
     msg = (proc.stderr.strip().splitlines() or ["unmount failed"])[-1]
-    target = _outside_path(a.mountpoint)
     daemons = _daemons_of(target) if "busy" in msg.lower() else []
     if not daemons:
         print(f"natsfs: {msg}", file=sys.stderr)
@@ -416,10 +426,53 @@ def cmd_umount(a: argparse.Namespace) -> int:
             return 1
     while _is_mounted(target) and any(_alive(pid) for pid in daemons):
         time.sleep(0.1)
+    _print_write_back_progress(write_back)
     if _is_mounted(target):
         print(f"natsfs: {target} is still mounted", file=sys.stderr)
         return 1
     return 0
+
+
+def _write_back_progress(target: str) -> list[tuple[int, Path]]:
+    """(pid, progress file) of each daemon of `target` mounted with --write-back: after the unmount it
+    uploads what is still queued and writes its progress there (natsfs.core.writeback)."""
+    from .compose import spool_root  # the mount's modules, only when unmounting
+    from .core.writeback import PROGRESS_FILE
+
+    found = []
+    for pid in _daemons_of(target):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [os.fsdecode(x) for x in f.read().split(b"\0")]
+        except OSError:
+            continue
+        if not any(x == "--write-back" or x.startswith("--write-back=") for x in argv):
+            continue
+        cache_dir = cfg.default_cache_dir()
+        for i, x in enumerate(argv):
+            if x == "--cache-dir" and i + 1 < len(argv):
+                cache_dir = Path(argv[i + 1])
+            elif x.startswith("--cache-dir="):
+                cache_dir = Path(x.split("=", 1)[1])
+        found.append((pid, spool_root(cache_dir, Path(target)) / PROGRESS_FILE))
+    return found
+
+
+def _print_write_back_progress(daemons: list[tuple[int, Path]]) -> None:
+    """Wait for write-back daemons to finish their uploads and exit, printing each progress line once."""
+    last = ""
+    if daemons:
+        print("natsfs: waiting for pending write-back uploads", file=sys.stderr)
+    while any(_alive(pid) for pid, _ in daemons):
+        for _, progress in daemons:
+            try:
+                text = progress.read_text().strip()
+            except OSError:
+                continue
+            if text and text != last:
+                print(f"natsfs: {text}", file=sys.stderr)
+                last = text
+        time.sleep(0.1)
 
 
 def _outside_path(path: Path) -> str:

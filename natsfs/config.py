@@ -72,14 +72,15 @@ def parse_bytes_limit(text: str | int) -> int:
 
 
 def option(default: Any = MISSING, *, help: str, parse: Callable[[str], Any] | None = None,
-           shown: str | None = None, choices: tuple[str, ...] | None = None,
+           shown: str | None = None, choices: tuple[str, ...] | None = None, optional: str | None = None,
            default_factory: Callable[[], Any] | None = None) -> Any:
     """A `Config` field that is also a `natsfs mount` option (`--name-with-dashes`, and `-o name=value`).
 
     `parse` turns the command-line text into the field's value (default: the text itself; booleans are
-    flags); `shown` is how the default reads in `--help` (e.g. `256MiB` for 268435456).
+    flags); `shown` is how the default reads in `--help` (e.g. `256MiB` for 268435456); an option with
+    `optional` may be given without a value (`--write-back`, `-o write_back`), meaning that text.
     """
-    metadata = {"help": help, "parse": parse, "shown": shown, "choices": choices}
+    metadata = {"help": help, "parse": parse, "shown": shown, "choices": choices, "optional": optional}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -140,6 +141,14 @@ class Config:
     # At unmount/SIGTERM: how long the daemon may spend storing files still open for writing.
     shutdown_timeout: float = option(60.0, help="at unmount or SIGTERM, how long to spend storing files "
                                      "still open for writing", parse=parse_duration, shown="60s")
+    # Write-back mode (--write-back[=DELAY]): None is off (close returns once the object is stored);
+    # otherwise close returns once the bytes and a journal record are fsynced on local disk, and a
+    # background uploader puts the file this many seconds later (a rewrite meanwhile merges into one put).
+    write_back: float | None = option(None, help="close returns once the bytes are durable on local disk (spool "
+                                      "file and journal fsynced); they are uploaded in the background DELAY "
+                                      "later (default 0s) and replayed by the next mount with the same "
+                                      "--cache-dir if the daemon dies", parse=parse_duration, optional="0s",
+                                      shown="off")
     # Publish written files from a helper process (its own connection, its own GIL).
     upload_worker: bool = True
     # Owner, group and permission bits (0o666/0o777 less `umask`) of objects without stored attributes.

@@ -21,6 +21,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -46,6 +47,7 @@ from ..errors import (
 )
 from ..handles import DirHandle, FileHandle, HandleNo, HandleTable
 from ..inodes import ROOT_INODE, InodeNo, InodeTable
+from ..journal import WriteBackJournal
 from ..kernel import KernelNotifier
 from ..links import link_target
 from ..mutations import Mutations, check_meta_size
@@ -55,6 +57,7 @@ from ..secrecy import redact_urls
 from ..staging import StagedFile, Staging
 from ..status import recent_problems
 from .openfiles import OpenFileTable
+from .writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +157,7 @@ class Filesystem:
     """The mount's filesystem, one method per FUSE operation (see the module docstring)."""
 
     def __init__(self, namespace: Namespace, cache: ChunkCache, config: Config, staging: Staging,
-                 kernel: KernelNotifier | None = None):
+                 kernel: KernelNotifier | None = None, journal: WriteBackJournal | None = None):
         self.ns = namespace
         self.cache = cache
         self.config = config
@@ -173,12 +176,20 @@ class Filesystem:
         self._nursery: trio.Nursery | None = None
         self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
         self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0}
+        # Write-back mode (--write-back): closes are made durable locally and uploaded in the background.
+        self.writeback: WriteBack | None = None
+        if config.write_back is not None and journal is not None:
+            self.writeback = WriteBack(self, journal, config.write_back, staging.spool.dir.parent)
+            self.inodes.pinned = self._upload_pending
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background work of the operations (kernel invalidations, refreshes) runs in `nursery`."""
         self._nursery = nursery
         self.kernel.start(nursery)
         self.mut.start(nursery)
+        if self.writeback is not None:
+            self.writeback.resume()
+            nursery.start_soon(self.writeback.run)
         self.ns.on_change = self.entry_changed
 
     def entry_changed(self, bucket: str, rel: tuple[str, ...] | None) -> None:
@@ -563,11 +574,58 @@ class Filesystem:
     async def flush(self, fh: HandleNo) -> None:
         handle = self._file_handle(fh)
         if handle.writable:  # a reader closing must not store a writer's half-written bytes
-            await self._store_in_time(handle.ino)
+            await self._store_or_journal(handle.ino)
 
     async def fsync(self, fh: HandleNo) -> None:
         handle = self._file_handle(fh)
-        await self._store_in_time(handle.ino)
+        await self._store_or_journal(handle.ino)
+
+    async def _store_or_journal(self, ino: InodeNo) -> None:
+        """What a close must do: store the file, or in write-back mode make it durable locally."""
+        if self.writeback is None:
+            await self._store_in_time(ino)
+            return
+        sf = self.staging.get(ino)
+        if sf is not None and sf.unstored:
+            await self._journal(sf)
+
+    async def _journal(self, sf: StagedFile) -> None:
+        assert self.writeback is not None
+        try:
+            await self.writeback.closed(sf)
+        except OSError as e:
+            raise NatsFSError(f"{sf.bucket}/{sf.name}: the staged bytes could not be made durable on local disk: "
+                              f"{e}", errno=e.errno or errno.EIO) from None
+
+    # ------------------------------------------------------------------ write-back (see core/writeback.py)
+    def _upload_pending(self, ino: InodeNo) -> bool:
+        sf = self.staging.get(ino)
+        return sf is not None and sf.unstored
+
+    async def fill_staged(self, sf: StagedFile) -> None:
+        """Copy the rest of the base version in (write-back journals only files holding every byte)."""
+        await self._fill(sf)
+
+    async def store_staged(self, sf: StagedFile) -> None:
+        """The write-back uploader's put of `sf` (a conflict keeps it in lost+found and raises `Conflict`)."""
+        if self.staging.get(InodeNo(sf.ino)) is sf:
+            await self._upload(InodeNo(sf.ino))
+
+    def keep_staged(self, sf: StagedFile) -> Path:
+        """A write-back upload the bucket refuses: its bytes go to lost+found."""
+        self.staging.remove(sf)
+        self.mut.discard_stream(sf)
+        return sf.keep()
+
+    def upload_settled(self, sf: StagedFile) -> None:
+        """The write-back uploader is done with `sf`: drop it unless a handle still has it open."""
+        ino = InodeNo(sf.ino)
+        if self.files.is_open(ino) or sf.ended:
+            return
+        self.staging.remove(sf)
+        self.mut.discard(sf)
+        if ino in self.inodes and self.inodes.lookup_count(ino) == 0:
+            self.inodes.forget(ino, 0)  # it was kept only for the upload
 
     async def _store_in_time(self, ino: InodeNo) -> None:
         """`_upload` under one deadline for the whole store (every request, retry and fallback in it):
@@ -586,7 +644,15 @@ class Filesystem:
     async def shutdown(self, timeout: float) -> None:
         """Unmounting: store what files still open for writing hold (within `timeout` in all, progress in
         the log); keep what cannot be stored in lost+found, one log line per file. Nothing is dropped
-        silently."""
+        silently. In write-back mode: wait for the queued uploads instead; what is still queued after
+        `timeout` stays in the spool and the journal for the next mount."""
+        if self.writeback is not None:
+            await self.writeback.drain(timeout)
+            for sf in self.staging.all():
+                if not sf.unstored:
+                    self.staging.remove(sf)
+                    self.mut.discard(sf)
+            return
         pending = [sf for sf in self.staging.all() if sf.unstored]
         if pending:
             log.info("unmounting: storing %d file(s) still open for writing (%d bytes), for at most %g s",
@@ -644,6 +710,10 @@ class Filesystem:
         sf = self.staging.get(handle.ino)
         if sf is None:
             return
+        if self.writeback is not None and sf.unstored:
+            if not self.writeback.queued(sf):
+                await self._journal(sf)
+            return  # the write-back uploader stores it and then drops it
         self.staging.remove(sf)
         if sf.unstored:
             self.mut.discard_stream(sf)
@@ -675,6 +745,9 @@ class Filesystem:
             await self._set_posix(inode, node, changes)
         if changes.size is not None and not self.files.has_writers(inode):
             # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
+            if self.writeback is not None:
+                await self._store_or_journal(inode)
+                return self._attr(inode, await self._node(inode))
             await self._upload(inode)
             left = self.staging.get(inode)
             if left is not None and not self.files.is_open(inode):
@@ -821,8 +894,12 @@ class Filesystem:
         await self.mut.check_writable(bucket)
         with self.files.changing(old, new):
             await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
-        self._move_staged(bucket, old, new)
+        moved = self._move_staged(bucket, old, new)
         self.inodes.move(old, new)
+        if self.writeback is not None:
+            for sf in moved:
+                if self.writeback.queued(sf):
+                    await self._journal(sf)  # the record names the new path
 
     async def _rename(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...], rel_old: tuple[str, ...],
                       rel_new: tuple[str, ...], src: Node, dst: Node | None) -> None:
@@ -854,9 +931,10 @@ class Filesystem:
         if dst_sf is not None and not dst_sf.ended:
             dst_sf.unlink()
 
-    def _move_staged(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+    def _move_staged(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...]) -> list[StagedFile]:
         """Staged files at or under `old` now belong to `new` (and to the renamed objects' revisions)."""
         index = self.ns.loaded_index(bucket)
+        moved_files = []
         for sf in self.staging.all():
             if sf.path[: len(old)] != old or sf.unlinked:
                 continue
@@ -865,6 +943,8 @@ class Filesystem:
             moved = index.objects.get(name) if index is not None and sf.base is not None else None
             same = moved is not None and sf.base is not None and moved.nuid == sf.base.nuid
             sf.move(path, name, moved if same else None)
+            moved_files.append(sf)
+        return moved_files
 
     async def link(self, inode: InodeNo, new_parent_inode: InodeNo, new_name: bytes) -> Attributes:
         self._refuse_if_read_only()

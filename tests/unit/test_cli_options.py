@@ -84,6 +84,12 @@ def test_daemon_gets_the_users_arguments_without_connection_options():
             "/t", "--log-file", "/l", "--cache-size", "1GiB", "-o", "allow_other", "--read-only"]
     assert daemon_arguments(argv, Path("rel/mnt"), "/abs/rel/mnt") == [
         "mount", "/abs/rel/mnt", "--bucket", "b", "--cache-size", "1GiB", "-o", "allow_other", "--read-only"]
+    # An option whose value is optional never takes the next option as its value.
+    argv = ["mount", "/m", "--write-back", "--server", "nats://u:pw@h", "--write-back", "5s"]
+    assert daemon_arguments(argv, Path("/m"), "/m") == ["mount", "/m", "--write-back", "--write-back", "5s"]
+    parsed = config_from_args(_mount_parser().parse_args(expand_mount_options(_mount_parser(), [
+        "/m", "-o", "write_back"])), auth.Connection())
+    assert parsed.write_back == 0.0
 
 
 def test_connection_precedence_options_then_environment_then_context(tmp_path):
