@@ -463,7 +463,10 @@ def _print_write_back_progress(daemons: list[tuple[int, Path]]) -> None:
     last = ""
     if daemons:
         print("natsfs: waiting for pending write-back uploads", file=sys.stderr)
-    while any(_alive(pid) for pid, _ in daemons):
+    running = True
+    while running:
+        running = any(_alive(pid) for pid, _ in daemons)
+        # (One more pass after the daemons exited: the last line may be written just before the exit.)
         for _, progress in daemons:
             try:
                 text = progress.read_text().strip()
@@ -472,7 +475,8 @@ def _print_write_back_progress(daemons: list[tuple[int, Path]]) -> None:
             if text and text != last:
                 print(f"natsfs: {text}", file=sys.stderr)
                 last = text
-        time.sleep(0.1)
+        if running:
+            time.sleep(0.1)
 
 
 def _outside_path(path: Path) -> str:
