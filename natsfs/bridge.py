@@ -41,6 +41,7 @@ import nats.errors
 import trio
 
 from . import natscompat
+from .auth import Connection
 from .errors import JetStreamAPIError, NatsFSError, NotFound, OutcomeUnknown, Unavailable
 from .futures import wait_future
 from .retry import Backoff
@@ -170,7 +171,7 @@ class _Link:
     one when it is lost, and one reply inbox per client on which all requests get their replies."""
 
     def __init__(self, servers: Sequence[str], *, name: str, connect_timeout: float,
-                 user_credentials: str | None = None,
+                 auth: Connection | None = None,
                  on_lost: Callable[[str], None] = lambda reason: None,
                  on_restored: Callable[[], None] = lambda: None,
                  restore: Callable[[Any], Awaitable[None]] | None = None,
@@ -179,7 +180,7 @@ class _Link:
         self.servers = list(servers)
         self.name = name
         self.connect_timeout = connect_timeout
-        self.user_credentials = user_credentials
+        self.auth = auth
         self._on_lost = on_lost
         self._on_restored = on_restored
         self._restore = restore
@@ -241,8 +242,8 @@ class _Link:
             # A publish over `pending_size` waits for the flusher; never forever (see `_lost`).
             "flush_timeout": self.connect_timeout,
         }
-        if self.user_credentials:
-            options["user_credentials"] = self.user_credentials
+        if self.auth is not None:
+            options.update(self.auth.connect_options())
         try:
             nc = await asyncio.wait_for(nats.connect(**options), self.connect_timeout * 2 + 2)
         except (TimeoutError, OSError, nats.errors.Error) as e:
@@ -652,7 +653,7 @@ class Bridge:
         connect_timeout: float = 5.0,
         on_disconnect: Callable[[], None] | None = None,
         on_reconnect: Callable[[], None] | None = None,
-        user_credentials: str | None = None,
+        auth: Connection | None = None,
         reply_budget: int = REPLY_BUDGET,
     ):
         self.servers = list(servers)
@@ -661,7 +662,7 @@ class Bridge:
         self.connect_timeout = connect_timeout
         self.on_disconnect = on_disconnect
         self.on_reconnect = on_reconnect
-        self.user_credentials = user_credentials
+        self.auth = auth
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._link: _Link | None = None
@@ -693,7 +694,7 @@ class Bridge:
         self._thread.start()
         ready.wait()
         self._link = _Link(self.servers, name=self.name, connect_timeout=self.connect_timeout,
-                           user_credentials=self.user_credentials, on_lost=self._lost,
+                           auth=self.auth, on_lost=self._lost,
                            on_restored=self._restored, restore=self._restore, after_msg=self._after_msg)
         try:
             await self.run_on_loop(self._link.open())
@@ -1032,11 +1033,12 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
     return {"chunks": len(pending), "bytes": end - start}
 
 
-async def _worker_main(servers: list[str]) -> None:
+async def _worker_main(connection: Connection) -> None:
     import sys
 
     # Quiet: stderr is the daemon's; the daemon notices a dead worker or failed ranges and says so itself.
-    link = _Link(servers, name="natsfs-upload-worker", connect_timeout=5, quiet=True)
+    link = _Link(connection.servers, name="natsfs-upload-worker", connect_timeout=5, quiet=True,
+                 auth=connection)
     try:
         # Without a server the worker just exits and the daemon publishes in-process.
         await link.open()
@@ -1079,25 +1081,26 @@ async def _worker_main(servers: list[str]) -> None:
         await asyncio.wait_for(link.close(), 3)
 
 
-def _read_worker_servers(fd: int) -> list[str]:
-    """The server URLs the daemon sends as the first line on the worker's stdin (never in argv: they may
-    carry credentials). Read a byte at a time, so nothing after that line is taken from the pipe."""
+def _read_worker_connection(fd: int) -> Connection:
+    """The connection settings (servers and credentials) the daemon sends as the first line on the
+    worker's stdin (never in argv or the environment: they may carry secrets). Read a byte at a time, so
+    nothing after that line is taken from the pipe."""
     line = bytearray()
     while not line.endswith(b"\n"):
         byte = os.read(fd, 1)
         if not byte:
             raise SystemExit(1)  # the daemon went away before saying which servers
         line += byte
-    return [str(s) for s in json.loads(line)["servers"]]
+    return Connection.from_json(line)
 
 
 def _main() -> None:
     import sys
 
     if sys.argv[1:] == ["upload-worker"]:
-        asyncio.run(_worker_main(_read_worker_servers(sys.stdin.fileno())))
+        asyncio.run(_worker_main(_read_worker_connection(sys.stdin.fileno())))
     else:
-        raise SystemExit('usage: python -I -m natsfs.bridge upload-worker  (stdin: {"servers": [URL, ...]} first)')
+        raise SystemExit("usage: python -I -m natsfs.bridge upload-worker  (stdin: the connection as JSON first)")
 
 
 if __name__ == "__main__":

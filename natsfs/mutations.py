@@ -53,11 +53,9 @@ from .staging import StagedFile, Staging, UnfinishedPut, WriteState
 log = logging.getLogger(__name__)
 
 Path = tuple[str, ...]
-FILE_MODE = 0o644
 # A growing file's chunks are streamed to the server in batches of this many bytes.
 STREAM_BATCH = 4 * 1024 * 1024
 STREAM_PARALLEL = 3
-DIR_MODE = 0o755
 
 
 def check_meta_size(doc: dict[str, Any], limit: int) -> None:
@@ -73,8 +71,8 @@ class Mutations:
         self.store = store
         self.staging = staging
         self.config = config
-        self.file_defaults = PosixAttrs(FILE_MODE, config.uid, config.gid, None)
-        self.dir_defaults = PosixAttrs(DIR_MODE, config.uid, config.gid, None)
+        self.file_defaults = PosixAttrs(config.file_mode, config.uid, config.gid, None)
+        self.dir_defaults = PosixAttrs(config.dir_mode, config.uid, config.gid, None)
         self._sealed: dict[str, tuple[float, bool]] = {}
         self._nursery: trio.Nursery | None = None
         # Called with (bucket, object info) after this mount changed an object itself.

@@ -78,7 +78,8 @@ class Namespace:
 
     def stats(self) -> dict[str, Any]:
         """Counters of the bucket watchers (for the stats xattr)."""
-        return summary(list(self._buckets.values())) | {"buckets_watched": len(self._buckets)}
+        return summary(list(self._buckets.values())) | {"buckets_watched": len(self._buckets),
+                                                          "buckets": sorted(self._buckets)}
 
     # ------------------------------------------------------------------ buckets
     async def refresh_buckets(self) -> set[str]:

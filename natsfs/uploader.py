@@ -8,7 +8,8 @@ pipes (trio). If the worker is gone, callers fall back to publishing in-process 
 
 The worker runs isolated (`-I`: neither the working directory nor `$PYTHON*` variables shape its
 imports), inherits no descriptors but its pipes and no `$NATS_URL`, and gets the server URLs (which
-may carry credentials) as the first line on its stdin, never on its command line.
+may carry credentials) and the credentials (`auth.Connection` as JSON) as the first line on its stdin,
+never on its command line.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import trio
 
+from .auth import Connection
 from .errors import JetStreamAPIError, NatsFSError, OutcomeUnknown, Unavailable
 from .jetstream import map_publish_error
 from .secrecy import child_environment
@@ -30,8 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class UploadWorker:
-    def __init__(self, servers: list[str]):
-        self.servers = servers
+    def __init__(self, connection: Connection):
+        self.connection = connection
         self.alive = False
         self._proc: trio.Process | None = None
         self._next = 0
@@ -44,7 +46,7 @@ class UploadWorker:
                 [sys.executable, "-I", "-m", "natsfs.bridge", "upload-worker"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=child_environment())
             assert self._proc.stdin is not None
-            await self._proc.stdin.send_all(json.dumps({"servers": self.servers}).encode() + b"\n")
+            await self._proc.stdin.send_all(self.connection.to_json().encode() + b"\n")
         except (OSError, trio.BrokenResourceError) as e:
             log.warning("upload worker not started (%s); publishing in-process", e)
             return

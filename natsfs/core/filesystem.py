@@ -50,10 +50,12 @@ from ..inodes import ROOT_INODE, InodeNo, InodeTable
 from ..journal import WriteBackJournal
 from ..kernel import KernelNotifier
 from ..links import link_target
-from ..mutations import DIR_MODE, FILE_MODE, Mutations, check_meta_size
+from ..mutations import Mutations, check_meta_size
 from ..names import NAME_MAX
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
+from ..secrecy import redact_urls
 from ..staging import StagedFile, Staging
+from ..status import recent_problems
 from .openfiles import OpenFileTable
 from .writeback import WriteBack
 
@@ -270,10 +272,10 @@ class Filesystem:
         writable = self.writable and not (node.bucket is not None and self._known_sealed(node.bucket))
         if node.kind in (ROOT, BUCKET, DIR):
             marker = node.dir.marker if node.dir is not None else None
-            mode, uid, gid = _owner(marker.attrs if marker is not None else None, DIR_MODE, c.uid, c.gid,
+            mode, uid, gid = _owner(marker.attrs if marker is not None else None, c.dir_mode, c.uid, c.gid,
                                     c.allow_setuid)
             if node.kind == ROOT and self.ns.single_bucket is None:
-                mode = 0o755  # buckets are made with mkdir here
+                mode = c.dir_mode  # buckets are made with mkdir here
             mode = stat.S_IFDIR | (mode if writable else mode & ~0o222)
             nlink = 2
         elif node.kind == LINK:
@@ -283,7 +285,7 @@ class Filesystem:
         else:
             info = node.info
             assert info is not None
-            mode, uid, gid = _owner(info.attrs, FILE_MODE, c.uid, c.gid, c.allow_setuid)
+            mode, uid, gid = _owner(info.attrs, c.file_mode, c.uid, c.gid, c.allow_setuid)
             mode = stat.S_IFREG | (mode if writable else mode & ~0o222)
             # Deleted or replaced while open: no name links to it any more, as fstat shows on a local disk.
             nlink = 0 if self._nameless(ino) else 1
@@ -768,7 +770,7 @@ class Filesystem:
             assert node.dir is not None
             marker = node.dir.marker
             await self.mut.set_dir_attrs(node.bucket, node.rel, node.dir,
-                                         merged(marker.attrs if marker else None, DIR_MODE))
+                                         merged(marker.attrs if marker else None, self.config.dir_mode))
             return
         if node.kind == LINK:
             return  # symlinks have no mode of their own; times on links are not stored
@@ -779,7 +781,7 @@ class Filesystem:
             return
         assert node.info is not None
         current = node.info.attrs
-        new = merged(current, FILE_MODE)
+        new = merged(current, self.config.file_mode)
         if changes.mtime_ns is None:
             new = PosixAttrs(new.mode, new.uid, new.gid, current.mtime_ns if current else None)
         info = await self.mut.set_attrs(node.bucket, node.info, new, self.mut.file_defaults)
@@ -988,6 +990,8 @@ class Filesystem:
             "handles": len(self.handles),
             "namespace": self.ns.stats(),
             "kernel_invalidations": self.kernel.done,
+            "servers": redact_urls(self.config.servers) if self.config.servers else "embedded nats-server",
+            "recent_errors": recent_problems(),
         }
 
     # ------------------------------------------------------------------ links
