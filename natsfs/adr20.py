@@ -36,7 +36,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,11 +59,14 @@ from .errors import (
     Unavailable,
     single_error,
 )
+from .retry import Backoff
 from .streams import (
     BATCH_MAX_MSGS,
     EXPECTED_LAST_SUBJECT_SEQ,
     MSG_ID,
     ROLLUP,
+    AccountLimits,
+    MsgBatches,
     StoredMsg,
     Streams,
     StreamState,
@@ -76,7 +79,6 @@ DEFAULT_CHUNK_SIZE = 128 * 1024
 # The server refuses a control line (PUB/HPUB/request subject, reply and sizes) over 4096 bytes by default
 # and then closes the connection; INFO does not announce it. Subjects stay below it with room for the rest.
 DEFAULT_MAX_SUBJECT = 4096 - 256
-DEFAULT_MAX_PAYLOAD = 1024 * 1024
 # Room the headers of a meta publish take next to the JSON (rollup, expected sequence, message id).
 _META_HEADER_ROOM = 256
 # How long an ambiguous meta publish is retried and read back: well inside the 120 s duplicate window.
@@ -143,6 +145,34 @@ def meta_doc(*, name: str, bucket: str, nuid: str, size: int, chunks: int, diges
         if key not in _META_KEYS:
             doc[key] = value
     return doc
+
+
+# Go's encoding/json escapes these even in compact output (HTML safety, JavaScript line separators).
+_GO_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_GO_OPTIONAL = ("description", "headers", "metadata", "options", "digest", "deleted")
+
+
+def meta_json(doc: dict[str, Any]) -> bytes:
+    """The bytes nats.go publishes for a meta: json.Marshal of its ObjectInfo, so struct fields in their
+    declared order (`_META_KEYS`), empty `omitempty` fields left out, map keys (headers, metadata) sorted,
+    compact, UTF-8, with Go's HTML escapes. Keys other clients added follow in their own order. The one
+    writer of metas: the daemon, the in-memory fixtures, the test helpers and the bench all use it."""
+    out: dict[str, Any] = {}
+    for key in _META_KEYS:
+        if key not in doc or (key in _GO_OPTIONAL and not doc[key]):
+            continue
+        value = doc[key]
+        if key in ("headers", "metadata") and isinstance(value, dict):
+            value = dict(sorted(value.items()))
+        elif key == "options" and isinstance(value, dict):
+            value = {k: value[k] for k in ("link", "max_chunk_size") if value.get(k)} | {
+                k: v for k, v in value.items() if k not in ("link", "max_chunk_size")}
+        out[key] = value
+    out.update((k, v) for k, v in doc.items() if k not in _META_KEYS)
+    text = json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+    for char, escaped in _GO_ESCAPES.items():
+        text = text.replace(char, escaped)
+    return text.encode()
 
 
 def tombstone_doc(bucket: str, name: str, doc: dict[str, Any]) -> dict[str, Any]:
@@ -423,7 +453,7 @@ class ObjectStore:
     @property
     def max_payload(self) -> int:
         """The largest message the server takes."""
-        return int(getattr(self.streams, "max_payload", DEFAULT_MAX_PAYLOAD))
+        return self.streams.max_payload
 
     # ---------------------------------------------------------------- names
     def check_name(self, bucket: str, name: str) -> None:
@@ -441,7 +471,7 @@ class ObjectStore:
 
     def check_meta_payload(self, bucket: str, doc: dict[str, Any], data: bytes | None = None) -> None:
         """`TooBig` when a meta would be over the server's max payload (with room for its headers)."""
-        size = len(data if data is not None else json.dumps(doc).encode())
+        size = len(data if data is not None else meta_json(doc))
         limit = self.max_payload - _META_HEADER_ROOM
         if size > limit:
             raise TooBig(f"the meta of {bucket}/{str(doc.get('name'))[:60]!r} would be {size} bytes, over the "
@@ -456,6 +486,10 @@ class ObjectStore:
         names = await self.streams.stream_names()
         return sorted(n[len(STREAM_PREFIX):] for n in names
                       if n.startswith(STREAM_PREFIX) and valid_bucket_name(n[len(STREAM_PREFIX):]))
+
+    async def account_limits(self) -> AccountLimits:
+        """The account's JetStream limits and usage (what all buckets together may hold)."""
+        return await self.streams.account_limits()
 
     async def bucket_status(self, bucket: str) -> BucketStatus:
         if not valid_bucket_name(bucket):
@@ -561,12 +595,10 @@ class ObjectStore:
         return await self.streams.get_batch(stream_name(bucket), chunk_subject(bucket, nuid), start_seq,
                                             count, max_bytes)
 
-    async def stream_chunks(self, bucket: str, nuid: str, start_seq: int, count: int, max_bytes: int) -> ChunkBatches:
-        """Like `fetch_chunks`, handing chunks over as they arrive when the streams can."""
-        opener = getattr(self.streams, "stream_batch", None)
-        if opener is None:
-            return _OneBatch(await self.fetch_chunks(bucket, nuid, start_seq, count, max_bytes))
-        return await opener(stream_name(bucket), chunk_subject(bucket, nuid), start_seq, count, max_bytes)
+    async def stream_chunks(self, bucket: str, nuid: str, start_seq: int, count: int, max_bytes: int) -> MsgBatches:
+        """Like `fetch_chunks`, handing chunks over as they arrive."""
+        return await self.streams.stream_batch(stream_name(bucket), chunk_subject(bucket, nuid), start_seq, count,
+                                               max_bytes)
 
     async def chunk_index(self, bucket: str, nuid: str) -> list[tuple[int, int]]:
         """(sequence, size) of every chunk of object `nuid`, in order, without their data."""
@@ -584,7 +616,7 @@ class ObjectStore:
         `expected_revision`, only if the name's meta subject still ends at that sequence (0: never
         written), else `Conflict`. An ambiguous outcome is settled (see `_publish_settled`)."""
         subject = self._meta_subject(bucket, doc["name"])
-        data = json.dumps(doc).encode()
+        data = meta_json(doc)
         self.check_meta_payload(bucket, doc, data)
         headers = {ROLLUP: "sub", MSG_ID: msg_id or new_nuid()}
         if expected_revision is not None:
@@ -600,8 +632,8 @@ class ObjectStore:
         `settle_timeout` passes (`OutcomeUnknown`). A `Conflict` after such an attempt is settled the
         same way: the message in the way may be our own earlier attempt."""
         deadline = trio.current_time() + self.settle_timeout
+        backoff = Backoff(timeout=self.settle_timeout)
         ambiguous: NatsFSError | None = None
-        pause = 0.2
         while True:
             try:
                 seq = await self.streams.publish(subject, data, headers)
@@ -618,11 +650,10 @@ class ObjectStore:
                 mine = await self._read_back(bucket, subject, data, expected_revision, deadline, e)
                 if mine is not None:
                     return mine
-                if trio.current_time() >= deadline:
+                if backoff.expired:
                     raise OutcomeUnknown(f"{subject}: the meta publish got no answer ({e}) and was not stored "
                                          f"within {self.settle_timeout:g}s") from None
-                await trio.sleep(pause)
-                pause = min(2.0, pause * 2)
+                await backoff.pause()
                 continue
             try:
                 stored = await self.streams.last_msg(stream_name(bucket), subject)
@@ -636,16 +667,15 @@ class ObjectStore:
                          deadline: float, cause: NatsFSError) -> StoredMsg | None:
         """The stored message if the name's meta is exactly `data` (written after `expected_revision`),
         None if it is something else; `OutcomeUnknown` if the server does not answer before `deadline`."""
-        pause = 0.2
+        backoff = Backoff(timeout=max(0.0, deadline - trio.current_time()))
         while True:
             try:
                 msg = await self.streams.last_msg(stream_name(bucket), subject)
             except Unavailable as e:
-                if trio.current_time() >= deadline:
+                if backoff.expired:
                     raise OutcomeUnknown(f"{subject}: the meta publish got no answer ({cause}) and could not be "
                                          f"read back ({e}): it may or may not be stored") from None
-                await trio.sleep(pause)
-                pause = min(2.0, pause * 2)
+                await backoff.pause()
                 continue
             if msg is not None and msg.data == data and (expected_revision is None or msg.seq > expected_revision):
                 return msg
@@ -730,8 +760,7 @@ class ObjectStore:
         """Whether a put of `size` bytes into `bucket` goes as one atomic batch: the bucket is known to
         allow atomic publish (`allow_atomic`, seen in its status) and the chunks and meta fit one batch."""
         chunks = -(-size // (chunk_size or self.chunk_size))
-        return (self._atomic.get(bucket, False) and chunks <= ATOMIC_MAX_CHUNKS
-                and getattr(self.streams, "publish_batch", None) is not None)
+        return self._atomic.get(bucket, False) and chunks <= ATOMIC_MAX_CHUNKS
 
     async def _put_batch(self, bucket: str, name: str, chunks_of: Callable[[Any], AsyncIterator[bytes]],
                          chunk_size: int, window: int, *, base: dict[str, Any] | None = None,
@@ -756,10 +785,10 @@ class ObjectStore:
         subject = chunk_subject(bucket, nuid)
         ambiguous: NatsFSError | None = None
         deadline = 0.0
-        pause = 0.2
+        backoff = Backoff()  # given the settle timeout once an attempt's outcome is unknown
         attempt = 0
         sent: dict[str, bytes] = {}
-        noted = self._note_replacing(bucket, old_nuid, nuid, name)
+        noted = self.note_replacing(bucket, old_nuid, nuid, name)
         try:
             while True:
                 attempt += 1
@@ -776,7 +805,7 @@ class ObjectStore:
                                    digest=format_digest(hasher.digest()), base=base, chunk_size=chunk_size)
                     if extra is not None:
                         extra(doc)
-                    data = json.dumps(doc).encode()
+                    data = meta_json(doc)
                     self.check_meta_payload(bucket, doc, data)
                     headers = {ROLLUP: "sub", MSG_ID: f"{nuid}.meta"}
                     if expected is not None:
@@ -785,11 +814,12 @@ class ObjectStore:
                     yield meta_subj, data, headers
 
                 try:
-                    seq = await self.streams.publish_batch(f"{nuid}.{attempt}", messages)  # type: ignore[attr-defined]
+                    seq = await self.streams.publish_batch(f"{nuid}.{attempt}", messages)
                     break
                 except OutcomeUnknown as e:
                     if ambiguous is None:
                         ambiguous, deadline = e, trio.current_time() + self.settle_timeout
+                        backoff = Backoff(timeout=self.settle_timeout)
                     mine = await self._read_back(bucket, meta_subj, sent["meta"], expected, deadline, e)
                     if mine is not None:
                         seq = mine.seq
@@ -830,21 +860,20 @@ class ObjectStore:
                 except Unavailable:
                     if ambiguous is None:
                         raise  # cut off before the commit: nothing of this put is stored
-                if trio.current_time() >= deadline:
+                if backoff.expired:
                     raise OutcomeUnknown(f"{bucket}/{name}: the put's commit got no answer ({ambiguous}) and was "
                                          f"not stored within {self.settle_timeout:g}s")
-                await trio.sleep(pause)
-                pause = min(2.0, pause * 2)
+                await backoff.pause()
         except BaseException as e:
             if "meta" in sent and (isinstance(e, OutcomeUnknown) or not isinstance(e, NatsFSError)):
                 # The commit may have been sent and stored (no answer, or cancelled by the caller's deadline).
                 self._journal_unknown(bucket, nuid, name)
             with trio.CancelScope(shield=True):
-                await self._end_replacing(bucket, old_nuid, name, noted, stored=False)
+                await self.end_replacing(bucket, old_nuid, name, noted, stored=False)
             raise
         stored_msg = await self._stored_meta(bucket, meta_subj, seq, sent["meta"])
         if old_nuid and old_nuid != nuid:
-            await self._end_replacing(bucket, old_nuid, name, noted, stored=True)
+            await self.end_replacing(bucket, old_nuid, name, noted, stored=True)
         return parse_meta(bucket, stored_msg)
 
     def _journal_unknown(self, bucket: str, nuid: str, name: str) -> None:
@@ -904,8 +933,10 @@ class ObjectStore:
                 raise
             raise error from None
 
-    async def _publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
-                                 replace_tombstone: bool, msg_id: str = "") -> ObjectInfo:
+    async def publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
+                                replace_tombstone: bool, msg_id: str = "") -> ObjectInfo:
+        """`publish_meta`; with `replace_tombstone`, a name whose current meta is a tombstone (a deleted
+        object) counts as free (`expected_revision` 0) and is replaced at the tombstone's revision."""
         msg_id = msg_id or new_nuid()
         try:
             return await self.publish_meta(bucket, doc, expected_revision=expected_revision, msg_id=msg_id)
@@ -956,7 +987,7 @@ class ObjectStore:
         moved = dict(doc, name=new, mtime=ZERO_TIME)
         if change is not None:
             change(moved)
-        new_info = await self._publish_replacing(bucket, moved, target_revision, True)
+        new_info = await self.publish_replacing(bucket, moved, target_revision, True)
         await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
         return new_info, revision
 
@@ -1024,16 +1055,16 @@ class ObjectStore:
                 log.warning("could not purge the chunks of %s/%s (left for fsck): %s", bucket, nuid, e)
             return False
 
-    def _note_replacing(self, bucket: str, old_nuid: str, new_nuid: str, name: str) -> bool:
+    def note_replacing(self, bucket: str, old_nuid: str, new_nuid: str, name: str) -> bool:
         """Record the version a put replaces before the meta that replaces it is sent: a daemon killed
         between that meta and the purge of the old chunks leaves them to the next mount (which keeps
-        them when the name still holds them). True when recorded (end it with `_end_replacing`)."""
+        them when the name still holds them). True when recorded (end it with `end_replacing`)."""
         if self.put_log is None or not old_nuid or old_nuid == new_nuid:
             return False
         self.put_log.started(bucket, old_nuid, name)
         return True
 
-    async def _end_replacing(self, bucket: str, old_nuid: str, name: str, noted: bool, *, stored: bool) -> None:
+    async def end_replacing(self, bucket: str, old_nuid: str, name: str, noted: bool, *, stored: bool) -> None:
         """After the meta of a put that replaces `old_nuid`: stored (purge the old chunks) or not (the
         old version stays). A meta whose fate stays unknown counts as not stored here: if it turns out
         stored, the old chunks are left for `natsfs fsck` (the record is not kept: a pending record
@@ -1048,17 +1079,15 @@ class ObjectStore:
 
     async def _purge_settled(self, bucket: str, subject: str, before_seq: int) -> None:
         """A purge (idempotent) retried while the server does not answer, for at most `settle_timeout`."""
-        deadline = trio.current_time() + self.settle_timeout
-        pause = 0.2
+        backoff = Backoff(timeout=self.settle_timeout)
         while True:
             try:
                 await self.streams.purge_subject(stream_name(bucket), subject, before_seq=before_seq)
                 return
             except Unavailable:
-                if trio.current_time() >= deadline:
+                if backoff.expired:
                     raise
-                await trio.sleep(pause)
-                pause = min(2.0, pause * 2)
+                await backoff.pause()
 
 
 class FileSender(Protocol):
@@ -1184,15 +1213,15 @@ class PutSession:
         if extra is not None:
             extra(doc)
         self.meta_state = _META_SENT
-        noted = self.store._note_replacing(self.bucket, old_nuid, self.nuid, name)
+        noted = self.store.note_replacing(self.bucket, old_nuid, self.nuid, name)
         try:
-            info = await self.store._publish_replacing(self.bucket, doc, expected_revision, replace_tombstone,
+            info = await self.store.publish_replacing(self.bucket, doc, expected_revision, replace_tombstone,
                                                        msg_id=f"{self.nuid}.meta")
         except BaseException as e:
             if isinstance(e, NatsFSError) and not isinstance(e, Unavailable):
                 self.meta_state = _META_REFUSED  # the server said no (or nothing was sent): not stored
             with trio.CancelScope(shield=True):
-                await self.store._end_replacing(self.bucket, old_nuid, name, noted, stored=False)
+                await self.store.end_replacing(self.bucket, old_nuid, name, noted, stored=False)
             raise
         self.meta_state = _META_STORED
         self.done = True
@@ -1200,7 +1229,7 @@ class PutSession:
             self.store.put_log.finished(self.bucket, self.nuid)
         await self._forget()
         if old_nuid and old_nuid != self.nuid:
-            await self.store._end_replacing(self.bucket, old_nuid, name, noted, stored=True)
+            await self.store.end_replacing(self.bucket, old_nuid, name, noted, stored=True)
         return info
 
     async def abort(self) -> None:
@@ -1278,7 +1307,7 @@ class BytesSource:
         self.chunks = 0
 
     async def read_batch(self, chunk_size: int, max_chunks: int) -> list[bytes]:
-        out = []
+        out: list[bytes] = []
         while self._pos < len(self._data) and len(out) < max_chunks:
             piece = self._data[self._pos : self._pos + chunk_size]
             self._pos += len(piece)
@@ -1290,25 +1319,3 @@ class BytesSource:
 
     def digest(self) -> bytes:
         return self._hash.digest()
-
-
-class ChunkBatches(Protocol):
-    async def next(self) -> list[StoredMsg] | None: ...
-
-    async def close(self) -> None: ...
-
-
-class _OneBatch:
-    def __init__(self, msgs: list[StoredMsg]):
-        self._msgs: list[StoredMsg] | None = msgs
-
-    async def next(self) -> list[StoredMsg] | None:
-        msgs, self._msgs = self._msgs, None
-        return msgs
-
-    async def close(self) -> None:
-        self._msgs = None
-
-
-def sum_sizes(index: Sequence[tuple[int, int]]) -> int:
-    return sum(size for _, size in index)

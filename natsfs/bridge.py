@@ -41,8 +41,10 @@ import nats.errors
 import trio
 
 from . import natscompat
+from .auth import Connection
 from .errors import JetStreamAPIError, NatsFSError, NotFound, OutcomeUnknown, Unavailable
 from .futures import wait_future
+from .retry import Backoff
 from .secrecy import redact_url
 
 log = logging.getLogger(__name__)
@@ -169,7 +171,7 @@ class _Link:
     one when it is lost, and one reply inbox per client on which all requests get their replies."""
 
     def __init__(self, servers: Sequence[str], *, name: str, connect_timeout: float,
-                 user_credentials: str | None = None,
+                 auth: Connection | None = None,
                  on_lost: Callable[[str], None] = lambda reason: None,
                  on_restored: Callable[[], None] = lambda: None,
                  restore: Callable[[Any], Awaitable[None]] | None = None,
@@ -178,7 +180,7 @@ class _Link:
         self.servers = list(servers)
         self.name = name
         self.connect_timeout = connect_timeout
-        self.user_credentials = user_credentials
+        self.auth = auth
         self._on_lost = on_lost
         self._on_restored = on_restored
         self._restore = restore
@@ -240,8 +242,8 @@ class _Link:
             # A publish over `pending_size` waits for the flusher; never forever (see `_lost`).
             "flush_timeout": self.connect_timeout,
         }
-        if self.user_credentials:
-            options["user_credentials"] = self.user_credentials
+        if self.auth is not None:
+            options.update(self.auth.connect_options())
         try:
             nc = await asyncio.wait_for(nats.connect(**options), self.connect_timeout * 2 + 2)
         except (TimeoutError, OSError, nats.errors.Error) as e:
@@ -294,7 +296,7 @@ class _Link:
                 log.exception("failing a request after the connection was lost")
 
     async def _reconnect(self, since: float) -> None:
-        wait = _RECONNECT_WAIT[0]
+        backoff = Backoff(*_RECONNECT_WAIT, clock=time.monotonic)
         reported = since
         while not self._closing:
             server = self.servers[self._next_server % len(self.servers)]
@@ -306,8 +308,7 @@ class _Link:
                 if now - reported >= 60:
                     reported = now
                     log.log(self._log_level, "still no connection to NATS after %.0fs: %s", now - since, e)
-                await asyncio.sleep(wait)
-                wait = min(wait * 2, _RECONNECT_WAIT[1])
+                await asyncio.sleep(backoff.next_pause())
                 continue
             log.log(min(self._log_level, logging.INFO), "reconnected to NATS at %s after %.1fs", redact_url(server),
                     time.monotonic() - since)  # (the loss was the warning)
@@ -497,11 +498,11 @@ class Subscription:
         self._wake = trio.Event()
         self._wake_scheduled = False
         self._lock = threading.Lock()
-        self._sub: Any = None
-        self._stream_token: str | None = None
+        self.nats_sub: Any = None  # nats-py's subscription (set by the bridge)
+        self.stream_token: str | None = None  # a request_stream's reply token
         self._interrupted = False
         self._error: NatsFSError | None = None
-        self._reserved = 0  # budget bytes held for replies not yet taken
+        self.reserved = 0  # budget bytes held for replies not yet taken (set by the bridge)
         # Paced: answer flow-control requests when `next_batch` takes what came before them, not on
         # arrival, and keep the backlog short (see _PACE_HIGH).
         self.paced = False
@@ -509,9 +510,9 @@ class Subscription:
         self.closed = False
 
     # ---- asyncio side
-    async def _on_msg(self, m: Any) -> None:
+    async def on_msg(self, m: Any) -> None:
         msg = _convert(m)
-        nc = self._bridge._link.nc if self._bridge._link is not None else None
+        nc = self._bridge.current_client()
         if msg.status == "100" and msg.reply and not self.paced and nc is not None:
             # JetStream flow control: answer at once, from the loop that owns the connection.
             await nc.publish(msg.reply, b"")
@@ -522,14 +523,13 @@ class Subscription:
 
     def deliver(self, msg: Msg) -> bool:
         """A reply of this subscription's request (from the reply inbox); True once it ended."""
-        if len(msg.data) > self._bridge._largest_reply:
-            self._bridge._largest_reply = len(msg.data)
+        self._bridge.note_reply_size(len(msg.data))
         self._enqueue(msg)
         return _ends_batch(msg)
 
     def fail(self, reason: str) -> None:
         self._error = Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})")
-        self._bridge._to_trio(self.interrupt)
+        self._bridge.call_in_trio(self.interrupt)
 
     def _enqueue(self, msg: Msg) -> None:
         with self._lock:
@@ -537,7 +537,7 @@ class Subscription:
             if self._wake_scheduled:
                 return
             self._wake_scheduled = True
-        self._bridge._to_trio(self._set_wake)
+        self._bridge.call_in_trio(self._set_wake)
 
     # ---- trio side
     def _set_wake(self) -> None:
@@ -562,22 +562,22 @@ class Subscription:
             self._queue.clear()
         if not batch and self._error is not None:
             raise self._error
-        if self._reserved:
-            taken = min(self._reserved, sum(len(m.data) for m in batch))
-            self._reserved -= taken
-            self._bridge._budget.release(taken)
+        if self.reserved:
+            taken = min(self.reserved, sum(len(m.data) for m in batch))
+            self.reserved -= taken
+            self._bridge.release_reply_bytes(taken)
         if self.paced:
             # Flow control answered only now that the messages before it are taken: the server never
             # runs more than its flow-control window ahead of the consumer.
             replies = [m.reply for m in batch if m.reply and m.status == "100"]
             if replies:
-                await self._bridge._run(self._answer(replies))
+                await self._bridge.run_on_loop(self._answer(replies))
             if batch:
-                self._bridge._call_soon(self._set_drained)
+                self._bridge.call_on_loop(self._set_drained)
         return batch
 
     async def _answer(self, replies: list[str]) -> None:
-        nc = self._bridge._link.nc if self._bridge._link is not None else None
+        nc = self._bridge.current_client()
         if nc is None:
             return  # the consumer is re-created on the next connection anyway
         for reply in replies:
@@ -586,7 +586,7 @@ class Subscription:
     # ---- pacing (asyncio side)
     def backlog(self) -> int:
         """Messages received and not yet taken by trio (ours, and nats-py's queue in front of ours)."""
-        pending = self._sub.pending_msgs if self._sub is not None else 0
+        pending = self.nats_sub.pending_msgs if self.nats_sub is not None else 0
         return len(self._queue) + pending
 
     def _set_drained(self) -> None:
@@ -613,20 +613,32 @@ class Subscription:
             return
         self.closed = True
         bridge = self._bridge
-        bridge._budget.release(self._reserved)
-        self._reserved = 0
-        if self._stream_token is not None:
-            link, token = bridge._link, self._stream_token
-            if link is not None:
-                bridge._call_soon(lambda: link.waiters.pop(token, None))
+        bridge.release_reply_bytes(self.reserved)
+        self.reserved = 0
+        if self.stream_token is not None:
+            bridge.drop_stream_waiter(self.stream_token)
             return
-        bridge._subs.discard(self)
-        sub = self._sub
+        bridge.forget_subscription(self)
+        sub = self.nats_sub
         if sub is not None:
-            bridge._paced.pop(natscompat.subscription_id(sub), None)
-            bridge._call_soon(self._set_drained)
+            bridge.call_on_loop(self._set_drained)
             with contextlib.suppress(Exception):
-                await bridge._run(sub.unsubscribe())
+                await bridge.run_on_loop(sub.unsubscribe())
+
+
+def _unwind_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what still runs on a stopped loop and let it unwind (briefly), as `asyncio.run` does: no
+    task is destroyed while pending (a request cut short by the unmount logs nothing)."""
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        done, _ = loop.run_until_complete(asyncio.wait(tasks, timeout=2.0))
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved: the connection is going away, whatever it was
+    with contextlib.suppress(Exception):
+        loop.run_until_complete(loop.shutdown_asyncgens())
 
 
 class Bridge:
@@ -641,7 +653,7 @@ class Bridge:
         connect_timeout: float = 5.0,
         on_disconnect: Callable[[], None] | None = None,
         on_reconnect: Callable[[], None] | None = None,
-        user_credentials: str | None = None,
+        auth: Connection | None = None,
         reply_budget: int = REPLY_BUDGET,
     ):
         self.servers = list(servers)
@@ -650,7 +662,7 @@ class Bridge:
         self.connect_timeout = connect_timeout
         self.on_disconnect = on_disconnect
         self.on_reconnect = on_reconnect
-        self.user_credentials = user_credentials
+        self.auth = auth
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._link: _Link | None = None
@@ -675,16 +687,17 @@ class Bridge:
             asyncio.set_event_loop(loop)
             ready.set()
             loop.run_forever()
+            _unwind_tasks(loop)
             loop.close()
 
         self._thread = threading.Thread(target=loop_main, name="natsfs-asyncio", daemon=True)
         self._thread.start()
         ready.wait()
         self._link = _Link(self.servers, name=self.name, connect_timeout=self.connect_timeout,
-                           user_credentials=self.user_credentials, on_lost=self._lost,
+                           auth=self.auth, on_lost=self._lost,
                            on_restored=self._restored, restore=self._restore, after_msg=self._after_msg)
         try:
-            await self._run(self._link.open())
+            await self.run_on_loop(self._link.open())
         except BaseException:
             await self.close()
             raise
@@ -696,7 +709,7 @@ class Bridge:
             return
         if self._link is not None:
             with contextlib.suppress(Exception):
-                await self._run(self._link.close())
+                await self.run_on_loop(self._link.close())
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             await trio.to_thread.run_sync(self._thread.join, 5.0)
@@ -711,7 +724,7 @@ class Bridge:
     # ---- connection events (asyncio side, then trio)
     def _lost(self, reason: str) -> None:
         in_flight = self._budget.used
-        self._to_trio(lambda: self._lost_in_trio(in_flight))
+        self.call_in_trio(lambda: self._lost_in_trio(in_flight))
 
     def _lost_in_trio(self, in_flight: int) -> None:
         self.connected = False
@@ -724,7 +737,7 @@ class Bridge:
             self.on_disconnect()
 
     def _restored(self) -> None:
-        self._to_trio(self._restored_in_trio)
+        self.call_in_trio(self._restored_in_trio)
 
     def _restored_in_trio(self) -> None:
         self.connected = True
@@ -738,9 +751,9 @@ class Bridge:
         for sub in list(self._subs):
             if sub.closed:
                 continue
-            sub._sub = await nc.subscribe(sub.subject, cb=sub._on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
+            sub.nats_sub = await nc.subscribe(sub.subject, cb=sub.on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
             if sub.paced:
-                self._paced[natscompat.subscription_id(sub._sub)] = sub
+                self._paced[natscompat.subscription_id(sub.nats_sub)] = sub
 
     def _after_msg(self, sid: int) -> Awaitable[None] | None:
         """Let a paced subscription's backlog hold up the connection's reader for a moment: the rest
@@ -749,14 +762,14 @@ class Bridge:
         return sub.wait_drained() if sub is not None else None
 
     # ------------------------------------------------------------------ plumbing
-    def _to_trio(self, fn: Callable[[], None]) -> None:
+    def call_in_trio(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the trio thread soon (from the asyncio thread); ignore a finished trio run."""
         if self._token is None:
             return
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(fn)
 
-    async def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def run_on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await an asyncio coroutine from trio; trio cancellation cancels the asyncio task."""
         loop = self._loop
         if loop is None or self._link is None:
@@ -764,12 +777,37 @@ class Bridge:
             raise Unavailable("not connected to NATS")
         return await wait_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
-    def _call_soon(self, fn: Callable[[], None]) -> None:
+    def call_on_loop(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the asyncio loop soon (from any thread)."""
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(fn)
+
+    # ---- what a Subscription needs of its bridge
+    def current_client(self) -> Any:
+        """The nats-py client of the current connection, None while there is none."""
+        return self._link.nc if self._link is not None else None
+
+    def note_reply_size(self, size: int) -> None:
+        """Remember the largest reply seen (budget reservations leave room for one more of them)."""
+        self._largest_reply = max(self._largest_reply, size)
+
+    def release_reply_bytes(self, n: int) -> None:
+        """Give back reply budget a subscription held for replies it has now handed over."""
+        self._budget.release(n)
+
+    def drop_stream_waiter(self, token: str) -> None:
+        """A `request_stream` subscription closed: its replies are no longer routed to it."""
+        link = self._link
+        if link is not None:
+            self.call_on_loop(lambda: link.waiters.pop(token, None))
+
+    def forget_subscription(self, sub: Subscription) -> None:
+        """A `subscribe` subscription closed: it is not restored on the next connection or paced."""
+        self._subs.discard(sub)
+        if sub.nats_sub is not None:
+            self._paced.pop(natscompat.subscription_id(sub.nats_sub), None)
 
     def _link_now(self) -> _Link:
         if self._link is None:
@@ -782,7 +820,8 @@ class Bridge:
         timeout: float | None = None,
     ) -> Msg:
         """One request, one reply. `NotFound` when nothing answers on `subject`."""
-        return await self._run(self._link_now().request(subject, payload, headers, timeout or self.request_timeout))
+        link = self._link_now()
+        return await self.run_on_loop(link.request(subject, payload, headers, timeout or self.request_timeout))
 
     @property
     def max_batch_bytes(self) -> int:
@@ -796,7 +835,7 @@ class Bridge:
         link = self._link_now()
         held = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
         try:
-            msgs = await self._run(self._request_many(link, subject, payload, timeout or self.request_timeout))
+            msgs = await self.run_on_loop(self._request_many(link, subject, payload, timeout or self.request_timeout))
         finally:
             self._budget.release(held)
         for m in msgs:
@@ -823,12 +862,13 @@ class Bridge:
         unsubscribes. `max_bytes` is held from the reply budget and given back as replies are taken."""
         link = self._link_now()
         sub = Subscription(self, subject)
-        sub._reserved = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
+        sub.reserved = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
         try:
-            sub._stream_token = await self._run(link.send(subject, payload, None, sub, timeout=self.request_timeout))
+            sub.stream_token = await self.run_on_loop(link.send(subject, payload, None, sub,
+                                                                timeout=self.request_timeout))
         except BaseException:
-            self._budget.release(sub._reserved)
-            sub._reserved = 0
+            self._budget.release(sub.reserved)
+            sub.reserved = 0
             raise
         return sub
 
@@ -843,7 +883,7 @@ class Bridge:
                          timeout: float | None = None) -> dict[str, Any]:
         """Publish into a stream and wait for its ack (`{"stream", "seq", ...}`). `OutcomeUnknown` when
         it was sent and no ack came; `Unavailable` when it certainly was not sent."""
-        return await self._run(self._link_now().js_publish(subject, payload, headers,
+        return await self.run_on_loop(self._link_now().js_publish(subject, payload, headers,
                                                            timeout or self.request_timeout))
 
     async def js_publish_many(
@@ -852,7 +892,7 @@ class Bridge:
     ) -> list[dict[str, Any] | NatsFSError]:
         """Publish many stream messages with at most `window` acks outstanding; results in order, each
         an ack, or an error as `js_publish` raises it."""
-        return await self._run(self._link_now().js_publish_many(msgs, window, timeout or self.request_timeout))
+        return await self.run_on_loop(self._link_now().js_publish_many(msgs, window, timeout or self.request_timeout))
 
     async def subscribe(self, subject: str, *, paced: bool = False) -> Subscription:
         """Messages on `subject`, in batches (`Subscription.next_batch`), on every connection from now on
@@ -865,14 +905,14 @@ class Bridge:
         async def do() -> None:
             nc = await link.client(self.request_timeout)
             try:
-                sub._sub = await nc.subscribe(subject, cb=sub._on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
+                sub.nats_sub = await nc.subscribe(subject, cb=sub.on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
             except nats.errors.Error as e:
                 raise Unavailable(f"subscribe to {subject}: {e}") from None
             if paced:
-                self._paced[natscompat.subscription_id(sub._sub)] = sub
+                self._paced[natscompat.subscription_id(sub.nats_sub)] = sub
             self._subs.add(sub)
 
-        await self._run(do())
+        await self.run_on_loop(do())
         return sub
 
     def new_inbox(self) -> str:
@@ -993,11 +1033,12 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
     return {"chunks": len(pending), "bytes": end - start}
 
 
-async def _worker_main(servers: list[str]) -> None:
+async def _worker_main(connection: Connection) -> None:
     import sys
 
     # Quiet: stderr is the daemon's; the daemon notices a dead worker or failed ranges and says so itself.
-    link = _Link(servers, name="natsfs-upload-worker", connect_timeout=5, quiet=True)
+    link = _Link(connection.servers, name="natsfs-upload-worker", connect_timeout=5, quiet=True,
+                 auth=connection)
     try:
         # Without a server the worker just exits and the daemon publishes in-process.
         await link.open()
@@ -1040,25 +1081,26 @@ async def _worker_main(servers: list[str]) -> None:
         await asyncio.wait_for(link.close(), 3)
 
 
-def _read_worker_servers(fd: int) -> list[str]:
-    """The server URLs the daemon sends as the first line on the worker's stdin (never in argv: they may
-    carry credentials). Read a byte at a time, so nothing after that line is taken from the pipe."""
+def _read_worker_connection(fd: int) -> Connection:
+    """The connection settings (servers and credentials) the daemon sends as the first line on the
+    worker's stdin (never in argv or the environment: they may carry secrets). Read a byte at a time, so
+    nothing after that line is taken from the pipe."""
     line = bytearray()
     while not line.endswith(b"\n"):
         byte = os.read(fd, 1)
         if not byte:
             raise SystemExit(1)  # the daemon went away before saying which servers
         line += byte
-    return [str(s) for s in json.loads(line)["servers"]]
+    return Connection.from_json(line)
 
 
 def _main() -> None:
     import sys
 
     if sys.argv[1:] == ["upload-worker"]:
-        asyncio.run(_worker_main(_read_worker_servers(sys.stdin.fileno())))
+        asyncio.run(_worker_main(_read_worker_connection(sys.stdin.fileno())))
     else:
-        raise SystemExit('usage: python -I -m natsfs.bridge upload-worker  (stdin: {"servers": [URL, ...]} first)')
+        raise SystemExit("usage: python -I -m natsfs.bridge upload-worker  (stdin: the connection as JSON first)")
 
 
 if __name__ == "__main__":

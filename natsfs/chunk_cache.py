@@ -12,11 +12,38 @@ front walks forward with batched direct gets that return data and sequences toge
 taken only if its subject is this nuid's chunk subject, its sequence follows the last known chunk, the
 chunk count it proves (the chunks before it, itself and the server's count of those after it) is the
 meta's, its bytes fit the meta's size and it was stored before the meta. So a chunk is served only when
-its offset is proven. A read far from what is known maps the whole version with one headers-only scan
-(no payloads). A version whose chunks do not match its meta is placed once by `place_chunks`, which
-serves what it can prove and marks the rest unreadable (EIO); each such version is logged once.
-Readahead runs in the background, bounded by a capacity limiter, and its failures are left for the
-foreground read to report.
+its offset is proven. A read far from what is known first tries to compute the layout (below), and
+otherwise maps the whole version with one headers-only scan (no payloads). A version whose chunks do not
+match its meta is placed once by `place_chunks`, which serves what it can prove and marks the rest
+unreadable (EIO); each such version is logged once. Readahead runs in the background, bounded by a
+capacity limiter, and its failures are left for the foreground read to report.
+
+Random access without a scan (`_compute`). One writer stores a version's n chunks at consecutive
+sequences F..F+n-1, every one holding the meta's `max_chunk_size` c bytes but the last. Two probes show
+it, with the walk's own premise (the messages on this nuid's chunk subject S below the meta's sequence
+are the version's chunks, in order; the walk relies on the same when it takes the first reply as chunk 0):
+1. the first message on S (direct get from sequence 1) is at F, with n-1 more after it (its
+   `Nats-Num-Pending`), holds c bytes, and lies below the meta: chunk 0, proven as a walk proves it;
+2. the message at F+n-1 is on S, with nothing on S after it, holds t = size - c*(n-1) bytes, 0 < t <= c,
+   and lies below the meta.
+Sequences only grow and a stored message never changes: n messages on S from F on (1), none after
+F+n-1 (2), so all n lie in [F, F+n-1], which holds n sequences: every one of them is a chunk, chunk i at
+F+i. Sizes: every chunk holds at most c bytes (the writer's declared `max_chunk_size`; nats.go, nats-py
+and natsfs fill a buffer of that size, and a short read in the middle makes a chunk smaller, never
+larger), the chunks hold `size` bytes in all (the meta), and the last holds t, so the other n-1 hold
+c*(n-1) bytes at most c each: every one holds exactly c, and chunk i starts at c*i. A short chunk in
+the middle makes the last one longer than t, so (2) fails and the version is scanned.
+The two probes are two moments: a chunk deleted between them could leave the counts agreeing while
+the sequences do not (it takes deleting a chunk within that window, with another writer's messages
+between this version's chunks). So nothing rests on the probes alone: every later reply for a computed
+slot must be on S, at the slot's sequence exactly, hold the slot's size, and carry the pending count of
+its index (n-1-i, counted by the server when it answers); a reply that does not fit, or a chunk that
+does not come back, drops the computed slots (`_Unproven`) and the version is mapped by a scan, which
+decides what can be served. Bytes are cached by (bucket, nuid, sequence), which a reply proves by
+itself, so nothing cached under computed slots can land at another offset after a re-map. The digest
+is checked as usual when a read from the front passes every chunk. Interleaved writers, short chunks,
+a missing chunk or a message of another subject at a computed sequence all fail a probe or a fit and
+fall back to the scan (tests/unit/test_chunk_cache.py, "computed layouts").
 """
 
 from __future__ import annotations
@@ -27,14 +54,14 @@ import contextlib
 import hashlib
 import logging
 from array import array
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import cachetools
 import trio
 
 from .adr20 import ObjectInfo, ObjectStore, chunk_subject, format_digest, parse_digest
-from .errors import Corrupt, NatsFSError, Stale, Unavailable
+from .errors import Corrupt, NatsFSError, Stale, Unavailable, single_error
 from .futures import wait_future
 from .streams import StoredMsg
 
@@ -61,18 +88,25 @@ GAP_SCAN_LIMIT = 100_000
 UNPROVEN = 0
 
 
+class _Unproven(Exception):
+    """A reply does not fit the computed slot it was asked for: the version is mapped by a scan."""
+
+
 class Layout:
     """Where the bytes of one version live, as far as it is proven: one slot per chunk in offset order
     (stream sequence and end offset), known from the front. A damaged version (see `place_chunks`)
     also has one `UNPROVEN` slot covering the bytes no chunk can be proven to hold."""
 
-    __slots__ = ("busy", "complete", "ends", "error", "generation", "gone", "grew", "hash_pos", "hasher",
-                 "intact", "reported", "retry_error", "seqs", "verdict")
+    __slots__ = ("busy", "complete", "computed", "ends", "error", "generation", "gone", "grew", "hash_pos",
+                 "hasher", "intact", "reported", "retry_error", "seqs", "verdict")
 
     def __init__(self) -> None:
         self.seqs = array("q")
         self.ends = array("q")
         self.complete = False  # slots cover the whole size
+        # The slots were computed from two probes (`ChunkCache._compute`): every reply is checked
+        # against its slot (sequence, pending count, size), and any mismatch re-maps the version.
+        self.computed = False
         self.intact = True  # the slots are exactly the meta's chunks, all present: the digest can be checked
         self.gone: set[int] = set()  # slots whose chunk vanished after its place was proven
         self.generation = 0  # bumped when the slots are rebuilt, so a read that waited looks again
@@ -118,6 +152,27 @@ class Layout:
         self.gone = gone
         self.intact = intact
         self.complete = True
+        self.computed = False
+        self.generation += 1
+
+    def fill_contiguous(self, first_seq: int, chunks: int, chunk_size: int, size: int) -> None:
+        """Slots for `chunks` chunks at consecutive sequences from `first_seq`, all `chunk_size` bytes but
+        the last (see `ChunkCache._compute` for when that is proven)."""
+        while len(self.seqs) < chunks:
+            idx = len(self.seqs)
+            self.append(first_seq + idx, size - self.known_bytes if idx == chunks - 1 else chunk_size)
+        self.complete = True
+        self.computed = True
+        self.generation += 1
+
+    def unprove(self) -> None:
+        """Forget computed slots, keeping the first chunk (proven on its own, as a walk proves it), and
+        restart the digest check: the chunks it took in may not be the version's."""
+        del self.seqs[1:]
+        del self.ends[1:]
+        self.complete = self.computed = False
+        self.hasher = hashlib.sha256()
+        self.hash_pos = 0
         self.generation += 1
 
 
@@ -207,6 +262,7 @@ class CacheStats:
         self.chunks_fetched = 0
         self.bytes_fetched = 0
         self.index_scans = 0
+        self.layouts_computed = 0
         self.hits = 0
         self.misses = 0
         self.reads = 0
@@ -251,7 +307,11 @@ class ChunkCache:
                 raise self._refused(info, layout, "digest")
             generation = layout.generation
             first, last = layout.chunk_at(offset), layout.chunk_at(end - 1)
-            pieces = await self._pieces(info, layout, first, last)
+            try:
+                pieces = await self._pieces(info, layout, first, last)
+            except _Unproven:
+                await self._remap(info, layout, generation)
+                continue
             if layout.generation == generation:
                 break
             # The slots were rebuilt while this read waited: look again.
@@ -360,7 +420,8 @@ class ChunkCache:
             else:
                 layout.busy = True
                 try:
-                    await self._map_all(info, layout)
+                    if not await self._compute(info, layout):
+                        await self._map_all(info, layout)
                 finally:
                     layout.busy = False
                     layout.wake()
@@ -444,6 +505,90 @@ class ChunkCache:
         except Exception as e:
             log.exception("fetching %s/%s failed unexpectedly", info.bucket, info.name)
             layout.error, layout.retry_error = Unavailable(f"{info.bucket}/{info.name}: fetch failed: {e!r}"), False
+        finally:
+            layout.busy = False
+            layout.wake()
+
+    async def _compute(self, info: ObjectInfo, layout: Layout) -> bool:
+        """Prove with two probes that the version's chunks sit at consecutive sequences, every one but
+        the last `info.chunk_size` bytes, and fill the layout so (True); False when that cannot be shown
+        (the caller scans). The argument is in the module's design note ("Random access")."""
+        chunks, step = info.chunks, info.chunk_size
+        tail = info.size - step * (chunks - 1)
+        if chunks < 2 or step <= 0 or not 0 < tail <= step or layout.gone or not layout.intact:
+            return False
+        subject = chunk_subject(info.bucket, info.nuid)
+        guessed: list[StoredMsg] | None = None
+        if not layout.seqs:
+            # The first chunk: the first message on the subject, with chunks-1 more after it (what a walk
+            # checks for chunk 0). It is kept whatever the rest turns out to be. With the meta right
+            # after the last chunk (one writer), the last probe's sequence is known already: both go out
+            # together, and the guess is used only if the first probe confirms it.
+            if info.revision > chunks:
+                replies: dict[str, list[StoredMsg]] = {}
+
+                async def probe(what: str, seq: int) -> None:
+                    replies[what] = await self._fetch(info, seq, 1, step)
+
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(probe, "first", 1)
+                        nursery.start_soon(probe, "last", info.revision - 1)
+                except BaseExceptionGroup as group:
+                    error = single_error(group)
+                    if error is group:
+                        raise
+                    raise error from None
+                msgs, guessed = replies["first"], replies["last"]
+            else:
+                msgs = await self._fetch(info, 1, 1, step)
+            if not msgs:
+                return False
+            m = msgs[0]
+            if m.subject != subject:
+                raise self._stray(info, layout, m, f"a chunk of {subject}")
+            if m.pending != chunks - 1 or len(m.data) != step or (info.revision and m.seq > info.revision):
+                return False
+            layout.append(m.seq, step)
+            self._store(info, layout, 0, m.data)
+            layout.wake()
+        first = layout.seqs[0]
+        if any(layout.seqs[k] != first + k or layout.size_of(k) != step for k in range(len(layout.seqs))):
+            return False
+        last_seq = first + chunks - 1
+        if info.revision and last_seq > info.revision:
+            return False
+        msgs = guessed if guessed and guessed[0].seq == last_seq else await self._fetch(info, last_seq, 1, step)
+        if not msgs:
+            return False
+        m = msgs[0]
+        if m.subject != subject:
+            raise self._stray(info, layout, m, f"a chunk of {subject}")
+        if m.seq != last_seq or m.pending != 0 or len(m.data) != tail:
+            return False
+        layout.fill_contiguous(first, chunks, step, info.size)
+        self._store(info, layout, chunks - 1, m.data)
+        self.stats.layouts_computed += 1
+        return True
+
+    def _fits(self, info: ObjectInfo, layout: Layout, idx: int | None, m: StoredMsg) -> bool:
+        """Whether reply `m` is the chunk of computed slot `idx`: its sequence, the number of chunks the
+        server counts after it, and its size (see `_compute`)."""
+        return (idx is not None and m.seq == layout.seqs[idx] and m.pending == info.chunks - 1 - idx
+                and len(m.data) == layout.size_of(idx))
+
+    async def _remap(self, info: ObjectInfo, layout: Layout, generation: int) -> None:
+        """A computed layout met a reply that does not fit: map the version by a scan (once)."""
+        while layout.busy:
+            await layout.grew.wait()
+        if layout.generation != generation or not layout.computed:
+            return  # another read re-mapped it already
+        layout.busy = True
+        try:
+            log.debug("object %s/%s (version %s): a chunk is not where its computed slot says; scanning",
+                      info.bucket, info.name, info.nuid)
+            layout.unprove()
+            await self._map_all(info, layout)
         finally:
             layout.busy = False
             layout.wake()
@@ -599,6 +744,8 @@ class ChunkCache:
                 if m.seq > last_seq:
                     break  # beyond the run (chunks in it are gone)
                 idx = slot_of.get(m.seq)
+                if layout.computed and not self._fits(info, layout, idx, m):
+                    raise _Unproven
                 if idx is None or len(m.data) != layout.size_of(idx):
                     raise self._stray(info, layout, m, "a chunk of this version's layout")
                 out[idx] = m.data
@@ -609,6 +756,8 @@ class ChunkCache:
                     missing.append(k)
             if layout.generation != generation:
                 return out
+            if missing and layout.computed:
+                raise _Unproven
             if missing:
                 layout.gone.update(missing)
                 layout.intact = False
@@ -632,6 +781,8 @@ class ChunkCache:
         if not msgs or msgs[0].seq > seq:
             return False
         m = msgs[0]
+        if layout.computed and m.subject == subject and not self._fits(info, layout, idx, m):
+            raise _Unproven
         if m.subject != subject or m.seq != seq or len(m.data) != layout.size_of(idx):
             raise self._stray(info, layout, m, f"chunk {idx} (seq {seq})")
         out[idx] = m.data
@@ -665,12 +816,10 @@ class ChunkCache:
                 await self._fetch_claimed(info, layout, *run)
         except NatsFSError as e:
             log.debug("readahead of %s/%s stopped: %s", info.bucket, info.name, e)
+        except _Unproven:
+            log.debug("readahead of %s/%s stopped: a chunk does not fit its computed slot", info.bucket, info.name)
         except Exception:
             log.exception("readahead of %s/%s failed unexpectedly", info.bucket, info.name)
-
-    def forget_objects(self, keys: Iterable[tuple[str, str]]) -> None:
-        for key in keys:
-            self._layouts.pop(key, None)
 
 
 def _unanswered(error: NatsFSError) -> bool:

@@ -1,10 +1,15 @@
-"""Command line: `natsfs mount|umount|bucket|fsck ...`, option parsing, exit codes, one-sentence errors.
+"""Command line: `natsfs mount|umount|status|bucket|fsck ...`, option parsing, exit codes, one-sentence errors.
 
-`natsfs mount` without `--foreground` starts the daemon as a child process and waits until it
-reports the mount live (exit 0) or reports why it could not start (exit 1, one sentence). The child
-reports over a pipe named by the hidden `--ready-fd` option. The child runs isolated (`python -I`),
-and the server URLs (which may carry credentials) reach it through another pipe (`--servers-fd`),
-never on its command line or in its environment.
+The mount options are generated from `Config` (config.py `option` fields) plus the connection options
+(auth.py); each is also `-o key=value`, and mount(8)'s form `natsfs SOURCE MOUNTPOINT -o OPTIONS` (as
+mount.fuse3 runs it for `-t fuse.natsfs`) is turned into `natsfs mount` first.
+
+`natsfs mount` without `--foreground` starts the daemon as a child process with the user's own
+arguments (less the connection options) and waits until it reports the mount live (exit 0) or reports
+why it could not start (exit 1, one sentence). The child reports over a pipe named by the hidden
+`--ready-fd` option. The child runs isolated (`python -I`), and the connection settings (server URLs
+and credentials, which may be secret) reach it through another pipe (`--servers-fd`), never on its
+command line or in its environment.
 
 The daemon's log file is created 0600 in a directory created 0700, and is reopened when logrotate
 moves it away.
@@ -14,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
+import json
 import logging
 import logging.handlers
 import os
@@ -22,27 +29,111 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import trio
 
+from . import auth, sdnotify, status
 from . import config as cfg
-from .config import Config, default_flush_timeout, parse_duration, parse_size
+from .config import Config, default_flush_timeout
+from .errors import NatsFSError, single_error
 from .secrecy import child_environment
 
 log = logging.getLogger("natsfs")
 
 
-def _servers(arg: str | None) -> tuple[str, ...]:
-    raw = arg or os.environ.get("NATS_URL", "")
-    return tuple(s.strip() for s in raw.split(",") if s.strip())
+COMMANDS = ("mount", "umount", "bucket", "status", "fsck")
+# Mount options mount(8) and fstab use that mean something only to mount(8), systemd or mount.fuse3.
+# (mount.fuse3 adds "dev,suid" to what fstab says; those, "rw", "exec", "atime" and "async" are the defaults.)
+IGNORED_MOUNT_OPTIONS = frozenset({"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "owner",
+                                   "_netdev", "nofail", "dev", "suid", "exec", "atime", "async"})
+IGNORED_MOUNT_PREFIXES = ("x-", "comment=", "setuid=", "drop_privileges")
+# Generic mount flags and FUSE options passed to the kernel (through libfuse) as they are.
+KERNEL_MOUNT_OPTIONS = frozenset({"allow_other", "allow_root", "default_permissions", "auto_unmount", "nosuid",
+                                  "nodev", "noexec", "sync", "dirsync", "noatime", "nodiratime", "relatime"})
+# Hidden plumbing options that `-o` must not reach.
+_PRIVATE_DESTS = frozenset({"ready_fd", "servers_fd", "help"})
 
 
-def _fuse_opts(values: list[str] | None) -> tuple[str, ...]:
-    out: list[str] = []
-    for v in values or []:
-        out.extend(o.strip() for o in v.split(",") if o.strip())
-    return tuple(out)
+def source_arguments(source: str) -> list[str]:
+    """The mount(8) SOURCE as options: `nats://host:4222[,nats://host2:4222][/bucket]` gives --server (and
+    --bucket); a SOURCE without `://` (e.g. `natsfs`) names no server ($NATS_URL, the NATS context or the
+    embedded server then)."""
+    if "://" not in source:
+        return []
+    servers, _, bucket = source.rpartition("://")[2].partition("/")
+    head = source[: len(source) - len(source.rpartition("://")[2])]
+    out = ["--server", head + servers]
+    if bucket.strip("/"):
+        out += ["--bucket", bucket.strip("/")]
+    return out
+
+
+def _split_mount_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`argv` without its `-o A,B` / `-oA,B` arguments, and the single options they held."""
+    rest: list[str] = []
+    options: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-o" and i + 1 < len(argv):
+            options.extend(o.strip() for o in argv[i + 1].split(",") if o.strip())
+            i += 2
+            continue
+        if arg.startswith("-o") and arg != "-o":
+            options.extend(o.strip() for o in arg[2:].split(",") if o.strip())
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, options
+
+
+def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`-o key=value,flag` as the options `--key value --flag`; kernel/FUSE options stay `-o`, the
+    fstab-only ones are dropped, anything else is an error (`parser.error`)."""
+    rest, options = _split_mount_options(argv)
+    # By dest (creds_file) and by flag (creds for --creds, cache_dir for --cache-dir).
+    actions = {a.dest: a for a in parser._actions if a.dest not in _PRIVATE_DESTS and a.option_strings}
+    actions |= {flag.lstrip("-").replace("-", "_"): a for a in list(actions.values()) for flag in a.option_strings
+                if flag.startswith("--")}
+    expanded: list[str] = []
+    kernel: list[str] = []
+    for option in options:
+        key, has_value, value = option.partition("=")
+        if key in KERNEL_MOUNT_OPTIONS and not has_value:
+            kernel.append(key)
+        elif key == "ro" and not has_value:
+            expanded.append("--read-only")
+        elif key in ("password", "token"):
+            parser.error(f"{key} cannot be a mount option (every user sees those in the process list): "
+                         f"use {key}_file=FILE or $NATS_{key.upper()}")
+        elif key in IGNORED_MOUNT_OPTIONS or option.startswith(IGNORED_MOUNT_PREFIXES):
+            continue
+        elif key in actions and actions[key].option_strings:
+            action = actions[key]
+            flag = action.option_strings[-1]
+            if action.nargs == 0:
+                if has_value:
+                    parser.error(f"mount option {key} takes no value")
+                expanded.append(flag)
+            elif not has_value and action.nargs == "?":
+                expanded.append(f"{flag}={action.const}")  # (a bare flag would take the mountpoint)
+            elif not has_value:
+                parser.error(f"mount option {key} needs a value ({key}=...)")
+            else:
+                expanded += [flag, value]
+        else:
+            parser.error(f"unknown mount option: {key}")
+    kernel_args = ["-o", ",".join(kernel)] if kernel else []
+    return expanded + rest + kernel_args
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """mount(8)'s form `natsfs SOURCE MOUNTPOINT [-o OPTIONS]` (as mount.fuse3 runs it) as `natsfs mount`."""
+    if len(argv) >= 2 and argv[0] not in COMMANDS and not argv[0].startswith("-") \
+            and not argv[1].startswith("-"):
+        return ["mount", argv[1], *source_arguments(argv[0]), *argv[2:]]
+    return argv
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,45 +142,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("mount", help="mount buckets on a directory")
     m.add_argument("mountpoint", type=Path)
-    m.add_argument("--server", help="NATS URL(s), comma separated (default: $NATS_URL, else an embedded server)")
-    m.add_argument("--bucket", help="mount only this bucket, as the root")
+    auth.add_options(m)
     m.add_argument("--foreground", action="store_true", help="stay in the foreground until unmounted")
-    m.add_argument("--cache-dir", type=Path, default=cfg.default_cache_dir())
-    m.add_argument("--cache-size", default="256MiB", help="chunk cache size in memory (e.g. 256MiB, 1GiB)")
-    m.add_argument("--spool-size", default="16GiB", help="local disk for staged writes")
-    m.add_argument("--chunk-size", default="128KiB", help="chunk size of objects written through the mount")
-    m.add_argument("--max-meta-bytes", default="16KiB", help="largest meta the mount will write")
-    m.add_argument("--request-timeout", default="10s",
-                   help="how long a request to the server may take (an unanswered write is settled for 3 times this)")
-    m.add_argument("--data-dir", type=Path, default=cfg.default_data_dir(),
-                   help="where the embedded nats-server keeps its store")
-    m.add_argument("--read-only", action="store_true")
-    m.add_argument("--allow-setuid", action="store_true",
-                   help="show setuid, setgid and sticky bits stored in object metadata (masked off by default)")
-    m.add_argument("-o", dest="options", action="append", help="FUSE mount options (comma separated)")
-    m.add_argument("--storage", choices=("file", "memory"), default="file", help="storage of new buckets")
-    m.add_argument("--replicas", type=int, default=1, help="replicas of new buckets")
-    m.add_argument("--compression", action="store_true", help="compress new buckets (s2)")
-    m.add_argument("--max-bytes", default="-1", help="size limit of new buckets (-1: none)")
-    m.add_argument("--ttl", default="0", help="object TTL of new buckets (e.g. 7d; 0: none)")
-    m.add_argument("--entry-timeout", default="60s",
-                   help="how long the kernel may keep names and attributes without asking (changes are "
-                        "pushed to it anyway)")
-    m.add_argument("--flush-timeout",
-                   help="close/fsync fail with EIO when a file is not stored within this (plus 1 s per MiB); "
-                        "default 10s, 30s with several servers (a cluster's election after a node loss)")
-    m.add_argument("--shutdown-timeout", default="60s",
-                   help="at unmount or SIGTERM, how long to spend storing files still open for writing")
+    add_config_options(m)
+    m.add_argument("-o", dest="options", action="append",
+                   help="mount options, comma separated: any option here as key=value (cache_dir=/x), ro, "
+                        "allow_other, default_permissions and other FUSE/kernel options; _netdev, nofail, "
+                        "x-systemd.* are for mount(8)/systemd and ignored")
     m.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    m.add_argument("--log-file", type=Path, help="log here (default: stderr in the foreground)")
+    m.add_argument("--log-file", type=Path,
+                   help="log to this file, or `-` for stderr (the journal under systemd); default: stderr in "
+                        "the foreground, else DATA_DIR/logs/MOUNTPOINT.log")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.add_argument("--servers-fd", type=int, help=argparse.SUPPRESS)
 
     u = sub.add_parser("umount", help="unmount a natsfs mount")
     u.add_argument("mountpoint", type=Path)
 
+    st = sub.add_parser("status", help="show what the daemon of a mount is doing")
+    st.add_argument("mountpoint", type=Path, nargs="?", help="a natsfs mount (default: every natsfs mount)")
+    st.add_argument("--json", action="store_true", help="print the daemon's figures as JSON")
+    st.add_argument("--prometheus", action="store_true",
+                    help="print Prometheus text metrics (for node_exporter's textfile collector)")
+
     b = sub.add_parser("bucket", help="manage buckets")
-    b.add_argument("--server", help="NATS URL(s) (default: $NATS_URL, else the embedded server if running)")
+    auth.add_options(b, suppress=True)
     bsub = b.add_subparsers(dest="bucket_command", required=True)
     bc = bsub.add_parser("create")
     bc.add_argument("name")
@@ -101,16 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--ttl", default="0")
     bc.add_argument("--no-atomic", action="store_true",
                     help="no atomic batches: puts go in the nats.go order and large files stream while written")
-    bsub.add_parser("ls")
+    bl = bsub.add_parser("ls")
     bs = bsub.add_parser("seal")
     bs.add_argument("name")
     br = bsub.add_parser("rm")
     br.add_argument("name")
     br.add_argument("--force", action="store_true", help="delete even if it holds objects")
+    for leaf in (bc, bl, bs, br):  # the connection options also after the subcommand
+        auth.add_options(leaf, suppress=True)
 
     f = sub.add_parser("fsck", help="check a bucket for orphan chunks, damaged objects and dangerous tombstones")
     f.add_argument("bucket")
-    f.add_argument("--server", help="NATS URL(s) (default: $NATS_URL, else the embedded server if running)")
+    auth.add_options(f)
     f.add_argument("--repair", action="store_true",
                    help="purge orphan chunks and tombstones that carry a live object's nuid")
     f.add_argument("--verify", action="store_true", help="also read every object and check its digest")
@@ -119,40 +198,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(a: argparse.Namespace) -> Config:
-    max_bytes = parse_size(a.max_bytes) if a.max_bytes not in ("-1", "") else -1
-    return Config(
-        mountpoint=a.mountpoint,
-        servers=_servers(a.server),
-        bucket=a.bucket,
-        read_only=a.read_only,
-        allow_setuid=a.allow_setuid,
-        cache_dir=a.cache_dir,
-        cache_size=parse_size(a.cache_size),
-        spool_size=parse_size(a.spool_size),
-        chunk_size=parse_size(a.chunk_size),
-        max_meta_bytes=parse_size(a.max_meta_bytes),
-        data_dir=a.data_dir,
-        fuse_options=_fuse_opts(a.options),
-        uid=os.getuid(),
-        gid=os.getgid(),
-        storage=a.storage,
-        replicas=a.replicas,
-        compression=a.compression,
-        max_bytes=max_bytes,
-        ttl=parse_duration(a.ttl),
-        entry_timeout=parse_duration(a.entry_timeout),
-        attr_timeout=parse_duration(a.entry_timeout),
-        request_timeout=parse_duration(a.request_timeout),
-        flush_timeout=parse_duration(a.flush_timeout) if a.flush_timeout else default_flush_timeout(_servers(a.server)),
-        shutdown_timeout=parse_duration(a.shutdown_timeout),
-    )
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """One option per `Config` option field (config.py `option`): `--name-with-dashes`, its help and
+    default from the field; absent options stay None, so `config_from_args` keeps the field's default."""
+    for f in cfg.option_fields():
+        flag = "--" + f.name.replace("_", "-")
+        default = f.metadata["shown"] or (f.default if f.default is not dataclasses.MISSING else None)
+        text = f.metadata["help"]
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=text)
+        elif f.metadata["optional"] is not None:
+            metavar = "DELAY" if f.metadata["parse"] is cfg.parse_duration else "VALUE"
+            parser.add_argument(flag, dest=f.name, nargs="?", const=f.metadata["optional"], metavar=metavar,
+                                help=f"{text} (default: {default})")
+        else:
+            parser.add_argument(flag, dest=f.name, choices=f.metadata["choices"],
+                                help=f"{text} (default: {default})" if default not in (None, "") else text)
+
+
+def connection_from_args(a: argparse.Namespace) -> auth.Connection:
+    """The connection settings the options name (with the environment and the NATS context)."""
+    return auth.resolve({name: getattr(a, name, None) for name in auth.OPTION_DESTS})
+
+
+def config_from_args(a: argparse.Namespace, connection: auth.Connection) -> Config:
+    """A `Config` from the parsed options: each given option parsed by its field's `parse`."""
+    values: dict[str, Any] = {"uid": os.getuid(), "gid": os.getgid()}
+    for f in cfg.option_fields():
+        given = getattr(a, f.name, None)
+        if given is None:
+            continue
+        parse = f.metadata["parse"]
+        try:
+            values[f.name] = parse(given) if parse is not None else given
+        except ValueError as e:
+            raise ValueError(f"--{f.name.replace('_', '-')}: {e}") from None
+    if "entry_timeout" in values:
+        values["attr_timeout"] = values["entry_timeout"]
+    if "flush_timeout" not in values:
+        values["flush_timeout"] = default_flush_timeout(connection.servers)
+    return Config(mountpoint=a.mountpoint, servers=connection.servers, credentials=connection,
+                  fuse_options=tuple(o for v in a.options or [] for o in v.split(",") if o), **values)
 
 
 class PrivateLogFile(logging.handlers.WatchedFileHandler):
     """A log file only its owner can read (0600), also each time it is reopened after logrotate."""
 
-    def _open(self) -> TextIO:
+    def _open(self) -> io.TextIOWrapper:
         fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         if os.fstat(fd).st_mode & 0o077:
             os.fchmod(fd, 0o600)  # a file left by an older version, or recreated by logrotate
@@ -173,37 +265,32 @@ def _setup_logging(level: str, log_file: Path | None) -> None:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [handler, status.RecentProblems()]
     root.setLevel(getattr(logging, level.upper()))
     logging.getLogger("nats").setLevel(logging.WARNING)
 
 
-def _single_error(exc: BaseException) -> BaseException:
-    """The one exception inside (possibly nested) exception groups, else the group itself."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 def cmd_mount(a: argparse.Namespace) -> int:
     try:
-        config = config_from_args(a)
-    except ValueError as e:
+        if a.servers_fd is not None:
+            connection = _read_connection(a.servers_fd)
+        else:
+            connection = connection_from_args(a)
+            connection.check_files()
+        config = config_from_args(a, connection)
+    except (ValueError, NatsFSError) as e:
         print(f"natsfs: {e}", file=sys.stderr)
         return 2
     if not a.foreground:
         return _spawn_daemon(a, config)
-    if a.servers_fd is not None:
-        servers = _read_servers(a.servers_fd)
-        config = dataclasses.replace(config, servers=servers, flush_timeout=parse_duration(a.flush_timeout)
-                                     if a.flush_timeout else default_flush_timeout(servers))
-    _setup_logging(a.log_level, a.log_file)
+    _setup_logging(a.log_level, None if a.log_file == Path("-") else a.log_file)
     from .mount import MountError, serve
 
     ready_fd = a.ready_fd
 
     def on_ready() -> None:
         nonlocal ready_fd
+        sdnotify.notify("READY=1", f"STATUS=serving {config.mountpoint}")
         if ready_fd is not None:
             os.write(ready_fd, b"READY\n")
             os.close(ready_fd)
@@ -212,7 +299,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
     try:
         trio.run(serve, config, on_ready)
     except BaseException as e:
-        err = _single_error(e)
+        err = single_error(e)
         if isinstance(err, KeyboardInterrupt):
             return 130
         if isinstance(err, MountError):
@@ -220,6 +307,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
         else:
             log.exception("natsfs stopped on an unexpected error")
             message = f"stopped on an unexpected error: {err!r}"
+        sdnotify.notify(f"STATUS={message}")
         if ready_fd is not None:
             os.write(ready_fd, f"ERROR {message}\n".encode())
             os.close(ready_fd)
@@ -229,10 +317,10 @@ def cmd_mount(a: argparse.Namespace) -> int:
     return 0
 
 
-def _read_servers(fd: int) -> tuple[str, ...]:
-    """The server list the parent wrote to `--servers-fd` (then closed)."""
+def _read_connection(fd: int) -> auth.Connection:
+    """The connection settings the parent wrote to `--servers-fd` (then closed)."""
     with os.fdopen(fd, "rb") as pipe:
-        return tuple(s for s in pipe.read().decode().split("\n") if s)
+        return auth.Connection.from_json(pipe.read())
 
 
 def _spawn_daemon(a: argparse.Namespace, config: Config) -> int:
@@ -246,18 +334,21 @@ def _spawn_daemon(a: argparse.Namespace, config: Config) -> int:
         return 1
     log_dir = config.data_dir / "logs"
     log_file = a.log_file or (log_dir / (str(config.mountpoint.resolve()).strip("/").replace("/", "_") + ".log"))
-    private_log_dir(log_file.parent)
+    if log_file != Path("-"):
+        private_log_dir(log_file.parent)
     if a.log_file is None:
         log_dir.chmod(0o700)  # ours: made 0755 by versions before this one
     r, w = os.pipe()
     servers_r, servers_w = os.pipe()
-    # The URLs fit in the pipe's buffer: written before the child exists, read by it at start.
-    os.write(servers_w, "".join(s + "\n" for s in config.servers).encode())
+    # The settings fit in the pipe's buffer: written before the child exists, read by it at start.
+    os.write(servers_w, config.credentials.to_json().encode())
     os.close(servers_w)
-    args = [sys.executable, "-I", "-m", "natsfs", *_rebuild_args(a), "--foreground", "--ready-fd", str(w),
-            "--servers-fd", str(servers_r), "--log-file", str(log_file)]
+    args = [sys.executable, "-I", "-m", "natsfs", *daemon_arguments(a.argv, a.mountpoint,
+                                                                      str(config.mountpoint.resolve())),
+            "--foreground", "--ready-fd", str(w), "--servers-fd", str(servers_r), "--log-file", str(log_file)]
+    stderr = None if log_file == Path("-") else subprocess.DEVNULL
     with open(os.devnull, "rb") as devnull:
-        subprocess.Popen(args, stdin=devnull, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        subprocess.Popen(args, stdin=devnull, stdout=subprocess.DEVNULL, stderr=stderr,
                          pass_fds=(w, servers_r), start_new_session=True, close_fds=True, env=child_environment())
     os.close(w)
     os.close(servers_r)
@@ -272,38 +363,49 @@ def _spawn_daemon(a: argparse.Namespace, config: Config) -> int:
     return 1
 
 
-def _rebuild_args(a: argparse.Namespace) -> list[str]:
-    out = ["mount", str(a.mountpoint.resolve())]
-    simple = {"bucket": "--bucket", "cache_size": "--cache-size",
-              "spool_size": "--spool-size", "chunk_size": "--chunk-size", "max_meta_bytes": "--max-meta-bytes",
-              "storage": "--storage", "max_bytes": "--max-bytes", "ttl": "--ttl", "log_level": "--log-level",
-              "entry_timeout": "--entry-timeout", "flush_timeout": "--flush-timeout",
-              "request_timeout": "--request-timeout",
-              "shutdown_timeout": "--shutdown-timeout"}
-    for attr, flag in simple.items():
-        value = getattr(a, attr)
-        if value is not None:
-            out += [flag, str(value)]
-    out += ["--cache-dir", str(a.cache_dir), "--data-dir", str(a.data_dir), "--replicas", str(a.replicas)]
-    if a.read_only:
-        out.append("--read-only")
-    if a.compression:
-        out.append("--compression")
-    if a.allow_setuid:
-        out.append("--allow-setuid")
-    for o in a.options or []:
-        out += ["-o", o]
+def daemon_arguments(argv: list[str], given: Path | None, mountpoint: str) -> list[str]:
+    """The user's own `natsfs mount` arguments (after `-o` expansion) for the daemon, with the mountpoint
+    made absolute and without the connection options: those reach it through a pipe (secrets never go
+    into argv) and `--log-file`, which the parent sets."""
+    parser = build_parser()
+    mount_parser = next(act for act in parser._actions if isinstance(act, argparse._SubParsersAction)).choices["mount"]
+    takes_value = {flag: act.nargs for act in mount_parser._actions for flag in act.option_strings}
+    dropped = {flag for act in mount_parser._actions if act.dest in (*auth.OPTION_DESTS, "log_file")
+               for flag in act.option_strings}
+    out = ["mount", mountpoint]
+    rest = argv[1:]  # after "mount"
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        flag, inline, _ = arg.partition("=")
+        nargs = takes_value.get(flag, 0)
+        consumes = nargs != 0 and not inline and arg.startswith("-") and not (
+            nargs == "?" and (i + 1 >= len(rest) or rest[i + 1].startswith("-")))
+        if given is not None and not arg.startswith("-") and Path(arg) == given:
+            given = None  # the positional mountpoint, given absolute above
+            i += 1
+            continue
+        if flag in dropped:
+            i += 2 if consumes else 1
+            continue
+        out.append(arg)
+        if consumes and i + 1 < len(rest):
+            out.append(rest[i + 1])
+            i += 1
+        i += 1
     return out
 
 
 def cmd_umount(a: argparse.Namespace) -> int:
     """Unmount; when files are still open, ask the daemon (SIGTERM) to store what is open for
     writing and unmount, and wait for it (its own wait is bounded by --shutdown-timeout)."""
+    target = _outside_path(a.mountpoint)
+    write_back = _write_back_progress(target)
     proc = subprocess.run(["fusermount3", "-u", str(a.mountpoint)], capture_output=True, text=True)
     if proc.returncode == 0:
+        _print_write_back_progress(write_back)
         return 0
     msg = (proc.stderr.strip().splitlines() or ["unmount failed"])[-1]
-    target = _outside_path(a.mountpoint)
     daemons = _daemons_of(target) if "busy" in msg.lower() else []
     if not daemons:
         print(f"natsfs: {msg}", file=sys.stderr)
@@ -318,10 +420,57 @@ def cmd_umount(a: argparse.Namespace) -> int:
             return 1
     while _is_mounted(target) and any(_alive(pid) for pid in daemons):
         time.sleep(0.1)
+    _print_write_back_progress(write_back)
     if _is_mounted(target):
         print(f"natsfs: {target} is still mounted", file=sys.stderr)
         return 1
     return 0
+
+
+def _write_back_progress(target: str) -> list[tuple[int, Path]]:
+    """(pid, progress file) of each daemon of `target` mounted with --write-back: after the unmount it
+    uploads what is still queued and writes its progress there (natsfs.core.writeback)."""
+    from .compose import spool_root  # the mount's modules, only when unmounting
+    from .core.writeback import PROGRESS_FILE
+
+    found = []
+    for pid in _daemons_of(target):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [os.fsdecode(x) for x in f.read().split(b"\0")]
+        except OSError:
+            continue
+        if not any(x == "--write-back" or x.startswith("--write-back=") for x in argv):
+            continue
+        cache_dir = cfg.default_cache_dir()
+        for i, x in enumerate(argv):
+            if x == "--cache-dir" and i + 1 < len(argv):
+                cache_dir = Path(argv[i + 1])
+            elif x.startswith("--cache-dir="):
+                cache_dir = Path(x.split("=", 1)[1])
+        found.append((pid, spool_root(cache_dir, Path(target)) / PROGRESS_FILE))
+    return found
+
+
+def _print_write_back_progress(daemons: list[tuple[int, Path]]) -> None:
+    """Wait for write-back daemons to finish their uploads and exit, printing each progress line once."""
+    last = ""
+    if daemons:
+        print("natsfs: waiting for pending write-back uploads", file=sys.stderr)
+    running = True
+    while running:
+        running = any(_alive(pid) for pid, _ in daemons)
+        # (One more pass after the daemons exited: the last line may be written just before the exit.)
+        for _, progress in daemons:
+            try:
+                text = progress.read_text().strip()
+            except OSError:
+                continue
+            if text and text != last:
+                print(f"natsfs: {text}", file=sys.stderr)
+                last = text
+        if running:
+            time.sleep(0.1)
 
 
 def _outside_path(path: Path) -> str:
@@ -363,13 +512,40 @@ def _daemons_of(target: str) -> list[int]:
     return found
 
 
+def cmd_status(a: argparse.Namespace) -> int:
+    """Print what the daemon of each named (or every) natsfs mount reports (see natsfs/status.py)."""
+    targets = [_outside_path(a.mountpoint)] if a.mountpoint is not None else status.natsfs_mounts()
+    if not targets:
+        print("natsfs: no natsfs mounts", file=sys.stderr)
+        return 1
+    failed = 0
+    for target in targets:
+        try:
+            stats = status.read_stats(target)
+        except (OSError, TimeoutError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            print(f"natsfs: cannot read the status of {target}: {reason}", file=sys.stderr)
+            failed = 1
+            continue
+        if a.json:
+            print(json.dumps(stats, indent=2))
+        elif a.prometheus:
+            print(status.prometheus_text(target, stats))
+        else:
+            print(status.format_status(target, stats))
+    sys.stdout.flush()
+    if failed and a.mountpoint is not None:
+        os._exit(1)  # a thread may still wait on a daemon that does not answer
+    return failed
+
+
 def cmd_bucket(a: argparse.Namespace) -> int:
     from .tools import bucket_command
 
     try:
         return trio.run(bucket_command, a)
     except BaseException as e:
-        err = _single_error(e)
+        err = single_error(e)
         from .errors import NatsFSError
 
         if isinstance(err, NatsFSError):
@@ -386,7 +562,7 @@ def cmd_fsck(a: argparse.Namespace) -> int:
     try:
         return trio.run(fsck_command, a)
     except BaseException as e:
-        err = _single_error(e)
+        err = single_error(e)
         if isinstance(err, NatsFSError):
             print(f"natsfs fsck: {err}", file=sys.stderr)
             return 2
@@ -394,9 +570,16 @@ def cmd_fsck(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
+    if argv and argv[0] == "mount":
+        mount_parser = next(act for act in parser._actions
+                            if isinstance(act, argparse._SubParsersAction)).choices["mount"]
+        argv = [argv[0], *expand_mount_options(mount_parser, argv[1:])]
+    a = parser.parse_args(argv)
+    a.argv = argv
     handlers: dict[str, Any] = {"mount": cmd_mount, "umount": cmd_umount, "bucket": cmd_bucket,
-                                "fsck": cmd_fsck}
+                                "status": cmd_status, "fsck": cmd_fsck}
     return int(handlers[a.command](a))
 
 

@@ -10,6 +10,7 @@ the same graph with the same settings.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,15 +21,48 @@ from .chunk_cache import ChunkCache
 from .config import Config
 from .core.filesystem import Filesystem
 from .fs import Operations
+from .journal import WriteBackJournal
 from .kernel import KernelNotifier
 from .namespace import Namespace
 from .staging import Spool, Staging
 from .streams import Streams
 
+log = logging.getLogger(__name__)
+WRITE_BACK_JOURNAL = "writeback.journal"
+
 
 def spool_root(cache_dir: Path, mountpoint: Path) -> Path:
     """Each mountpoint stages in its own directory, so mounts sharing a cache dir never mix spools."""
     return cache_dir / ("mnt" + str(mountpoint).replace("%", "%25").replace("/", "%2F"))
+
+
+def open_write_back_journal(path: Path, write_back: bool) -> WriteBackJournal | None:
+    """The write-back journal of a mount in write-back mode. Without write-back mode, uploads an
+    earlier run left pending are not replayed: one log line, and their spool files go to lost+found
+    with the other leftovers."""
+    if write_back:
+        return WriteBackJournal(path)
+    if path.exists():
+        left = WriteBackJournal(path)
+        if left.pending:
+            log.warning("%d file(s) closed in write-back mode by an earlier run of this mount were never "
+                        "uploaded; without --write-back they are not replayed but kept in lost+found",
+                        len(left.pending))
+        left.close()
+        path.unlink()
+    return None
+
+
+def pending_write_backs(path: Path) -> frozenset[str]:
+    """The spool files a write-back journal still waits to upload (left as they are, one log line)."""
+    if not path.exists():
+        return frozenset()
+    left = WriteBackJournal(path)
+    left.close()
+    if left.pending:
+        log.warning("%d file(s) closed in write-back mode are not uploaded yet; a read-only mount leaves them "
+                    "for the next mount with --write-back", len(left.pending))
+    return frozenset(left.pending)
 
 
 def open_store(streams: Streams, config: Config | None = None, *, file_sender: FileSender | None = None
@@ -62,13 +96,23 @@ class Built:
 def build_filesystem(config: Config, streams: Streams, *, file_sender: FileSender | None = None,
                      kernel: KernelNotifier | None = None) -> Built:
     """Build (not start) the layers of a mount of `config` over `streams`. Spool files left by a daemon
-    that died are moved to lost+found first (see `Spool.rescue_leftovers`)."""
+    that died are moved to lost+found first (see `Spool.rescue_leftovers`), except, in write-back mode,
+    those the write-back journal replays once the mount starts."""
     store = open_store(streams, config, file_sender=file_sender)
-    namespace = Namespace(store, bucket=config.bucket)
+    namespace = Namespace(store, bucket=config.bucket, poll_interval=config.bucket_poll_interval,
+                          reconcile_interval=config.reconcile_interval)
     cache = ChunkCache(store, cache_bytes=config.cache_size, batch_bytes=config.fetch_batch_bytes,
                        parallelism=config.fetch_parallelism)
-    spool = Spool(spool_root(config.cache_dir, config.mountpoint.resolve()), config.spool_size)
-    spool.rescue_leftovers()
+    root = spool_root(config.cache_dir, config.mountpoint.resolve())
+    spool = Spool(root, config.spool_size)
+    journal_path = root / WRITE_BACK_JOURNAL
+    if config.read_only:
+        # Nothing can be uploaded: pending write-back uploads wait for the next writable write-back mount.
+        spool.rescue_leftovers(pending_write_backs(journal_path))
+        journal = None
+    else:
+        journal = open_write_back_journal(journal_path, config.write_back is not None)
+        spool.rescue_leftovers(frozenset(journal.pending) if journal is not None else frozenset())
     staging = Staging(spool)
-    fs = Filesystem(namespace, cache, config, staging, kernel)
+    fs = Filesystem(namespace, cache, config, staging, kernel, journal)
     return Built(config, store, namespace, cache, staging, fs, Operations(fs))

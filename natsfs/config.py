@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+from .auth import Connection
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -49,27 +53,73 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "natsfs"
 
 
+def parse_octal(text: str | int) -> int:
+    """`022` or `0o022` → 0o22 (a umask)."""
+    if isinstance(text, int):
+        return text
+    try:
+        value = int(text.removeprefix("0o"), 8)
+    except ValueError:
+        raise ValueError(f"not an octal number: {text!r} (use e.g. 022)") from None
+    if not 0 <= value <= 0o777:
+        raise ValueError(f"not a umask: {text!r} (000 to 777)")
+    return value
+
+
+def parse_bytes_limit(text: str | int) -> int:
+    """A size, or -1 (or empty) for no limit."""
+    return -1 if text in ("-1", "", -1) else parse_size(text)
+
+
+def option(default: Any = MISSING, *, help: str, parse: Callable[[str], Any] | None = None,
+           shown: str | None = None, choices: tuple[str, ...] | None = None, optional: str | None = None,
+           default_factory: Callable[[], Any] | None = None) -> Any:
+    """A `Config` field that is also a `natsfs mount` option (`--name-with-dashes`, and `-o name=value`).
+
+    `parse` turns the command-line text into the field's value (default: the text itself; booleans are
+    flags); `shown` is how the default reads in `--help` (e.g. `256MiB` for 268435456); an option with
+    `optional` may be given without a value (`--write-back`, `-o write_back`), meaning that text.
+    """
+    metadata = {"help": help, "parse": parse, "shown": shown, "choices": choices, "optional": optional}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class Config:
-    """What a mount needs to know; built by the CLI, read by every layer."""
+    """What a mount needs to know; built by the CLI, read by every layer.
+
+    Fields made with `option(...)` are the `natsfs mount` options: the CLI generates its parser (flags,
+    defaults, help, parsing) from them (natsfs/cli.py `add_config_options`), so a new tunable is one
+    field here. The others are set by the CLI from other input (mountpoint, servers, credentials) or are
+    internal knobs that tests may change.
+    """
 
     mountpoint: Path
     servers: tuple[str, ...] = ()
-    bucket: str | None = None
-    read_only: bool = False
-    cache_dir: Path = field(default_factory=default_cache_dir)
-    cache_size: int = 256 * 1024 * 1024
-    spool_size: int = 16 * 1024 * 1024 * 1024
-    chunk_size: int = 128 * 1024
-    max_meta_bytes: int = 16 * 1024
+    bucket: str | None = option(None, help="mount only this bucket, as the root")
+    read_only: bool = option(False, help="refuse every change with EROFS (mount option: ro)")
+    cache_dir: Path = option(help="where writes are staged before they are stored", parse=Path,
+                             shown="~/.cache/natsfs", default_factory=default_cache_dir)
+    cache_size: int = option(256 * 1024 * 1024, help="chunk cache size in memory", parse=parse_size,
+                             shown="256MiB")
+    spool_size: int = option(16 * 1024 * 1024 * 1024, help="local disk for staged writes", parse=parse_size,
+                             shown="16GiB")
+    chunk_size: int = option(128 * 1024, help="chunk size of objects written through the mount",
+                             parse=parse_size, shown="128KiB")
+    max_meta_bytes: int = option(16 * 1024, help="largest meta the mount will write", parse=parse_size,
+                                 shown="16KiB")
     # Longest subject sent for an object name (its meta's direct get): the server's control line limit
     # (4096 by default, not announced in INFO) minus room for the rest of the PUB/HPUB line.
     max_subject_bytes: int = 4096 - 256
-    data_dir: Path = field(default_factory=default_data_dir)
+    data_dir: Path = option(help="where the embedded nats-server keeps its store, and the daemon its log",
+                            parse=Path, shown="~/.local/share/natsfs", default_factory=default_data_dir)
     fuse_options: tuple[str, ...] = ()
     # Kernel entry/attribute timeouts: never zero (slow and odd on Linux); changes are pushed
-    # to the kernel by invalidation instead.
-    entry_timeout: float = 60.0
+    # to the kernel by invalidation instead. The CLI sets both from --entry-timeout.
+    entry_timeout: float = option(60.0, help="how long the kernel may keep names and attributes without asking "
+                                  "(changes are pushed to it anyway)", parse=parse_duration, shown="60s")
     attr_timeout: float = 60.0
     # Readahead grows from the first to the second value while a handle reads sequentially.
     readahead_min: int = 1024 * 1024
@@ -79,26 +129,70 @@ class Config:
     # Kernel readahead for the mount (sysfs bdi setting; needs root): lets reads arrive 1 MiB at a time.
     kernel_readahead_kb: int = 1024
     fetch_batch_bytes: int = 4 * 1024 * 1024
-    request_timeout: float = 10.0
+    request_timeout: float = option(10.0, help="how long a request to the server may take (an unanswered "
+                                    "write is settled for 3 times this)", parse=parse_duration, shown="10s")
     # One deadline for storing a file at close/fsync: this many seconds plus one per
     # `flush_rate_floor` bytes staged (a big file on a slow link is not cut short).
-    flush_timeout: float = 10.0
+    # (The CLI's default is `default_flush_timeout(servers)`.)
+    flush_timeout: float = option(10.0, help="close/fsync fail with EIO when a file is not stored within this "
+                                  "(plus 1 s per MiB)", parse=parse_duration,
+                                  shown="10s, 30s with several servers (a cluster's election after a node loss)")
     flush_rate_floor: int = 1024 * 1024
     # At unmount/SIGTERM: how long the daemon may spend storing files still open for writing.
-    shutdown_timeout: float = 60.0
+    shutdown_timeout: float = option(60.0, help="at unmount or SIGTERM, how long to spend storing files "
+                                     "still open for writing", parse=parse_duration, shown="60s")
+    # Background timers (seconds). How often the bucket list is read again (buckets other clients
+    # created or deleted); how often each loaded bucket's index is checked against the server for metas
+    # purged behind its watch's back; how long a bucket's sealed state is trusted before it is read
+    # again; how often unfinished puts are settled; how long after purging a put's chunks their subject
+    # is checked empty (chunks still on their way from the upload worker land meanwhile).
+    bucket_poll_interval: float = 2.0
+    reconcile_interval: float = 5.0
+    sealed_ttl: float = 2.0
+    settle_interval: float = 2.0
+    purge_check_delay: float = 3.0
+    # Write-back mode (--write-back[=DELAY]): None is off (close returns once the object is stored);
+    # otherwise close returns once the bytes and a journal record are fsynced on local disk, and a
+    # background uploader puts the file this many seconds later (a rewrite meanwhile merges into one put).
+    write_back: float | None = option(None, help="close returns once the bytes are durable on local disk (spool "
+                                      "file and journal fsynced); they are uploaded in the background DELAY "
+                                      "later (default 0s) and replayed by the next mount with the same "
+                                      "--cache-dir if the daemon dies", parse=parse_duration, optional="0s",
+                                      shown="off")
     # Publish written files from a helper process (its own connection, its own GIL).
     upload_worker: bool = True
-    uid: int = 0
-    gid: int = 0
+    # Owner, group and permission bits (0o666/0o777 less `umask`) of objects without stored attributes.
+    # The CLI's default is the mounting user and group.
+    uid: int = option(0, help="owner of objects without stored attributes", parse=int, shown="yours")
+    gid: int = option(0, help="group of objects without stored attributes", parse=int, shown="yours")
+    umask: int = option(0o022, help="permission bits masked off objects without stored attributes (octal)",
+                        parse=parse_octal, shown="022")
     # Show setuid, setgid and sticky bits stored in `natsfs.mode` metadata (any client can write
     # them, so they are masked off unless the mount is asked for them).
-    allow_setuid: bool = False
+    allow_setuid: bool = option(False, help="show setuid, setgid and sticky bits stored in object metadata "
+                                "(masked off by default)")
     # Bucket defaults for mkdir at the root (issue 4)
-    storage: str = "file"
-    replicas: int = 1
-    compression: bool = False
-    max_bytes: int = -1
-    ttl: float = 0.0
+    storage: str = option("file", help="storage of new buckets", choices=("file", "memory"))
+    replicas: int = option(1, help="replicas of new buckets", parse=int)
+    compression: bool = option(False, help="compress new buckets (s2)")
+    max_bytes: int = option(-1, help="size limit of new buckets (-1: none)", parse=parse_bytes_limit)
+    ttl: float = option(0.0, help="object TTL of new buckets (e.g. 7d; 0: none)", parse=parse_duration,
+                        shown="0")
+    # How to reach NATS beyond the server URLs: user/password, token, NKey, creds, TLS (natsfs/auth.py).
+    credentials: Connection = field(default_factory=Connection)
+
+    @property
+    def file_mode(self) -> int:
+        return 0o666 & ~self.umask
+
+    @property
+    def dir_mode(self) -> int:
+        return 0o777 & ~self.umask
+
+
+def option_fields() -> list[Any]:
+    """The `Config` fields that are `natsfs mount` options, in declaration order."""
+    return [f for f in fields(Config) if "help" in f.metadata]
 
 
 def default_flush_timeout(servers: tuple[str, ...]) -> float:

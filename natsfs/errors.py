@@ -142,14 +142,17 @@ class JetStreamAPIError(NatsFSError):
 
 
 def single_error(exc: BaseException) -> BaseException:
-    """The domain error inside a (nested) exception group from a trio nursery, if it holds one;
-    otherwise the exception itself. Lets a nursery's failure surface with its own errno."""
-    if isinstance(exc, BaseExceptionGroup):
-        for leaf in exc.exceptions:
-            found = single_error(leaf)
-            if isinstance(found, NatsFSError):
-                return found
-    return exc
+    """The exception that explains a failure which may come wrapped in (nested) exception groups from trio
+    nurseries: the first domain error (`NatsFSError`) inside, else the one exception a chain of
+    single-member groups holds, else `exc` itself. The one place groups are unwrapped, so a nursery's
+    failure surfaces with its own errno and message."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    for leaf in exc.exceptions:
+        found = single_error(leaf)
+        if isinstance(found, NatsFSError):
+            return found
+    return single_error(exc.exceptions[0]) if len(exc.exceptions) == 1 else exc
 
 
 # JetStream err_codes the daemon reacts to (nats-server's server/errors.json). Errors are classified by

@@ -96,7 +96,7 @@ def _boundary(fn: F) -> F:
         except pyfuse3.FUSEError:
             raise
         except Exception as e:
-            error = single_error(e) if isinstance(e, ExceptionGroup) else e
+            error = single_error(e)
             if isinstance(error, NatsFSError):
                 self.failures.log(error.log_level, f"{op}: {error}")
                 raise pyfuse3.FUSEError(error.errno) from None

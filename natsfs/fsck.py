@@ -212,7 +212,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
             await _repair(f, store.streams.purge_subject(stream, subject, before_seq=t.revision + 1))
 
     # Chunk subjects.
-    counts, _, _ = await store.streams.subject_counts(stream, f"$O.{bucket}.C.>")  # type: ignore[attr-defined]
+    counts, _, _ = await store.streams.subject_counts(stream, f"$O.{bucket}.C.>")
     report.chunk_subjects = len(counts)
     prefix = f"$O.{bucket}.C."
     unreferenced = [s for s in counts if s[len(prefix):] not in referenced]

@@ -12,6 +12,7 @@ Renames move a path (and everything below it) to a new path while keeping the in
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import NewType
 
 from .errors import Stale
@@ -34,6 +35,9 @@ class InodeTable:
         self._lookups: dict[InodeNo, int] = {}
         self._next = ROOT_INODE + 1
         self._retired: dict[Path, InodeNo] = {}  # forgotten, not deleted: the path's number if it comes back
+        # An inode whose file still waits for its write-back upload keeps its number and path when the
+        # kernel forgets it: the staged file is found by that number, and the next lookup gets it again.
+        self.pinned: Callable[[InodeNo], bool] = lambda ino: False
 
     def __len__(self) -> int:
         return len(self._path_of)
@@ -74,7 +78,7 @@ class InodeTable:
             self._lookups[ino] = count
             return False
         self._lookups.pop(ino, None)
-        if ino == ROOT_INODE:
+        if ino == ROOT_INODE or self.pinned(ino):
             return False
         path = self._path_of.pop(ino, None)
         if path is not None and self._ino_of.get(path) == ino:

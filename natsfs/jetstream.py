@@ -44,6 +44,7 @@ from .errors import (
     TooBig,
     Unavailable,
 )
+from .retry import Backoff
 from .streams import (
     BATCH_COMMIT,
     BATCH_ID,
@@ -306,6 +307,7 @@ class JetStreams:
         deadline = trio.current_time() + FAILOVER_S
         while again := [i for i, r in enumerate(results) if isinstance(r, NotFound | Unavailable)]:
             first = results[again[0]]
+            assert isinstance(first, NotFound | Unavailable)
             if isinstance(first, NotFound):
                 await self._await_leader(msgs[again[0]][0], deadline)
             elif trio.current_time() >= deadline:
@@ -597,7 +599,7 @@ class _ConsumerStream:
         self._last_activity = time.monotonic()
         self._pending_reset = False
         self._stale = False  # re-create before waiting again (the connection was re-established)
-        self._failures = 0
+        self._backoff = Backoff(1.0, 5.0, clock=time.monotonic)  # re-creating the consumer
         self._retry_at = 0.0
         self._closed = False
 
@@ -709,17 +711,16 @@ class _ConsumerStream:
         except NotFound:
             raise
         except NatsFSError as e:
-            self._failures += 1
-            level = logging.WARNING if self._failures == 1 else logging.DEBUG
+            level = logging.WARNING if not self._backoff.failures else logging.DEBUG
             log.log(level, "watch %s: could not re-create the consumer (%s): %s; retrying",
                     self.filter_subject, why, e)
-            self._retry_at = time.monotonic() + min(5.0, 0.5 * 2 ** min(self._failures, 4))
+            self._retry_at = time.monotonic() + self._backoff.next_pause()
             self._last_activity = time.monotonic()
             return False
-        if self._failures:
+        if self._backoff.failures:
             log.warning("watch %s: consumer re-created after %d failed attempts", self.filter_subject,
-                        self._failures)
-        self._failures = 0
+                        self._backoff.failures)
+        self._backoff.reset()
         self._stale = False
         return True
 

@@ -6,6 +6,7 @@ Owns the trio nursery every background task lives in, the mount/unmount calls, s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from . import sdnotify
 from .bridge import Bridge
 from .compose import build_filesystem
 from .config import Config
@@ -80,13 +82,13 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
 
 
 async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready: Callable[[], None]) -> None:
-    bridge = Bridge(servers, request_timeout=config.request_timeout)
+    bridge = Bridge(servers, request_timeout=config.request_timeout, auth=config.credentials)
     try:
         await bridge.connect()
     except NatsFSError as e:
         raise MountError(str(e)) from None
     try:
-        worker = UploadWorker(servers)
+        worker = UploadWorker(dataclasses.replace(config.credentials, servers=tuple(servers)))
         built = build_filesystem(config, JetStreams(bridge), file_sender=worker)
         if config.bucket is not None:
             try:
@@ -183,5 +185,6 @@ class _FuseLoop:
                 if not self.running:
                     return
                 log.info("received %s: unmounting", signal.Signals(signum).name)
+                sdnotify.notify("STOPPING=1", "STATUS=storing open files and unmounting")
                 pyfuse3.terminate()
                 return

@@ -12,7 +12,6 @@ carry a live object's nuid (`purge_shared_tombstones`), once the server answers.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from .adr20 import (
     PosixAttrs,
     PutSession,
     chunk_subject,
+    meta_json,
     set_posix_attrs,
     stream_name,
 )
@@ -53,20 +53,13 @@ from .staging import StagedFile, Staging, UnfinishedPut, WriteState
 log = logging.getLogger(__name__)
 
 Path = tuple[str, ...]
-FILE_MODE = 0o644
 # A growing file's chunks are streamed to the server in batches of this many bytes.
 STREAM_BATCH = 4 * 1024 * 1024
 STREAM_PARALLEL = 3
-DIR_MODE = 0o755
-_SEALED_TTL = 2.0
-# How often unfinished puts and dangerous tombstones are looked at, and how long after purging a put's
-# chunks the subject is checked empty (chunks still on their way from the upload worker land meanwhile).
-SETTLE_INTERVAL_S = 2.0
-PURGE_CHECK_S = 3.0
 
 
 def check_meta_size(doc: dict[str, Any], limit: int) -> None:
-    size = len(json.dumps(doc).encode())
+    size = len(meta_json(doc))
     if size > limit:
         raise TooBig(f"the meta of {doc.get('name')!r} would be {size} bytes, over --max-meta-bytes {limit}",
                      log_level=logging.WARNING)
@@ -78,12 +71,11 @@ class Mutations:
         self.store = store
         self.staging = staging
         self.config = config
-        self.file_defaults = PosixAttrs(FILE_MODE, config.uid, config.gid, None)
-        self.dir_defaults = PosixAttrs(DIR_MODE, config.uid, config.gid, None)
+        self.file_defaults = PosixAttrs(config.file_mode, config.uid, config.gid, None)
+        self.dir_defaults = PosixAttrs(config.dir_mode, config.uid, config.gid, None)
         self._sealed: dict[str, tuple[float, bool]] = {}
         self._nursery: trio.Nursery | None = None
         # Called with (bucket, object info) after this mount changed an object itself.
-        self.on_local_change: Any = None
         self.journal = staging.spool.journal
         store.put_log = self.journal
 
@@ -97,7 +89,7 @@ class Mutations:
     async def sealed(self, bucket: str) -> bool:
         now = time.monotonic()
         cached = self._sealed.get(bucket)
-        if cached is not None and now - cached[0] < _SEALED_TTL:
+        if cached is not None and now - cached[0] < self.config.sealed_ttl:
             return cached[1]
         try:
             sealed = (await self.store.bucket_status(bucket)).sealed
@@ -125,10 +117,7 @@ class Mutations:
         """Does another live name use the same nuid (a rename interrupted between its steps)?"""
         if index is None or not info.nuid:
             return False
-        finder = getattr(index, "names_with_nuid", None)
-        if finder is not None:
-            return any(n != info.name for n in finder(info.nuid))
-        return any(o.nuid == info.nuid and o.name != info.name for o in index.objects.values())
+        return any(n != info.name for n in index.names_with_nuid(info.nuid))
 
     # ------------------------------------------------------------------ files
     def start(self, nursery: trio.Nursery) -> None:
@@ -144,7 +133,7 @@ class Mutations:
             log.warning("%d unfinished put(s) of an earlier run: their chunks are removed unless their meta "
                         "was stored", len(self.journal.pending))
         while True:
-            await trio.sleep(SETTLE_INTERVAL_S)
+            await trio.sleep(self.config.settle_interval)
             await self.settle_puts()
             await self.purge_shared_tombstones()
 
@@ -197,7 +186,7 @@ class Mutations:
             put.meta_unknown = False
             put.purged_at = trio.current_time()
             return False
-        if trio.current_time() - put.purged_at < PURGE_CHECK_S:
+        if trio.current_time() - put.purged_at < self.config.purge_check_delay:
             return False
         if await self.store.streams.last_msg(stream_name(bucket), chunk_subject(bucket, nuid)) is None:
             log.log(logging.INFO if put.reported else logging.DEBUG,
@@ -431,8 +420,7 @@ class Mutations:
         """Purge the chunks of a deleted or replaced version once nothing here reads them and no live
         name uses them (the last close of a file unlinked while open)."""
         index = self.ns.loaded_index(bucket)
-        finder = getattr(index, "names_with_nuid", None) if index is not None else None
-        if finder is not None and finder(nuid):
+        if index is not None and index.names_with_nuid(nuid):
             return
         await self.store.purge_chunks_later_if_needed(bucket, nuid, "")
 

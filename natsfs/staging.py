@@ -21,16 +21,18 @@ must store it, and a second close waits for the first), `shadows_index` (lookups
 `shown`, `ended`, `serves_reads`, `never_stored`. DIRTY never goes straight to DISCARDED: unstored bytes
 are stored or kept, never dropped. Copy-on-write progress (`copied`) and a streaming upload (the session
 and the offset claimed so far, a part of DIRTY: `may_stream`, `claim_stream`, `break_stream`) are the
-other facts a resumed upload needs. The write-back journal will persist exactly this: the spool file's
-id, bucket, name, base nuid and revision, the state's value (a plain string), `copied`, the POSIX
-attributes and the xattr changes (data, not callbacks); after a crash DIRTY resumes as DIRTY, UPLOADING
-is settled by reading the meta back (the put journal knows the nuid), STORED and UNLINKED are dropped.
+other facts a resumed upload needs. The write-back journal (`natsfs.journal`) persists exactly this
+(`journal_entry`): the spool file's id, bucket, name, base version and revision, the state's value (a
+plain string), `copied`, the POSIX attributes and the xattr changes (data, not callbacks); after a crash
+(`resume`) DIRTY resumes as DIRTY, UPLOADING too (the put journal settles a put whose meta may have been
+stored: `Mutations.upload` recognises its nuid), and only files that are DIRTY or UPLOADING are recorded.
 
 Disk I/O of more than a small write, and all reading and hashing for uploads, runs on worker threads.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import enum
 import errno
@@ -171,11 +173,13 @@ class Spool:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.journal = PutJournal(Path(root) / "puts.journal")
 
-    def rescue_leftovers(self) -> list[Path]:
-        """Spool files left by a daemon that died: move them to lost+found/leftover (never delete data),
-        with one log line saying where."""
+    def rescue_leftovers(self, replayed: frozenset[str] = frozenset()) -> list[Path]:
+        """Spool files left by a daemon that died, except those the write-back journal replays
+        (`replayed`): move them to lost+found/leftover (never delete data), with one log line saying where."""
         kept = []
         for f in sorted(self.dir.iterdir()):
+            if f.name in replayed:
+                continue
             if f.is_file() and f.stat().st_size > 0:
                 dest = self._lost_path("leftover", f.name)
                 shutil.move(str(f), dest)
@@ -248,7 +252,8 @@ class StagedFile:
     Only the methods here change a staged file; everything else reads it."""
 
     def __init__(self, spool: Spool, *, ino: int, path: tuple[str, ...], bucket: str, name: str,
-                 base: ObjectInfo | None, attrs: PosixAttrs, new: bool = False, unlinked: bool = False):
+                 base: ObjectInfo | None, attrs: PosixAttrs, new: bool = False, unlinked: bool = False,
+                 spool_file: Path | None = None):
         self.spool = spool
         self.ino = ino
         self.path = path
@@ -256,8 +261,14 @@ class StagedFile:
         self.name = name
         self.base = base  # the version this content started from (None: a new name)
         self.base_revision = base.revision if base is not None else 0
-        self.fd, self.spool_path = spool.create()
-        self.size = 0
+        if spool_file is None:
+            self.fd, self.spool_path = spool.create()
+            self.size = 0
+        else:  # resumed from the write-back journal
+            self.fd = os.open(spool_file, os.O_RDWR | os.O_CLOEXEC)
+            self.spool_path = spool_file
+            self.size = os.fstat(self.fd).st_size
+            spool.used += self.size
         # `new`: an empty new file is still a file, so close creates the object.
         self.state = WriteState.UNLINKED if unlinked else WriteState.DIRTY if new else WriteState.UNCHANGED
         self.copied = base is None  # copy-on-write: the base version's bytes are in the spool file
@@ -276,6 +287,40 @@ class StagedFile:
         # Extended attributes set or removed (None) on a file that has no stored object yet, stored
         # with its first upload.
         self.xattr_changes: list[tuple[str, bytes | None]] = []
+
+    @property
+    def entry_id(self) -> str:
+        """Its key in the write-back journal: the spool file's name (unique in the spool)."""
+        return self.spool_path.name
+
+    def journal_entry(self) -> dict[str, Any]:
+        """What the write-back journal keeps of it: all an upload after a crash needs (plain data)."""
+        base = self.base
+        return {
+            "id": self.entry_id, "bucket": self.bucket, "name": self.name, "state": self.state.value,
+            "copied": self.copied, "size": self.size,
+            "base": None if base is None else {"nuid": base.nuid, "size": base.size, "chunks": base.chunks,
+                                               "digest": base.digest, "mtime_ns": base.mtime_ns,
+                                               "revision": base.revision, "chunk_size": base.chunk_size},
+            "base_revision": self.base_revision, "mode": self.mode, "uid": self.uid, "gid": self.gid,
+            "mtime_ns": self.mtime_ns, "mtime_explicit": self.mtime_explicit,
+            "xattrs": [[k, None if v is None else base64.b64encode(v).decode()] for k, v in self.xattr_changes],
+        }
+
+    @classmethod
+    def resume(cls, spool: Spool, entry: dict[str, Any], *, ino: int, path: tuple[str, ...]) -> StagedFile:
+        """A file closed in write-back mode by an earlier run, from its journal entry and spool file: DIRTY
+        again (an upload that was running is settled by the put journal, see `Mutations.upload`)."""
+        b = entry["base"]
+        base = None if b is None else ObjectInfo(bucket=entry["bucket"], name=entry["name"], **b)
+        sf = cls(spool, ino=ino, path=path, bucket=entry["bucket"], name=entry["name"], base=base,
+                 attrs=PosixAttrs(entry["mode"], entry["uid"], entry["gid"], entry["mtime_ns"]), new=True,
+                 spool_file=spool.dir / entry["id"])
+        sf.base_revision = int(entry["base_revision"])
+        sf.copied = True  # only files holding every byte are journaled
+        sf.mtime_explicit = bool(entry["mtime_explicit"])
+        sf.xattr_changes = [(k, None if v is None else base64.b64decode(v)) for k, v in entry["xattrs"]]
+        return sf
 
     def _to(self, state: WriteState) -> None:
         if state not in _NEXT[self.state]:

@@ -90,7 +90,19 @@ class Watch(Protocol):
     async def close(self) -> None: ...
 
 
+class MsgBatches(Protocol):
+    """The replies of one batched get, handed over as they arrive; `next()` is None after the last."""
+
+    async def next(self) -> list[StoredMsg] | None: ...
+
+    async def close(self) -> None: ...
+
+
 class Streams(Protocol):
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes."""
+
     async def stream_names(self) -> list[str]: ...
 
     async def stream_info(self, name: str) -> StreamState: ...
@@ -116,7 +128,17 @@ class Streams(Protocol):
     async def get_batch(self, stream: str, subject: str, start_seq: int, batch: int,
                         max_bytes: int) -> list[StoredMsg]: ...
 
+    async def stream_batch(self, stream: str, subject: str, start_seq: int, batch: int,
+                           max_bytes: int) -> MsgBatches:
+        """Like `get_batch`, handing the messages over as they arrive."""
+
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]: ...
+
+    async def subject_count(self, stream: str, filter_subject: str) -> int:
+        """How many subjects matching `filter_subject` hold messages, without listing them."""
+
+    async def subject_counts(self, stream: str, filter_subject: str) -> tuple[dict[str, int], int, bool]:
+        """(messages per matching subject, the stream's last sequence, whether the listing is one snapshot)."""
 
     async def publish_batch(self, batch_id: str,
                             messages: Callable[[], AsyncIterable[tuple[str, bytes, dict[str, str]]]]) -> int:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from .adr20 import ObjectStore
+from .auth import OPTION_DESTS, Connection, resolve
 from .bridge import Bridge
 from .compose import open_store
 from .config import default_data_dir, parse_duration, parse_size
@@ -18,22 +19,24 @@ from .errors import NotEmpty, Unavailable
 from .jetstream import JetStreams
 
 
-def resolve_servers(arg: str | None) -> list[str]:
-    raw = arg or os.environ.get("NATS_URL", "")
-    servers = [s.strip() for s in raw.split(",") if s.strip()]
-    if servers:
-        return servers
+def resolve_connection(a: argparse.Namespace) -> Connection:
+    """The connection options (also given after the subcommand), the environment and the NATS context;
+    without a server, the embedded server a mount started."""
+    connection = resolve({name: getattr(a, name, None) for name in OPTION_DESTS})
+    connection.check_files()
+    if connection.servers:
+        return connection
     record = default_data_dir() / "server.json"
     try:
-        return [json.loads(record.read_text())["url"]]
+        return dataclasses.replace(connection, servers=(json.loads(record.read_text())["url"],))
     except (OSError, ValueError, KeyError):
         raise Unavailable("no server given: use --server, set NATS_URL, or mount first "
                           "(which starts the embedded server)") from None
 
 
 @asynccontextmanager
-async def connected_store(servers: list[str]) -> AsyncIterator[ObjectStore]:
-    bridge = Bridge(servers)
+async def connected_store(connection: Connection) -> AsyncIterator[ObjectStore]:
+    bridge = Bridge(connection.servers, auth=connection)
     await bridge.connect()
     try:
         yield open_store(JetStreams(bridge))
@@ -42,7 +45,7 @@ async def connected_store(servers: list[str]) -> AsyncIterator[ObjectStore]:
 
 
 async def bucket_command(a: argparse.Namespace) -> int:
-    async with connected_store(resolve_servers(a.server)) as store:
+    async with connected_store(resolve_connection(a)) as store:
         if a.bucket_command == "ls":
             for name in await store.list_buckets():
                 st = await store.bucket_status(name)
@@ -88,7 +91,7 @@ class _Bar:
 async def fsck_command(a: argparse.Namespace) -> int:
     from .fsck import check_bucket
 
-    async with connected_store(resolve_servers(a.server)) as store:
+    async with connected_store(resolve_connection(a)) as store:
         report = await check_bucket(store, a.bucket, repair=a.repair, verify=a.verify,
                                     grace_s=parse_duration(a.grace),
                                     progress=_Bar() if sys.stderr.isatty() else None)

@@ -8,7 +8,8 @@ pipes (trio). If the worker is gone, callers fall back to publishing in-process 
 
 The worker runs isolated (`-I`: neither the working directory nor `$PYTHON*` variables shape its
 imports), inherits no descriptors but its pipes and no `$NATS_URL`, and gets the server URLs (which
-may carry credentials) as the first line on its stdin, never on its command line.
+may carry credentials) and the credentials (`auth.Connection` as JSON) as the first line on its stdin,
+never on its command line.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import subprocess
 import sys
 from typing import Any
 
 import trio
 
+from .auth import Connection
 from .errors import JetStreamAPIError, NatsFSError, OutcomeUnknown, Unavailable
 from .jetstream import map_publish_error
 from .secrecy import child_environment
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class UploadWorker:
-    def __init__(self, servers: list[str]):
-        self.servers = servers
+    def __init__(self, connection: Connection):
+        self.connection = connection
         self.alive = False
         self._proc: trio.Process | None = None
         self._next = 0
@@ -45,7 +46,7 @@ class UploadWorker:
                 [sys.executable, "-I", "-m", "natsfs.bridge", "upload-worker"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=child_environment())
             assert self._proc.stdin is not None
-            await self._proc.stdin.send_all(json.dumps({"servers": self.servers}).encode() + b"\n")
+            await self._proc.stdin.send_all(self.connection.to_json().encode() + b"\n")
         except (OSError, trio.BrokenResourceError) as e:
             log.warning("upload worker not started (%s); publishing in-process", e)
             return
@@ -80,7 +81,7 @@ class UploadWorker:
             raise Unavailable("upload worker is not running")
         self._next += 1
         rid = body["id"] = self._next
-        event, box = trio.Event(), []
+        event, box = trio.Event(), list[dict[str, Any]]()
         self._waiting[rid] = (event, box)
         try:
             async with self._send_lock:
@@ -132,7 +133,3 @@ class UploadWorker:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-
-
-def chunks_in(start: int, end: int, chunk_size: int) -> int:
-    return math.ceil((end - start) / chunk_size) if end > start else 0

@@ -29,17 +29,16 @@ from collections.abc import Callable
 import trio
 
 from .adr20 import ObjectStore, decode_token, meta_filter, meta_subject, parse_meta, stream_name
+from .config import Config
 from .errors import MalformedMeta, NatsFSError, NotFound
 from .index import BucketIndex, changed_paths
+from .retry import Backoff
 from .streams import StoredMsg
 
 log = logging.getLogger(__name__)
 
 Path = tuple[str, ...]
 
-# How often (seconds) a watched bucket is checked for purges the consumer cannot deliver. A check that
-# took t seconds is not repeated before 100 t, so huge buckets cost the server at most about 1%.
-RECONCILE_S = 5.0
 # When (seconds after the meta that showed it) a name suspected of having been renamed away is read back.
 CONFIRM_DELAYS = (0.0, 0.05, 0.25, 1.0, 4.0)
 # The watch counts as quiet (everything published has arrived) after this long without a message.
@@ -53,7 +52,7 @@ class BucketWatcher:
 
     def __init__(self, store: ObjectStore, bucket: str, *, on_change: Callable[[Path], None] | None = None,
                  on_gone: Callable[[BucketWatcher], None] | None = None,
-                 reconcile_interval: float = RECONCILE_S, default_created_ns: int = 0):
+                 reconcile_interval: float = Config.reconcile_interval, default_created_ns: int = 0):
         self.store = store
         self.bucket = bucket
         self.stream = stream_name(bucket)
@@ -96,7 +95,7 @@ class BucketWatcher:
         self._restart = True
 
     async def _run(self) -> None:
-        failures = 0
+        backoff = Backoff(0.5, 5.0)
         while True:
             try:
                 status = await self.store.bucket_status(self.bucket)
@@ -112,12 +111,11 @@ class BucketWatcher:
                 if not self.ready.is_set():
                     self.error = e
                     return
-                failures += 1
-                log.log(logging.WARNING if failures == 1 else logging.DEBUG,
+                log.log(logging.WARNING if not backoff.failures else logging.DEBUG,
                         "bucket %s: cannot open the index watch (%s); retrying", self.bucket, e)
-                await trio.sleep(min(5.0, 0.5 * failures))
+                await backoff.pause()
                 continue
-            failures = 0
+            backoff.reset()
             created = status.created_ns or self._default_created_ns
             self._start_side(created)
             try:
@@ -127,7 +125,7 @@ class BucketWatcher:
                     return
             except NatsFSError as e:
                 log.warning("bucket %s: index watch failed (%s); starting it again", self.bucket, e)
-                await trio.sleep(1.0)
+                await backoff.pause()
             finally:
                 with trio.CancelScope(shield=True):
                     await watch.close()
@@ -316,12 +314,13 @@ class BucketWatcher:
                 pass  # the watch finds out and decides
             except NatsFSError as e:
                 log.debug("bucket %s: reconciliation failed: %s", self.bucket, e)
+            # A check that took t seconds is not repeated before 100 t: huge buckets cost the server ~1%.
             interval = max(self.reconcile_interval, 100 * (time.monotonic() - started))
 
     async def reconcile(self) -> int:
         """Find meta subjects purged (or missed) behind the consumer's back; the number of names fixed."""
         streams = self.store.streams
-        if not hasattr(streams, "subject_count") or self._side is not None:
+        if self._side is not None:
             return 0
         self.stats["reconciles"] += 1
         checked_at = trio.current_time()

@@ -32,8 +32,6 @@ XATTR_CREATE = 1
 XATTR_REPLACE = 2
 ENOATTR = errno.ENODATA
 
-OBJECT_FACTS = ("digest", "nuid", "size", "chunks", "chunk_size", "revision", "bucket", "name", "link")
-BUCKET_FACTS = ("size", "max_bytes", "storage", "replicas", "sealed", "compression", "ttl", "messages")
 
 
 class NoAttribute(NatsFSError):

@@ -270,10 +270,8 @@ async def publish_object(nc: Any, bucket: str, spec: ObjSpec, local_dir: Path, w
             local.close()
     spec.chunks = n
     spec.digest = "SHA-256=" + base64.urlsafe_b64encode(sha.digest()).decode()
-    meta = {"name": spec.name, "options": {"max_chunk_size": spec.chunk}, "bucket": bucket, "nuid": spec.nuid,
-            "size": spec.size, "mtime": "0001-01-01T00:00:00Z", "chunks": n, "digest": spec.digest}
-    await js.publish(f"$O.{bucket}.M.{encode_name(spec.name)}", json.dumps(meta).encode(),
-                     headers={"Nats-Rollup": "sub"}, timeout=30)
+    meta = meta_json(bucket, spec.name, spec.nuid, spec.size, n, spec.digest, chunk_size=spec.chunk)
+    await js.publish(f"$O.{bucket}.M.{encode_name(spec.name)}", meta, headers={"Nats-Rollup": "sub"}, timeout=30)
     spec.published = True
 
 
@@ -349,15 +347,14 @@ class Publisher:
         self.thread.join(10)
 
 
-def meta_json(bucket: str, name: str, nuid: str, size: int, chunks: int, digest: str, deleted: bool = False) -> bytes:
-    """A meta as nats.go writes it (compact JSON, zero mtime)."""
-    doc: dict[str, Any] = {"name": name, "bucket": bucket, "nuid": nuid, "size": size,
-                           "mtime": "0001-01-01T00:00:00Z", "chunks": chunks}
-    if digest:
-        doc["digest"] = digest
-    if deleted:
-        doc["deleted"] = True
-    return json.dumps(doc, separators=(",", ":")).encode()
+def meta_json(bucket: str, name: str, nuid: str, size: int, chunks: int, digest: str, deleted: bool = False,
+              chunk_size: int | None = None) -> bytes:
+    """A meta as nats.go writes it (natsfs's one meta writer, `natsfs.adr20.meta_json`)."""
+    from natsfs.adr20 import meta_doc
+    from natsfs.adr20 import meta_json as go_meta_json
+
+    return go_meta_json(meta_doc(name=name, bucket=bucket, nuid=nuid, size=size, chunks=chunks, digest=digest,
+                                 chunk_size=chunk_size, deleted=deleted))
 
 
 def _digest(data: bytes) -> str:
@@ -402,9 +399,7 @@ async def populate_metas(nc: Any, bucket: str, names: Sequence[str], window: int
     futures: list[Any] = []
     for i, name in enumerate(names):
         digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(name.encode()).digest()).decode()
-        doc = {"name": name, "options": {"max_chunk_size": CHUNK}, "bucket": bucket, "nuid": nuid.next().decode(),
-               "size": 1024 + i % 3072, "mtime": "0001-01-01T00:00:00Z", "chunks": 1, "digest": digest}
-        meta = json.dumps(doc, separators=(",", ":")).encode()
+        meta = meta_json(bucket, name, nuid.next().decode(), 1024 + i % 3072, 1, digest, chunk_size=CHUNK)
         futures.append(await js.publish_async(f"$O.{bucket}.M.{encode_name(name)}", meta,
                                               headers={"Nats-Rollup": "sub"}, wait_stall=60))
         if len(futures) >= window:

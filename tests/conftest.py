@@ -7,7 +7,9 @@ Every server runs on a free loopback port with a temp store; every mount is unmo
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from natsfs.server import NatsServer
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import FIXTURES, Mount  # noqa: F401 - FIXTURES re-exported for test modules
+from helpers import FIXTURES, Mount, check_daemon_logs  # noqa: F401 - FIXTURES re-exported for test modules
 
 _counter = itertools.count()
 
@@ -64,8 +66,9 @@ def bucket_name(request) -> str:
 
 
 @pytest.fixture()
-def mounter(tmp_path):
-    """Make mounts with `mounter(url, *args)`; all are unmounted at teardown."""
+def mounter(tmp_path, request):
+    """Make mounts with `mounter(url, *args)`; all are unmounted at teardown, then the test fails if a
+    daemon logged an ERROR or a traceback not declared (`m.expect_log(...)`, `@pytest.mark.expect_log`)."""
     mounts: list[Mount] = []
 
     def make(url: str, *args: str, mountpoint: Path | None = None) -> Mount:
@@ -86,6 +89,25 @@ def mounter(tmp_path):
             errors.append(e)
     if errors:
         raise errors[0]
+    check_daemon_logs(mounts, [p for mark in request.node.iter_markers("expect_log") for p in mark.args])
+
+
+@pytest.fixture(autouse=True)
+def _no_unexpected_error_logged(request, caplog):
+    """Fail a test whose own process logged an ERROR or a traceback it did not declare with
+    `@pytest.mark.expect_log(pattern, ...)` (the daemon's log is checked by `mounter`)."""
+    yield
+    expected = [re.compile(p) for mark in request.node.iter_markers("expect_log") for p in mark.args]
+    found = []
+    for r in {id(r): r for when in ("setup", "call") for r in caplog.get_records(when)}.values():
+        if r.levelno < logging.ERROR and not r.exc_info:
+            continue
+        text = caplog.handler.format(r)
+        if not any(p.search(text) for p in expected):
+            found.append(text)
+    if found:
+        pytest.fail("unexpected ERROR/traceback logged (declare it with @pytest.mark.expect_log):\n"
+                    + "\n".join(found[:20]), pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +16,10 @@ from typing import Any, TypeVar
 import trio
 
 T = TypeVar("T")
+
+# The start of a daemon log record (natsfs.cli's format: "<date> <time>,<ms> <LEVEL> <logger>: <message>").
+_RECORD_START = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?P<level>[A-Z]+) ", re.MULTILINE)
+_BAD_LEVELS = ("ERROR", "CRITICAL")
 
 # A copy of ../shared/fixtures/adr20, so a clean checkout tests on its own.
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "adr20"
@@ -31,6 +35,16 @@ class Mount:
         self.log_file = log_file
         self.cache_dir = cache_dir
         self.proc: subprocess.Popen[bytes] | None = None
+        # Patterns (re.search over a whole record) of ERROR records and tracebacks this test provokes.
+        self.expected: list[re.Pattern[str]] = []
+
+    def expect_log(self, pattern: str) -> None:
+        """Declare an ERROR record or traceback the test provokes on purpose (any other one fails it)."""
+        self.expected.append(re.compile(pattern))
+
+    def unexpected_log(self) -> list[str]:
+        """The daemon's ERROR/CRITICAL records and records with a traceback that no `expect_log` covers."""
+        return unexpected_records(self.log(), self.expected)
 
     def start(self, timeout: float = 30.0) -> None:
         cmd = [sys.executable, "-m", "natsfs", "mount", str(self.path), "--foreground",
@@ -85,6 +99,35 @@ class Mount:
 
     def __truediv__(self, other: str) -> Path:
         return self.path / other
+
+
+def unexpected_records(text: str, expected: list[re.Pattern[str]]) -> list[str]:
+    """The records of a daemon log at ERROR or above, or with a traceback, that match none of `expected`."""
+    starts = [m.start() for m in _RECORD_START.finditer(text)]
+    if not starts or starts[0] != 0:
+        starts.insert(0, 0)
+    records = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+    out = []
+    for record in records:
+        head = _RECORD_START.match(record)
+        bad = (head is not None and head["level"] in _BAD_LEVELS) or "Traceback (most recent call last)" in record
+        if bad and not any(p.search(record) for p in expected):
+            out.append(record.rstrip())
+    return out
+
+
+def check_daemon_logs(mounts: list[Mount], expected: list[str]) -> None:
+    """Fail the test when a daemon logged an ERROR or a traceback it did not declare (S3QL's rule: a test
+    that provokes an errno must not pass on a crash that was turned into EIO)."""
+    found = []
+    for m in mounts:
+        for record in unexpected_records(m.log(), [*m.expected, *map(re.compile, expected)]):
+            found.append(f"{m.log_file}:\n{record}")
+    if found:
+        import pytest
+
+        pytest.fail("unexpected ERROR/traceback in the daemon log (declare it with mount.expect_log or "
+                    "@pytest.mark.expect_log):\n" + "\n".join(found[:20]), pytrace=False)
 
 
 # ---------------------------------------------------------------- other clients
@@ -149,20 +192,20 @@ def nats_py_get(url: str, bucket: str, name: str) -> bytes:
 def raw_put(url: str, bucket: str, name: str, chunks: list[bytes], *, nuid: str | None = None,
             meta_extra: dict[str, Any] | None = None) -> None:
     """Publish an object by hand with exactly these chunks (uneven sizes allowed), as nats.go would."""
-    import hashlib
     import secrets
+
+    from natsfs.adr20 import digest_of, meta_doc, meta_json
 
     nuid = nuid or secrets.token_hex(11)
     data = b"".join(chunks)
-    digest = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-    meta = {"name": name, "bucket": bucket, "nuid": nuid, "size": len(data), "chunks": len(chunks),
-            "mtime": "0001-01-01T00:00:00Z", "digest": digest, **(meta_extra or {})}
+    doc = meta_doc(name=name, bucket=bucket, nuid=nuid, size=len(data), chunks=len(chunks), digest=digest_of(data))
+    meta = meta_json(doc | (meta_extra or {}))
     enc = base64.urlsafe_b64encode(name.encode()).decode()
 
     async def fn(nc: Any, js: Any) -> None:
         for c in chunks:
             await js.publish(f"$O.{bucket}.C.{nuid}", c)
-        await js.publish(f"$O.{bucket}.M.{enc}", json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
+        await js.publish(f"$O.{bucket}.M.{enc}", meta, headers={"Nats-Rollup": "sub"})
 
     with_nats(url, fn)
 

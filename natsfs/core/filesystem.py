@@ -23,6 +23,7 @@ import stat
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -48,14 +49,18 @@ from ..errors import (
 )
 from ..handles import DirHandle, FileHandle, HandleNo, HandleTable
 from ..inodes import ROOT_INODE, InodeNo, InodeTable
+from ..journal import WriteBackJournal
 from ..kernel import KernelNotifier
 from ..links import OUTSIDE_TARGET, SymlinkSigner, link_target, stays_in_mount
-from ..mutations import DIR_MODE, FILE_MODE, Mutations, check_meta_size
+from ..mutations import Mutations, check_meta_size
 from ..names import NAME_MAX
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from ..openers import Openers, ProcOpeners
+from ..secrecy import redact_urls
 from ..staging import StagedFile, Staging
+from ..status import recent_problems
 from .openfiles import OpenFileTable
+from .writeback import WriteBack
 
 WRITTEN_MTIMES_MAX = 10_000
 DIR_TIME_DELAY_S = 0.5  # entry changes of a directory within this are stored to its marker at once
@@ -199,7 +204,8 @@ class Filesystem:
     """The mount's filesystem, one method per FUSE operation (see the module docstring)."""
 
     def __init__(self, namespace: Namespace, cache: ChunkCache, config: Config, staging: Staging,
-                 kernel: KernelNotifier | None = None, openers: Openers | None = None):
+                 kernel: KernelNotifier | None = None, journal: WriteBackJournal | None = None,
+                 openers: Openers | None = None):
         self.ns = namespace
         self.cache = cache
         self.config = config
@@ -231,12 +237,20 @@ class Filesystem:
         self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
         self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0,
                          "flushes_deferred": 0}
+        # Write-back mode (--write-back): closes are made durable locally and uploaded in the background.
+        self.writeback: WriteBack | None = None
+        if config.write_back is not None and journal is not None:
+            self.writeback = WriteBack(self, journal, config.write_back, staging.spool.dir.parent)
+            self.inodes.pinned = self._upload_pending
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background work of the operations (kernel invalidations, refreshes) runs in `nursery`."""
         self._nursery = nursery
         self.kernel.start(nursery)
         self.mut.start(nursery)
+        if self.writeback is not None:
+            self.writeback.resume()
+            nursery.start_soon(self.writeback.run)
         self.ns.on_change = self.entry_changed
 
     def entry_changed(self, bucket: str, rel: tuple[str, ...] | None) -> None:
@@ -319,10 +333,10 @@ class Filesystem:
         writable = self.writable and not (node.bucket is not None and self._known_sealed(node.bucket))
         if node.kind in (ROOT, BUCKET, DIR):
             marker = node.dir.marker if node.dir is not None else None
-            mode, uid, gid = _owner(marker.attrs if marker is not None else None, DIR_MODE, c.uid, c.gid,
+            mode, uid, gid = _owner(marker.attrs if marker is not None else None, c.dir_mode, c.uid, c.gid,
                                     c.allow_setuid)
             if node.kind == ROOT and self.ns.single_bucket is None:
-                mode = 0o755  # buckets are made with mkdir here
+                mode = c.dir_mode  # buckets are made with mkdir here
             mode = stat.S_IFDIR | (mode if writable else mode & ~0o222)
             nlink = 2
         elif node.kind == LINK:
@@ -332,7 +346,7 @@ class Filesystem:
         else:
             info = node.info
             assert info is not None
-            mode, uid, gid = _owner(info.attrs, FILE_MODE, c.uid, c.gid, c.allow_setuid)
+            mode, uid, gid = _owner(info.attrs, c.file_mode, c.uid, c.gid, c.allow_setuid)
             kind = info.attrs.kind if info.attrs is not None and info.size == 0 else None
             if kind is not None:
                 # A FIFO, socket or device node (its object is empty; one with bytes is a regular file,
@@ -663,11 +677,58 @@ class Filesystem:
             self.files.defer_store(handle.ino, True)
             return
         self.files.defer_store(handle.ino, False)
-        await self._store_in_time(handle.ino)
+        await self._store_or_journal(handle.ino)
 
     async def fsync(self, fh: HandleNo) -> None:
         handle = self._file_handle(fh)
-        await self._store_in_time(handle.ino)
+        await self._store_or_journal(handle.ino)
+
+    async def _store_or_journal(self, ino: InodeNo) -> None:
+        """What a close must do: store the file, or in write-back mode make it durable locally."""
+        if self.writeback is None:
+            await self._store_in_time(ino)
+            return
+        sf = self.staging.get(ino)
+        if sf is not None and sf.unstored:
+            await self._journal(sf)
+
+    async def _journal(self, sf: StagedFile) -> None:
+        assert self.writeback is not None
+        try:
+            await self.writeback.closed(sf)
+        except OSError as e:
+            raise NatsFSError(f"{sf.bucket}/{sf.name}: the staged bytes could not be made durable on local disk: "
+                              f"{e}", errno=e.errno or errno.EIO) from None
+
+    # ------------------------------------------------------------------ write-back (see core/writeback.py)
+    def _upload_pending(self, ino: InodeNo) -> bool:
+        sf = self.staging.get(ino)
+        return sf is not None and sf.unstored
+
+    async def fill_staged(self, sf: StagedFile) -> None:
+        """Copy the rest of the base version in (write-back journals only files holding every byte)."""
+        await self._fill(sf)
+
+    async def store_staged(self, sf: StagedFile) -> None:
+        """The write-back uploader's put of `sf` (a conflict keeps it in lost+found and raises `Conflict`)."""
+        if self.staging.get(InodeNo(sf.ino)) is sf:
+            await self._upload(InodeNo(sf.ino))
+
+    def keep_staged(self, sf: StagedFile) -> Path:
+        """A write-back upload the bucket refuses: its bytes go to lost+found."""
+        self.staging.remove(sf)
+        self.mut.discard_stream(sf)
+        return sf.keep()
+
+    def upload_settled(self, sf: StagedFile) -> None:
+        """The write-back uploader is done with `sf`: drop it unless a handle still has it open."""
+        ino = InodeNo(sf.ino)
+        if self.files.is_open(ino) or sf.ended:
+            return
+        self.staging.remove(sf)
+        self.mut.discard(sf)
+        if ino in self.inodes and self.inodes.lookup_count(ino) == 0:
+            self.inodes.forget(ino, 0)  # it was kept only for the upload
 
     async def _store_in_time(self, ino: InodeNo) -> None:
         """`_upload` under one deadline for the whole store (every request, retry and fallback in it):
@@ -686,7 +747,15 @@ class Filesystem:
     async def shutdown(self, timeout: float) -> None:
         """Unmounting: store what files still open for writing hold (within `timeout` in all, progress in
         the log); keep what cannot be stored in lost+found, one log line per file. Nothing is dropped
-        silently."""
+        silently. In write-back mode: wait for the queued uploads instead; what is still queued after
+        `timeout` stays in the spool and the journal for the next mount."""
+        if self.writeback is not None:
+            await self.writeback.drain(timeout)
+            for sf in self.staging.all():
+                if not sf.unstored:
+                    self.staging.remove(sf)
+                    self.mut.discard(sf)
+            return
         pending = [sf for sf in self.staging.all() if sf.unstored]
         if pending:
             log.info("unmounting: storing %d file(s) still open for writing (%d bytes), for at most %g s",
@@ -750,12 +819,16 @@ class Filesystem:
             return
         if sf.unstored and last.store_deferred:
             try:  # the last close was not the opener's: store now
-                await self._store_in_time(handle.ino)
+                await self._store_or_journal(handle.ino)
             except NatsFSError as e:
                 log.info("%s/%s: store at the last release failed (%s)", sf.bucket, sf.name, e)
             sf = self.staging.get(handle.ino)
             if sf is None:
                 return
+        if self.writeback is not None and sf.unstored:
+            if not self.writeback.queued(sf):
+                await self._journal(sf)
+            return  # the write-back uploader stores it and then drops it
         self.staging.remove(sf)
         if sf.unstored:
             self.mut.discard_stream(sf)
@@ -787,6 +860,9 @@ class Filesystem:
             await self._set_posix(inode, node, changes)
         if changes.size is not None and not self.files.has_writers(inode):
             # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
+            if self.writeback is not None:
+                await self._store_or_journal(inode)
+                return self._attr(inode, await self._node(inode))
             await self._upload(inode)
             left = self.staging.get(inode)
             if left is not None and not self.files.is_open(inode):
@@ -815,7 +891,7 @@ class Filesystem:
                 assert node.dir is not None and node.bucket is not None
                 marker = node.dir.marker
                 await self.mut.set_dir_attrs(node.bucket, node.rel, node.dir,
-                                             merged(marker.attrs if marker else None, DIR_MODE))
+                                             merged(marker.attrs if marker else None, self.config.dir_mode))
             return
         if node.kind == LINK:
             return  # symlinks have no mode of their own; times on links are not stored
@@ -824,9 +900,9 @@ class Filesystem:
             # Stored together with the data at the next upload.
             sf.set_attrs(changes.mode, changes.uid, changes.gid, changes.mtime_ns)
             return
-        assert node.info is not None
+        assert node.info is not None and node.bucket is not None
         current = node.info.attrs
-        new = merged(current, FILE_MODE)
+        new = merged(current, self.config.file_mode)
         if changes.mtime_ns is None:
             new = dataclasses.replace(new, mtime_ns=current.mtime_ns if current else None)
         info = await self.mut.set_attrs(node.bucket, node.info, new, self.mut.file_defaults)
@@ -982,8 +1058,12 @@ class Filesystem:
             dst = await self._maybe_node(new)
             with self.files.changing(old, new):
                 await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
-        self._move_staged(bucket, old, new)
+        staged_moved = self._move_staged(bucket, old, new)
         self.inodes.move(old, new)
+        if self.writeback is not None:
+            for sf in staged_moved:
+                if self.writeback.queued(sf):
+                    await self._journal(sf)  # the record names the new path
         for moved in [p for p in self._dir_mtimes if p[: len(old)] == old]:
             self._dir_mtimes[new + moved[len(old):]] = self._dir_mtimes.pop(moved)
         self._entries_changed(old[:-1])
@@ -1022,9 +1102,10 @@ class Filesystem:
         if dst_sf is not None and not dst_sf.ended:
             dst_sf.unlink()
 
-    def _move_staged(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+    def _move_staged(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...]) -> list[StagedFile]:
         """Staged files at or under `old` now belong to `new` (and to the renamed objects' revisions)."""
         index = self.ns.loaded_index(bucket)
+        moved_files = []
         for sf in self.staging.all():
             if sf.path[: len(old)] != old or sf.unlinked:
                 continue
@@ -1033,6 +1114,8 @@ class Filesystem:
             moved = index.objects.get(name) if index is not None and sf.base is not None else None
             same = moved is not None and sf.base is not None and moved.nuid == sf.base.nuid
             sf.move(path, name, moved if same else None)
+            moved_files.append(sf)
+        return moved_files
 
     async def link(self, inode: InodeNo, new_parent_inode: InodeNo, new_name: bytes) -> Attributes:
         self._refuse_if_read_only()
@@ -1081,7 +1164,7 @@ class Filesystem:
             used, total = status.size, status.max_bytes
             files = status.messages
         else:
-            limits = await self.ns.store.streams.account_limits()
+            limits = await self.ns.store.account_limits()
             used, total = limits.storage_used, limits.max_storage
             files = 0
         if total <= 0:
@@ -1102,6 +1185,8 @@ class Filesystem:
             "handles": len(self.handles),
             "namespace": self.ns.stats(),
             "kernel_invalidations": self.kernel.done,
+            "servers": redact_urls(self.config.servers) if self.config.servers else "embedded nats-server",
+            "recent_errors": recent_problems(),
         }
 
     # ------------------------------------------------------------------ links

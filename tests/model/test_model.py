@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Mount, create_bucket, wait_for, with_nats, with_store
+from helpers import Mount, check_daemon_logs, create_bucket, wait_for, with_nats, with_store
 from hypothesis import HealthCheck, Verbosity, note, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -237,6 +237,7 @@ def model_env(nats_server, tmp_path_factory) -> Iterator[ModelEnv]:
         yield env
     finally:
         env.unmount()  # also after a failure, and also when the daemon died
+    check_daemon_logs([mount], [])
 
 
 # ---------------------------------------------------------------- the other client

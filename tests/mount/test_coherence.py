@@ -13,10 +13,10 @@ import random
 import time
 
 import pytest
+from gowriters import delete_object, put_link, put_object, rename_object
 from helpers import create_bucket, nats_py_put, raw_put, wait_for, with_nats, with_store
 
 from natsfs.adr20 import meta_subject, stream_name
-from natsfs.memstreams import delete_object, put_link, put_object, rename_object
 
 T = 30.0  # seconds any change may take to show on a loaded machine (the target is well under 1 s)
 

@@ -34,7 +34,7 @@ def _chunks_of(nuid: str) -> bytes:
 
 @pytest.fixture(scope="module")
 def fixture_mount(nats_server, tmp_path_factory):
-    from helpers import Mount
+    from helpers import Mount, check_daemon_logs
 
     replay_fixtures(nats_server.url, "OBJ_interop.json", "OBJ_other.json")
     tmp = tmp_path_factory.mktemp("fixtures")
@@ -44,6 +44,7 @@ def fixture_mount(nats_server, tmp_path_factory):
     m.start()
     yield m
     m.stop()
+    check_daemon_logs([m], [])
 
 
 WELL_FORMED = ["go/hello.txt", "go/multi.bin", "go/renamed.txt", "go/overwritten.txt", "js/a.txt",

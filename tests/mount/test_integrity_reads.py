@@ -101,6 +101,7 @@ def damage_lines(log: str, nuid: str) -> list[str]:
     return [line for line in log.splitlines() if nuid in line and re.search(r" (ERROR|WARNING) ", line)]
 
 
+@pytest.mark.expect_log("eight.bin .*(1 of 8 chunks missing|gone from the stream)")
 def test_lost_chunk_gives_eio_for_its_reads_and_exact_bytes_elsewhere(nats_url, bucket_name, mounter):
     data, nuid = put_eight_chunks(nats_url, bucket_name, "eight.bin")
     # A mount that read (and cached) the object before the damage, with a cache too small to keep it.

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Mount, create_bucket, nats_py_get, nats_py_put, wait_for, with_nats
+from helpers import Mount, check_daemon_logs, create_bucket, nats_py_get, nats_py_put, wait_for, with_nats
 
 FILES = 1000
 FUSECTL = Path("/sys/fs/fuse/connections")
@@ -187,6 +187,7 @@ def test_kill_9_during_a_directory_rename_releases_the_mount(nats_url, bucket_na
         assert sorted(set(moved) | set(left)) == sorted(n.split("/")[1] for n in names)
     finally:
         m.stop()
+    check_daemon_logs([m], [])
 
 
 WRITER = """
@@ -263,6 +264,10 @@ def test_sigterm_keeps_what_it_cannot_store_with_a_log_line(private_server, buck
     assert Path(kept[0]).read_bytes() == bytes(range(256)) * 12288
 
 
+@pytest.mark.expect_log(
+    "(flush|read): .*(no connection to NATS|not stored within)",
+    "new.txt: closed without a successful upload",
+)
 def test_an_outage_longer_than_the_entry_timeout(private_server, bucket_name, mounter):
     url = private_server.url
     for i in range(3):

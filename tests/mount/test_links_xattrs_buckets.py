@@ -184,6 +184,7 @@ def test_mkdir_and_rmdir_at_the_root_manage_buckets(nats_url, bucket_name, mount
     assert _errno(lambda: (m.path / "xxx").write_bytes(b"no files at the root")) in (errno.EPERM, errno.EACCES)
 
 
+@pytest.mark.expect_log("/g: closed without a successful upload")
 def test_sealed_bucket_shows_read_only(nats_url, bucket_name, wb):
     m, b = wb
     (b / "f").write_bytes(b"f")

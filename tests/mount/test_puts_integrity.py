@@ -210,6 +210,8 @@ def test_name_limits(nats_url, bucket_name, mounter):
 
 
 # ---------------------------------------------------------------- leftovers
+@pytest.mark.expect_log("flush: .*(no connection to NATS|not stored within)",
+                        "big.bin: closed without a successful upload")
 def test_a_put_that_fails_while_the_server_is_away_leaves_no_orphan_chunks(private_server, bucket_name, mounter):
     url = private_server.url
     create_bucket(url, bucket_name, atomic=False)  # streamed puts (atomic puts are whole at close)

@@ -77,6 +77,7 @@ def test_object_larger_than_the_cache_reads_correctly(nats_url, bucket_name, mou
     assert stats(m)["cached_bytes"] <= 2 * 1024 * 1024
 
 
+@pytest.mark.expect_log("tampered.txt .*digest mismatch")
 def test_digest_mismatch_gives_eio_from_then_on(nats_url, bucket_name, mounter):
     create_bucket(nats_url, bucket_name)
     chunks = [random.Random(i).randbytes(131072) for i in range(64)]

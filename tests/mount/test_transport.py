@@ -164,6 +164,7 @@ async def publish_elsewhere(url: str, subject: str, data: bytes) -> None:
     await trio.to_thread.run_sync(lambda: asyncio.run(main()))
 
 
+@pytest.mark.expect_log("nats: encountered error")
 def test_requests_in_flight_fail_at_once_and_late_replies_are_dropped(private_server):
     """A request whose connection is lost fails with Unavailable at once; its reply, arriving later on
     the old inbox, completes nothing; a publish that cannot be sent is Unavailable, not OutcomeUnknown."""
@@ -296,6 +297,13 @@ def test_oversize_subject_never_kills_the_mount(private_server, mounter, tmp_pat
     assert "failed unexpectedly" not in m.log()
 
 
+@pytest.mark.expect_log(
+    "(read|flush): .*connection to NATS",
+    "kick/w/[0-9]+.bin: closed without a successful upload",
+    # Known and left for the bridge: a replaced client's nats-py subscription tasks are dropped, not
+    # awaited (asyncio reports them when they are collected). Declared so that it stays visible here.
+    "Task was destroyed but it is pending!\n.*Subscription._wait_for_msgs",
+)
 def test_kicks_under_16_readers_and_16_writers(tmp_path, mounter):
     """A server with a small max_pending drops the daemon as a slow consumer, and its system account
     kicks the daemon's and the upload worker's connections again and again, while 16 readers and 16

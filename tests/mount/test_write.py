@@ -161,6 +161,7 @@ def _close_errno(path, data: bytes) -> int | None:
     return None
 
 
+@pytest.mark.expect_log("huge.bin: closed without a successful upload")
 def test_bucket_max_bytes_gives_enospc_at_close_and_leaves_no_partial_object(nats_url, bucket_name, mounter):
     create_bucket(nats_url, bucket_name, max_bytes=1024 * 1024)
     m = mounter(nats_url)
@@ -176,17 +177,30 @@ def test_bucket_max_bytes_gives_enospc_at_close_and_leaves_no_partial_object(nat
     assert status.size < 64 * 1024
 
 
-def test_sealed_bucket_refuses_with_erofs(nats_url, bucket_name, wb):
+def test_sealed_bucket_refuses_with_erofs(nats_url, bucket_name, wb, mounter):
     _m, b = wb
     (b / "before.txt").write_bytes(b"kept")
     with_store(nats_url, lambda s: s.seal_bucket(bucket_name))
-    assert wait_for(lambda: _mode_no_write(b / "before.txt"), 10) or True
+    # An open for writing is refused once the mount has re-read the bucket's state (at most every 2 s).
+    assert wait_for(lambda: _open_errno(b / "before.txt", os.O_WRONLY | os.O_APPEND) == errno.EROFS, 10)
     for attempt in (lambda: (b / "x.txt").write_bytes(b"x"), lambda: (b / "before.txt").unlink(),
                     lambda: (b / "d").mkdir(), lambda: open(b / "before.txt", "ab").close()):
         with pytest.raises(OSError) as e:
             attempt()
         assert e.value.errno == errno.EROFS
     assert (b / "before.txt").read_bytes() == b"kept"
+    assert sorted(os.listdir(b)) == ["before.txt"]
+    # A mount that finds the bucket sealed shows its files without write permission.
+    fresh = mounter(nats_url)
+    assert _mode_no_write(fresh.path / bucket_name) and _mode_no_write(fresh.path / bucket_name / "before.txt")
+
+
+def _open_errno(p, flags: int) -> int:
+    try:
+        os.close(os.open(p, flags))
+    except OSError as e:
+        return e.errno or 0
+    return 0
 
 
 def _mode_no_write(p) -> bool:

@@ -10,11 +10,12 @@ import stat
 import pyfuse3
 import pytest
 import trio
+from gowriters import delete_object, put_link, put_object, rename_object
 from opskit import CTX, ROOT, Env, Listing, errno_of
 
 from natsfs.adr20 import ObjectStore, digest_of
 from natsfs.core.filesystem import XATTR_STATS
-from natsfs.memstreams import MemoryStreams, delete_object, put_link, put_object, rename_object
+from natsfs.memstreams import MemoryStreams
 
 DATA = bytes(range(256)) * 1200  # 307200 bytes
 UNEVEN = [1000, 131072, 17, 100000, 75111]
@@ -167,6 +168,10 @@ def test_readdir_snapshot_is_stable_while_the_bucket_changes(ops_env):
     ops_env(body, setup=two_buckets)
 
 
+@pytest.mark.expect_log(
+    "readdir: bad directory handle",
+    "read: bad file handle",
+)
 def test_opendir_on_a_file_is_enotdir_and_bad_handles_are_ebadf(ops_env):
     async def body(env: Env):
         f = await env.lookup("alpha/f.txt")
@@ -237,6 +242,7 @@ def test_open_handle_of_a_replaced_version_reads_cached_bytes_or_gets_estale(ops
     ops_env(body, setup=two_buckets, fetch_batch_bytes=128 * 1024, readahead_min=0, readahead_max=0)
 
 
+@pytest.mark.expect_log("object c/bad.bin .*digest mismatch")
 def test_corrupt_digest_gives_eio_on_the_last_read(ops_env):
     async def setup(ms, store):
         await store.create_bucket("c")
@@ -361,6 +367,7 @@ def test_statfs_without_limits_reports_a_huge_free_space(ops_env):
     ops_env(body, setup=two_buckets, bucket="beta")
 
 
+@pytest.mark.expect_log(r"forget failed \(ignored\)")
 def test_forget_never_raises(ops_env):
     async def body(env: Env):
         f = await env.lookup("alpha/f.txt")
@@ -411,6 +418,9 @@ def test_write_operations_are_erofs_on_a_read_only_mount(ops_env, op, args):
 
 
 # ---------------------------------------------------------------- failures
+@pytest.mark.expect_log(
+    r"failed unexpectedly: (RuntimeError\('unexpected'\)|KeyError\('surprise'\)|ZeroDivisionError)",
+)
 def test_unexpected_exception_is_eio_and_the_mount_keeps_working(ops_env):
     async def body(env: Env):
         env.streams.fail_next("account_limits", RuntimeError("unexpected"))
@@ -427,6 +437,7 @@ def test_unexpected_exception_is_eio_and_the_mount_keeps_working(ops_env):
     ops_env(body, setup=two_buckets)
 
 
+@pytest.mark.expect_log(r"statfs\(None,\) failed unexpectedly: RuntimeError\('unexpected'\)")
 def test_unexpected_exception_in_statfs_single_bucket(ops_env):
     async def body(env: Env):
         env.streams.fail_next("stream_info", RuntimeError("unexpected"))
@@ -437,6 +448,7 @@ def test_unexpected_exception_in_statfs_single_bucket(ops_env):
 
 
 
+@pytest.mark.expect_log("blew up", "fetching alpha/dir/sub/deep.bin failed unexpectedly")
 @pytest.mark.parametrize("op", ["stream_batch", "get_batch", "subject_index"])
 def test_unexpected_exception_while_reading_is_eio_and_reads_recover(ops_env, op):
     async def body(env: Env):
@@ -454,6 +466,7 @@ def test_unexpected_exception_while_reading_is_eio_and_reads_recover(ops_env, op
     ops_env(body, setup=two_buckets, fetch_batch_bytes=128 * 1024, readahead_min=0, readahead_max=0)
 
 
+@pytest.mark.expect_log("readahead of alpha/dir/sub/deep.bin failed unexpectedly", "statfs: server down")
 def test_unexpected_exception_in_readahead_does_not_take_the_mount_down(ops_env):
     async def body(env: Env):
         deep = await env.lookup("alpha/dir/sub/deep.bin")
@@ -462,12 +475,14 @@ def test_unexpected_exception_in_readahead_does_not_take_the_mount_down(ops_env)
         env.streams.fail_next("get_batch", RuntimeError("readahead blew up"))
         assert await env.ops.read(fi.fh, 154_096, 4096) == DATA[154_096:158_192]  # sequential: readahead starts
         await env.settle()
+        assert not env.streams._faults  # the readahead met the failure
         assert await env.ops.read(fi.fh, 240_000, 4096) == DATA[240_000:244_096]
         await env.ops.release(fi.fh)
 
     ops_env(body, setup=two_buckets, fetch_batch_bytes=128 * 1024)
 
 
+@pytest.mark.expect_log("statfs: server down")
 def test_domain_errors_keep_their_errno(ops_env):
     from natsfs.errors import NoSpace, Unavailable
 

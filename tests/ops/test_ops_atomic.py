@@ -7,12 +7,14 @@ from __future__ import annotations
 import errno
 import os
 
+import pytest
+from gowriters import put_object
 from opskit import Env
 from test_ops_puts import Ctx, all_chunk_msgs, err, stored
 
 from natsfs.adr20 import ObjectStore
 from natsfs.errors import OutcomeUnknown, Unavailable
-from natsfs.memstreams import MemoryStreams, put_object
+from natsfs.memstreams import MemoryStreams
 
 CHUNK = 8192
 
@@ -49,6 +51,7 @@ def test_a_closed_file_is_one_batch_and_was_not_streamed(ops_env):
     ops_env(body, setup=atomic_bucket, chunk_size=CHUNK)
 
 
+@pytest.mark.expect_log("flush: connection lost", "b/old.txt: closed without a successful upload")
 def test_a_batch_cut_off_stores_nothing_and_the_old_version_stays(ops_env):
     async def body(env: Env):
         fh = await write(env, "old.txt", os.urandom(50 * CHUNK), existing=True)
@@ -76,6 +79,10 @@ def test_a_lost_commit_ack_is_success_and_the_old_chunks_are_purged(ops_env):
     ops_env(body, setup=atomic_bucket, chunk_size=CHUNK)
 
 
+@pytest.mark.expect_log(
+    "the meta publish got no answer .* it may or may not be stored",
+    "b/f: closed without a successful upload",
+)
 def test_a_commit_that_never_answers_leaves_the_put_to_the_journal(ops_env):
     async def body(env: Env):
         env.store.settle_timeout = 0.3

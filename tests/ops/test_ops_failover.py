@@ -34,6 +34,7 @@ def test_a_fetch_without_an_answer_is_asked_again(ops_env, op):
     ops_env(body, setup=two_buckets, fetch_batch_bytes=128 * 1024, readahead_min=0, readahead_max=0)
 
 
+@pytest.mark.expect_log("read: request timed out")
 def test_a_server_that_never_answers_fails_the_read_after_the_retry_window(ops_env, monkeypatch):
     monkeypatch.setattr(chunk_cache, "FETCH_RETRY_S", 0.05)
 

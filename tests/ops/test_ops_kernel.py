@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 
 import trio
+from gowriters import put_object
 from opskit import ROOT, Env
 
 from natsfs.adr20 import ObjectStore
 from natsfs.core.filesystem import Caller
 from natsfs.inodes import InodeNo
-from natsfs.memstreams import MemoryStreams, put_object
+from natsfs.memstreams import MemoryStreams
 
 
 class Ctx:

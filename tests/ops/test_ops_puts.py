@@ -12,13 +12,13 @@ from typing import Any
 import pyfuse3
 import pytest
 import trio
+from gowriters import put_object
 from opskit import Env, errno_of
 
-from natsfs import mutations
-from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_subject, stream_name
+from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
 from natsfs.compose import spool_root
 from natsfs.errors import OutcomeUnknown, Unavailable
-from natsfs.memstreams import MemoryStreams, _go_meta_json, put_object
+from natsfs.memstreams import MemoryStreams
 from natsfs.staging import PutJournal
 from natsfs.streams import MSG_ID, ROLLUP
 
@@ -116,9 +116,8 @@ def test_a_retried_meta_is_never_stored_twice(ops_env):
     ops_env(body, setup=one_bucket)
 
 
-def test_a_missing_chunk_ack_means_no_meta_and_the_chunks_are_cleaned_up(ops_env, monkeypatch):
-    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
-
+@pytest.mark.expect_log("flush: no ack", "b/f: closed without a successful upload")
+def test_a_missing_chunk_ack_means_no_meta_and_the_chunks_are_cleaned_up(ops_env):
     async def body(env: Env):
         fi = await create_and_write(env, "f", DATA)
         env.streams.fail_next_publish(OutcomeUnknown("no ack"), subject="$O.b.C.>")
@@ -132,9 +131,10 @@ def test_a_missing_chunk_ack_means_no_meta_and_the_chunks_are_cleaned_up(ops_env
         kept = list((env.fs.staging.spool.lost_found / "b").iterdir())
         assert [p.read_bytes() for p in kept] == [DATA]
 
-    ops_env(body, setup=one_bucket)
+    ops_env(body, setup=one_bucket, purge_check_delay=0.0)
 
 
+@pytest.mark.expect_log("the meta publish got no answer .* it may or may not be stored")
 def test_an_unknown_outcome_keeps_the_chunks_and_a_later_close_adopts_the_stored_meta(ops_env):
     async def body(env: Env):
         env.store.settle_timeout = 0.3
@@ -157,9 +157,11 @@ def test_an_unknown_outcome_keeps_the_chunks_and_a_later_close_adopts_the_stored
     ops_env(body, setup=one_bucket)
 
 
-def test_an_unknown_outcome_not_stored_is_purged_once_the_server_answers(ops_env, monkeypatch):
-    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
-
+@pytest.mark.expect_log(
+    "the meta publish got no answer .* it may or may not be stored",
+    "b/f: closed without a successful upload",
+)
+def test_an_unknown_outcome_not_stored_is_purged_once_the_server_answers(ops_env):
     async def body(env: Env):
         env.store.settle_timeout = 0.3
         fi = await create_and_write(env, "f", DATA)
@@ -176,11 +178,10 @@ def test_an_unknown_outcome_not_stored_is_purged_once_the_server_answers(ops_env
         assert all_chunk_msgs(env) == 1 and not env.fs.mut.journal.pending
         assert await env.store.get_info("b", "f") is None
 
-    ops_env(body, setup=one_bucket)
+    ops_env(body, setup=one_bucket, purge_check_delay=0.0)
 
 
-def test_puts_left_by_a_killed_daemon_are_cleaned_at_the_next_mount(ops_env, tmp_path, monkeypatch):
-    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
+def test_puts_left_by_a_killed_daemon_are_cleaned_at_the_next_mount(ops_env, tmp_path):
     ms = MemoryStreams()
 
     journal_path = spool_root(tmp_path / "cache", Path("/nonexistent").resolve()) / "puts.journal"
@@ -207,7 +208,7 @@ def test_puts_left_by_a_killed_daemon_are_cleaned_at_the_next_mount(ops_env, tmp
 
     journal_path.parent.mkdir(parents=True)
     trio.run(earlier_run)
-    ops_env(body, streams=ms)
+    ops_env(body, streams=ms, purge_check_delay=0.0)
 
 
 def test_rename_purges_the_old_meta_and_leaves_no_tombstone(ops_env):
@@ -232,9 +233,9 @@ def test_a_tombstone_sharing_a_live_nuid_is_purged_when_the_index_meets_it(ops_e
         # What an earlier natsfs rename left: the meta under the new name, a tombstone under the old
         # one carrying the same nuid.
         doc = json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "a"))).data)
-        await ms.publish(meta_subject("b", "moved"), _go_meta_json(dict(doc, name="moved")), {ROLLUP: "sub"})
+        await ms.publish(meta_subject("b", "moved"), meta_json(dict(doc, name="moved")), {ROLLUP: "sub"})
         tomb = dict(doc, deleted=True, size=0, chunks=0, digest="")
-        await ms.publish(meta_subject("b", "a"), _go_meta_json(tomb), {ROLLUP: "sub"})
+        await ms.publish(meta_subject("b", "a"), meta_json(tomb), {ROLLUP: "sub"})
         assert info.nuid
 
     async def body(env: Env):
@@ -316,6 +317,7 @@ class LocalSender:
         self.hashers.pop(session, None)
 
 
+@pytest.mark.expect_log("the meta publish got no answer .* it may or may not be stored")
 def test_a_streamed_put_whose_meta_goes_unanswered_is_not_put_a_second_time(ops_env):
     async def body(env: Env):
         import trio
@@ -342,9 +344,7 @@ def test_a_streamed_put_whose_meta_goes_unanswered_is_not_put_a_second_time(ops_
     ops_env(body, setup=one_bucket)
 
 
-def test_chunks_whose_purge_fails_are_purged_once_the_server_answers(ops_env, monkeypatch):
-    monkeypatch.setattr(mutations, "PURGE_CHECK_S", 0.0)
-
+def test_chunks_whose_purge_fails_are_purged_once_the_server_answers(ops_env):
     async def body(env: Env):
         old = await env.store.get_info("b", "old.txt")
         b = (await env.lookup("b")).st_ino
@@ -356,7 +356,7 @@ def test_chunks_whose_purge_fails_are_purged_once_the_server_answers(ops_env, mo
         await env.fs.mut.settle_puts()
         assert chunk_msgs(env, old.nuid) == 0 and not env.fs.mut.journal.pending
 
-    ops_env(body, setup=one_bucket)
+    ops_env(body, setup=one_bucket, purge_check_delay=0.0)
 
 
 def test_a_rename_retries_the_purge_of_the_old_name(ops_env):

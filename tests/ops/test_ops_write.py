@@ -11,11 +11,12 @@ from typing import Any
 import pyfuse3
 import pytest
 import trio
+from gowriters import put_object
 from opskit import ROOT, Env, errno_of
 
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, stream_name
 from natsfs.errors import NoSpace, Unavailable
-from natsfs.memstreams import MemoryStreams, put_object
+from natsfs.memstreams import MemoryStreams
 from natsfs.mutations import STREAM_BATCH
 
 
@@ -116,6 +117,7 @@ def test_conflict_keeps_both_versions(ops_env, tmp_path):
     ops_env(body, setup=one_bucket)
 
 
+@pytest.mark.expect_log("b/huge: closed without a successful upload; the bytes are kept at")
 def test_bucket_limit_is_enospc_and_no_chunks_remain(ops_env):
     async def body(env: Env):
         b = (await env.lookup("b")).st_ino
@@ -150,6 +152,7 @@ def test_failed_meta_publish_purges_the_new_chunks_and_keeps_the_old_version(ops
     ops_env(body, setup=one_bucket)
 
 
+@pytest.mark.expect_log("rename: crash")
 def test_rename_crash_between_steps_never_loses_the_object(ops_env):
     async def body(env: Env):
         b = (await env.lookup("b")).st_ino

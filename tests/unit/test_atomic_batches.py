@@ -9,10 +9,11 @@ import os
 
 import pytest
 import trio
+from gowriters import put_object
 
 from natsfs.adr20 import ATOMIC_MAX_CHUNKS, BytesSource, ObjectStore, chunk_subject, format_digest, stream_name
 from natsfs.errors import Conflict, OutcomeUnknown, Unavailable
-from natsfs.memstreams import MemoryStreams, put_object
+from natsfs.memstreams import MemoryStreams
 from natsfs.streams import MSG_ID
 
 CHUNK = 1024

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from gowriters import put_object
 
 from natsfs.adr20 import ObjectInfo, ObjectStore, chunk_subject, digest_of, stream_name
 from natsfs.chunk_cache import ChunkCache
 from natsfs.errors import Corrupt, Stale, Unavailable
-from natsfs.memstreams import MemoryBatchStream, MemoryStreams, put_object
+from natsfs.memstreams import MemoryBatchStream, MemoryStreams
 from natsfs.streams import StoredMsg
 
 KiB = 1024
@@ -240,6 +241,7 @@ def _with(info: ObjectInfo, **changes: Any) -> ObjectInfo:
     return ObjectInfo(**{**{f: getattr(info, f) for f in info.__slots__}, **changes})
 
 
+@pytest.mark.expect_log("the meta says 1500 bytes in 3; 700 of 1500 bytes cannot be read")
 @pytest.mark.parametrize("background", [True, False])
 def test_meta_claiming_more_than_the_chunks_hold_is_corrupt(background):
     data = blob(1000)
@@ -254,6 +256,7 @@ def test_meta_claiming_more_than_the_chunks_hold_is_corrupt(background):
     run(body, background=background)
 
 
+@pytest.mark.expect_log("the meta says 900 bytes in 3; 100 of 900 bytes cannot be read")
 @pytest.mark.parametrize("background", [True, False])
 def test_chunks_holding_more_than_the_meta_says_is_corrupt(background):
     data = blob(1000)
@@ -300,6 +303,7 @@ def test_good_digest_read_start_to_end_in_pieces():
     run(body)
 
 
+@pytest.mark.expect_log("digest mismatch: meta says SHA-256=")
 @pytest.mark.parametrize("background", [True, False])
 def test_digest_mismatch_raises_corrupt_naming_both_digests(background):
     data = blob(sum(UNEVEN))
@@ -322,6 +326,7 @@ def test_digest_mismatch_raises_corrupt_naming_both_digests(background):
     run(body, background=background)
 
 
+@pytest.mark.expect_log("digest mismatch: meta says SHA-256=")
 def test_out_of_order_reads_verify_once_every_chunk_has_passed():
     sizes = [50_000] * 8
     data = blob(sum(sizes))
@@ -381,6 +386,7 @@ def damage_records(caplog: pytest.LogCaptureFixture, info: ObjectInfo) -> list[l
 ORDERS = {"front-to-back": list(range(8)), "far-first": [6, 7, 0, 5, 2, 4, 1, 3], "backwards": list(range(7, -1, -1))}
 
 
+@pytest.mark.expect_log("1 of 8 chunks missing")
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("lost", [3, 0, 7])
 def test_a_missing_chunk_fails_its_reads_and_every_other_chunk_reads_exactly(lost, order, caplog):
@@ -416,6 +422,7 @@ def test_a_missing_chunk_fails_its_reads_and_every_other_chunk_reads_exactly(los
     assert "b/obj" in msg and info.nuid in msg and "1 of 8 chunks missing" in msg
 
 
+@pytest.mark.expect_log(r"chunk 3 \(seq 4, bytes 196608..262144\) gone from the stream")
 def test_chunk_gone_after_the_layout_was_proven_fails_alone():
     """A cache that learned the layout before the delete keeps every other chunk's place."""
     data = blob(8 * CHUNK)
@@ -432,6 +439,7 @@ def test_chunk_gone_after_the_layout_was_proven_fails_alone():
     run(body, cache_bytes=1 << 20)
 
 
+@pytest.mark.expect_log("1 of 4 chunks missing")
 @pytest.mark.parametrize("others", ["kept", "purged"])
 def test_missing_chunk_among_interleaved_writes_is_placed_only_when_provable(others):
     """Another object's chunks sit between every pair of chunks. While they are there, a scan of the
@@ -476,6 +484,7 @@ def test_extra_chunk_after_the_meta_is_ignored_with_one_warning(caplog):
     assert "published after the meta" in records[0].getMessage()
 
 
+@pytest.mark.expect_log("the stream holds 5000 bytes in 5 chunks, the meta says 4000 bytes in 4")
 @pytest.mark.parametrize("background", [True, False])
 def test_extra_chunk_before_the_meta_makes_every_read_fail(background, caplog):
     """One chunk too many among the version's own: which one is extra cannot be shown."""
@@ -499,6 +508,7 @@ def test_extra_chunk_before_the_meta_makes_every_read_fail(background, caplog):
     assert len(records) == 1 and "5 chunks" in records[0].getMessage()
 
 
+@pytest.mark.expect_log("the meta says 4000 bytes in 5")
 def test_meta_counting_more_chunks_than_stored_fails_every_read():
     data = blob(4000)
 
@@ -512,6 +522,7 @@ def test_meta_counting_more_chunks_than_stored_fails_every_read():
     run(body)
 
 
+@pytest.mark.expect_log("the stream holds 458752 bytes in 3 chunks")
 def test_oversized_chunk_is_logged_once_however_often_it_is_read(caplog):
     """issue 9: one `cat` of an object with an oversized chunk logged 71 identical ERROR lines."""
     sizes = [CHUNK, CHUNK, 5 * CHUNK]
@@ -615,8 +626,9 @@ def test_walk_never_takes_the_reply_after_a_lost_one_as_its_chunk():
     run_tampered(body, cache_bytes=1 << 20)
 
 
+@pytest.mark.parametrize("layout", ["scanned", "computed"])
 @pytest.mark.parametrize("tamper", ["other-subject", "swapped", "lost"])
-def test_fetch_fills_each_slot_only_with_its_own_sequence(tamper):
+def test_fetch_fills_each_slot_only_with_its_own_sequence(tamper, layout):
     data = blob(6 * CHUNK)
 
     def change(msgs: list[StoredMsg]) -> list[StoredMsg]:
@@ -627,15 +639,163 @@ def test_fetch_fills_each_slot_only_with_its_own_sequence(tamper):
         return msgs[1:]
 
     async def body(ms, streams, cache):
-        info = await put_object(ms, "b", "t", data, chunk_size=CHUNK)
-        assert await cache.read(info, 5 * CHUNK, 10) == data[5 * CHUNK : 5 * CHUNK + 10]  # scan: layout known
+        # A declared chunk size the chunks do not have cannot be computed from: scanned.
+        declared = CHUNK if layout == "computed" else 2 * CHUNK
+        info = await put_object(ms, "b", "t", data, chunk_size=declared, chunk_sizes=[CHUNK] * 6)
+        assert await cache.read(info, 5 * CHUNK, 10) == data[5 * CHUNK : 5 * CHUNK + 10]  # layout known
+        assert (cache.stats.index_scans, cache.stats.layouts_computed) == ((0, 1) if layout == "computed" else (1, 0))
         streams.tamper = change
         if tamper == "lost":
             # The chunk that did not come back is asked for alone, and found.
-            assert await cache.read(info, 0, 2 * CHUNK) == data[: 2 * CHUNK]
+            assert await cache.read(info, 2 * CHUNK, 2 * CHUNK) == data[2 * CHUNK : 4 * CHUNK]
         else:
             with pytest.raises(Unavailable):
-                await cache.read(info, 0, 2 * CHUNK)
+                await cache.read(info, 2 * CHUNK, 2 * CHUNK)
         assert await cache.read(info, 0, len(data)) == data
 
     run_tampered(body, cache_bytes=64 * CHUNK)
+
+
+# ---------------------------------------------------------------- computed layouts (random access, no scan)
+def test_far_read_of_a_contiguous_version_needs_two_probes_and_no_scan():
+    """One writer: chunks at consecutive sequences, all of the declared size but the last. A tail read
+    asks for the first and the last chunk only; then any chunk is one direct get, in any order."""
+    data = blob(40 * CHUNK + 1234)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "big", data, chunk_size=CHUNK)
+        ms.calls.clear()
+        assert await cache.read(info, len(data) - 1000, 1000) == data[-1000:]
+        s = cache.stats
+        assert (s.layouts_computed, s.index_scans, ms.calls["subject_index"]) == (1, 0, 0)
+        assert s.chunks_fetched == 2 and s.bytes_fetched == CHUNK + 1234
+        order = list(range(1, 40))
+        RNG.shuffle(order)
+        for k in order:
+            off = k * CHUNK + 17
+            assert await cache.read(info, off, 4096) == data[off : off + 4096]
+        assert s.index_scans == 0 and s.chunks_fetched == 41
+        # Every chunk has passed: the digest is checked at the end of a read from the front.
+        assert await cache.read(info, 0, len(data)) == data
+        layout = cache._layouts[("b", info.nuid)]
+        assert layout.verdict is True
+
+    run(body, background=False)
+
+
+def test_interleaved_writers_are_scanned_not_computed():
+    """Another writer's chunks sit between every pair: the last probe finds no chunk of this version at
+    the computed sequence, so the version is scanned, and every byte reads exactly."""
+    a, b = blob(6 * CHUNK), blob(6 * CHUNK)
+
+    async def body(ms, store, cache):
+        subj_a, subj_b = chunk_subject("b", "A" * 22), chunk_subject("b", "B" * 22)
+        for k in range(6):
+            await ms.publish(subj_a, a[k * CHUNK : (k + 1) * CHUNK])
+            await ms.publish(subj_b, b[k * CHUNK : (k + 1) * CHUNK])
+        meta = await put_object(ms, "b", "a", b"", chunk_size=CHUNK)
+        info_a = _with(meta, nuid="A" * 22, size=len(a), chunks=6, digest=digest_of(a), chunk_size=CHUNK,
+                       revision=(await ms.stream_info(stream_name("b"))).last_seq + 1)
+        got = await read_each_chunk(cache, info_a, a, [5, 2, 4, 0, 3, 1])
+        assert got == {k: a[k * CHUNK : (k + 1) * CHUNK] for k in range(6)}
+        assert cache.stats.layouts_computed == 0 and cache.stats.index_scans == 1
+
+    run(body)
+
+
+@pytest.mark.parametrize("sizes", [
+    [CHUNK, CHUNK // 2, CHUNK, CHUNK, CHUNK // 2],  # a short read in the middle, as nats.go may write
+    [CHUNK, CHUNK, CHUNK // 2, CHUNK // 2, CHUNK],  # the same bytes in other chunks: the last is full
+])
+def test_short_chunks_in_the_middle_are_scanned_not_computed(sizes):
+    data = blob(sum(sizes))
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "s", data, chunk_size=CHUNK, chunk_sizes=sizes)
+        got = await read_each_chunk_at(cache, info, data, sizes, [4, 1, 3, 0, 2])
+        assert got == [data[o : o + z] for o, z in zip(offsets(sizes), sizes, strict=True)]
+        assert cache.stats.layouts_computed == 0 and cache.stats.index_scans == 1
+
+    run(body)
+
+
+def offsets(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:k]) for k in range(len(sizes))]
+
+
+async def read_each_chunk_at(cache: ChunkCache, info: ObjectInfo, data: bytes, sizes: list[int],
+                             order: list[int]) -> list[bytes]:
+    starts = offsets(sizes)
+    got: dict[int, bytes] = {}
+    for k in order:
+        got[k] = await cache.read(info, starts[k], sizes[k])
+    return [got[k] for k in range(len(sizes))]
+
+
+@pytest.mark.expect_log("object b/d .*1 of 8 chunks missing")
+def test_a_chunk_deleted_before_the_first_read_is_placed_by_a_scan(caplog):
+    data = blob(8 * CHUNK)
+    caplog.set_level(logging.DEBUG)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "d", data, chunk_size=CHUNK)
+        await ms.delete_msg(stream_name("b"), chunk_seqs(ms, info)[3])
+        got = await read_each_chunk(cache, info, data, [7, 3, 0, 5, 1, 2, 4, 6])
+        assert got == {k: "EIO" if k == 3 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(8)}
+        assert cache.stats.layouts_computed == 0
+        return info
+
+    info = run(body, cache_bytes=1 << 20)
+    assert len(damage_records(caplog, info)) == 1
+
+
+@pytest.mark.expect_log("object b/d .*1 of 8 chunks missing")
+def test_a_chunk_deleted_after_the_layout_was_computed_is_settled_by_a_scan(caplog):
+    """The computed slots stand for a layout that changed: the fetch that finds a chunk gone, or the
+    next chunk in its slot, re-maps the version, and no byte of another offset is served."""
+    data = blob(8 * CHUNK)
+    caplog.set_level(logging.DEBUG)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "d", data, chunk_size=CHUNK)
+        assert await cache.read(info, 7 * CHUNK, 10) == data[7 * CHUNK : 7 * CHUNK + 10]
+        assert cache.stats.layouts_computed == 1
+        await ms.delete_msg(stream_name("b"), chunk_seqs(ms, info)[3])
+        got = await read_each_chunk(cache, info, data, [3, 4, 2, 5, 1, 6, 0, 7])
+        assert got == {k: "EIO" if k == 3 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(8)}
+        assert cache.stats.index_scans == 1
+        return info
+
+    info = run(body, cache_bytes=1 << 20)
+    assert len(damage_records(caplog, info)) == 1
+
+
+def test_a_foreign_message_at_a_computed_sequence_is_never_served():
+    """The computed slots of a version whose chunk 2 was replaced, after the probes, by the next
+    chunk (the server says so by its pending count): the reply does not fit and a scan decides."""
+    data = blob(5 * CHUNK)
+
+    async def body(ms, streams, cache):
+        info = await put_object(ms, "b", "f", data, chunk_size=CHUNK)
+        assert await cache.read(info, 4 * CHUNK, 10) == data[4 * CHUNK : 4 * CHUNK + 10]
+        assert cache.stats.layouts_computed == 1
+        streams.tamper = lambda msgs: [replace(msgs[0], pending=msgs[0].pending - 1)]
+        assert await cache.read(info, 2 * CHUNK, 10) == data[2 * CHUNK : 2 * CHUNK + 10]
+        assert cache.stats.index_scans == 1
+        assert await cache.read(info, 0, len(data)) == data
+
+    run_tampered(body, cache_bytes=1 << 20)
+
+
+def test_a_failed_probe_surfaces_as_its_own_error_and_the_next_read_works():
+    data = blob(8 * CHUNK)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "p", data, chunk_size=CHUNK)
+        ms.fail_next("get_batch", Stale("injected"))  # an answer, not silence: not asked again
+        with pytest.raises(Stale, match="injected"):
+            await cache.read(info, 7 * CHUNK, 10)
+        assert await cache.read(info, 7 * CHUNK, 10) == data[7 * CHUNK : 7 * CHUNK + 10]
+        assert cache.stats.layouts_computed == 1
+
+    run(body)

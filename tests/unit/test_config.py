@@ -77,7 +77,8 @@ def test_parse_duration_rejects(text):
     ],
 )
 def test_flush_timeout_waits_out_a_cluster_election_when_several_servers_are_given(args, expected):
-    from natsfs.cli import build_parser, config_from_args
+    from natsfs.cli import build_parser, config_from_args, connection_from_args
 
-    config = config_from_args(build_parser().parse_args(["mount", "/mnt/x", *args]))
+    a = build_parser().parse_args(["mount", "/mnt/x", *args])
+    config = config_from_args(a, connection_from_args(a))
     assert config.flush_timeout == expected

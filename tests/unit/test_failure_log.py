@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from natsfs.fs import FailureLog
 
 
@@ -19,6 +21,7 @@ def _lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "natsfs.fs"]
 
 
+@pytest.mark.expect_log("chunk 3 is larger than its chunk size")
 def test_a_repeated_failure_is_logged_once_then_summarised(caplog):
     clock = Clock()
     failures = FailureLog(window=60, clock=clock)
@@ -34,6 +37,7 @@ def test_a_repeated_failure_is_logged_once_then_summarised(caplog):
                                   "flush: something else"]
 
 
+@pytest.mark.expect_log("flush: b/x: timed out")
 def test_the_next_occurrence_after_the_window_is_logged_after_the_count(caplog):
     clock = Clock()
     failures = FailureLog(window=60, clock=clock)

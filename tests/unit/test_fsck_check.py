@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import trio
+from gowriters import put_object
 
 from natsfs import fsck
 from natsfs.adr20 import BytesSource, ObjectStore, chunk_subject, meta_subject, new_nuid, stream_name
-from natsfs.memstreams import MemoryStreams, put_object
+from natsfs.memstreams import MemoryStreams
 from natsfs.streams import ROLLUP
 
 CHUNK = 1024

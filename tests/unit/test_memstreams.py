@@ -10,19 +10,11 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from gowriters import delete_object, put_link, put_object, rename_object
 
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_subject, stream_name
 from natsfs.errors import AlreadyExists, Conflict, InvalidArgument, JetStreamAPIError, NoSpace, NotFound, ReadOnly
-from natsfs.memstreams import (
-    MemoryStreams,
-    delete_object,
-    put_link,
-    put_object,
-    rename_object,
-    stored_size,
-    subject_matches,
-    subjects_overlap,
-)
+from natsfs.memstreams import MemoryStreams, stored_size, subject_matches, subjects_overlap
 from natsfs.streams import EXPECTED_LAST_SUBJECT_SEQ, ROLLUP, Streams, Watch
 
 CFG = {"name": "S", "subjects": ["s.>", "t.*"], "allow_rollup_hdrs": True, "discard": "new"}

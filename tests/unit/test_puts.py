@@ -7,11 +7,12 @@ import json
 
 import pytest
 import trio
+from gowriters import put_object
 
 from natsfs.adr20 import BytesSource, ObjectInfo, ObjectStore, chunk_subject, meta_subject, stream_name
 from natsfs.errors import BadName, Conflict, NameTooLong, OutcomeUnknown, TooBig, Unavailable
 from natsfs.index import BucketIndex
-from natsfs.memstreams import MemoryStreams, put_object
+from natsfs.memstreams import MemoryStreams
 from natsfs.staging import PutJournal
 from natsfs.streams import MSG_ID
 

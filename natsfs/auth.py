@@ -1,0 +1,203 @@
+"""How natsfs authenticates to NATS: the connection settings, where they come from, and their options.
+
+`Connection` holds the server URLs and every credential NATS knows (user/password, token, NKey seed
+file, creds file, TLS CA/cert/key). `resolve` builds it the way the NATS CLI does, first match wins:
+command-line options (a password or token also from `--password-file`/`--token-file`), then the
+`NATS_URL`/`NATS_USER`/`NATS_PASSWORD`/`NATS_TOKEN`/`NATS_CREDS`/`NATS_NKEY`/`NATS_CA`/`NATS_CERT`/
+`NATS_KEY` environment variables, then a NATS CLI context (`--context NAME`, `$NATS_CONTEXT`, or the
+one selected in `~/.config/nats/context.txt`), read from `~/.config/nats/context/NAME.json`.
+
+Secrets (the password, the token, a password in a URL) travel to child processes as JSON through a
+pipe (`to_json`/`from_json`), never in argv or the environment; `repr` and every message redact them.
+The bridge turns a `Connection` into nats-py connect options with `connect_options`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import Unavailable
+from .secrecy import REDACTED, redact_urls
+
+# Environment variables that carry connection settings; children never inherit them (they get a pipe).
+ENV_VARS = {"servers": "NATS_URL", "user": "NATS_USER", "password": "NATS_PASSWORD", "token": "NATS_TOKEN",
+            "creds_file": "NATS_CREDS", "nkey_file": "NATS_NKEY", "tls_ca": "NATS_CA", "tls_cert": "NATS_CERT",
+            "tls_key": "NATS_KEY"}
+# NATS CLI context JSON keys for our fields.
+_CONTEXT_KEYS = {"servers": "url", "user": "user", "password": "password", "token": "token",
+                 "creds_file": "creds", "nkey_file": "nkey", "tls_ca": "ca", "tls_cert": "cert", "tls_key": "key"}
+SECRET_FIELDS = ("password", "token")
+# The command-line options (dest → help); --server, --context and the *-file variants are added too.
+OPTION_HELP = {
+    "user": "user name (default: $NATS_USER)",
+    "password": "password; visible to `ps`: prefer --password-file or $NATS_PASSWORD",
+    "token": "authentication token; visible to `ps`: prefer --token-file or $NATS_TOKEN",
+    "creds_file": "user JWT + NKey seed file (.creds) (default: $NATS_CREDS)",
+    "nkey_file": "NKey seed file (default: $NATS_NKEY)",
+    "tls_ca": "CA certificate(s) that sign the server's certificate (default: $NATS_CA)",
+    "tls_cert": "client certificate for TLS (default: $NATS_CERT)",
+    "tls_key": "client certificate's private key (default: $NATS_KEY)",
+}
+OPTION_FLAGS = {"creds_file": "--creds", "nkey_file": "--nkey"}
+
+
+@dataclass(frozen=True)
+class Connection:
+    servers: tuple[str, ...] = ()
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    nkey_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def __repr__(self) -> str:
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)}
+        for name in SECRET_FIELDS:
+            if name in shown:
+                shown[name] = REDACTED
+        if "servers" in shown:
+            shown["servers"] = redact_urls(self.servers)
+        return f"Connection({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+    __str__ = __repr__
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes | bytearray) -> Connection:
+        doc = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in doc.items() if k in known}
+        values["servers"] = tuple(values.get("servers") or ())
+        return cls(**values)
+
+    def connect_options(self) -> dict[str, Any]:
+        """nats-py `connect()` keyword arguments for these credentials (not the servers)."""
+        options: dict[str, Any] = {}
+        if self.creds_file:
+            options["user_credentials"] = self.creds_file
+        if self.nkey_file:
+            options["nkeys_seed"] = self.nkey_file
+        if self.user:
+            options["user"] = self.user
+        if self.password:
+            options["password"] = self.password
+        if self.token:
+            options["token"] = self.token
+        if self.tls_ca or self.tls_cert:
+            options["tls"] = self.ssl_context()
+        return options
+
+    def ssl_context(self) -> ssl.SSLContext:
+        try:
+            context = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+        except (OSError, ssl.SSLError) as e:
+            raise Unavailable(f"cannot load the TLS files: {e}") from None
+        return context
+
+    def check_files(self) -> None:
+        """Each named file is readable: a typo is one clear sentence, not a failed handshake later."""
+        for name in ("creds_file", "nkey_file", "tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                flag = OPTION_FLAGS.get(name, "--" + name.replace("_", "-"))
+                raise Unavailable(f"cannot read {path} (given as {flag})")
+
+
+def nats_config_dir(environ: Mapping[str, str]) -> Path:
+    base = environ.get("XDG_CONFIG_HOME") or os.path.join(environ.get("HOME") or str(Path.home()), ".config")
+    return Path(base) / "nats"
+
+
+def _context(name: str | None, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The NATS CLI context `name` (or the selected one); {} when none is selected."""
+    directory = nats_config_dir(environ)
+    explicit = bool(name)
+    if not name:
+        name = environ.get("NATS_CONTEXT")
+        explicit = bool(name)
+    if not name:
+        try:
+            name = (directory / "context.txt").read_text().strip()
+        except OSError:
+            return {}
+        if not name:
+            return {}
+    path = directory / "context" / f"{name}.json"
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        if explicit:
+            raise Unavailable(f"cannot read NATS context {name!r} ({path}): {e.strerror}") from None
+        return {}
+    except ValueError:
+        raise Unavailable(f"NATS context {name!r} ({path}) is not valid JSON") from None
+    return doc if isinstance(doc, dict) else {}
+
+
+def _read_secret_file(path: str, what: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as e:
+        raise Unavailable(f"cannot read the {what} file {path}: {e.strerror}") from None
+
+
+def split_servers(raw: str | None) -> tuple[str, ...]:
+    return tuple(s.strip() for s in (raw or "").split(",") if s.strip())
+
+
+def resolve(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Connection:
+    """Connection settings from parsed options (`server`, `context`, `password_file`, `token_file` and
+    the `OPTION_HELP` names; missing or None = not given), the environment, and the NATS CLI context."""
+    env = os.environ if environ is None else environ
+    given = dict(options)
+    if given.get("password_file") and not given.get("password"):
+        given["password"] = _read_secret_file(given["password_file"], "password")
+    if given.get("token_file") and not given.get("token"):
+        given["token"] = _read_secret_file(given["token_file"], "token")
+    context = _context(given.get("context"), env)
+    values: dict[str, Any] = {}
+    for name, var in ENV_VARS.items():
+        value = given.get("server" if name == "servers" else name) or env.get(var) or context.get(_CONTEXT_KEYS[name])
+        if value:
+            values[name] = split_servers(value) if name == "servers" else str(value)
+    if "servers" not in values:
+        values["servers"] = ()
+    home = env.get("HOME") or str(Path.home())
+    for name in ("creds_file", "nkey_file", "tls_ca", "tls_cert", "tls_key"):
+        if name in values and values[name].startswith("~/"):  # as the NATS CLI writes contexts
+            values[name] = os.path.join(home, values[name][2:])
+    return Connection(**values)
+
+
+def add_options(parser: Any, *, suppress: bool = False) -> None:
+    """Add the connection options to an argparse parser (`suppress`: absent options leave no attribute,
+    for options repeated on nested subcommands)."""
+    import argparse
+
+    extra: dict[str, Any] = {"default": argparse.SUPPRESS} if suppress else {}
+    parser.add_argument("--server", help="NATS URL(s), comma separated; nats:// or tls:// "
+                        "(default: $NATS_URL, then the NATS context)", **extra)
+    parser.add_argument("--context", help="NATS CLI context to read (default: $NATS_CONTEXT or the selected one)",
+                        **extra)
+    for name, text in OPTION_HELP.items():
+        flag = OPTION_FLAGS.get(name, "--" + name.replace("_", "-"))
+        parser.add_argument(flag, dest=name, help=text, **extra)
+    parser.add_argument("--password-file", help="read the password from this file", **extra)
+    parser.add_argument("--token-file", help="read the token from this file", **extra)
+
+
+OPTION_DESTS = ("server", "context", *OPTION_HELP, "password_file", "token_file")

@@ -1,0 +1,151 @@
+"""The write-back journal: which closed files still wait for their upload, durable on local disk.
+
+In write-back mode (`--write-back`) a close returns once the file's spool file and one record here are
+fsynced; the background uploader (`natsfs.core.writeback`) puts the file later and then appends a `done`
+record. A later mount with the same cache dir reads the journal back and replays every record that is
+not done.
+
+The file is a sequence of framed records, each `length (u32 BE) | CRC-32 of the payload (u32 BE) |
+payload` with a JSON object as payload. One writer (the daemon, holding the mount) appends and
+chooses when to sync: `record` and `done` fsync before they return. A record cut short by a crash or
+a failed CRC ends the readable journal: that torn record and whatever follows it is skipped (one log
+line), everything before it is used. The journal is rewritten with only its live records (compaction:
+temporary file, fsync, rename, fsync of the directory) when it is opened after a torn tail or once
+most of its records are dead.
+
+A live record is keyed by `id` (the spool file's name) and holds what `staging.StagedFile.journal_entry`
+writes: bucket, name, base version, state, attributes, xattr changes. A newer record of the same id
+replaces the older one (a rewrite of a pending file merges into one upload), and replay order is the
+order in which each id's latest record was written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct(">II")
+# A record bigger than this is not one we wrote: the length field itself is torn or garbage.
+MAX_RECORD = 1 << 20
+# Compact once dead records outnumber live ones by this factor (and there are at least _COMPACT_MIN).
+_COMPACT_FACTOR = 2
+_COMPACT_MIN = 64
+
+
+def frame(payload: bytes) -> bytes:
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def read_records(data: bytes) -> tuple[list[dict[str, Any]], int]:
+    """The records framed in `data`, and the offset where the readable part ends (== len(data) when
+    nothing is torn)."""
+    records: list[dict[str, Any]] = []
+    pos = 0
+    while pos + _HEADER.size <= len(data):
+        length, crc = _HEADER.unpack_from(data, pos)
+        start = pos + _HEADER.size
+        if length > MAX_RECORD or start + length > len(data):
+            break
+        payload = data[start:start + length]
+        if zlib.crc32(payload) != crc:
+            break
+        try:
+            rec = json.loads(payload)
+        except ValueError:
+            break
+        if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
+            break
+        records.append(rec)
+        pos = start + length
+    return records, pos
+
+
+class WriteBackJournal:
+    """The pending uploads of one mount (see the module docstring). Its methods do blocking disk I/O
+    (with fsync): call them from a worker thread."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pending: dict[str, dict[str, Any]] = {}  # id -> latest record, in replay order
+        self.torn_at: int | None = None  # where a torn tail started when the journal was opened
+        self._written = 0  # records in the file (live and dead)
+        self._fd = -1
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            data = b""
+        records, end = read_records(data)
+        for rec in records:
+            self._apply(rec)
+        if end < len(data):
+            self.torn_at = end
+            log.warning("write-back journal %s: a torn record at byte %d (of %d) is skipped; %d pending "
+                        "upload(s) read before it", path, end, len(data), len(self.pending))
+        self._written = len(records)
+        if self.torn_at is not None or self._mostly_dead():
+            self.compact()
+        else:
+            self._open()
+
+    def _apply(self, rec: dict[str, Any]) -> None:
+        self.pending.pop(rec["id"], None)
+        if rec.get("op") == "put":
+            self.pending[rec["id"]] = rec
+
+    def _open(self) -> None:
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def _mostly_dead(self) -> bool:
+        dead = self._written - len(self.pending)
+        return dead >= _COMPACT_MIN and dead > _COMPACT_FACTOR * len(self.pending)
+
+    def _append(self, rec: dict[str, Any]) -> None:
+        os.write(self._fd, frame(json.dumps(rec, separators=(",", ":")).encode()))
+        os.fsync(self._fd)
+        self._written += 1
+        self._apply(rec)
+        if self._mostly_dead():
+            self.compact()
+
+    def record(self, entry: dict[str, Any]) -> None:
+        """A file's bytes (already fsynced in its spool file) wait for upload: durable when this returns."""
+        self._append({**entry, "op": "put"})
+
+    def done(self, entry_id: str) -> None:
+        """The file was stored (or kept in lost+found): nothing to replay for it."""
+        if entry_id in self.pending:
+            self._append({"op": "done", "id": entry_id})
+
+    def compact(self) -> None:
+        """Rewrite the journal with only its live records, atomically (rename over the old file)."""
+        tmp = self.path.with_suffix(".compact")
+        data = b"".join(frame(json.dumps(rec, separators=(",", ":")).encode()) for rec in self.pending.values())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        dfd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        self.close()
+        self._written = len(self.pending)
+        self._open()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1

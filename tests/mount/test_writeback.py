@@ -1,0 +1,176 @@
+"""Write-back mode with real processes: a daemon killed right after closes, a torn journal, a server that
+is stopped or restarted while uploads wait, a bucket that fills up, and `natsfs umount` waiting for the
+uploads. Bytes are checked with nats-py, a client that is not natsfs."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import Mount, create_bucket, nats_py_get, nats_py_put, wait_for
+
+from natsfs.compose import WRITE_BACK_JOURNAL, spool_root
+from natsfs.journal import WriteBackJournal
+
+LATER = "--write-back=1h"  # uploads wait: what the test checks happens before any of them
+
+
+def kill_daemon(m: Mount) -> None:
+    """`kill -9` of the daemon, then clear its dead mount (as an admin would) so it can be mounted again."""
+    assert m.proc is not None
+    m.proc.kill()
+    m.proc.wait()
+    m.proc = None
+    subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True)
+
+
+def remount(m: Mount, *args: str) -> None:
+    m.args = [a for a in m.args if not a.startswith("--write-back")] + list(args)
+    m.start()
+
+
+def journal_path(m: Mount) -> Path:
+    return spool_root(m.cache_dir, m.path.resolve()) / WRITE_BACK_JOURNAL
+
+
+def in_bucket(url: str, bucket: str, name: str) -> bytes | None:
+    try:
+        return nats_py_get(url, bucket, name)
+    except Exception:
+        return None
+
+
+def umount(m: Mount) -> subprocess.CompletedProcess[str]:
+    proc = m.proc
+    r = subprocess.run([sys.executable, "-m", "natsfs", "umount", str(m.path)], capture_output=True, text=True,
+                       timeout=120)
+    if proc is not None:
+        proc.wait(30)
+    return r
+
+
+def test_kill_9_right_after_20_closes_loses_nothing(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url, "--bucket", bucket_name, LATER)
+    rng = random.Random(11)
+    files = {f"f{i:02d}.bin": rng.randbytes(rng.choice([0, 1, 4096, 200_000, 300_001])) for i in range(20)}
+    for name, data in files.items():
+        (m / name).write_bytes(data)  # close returns: durable locally, not uploaded (1 h delay)
+    assert in_bucket(nats_url, bucket_name, "f00.bin") is None
+    kill_daemon(m)
+    remount(m, "--write-back")
+    assert wait_for(lambda: all(in_bucket(nats_url, bucket_name, n) == d for n, d in files.items()), 60)
+    assert "20 file(s) closed by an earlier run" in m.log()
+    assert " ERROR " not in m.log()
+    assert WriteBackJournal(journal_path(m)).pending == {}
+
+
+def test_a_journal_cut_mid_record_skips_only_the_torn_record(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url, "--bucket", bucket_name, LATER)
+    for i in range(3):
+        (m / f"j{i}.txt").write_bytes(f"journaled {i}".encode())
+    kill_daemon(m)
+    path = journal_path(m)
+    data = path.read_bytes()
+    path.write_bytes(data[:-7])  # the last record (j2's close) torn
+    remount(m, "--write-back")
+    assert wait_for(lambda: in_bucket(nats_url, bucket_name, "j1.txt") == b"journaled 1", 60)
+    assert in_bucket(nats_url, bucket_name, "j0.txt") == b"journaled 0"
+    log = m.log()
+    assert "a torn record at byte" in log
+    # j2's bytes are not lost: its spool file is kept in lost+found with the other leftovers.
+    leftovers = list((spool_root(m.cache_dir, m.path.resolve()) / "lost+found" / "leftover").iterdir())
+    assert [p.read_bytes() for p in leftovers] == [b"journaled 2"]
+    assert in_bucket(nats_url, bucket_name, "j2.txt") is None
+
+
+def test_pending_files_show_local_bytes_while_the_server_is_down_and_umount_waits(private_server, bucket_name,
+                                                                                 mounter):
+    url = private_server.url
+    create_bucket(url, bucket_name)
+    nats_py_put(url, bucket_name, "old.txt", b"the older object")
+    m = mounter(url, "--bucket", bucket_name, LATER)
+    (m / "new.txt").write_bytes(b"written while the server was down")
+    (m / "old.txt").write_bytes(b"rewritten locally")
+    private_server.stop()
+    # The server is gone and the uploads wait: what the mount shows are the local bytes.
+    assert (m / "new.txt").read_bytes() == b"written while the server was down"
+    assert (m / "old.txt").read_bytes() == b"rewritten locally"
+    assert os.stat(m / "old.txt").st_size == len(b"rewritten locally")
+    assert {"new.txt", "old.txt"} <= set(os.listdir(m.path))
+    private_server.start()
+    r = umount(m)
+    assert r.returncode == 0, r.stderr
+    assert "write-back upload(s) done" in r.stderr
+    assert nats_py_get(url, bucket_name, "new.txt") == b"written while the server was down"
+    assert nats_py_get(url, bucket_name, "old.txt") == b"rewritten locally"
+    assert " ERROR " not in m.log()
+
+
+def test_a_server_restart_during_write_back_uploads_loses_nothing(private_server, bucket_name, mounter):
+    url = private_server.url
+    create_bucket(url, bucket_name)
+    m = mounter(url, "--bucket", bucket_name, LATER)
+    files = {f"r{i}.bin": os.urandom(700_000) for i in range(8)}
+    for name, data in files.items():
+        (m / name).write_bytes(data)
+    private_server.stop()
+    # The unmount starts the uploads at once (no more delay) while the server is down; it comes back.
+    proc = m.proc
+    umounting = subprocess.Popen([sys.executable, "-m", "natsfs", "umount", str(m.path)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    assert wait_for(lambda: "write-back upload postponed" in m.log(), 30)
+    private_server.start()
+    _, err = umounting.communicate(timeout=120)
+    assert umounting.returncode == 0, err
+    assert proc is not None and proc.wait(30) == 0
+    assert "8 of 8 write-back upload(s) done" in err
+    for name, data in files.items():
+        assert nats_py_get(url, bucket_name, name) == data
+    assert " ERROR " not in m.log()
+
+
+def test_a_bucket_that_fills_up_keeps_the_file_never_half_stored(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name, max_bytes=1 << 20)
+    m = mounter(nats_url, "--bucket", bucket_name, "--write-back")
+    data = os.urandom(3 << 20)
+    (m / "small.txt").write_bytes(b"fits")
+    (m / "big.bin").write_bytes(data)  # close succeeds: the refusal comes at upload
+    assert wait_for(lambda: "big.bin: not stored by the write-back uploader" in m.log(), 60)
+    assert in_bucket(nats_url, bucket_name, "big.bin") is None
+    assert in_bucket(nats_url, bucket_name, "small.txt") == b"fits"
+    kept = list((spool_root(m.cache_dir, m.path.resolve()) / "lost+found" / bucket_name).iterdir())
+    assert [p.read_bytes() == data for p in kept] == [True]
+    assert not os.path.exists(m / "big.bin")
+
+
+def test_without_write_back_a_dead_runs_journal_is_kept_in_lost_found(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url, "--bucket", bucket_name, LATER)
+    (m / "w.txt").write_bytes(b"closed, never uploaded")
+    kill_daemon(m)
+    remount(m)
+    assert "without --write-back they are not replayed but kept in lost+found" in m.log()
+    leftovers = list((spool_root(m.cache_dir, m.path.resolve()) / "lost+found" / "leftover").iterdir())
+    assert [p.read_bytes() for p in leftovers] == [b"closed, never uploaded"]
+    assert not journal_path(m).exists()
+    assert in_bucket(nats_url, bucket_name, "w.txt") is None
+
+
+def test_a_replayed_upload_never_overwrites_another_clients_newer_version(nats_url, bucket_name, mounter):
+    create_bucket(nats_url, bucket_name)
+    nats_py_put(nats_url, bucket_name, "shared.txt", b"version 1")
+    m = mounter(nats_url, "--bucket", bucket_name, LATER)
+    (m / "shared.txt").write_bytes(b"my pending version")
+    kill_daemon(m)
+    nats_py_put(nats_url, bucket_name, "shared.txt", b"their newer version")
+    remount(m, "--write-back")
+    assert wait_for(lambda: "another client changed it meanwhile; your bytes are kept at" in m.log(), 60)
+    assert nats_py_get(nats_url, bucket_name, "shared.txt") == b"their newer version"
+    kept = list((spool_root(m.cache_dir, m.path.resolve()) / "lost+found" / bucket_name).iterdir())
+    assert [p.read_bytes() for p in kept] == [b"my pending version"]
+    assert wait_for(lambda: (m / "shared.txt").read_bytes() == b"their newer version", 10)

@@ -1,0 +1,189 @@
+"""Write-back mode through the core over MemoryStreams: close returns before the upload, the pending
+file shows its local bytes, rewrites merge, conflicts and refusals go to lost+found, an unanswered
+upload is retried, and a later mount with the same cache dir replays what an earlier run left."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import trio
+from gowriters import put_object
+from opskit import ROOT, Env
+from test_ops_write import write_file
+
+from natsfs.adr20 import ObjectStore
+from natsfs.compose import WRITE_BACK_JOURNAL, spool_root
+from natsfs.errors import Unavailable
+from natsfs.journal import WriteBackJournal
+from natsfs.memstreams import MemoryStreams
+
+LATER = 3600.0  # a delay no test waits for: uploads happen only when the test asks (drain)
+
+
+async def bucket_b(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b", max_bytes=1 << 20)
+    await put_object(ms, "b", "old.txt", b"old content")
+
+
+def journal_of(env: Env) -> WriteBackJournal:
+    assert env.fs.writeback is not None
+    return env.fs.writeback.journal
+
+
+def test_close_returns_before_the_upload_and_the_pending_file_shows_local_bytes(ops_env):
+    async def body(env: Env):
+        await write_file(env, ROOT, "new.txt", b"local bytes")
+        fi = await env.ops.open((await env.lookup("old.txt")).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+        await env.ops.write(fi.fh, 0, b"rewritten")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        assert await env.store.get_info("b", "new.txt") is None
+        old = await env.store.get_info("b", "old.txt")
+        assert old is not None and old.size == len(b"old content")
+        assert [r["name"] for r in journal_of(env).pending.values()] == ["new.txt", "old.txt"]
+        assert (await env.lookup("new.txt")).st_size == len(b"local bytes")
+        assert await env.cat("new.txt") == b"local bytes"
+        assert await env.cat("old.txt") == b"rewritten"
+        assert {"new.txt", "old.txt"} <= set((await env.listdir(ROOT)).names)
+        await env.fs.shutdown(10)
+        info = await env.store.get_info("b", "new.txt")
+        assert info is not None and info.size == len(b"local bytes")
+        assert (await env.store.get_info("b", "old.txt")).size == len(b"rewritten")  # type: ignore[union-attr]
+        assert journal_of(env).pending == {}
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=LATER)
+
+
+def test_rewrites_of_a_pending_file_merge_into_one_upload(ops_env):
+    async def body(env: Env):
+        for content in (b"one", b"two", b"three"):
+            fi = await env.ops.open((await env.lookup("old.txt")).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+            await env.ops.write(fi.fh, 0, content)
+            await env.ops.flush(fi.fh)
+            await env.ops.release(fi.fh)
+        assert len(journal_of(env).pending) == 1
+        await env.fs.shutdown(10)
+        assert env.fs.counters["uploads"] == 1
+        assert (await env.store.get_info("b", "old.txt")).size == 5  # type: ignore[union-attr]
+        assert await env.cat("old.txt") == b"three"
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=LATER)
+
+
+def test_a_pending_upload_never_overwrites_another_clients_newer_version(ops_env, tmp_path):
+    async def body(env: Env):
+        fi = await env.ops.open((await env.lookup("old.txt")).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+        await env.ops.write(fi.fh, 0, b"mine")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        await put_object(env.streams, "b", "old.txt", b"theirs, newer")
+        await env.settle()
+        await env.fs.shutdown(10)
+        assert (await env.store.get_info("b", "old.txt")).size == len(b"theirs, newer")  # type: ignore[union-attr]
+        kept = list((spool_root(tmp_path / "cache", Path("/nonexistent")) / "lost+found" / "b").iterdir())
+        assert [p.read_bytes() for p in kept] == [b"mine"]
+        assert journal_of(env).pending == {}
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=LATER)
+
+
+def test_an_unanswered_upload_is_retried_until_it_lands(ops_env):
+    async def body(env: Env):
+        env.streams.fail_next("publish", Unavailable("server gone"), times=3)
+        await write_file(env, ROOT, "retry.txt", b"x" * 1000)
+        await env.fs.shutdown(30)
+        info = await env.store.get_info("b", "retry.txt")
+        assert info is not None and info.size == 1000
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)
+
+
+def test_a_full_bucket_keeps_the_file_in_lost_found_never_half_stored(ops_env, tmp_path):
+    async def body(env: Env):
+        await write_file(env, ROOT, "big.bin", os.urandom(2 << 20))  # over the bucket's 1 MiB
+        await env.fs.shutdown(10)
+        assert await env.store.get_info("b", "big.bin") is None
+        kept = list((spool_root(tmp_path / "cache", Path("/nonexistent")) / "lost+found" / "b").iterdir())
+        assert [p.stat().st_size for p in kept] == [2 << 20]
+        assert journal_of(env).pending == {}
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)
+
+
+def test_a_later_mount_with_the_same_cache_dir_replays_pending_uploads(ops_env, tmp_path):
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "a.txt", b"first file")
+        await write_file(env, ROOT, "b.txt", b"second file")
+        # The daemon dies here: no shutdown, nothing uploaded.
+
+    async def second(env: Env):
+        with trio.fail_after(10):
+            while await env.store.get_info("b", "b.txt") is None:
+                await trio.sleep(0.01)
+        assert (await env.store.get_info("b", "a.txt")).size == len(b"first file")  # type: ignore[union-attr]
+        assert await env.cat("b.txt") == b"second file"
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    root = spool_root(tmp_path / "cache", Path("/nonexistent"))
+    assert len(WriteBackJournal(root / WRITE_BACK_JOURNAL).pending) == 2
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+
+
+def test_without_write_back_a_dead_runs_pending_files_go_to_lost_found(ops_env, tmp_path):
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "a.txt", b"never uploaded")
+
+    async def second(env: Env):
+        assert await env.store.get_info("b", "a.txt") is None
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(second, bucket="b", streams=ms)
+    root = spool_root(tmp_path / "cache", Path("/nonexistent"))
+    kept = list((root / "lost+found" / "leftover").iterdir())
+    assert [p.read_bytes() for p in kept] == [b"never uploaded"]
+    assert not (root / WRITE_BACK_JOURNAL).exists()
+
+
+def test_a_renamed_pending_file_is_replayed_under_its_new_name(ops_env):
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "draft.txt", b"renamed before its upload")
+        await env.ops.rename(ROOT, b"draft.txt", ROOT, b"final.txt", 0, None)
+        assert await env.cat("final.txt") == b"renamed before its upload"
+
+    async def second(env: Env):
+        with trio.fail_after(10):
+            while await env.store.get_info("b", "final.txt") is None:
+                await trio.sleep(0.01)
+        assert await env.store.get_info("b", "draft.txt") is None
+        assert await env.cat("final.txt") == b"renamed before its upload"
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+
+
+def test_a_read_only_mount_leaves_pending_uploads_for_the_next_write_back_mount(ops_env, tmp_path):
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "a.txt", b"waiting")
+
+    async def read_only(env: Env):
+        assert await env.store.get_info("b", "a.txt") is None
+
+    async def second(env: Env):
+        with trio.fail_after(10):
+            while await env.store.get_info("b", "a.txt") is None:
+                await trio.sleep(0.01)
+        assert await env.cat("a.txt") == b"waiting"
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(read_only, bucket="b", streams=ms, read_only=True)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not (spool_root(tmp_path / "cache", Path("/nonexistent")) / "lost+found").exists()

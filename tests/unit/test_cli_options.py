@@ -1,0 +1,117 @@
+"""The command line: mount(8)'s SOURCE form, `-o key=value` for every option, the daemon's arguments,
+and the connection settings from options, the environment and NATS CLI contexts (natsfs/cli.py, auth.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from natsfs import auth
+from natsfs.cli import (
+    build_parser,
+    config_from_args,
+    daemon_arguments,
+    expand_mount_options,
+    normalize_argv,
+    source_arguments,
+)
+from natsfs.config import Config, option_fields
+
+
+def _mount_parser() -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["mount"]
+
+
+def test_source_forms():
+    assert source_arguments("nats://h:4222") == ["--server", "nats://h:4222"]
+    assert source_arguments("nats://h:4222/b1") == ["--server", "nats://h:4222", "--bucket", "b1"]
+    assert source_arguments("nats://a:4222,nats://b:4222/b1") == ["--server", "nats://a:4222,nats://b:4222",
+                                                                  "--bucket", "b1"]
+    assert source_arguments("tls://h:4222/") == ["--server", "tls://h:4222"]
+    assert source_arguments("natsfs") == []
+
+
+def test_mount_helper_form_becomes_mount():
+    argv = normalize_argv(["nats://h:4222/b1", "/mnt/x", "-o", "rw,ro"])
+    assert argv == ["mount", "/mnt/x", "--server", "nats://h:4222", "--bucket", "b1", "-o", "rw,ro"]
+    assert normalize_argv(["bucket", "ls"]) == ["bucket", "ls"]
+
+
+def test_every_option_as_o_key_value():
+    argv = expand_mount_options(_mount_parser(), ["/mnt", "-o", "cache_dir=/var/cache/natsfs,bucket=b",
+                                                  "-oro,allow_other,default_permissions,_netdev,nofail,"
+                                                  "x-systemd.automount,uid=1000,gid=100,umask=027,dev,suid,rw,"
+                                                  "compression,nosuid", "-o", "creds=/c,tls_ca=/ca"])
+    a = _mount_parser().parse_args(argv)
+    config = config_from_args(a, auth.Connection())
+    assert config.cache_dir == Path("/var/cache/natsfs") and config.bucket == "b"
+    assert config.read_only and config.compression
+    assert (config.uid, config.gid, config.umask, config.file_mode, config.dir_mode) == (1000, 100, 0o27, 0o640,
+                                                                                          0o750)
+    assert config.fuse_options == ("allow_other", "default_permissions", "nosuid")
+    assert (a.creds_file, a.tls_ca) == ("/c", "/ca")
+
+
+def test_options_are_generated_from_config():
+    """Every `option(...)` field of Config is a mount option with its default and parser."""
+    a = _mount_parser().parse_args(["/mnt", "--cache-size", "1GiB", "--entry-timeout", "5m", "--max-bytes", "-1"])
+    config = config_from_args(a, auth.Connection())
+    assert (config.cache_size, config.entry_timeout, config.attr_timeout, config.max_bytes) == (1 << 30, 300, 300, -1)
+    assert config.spool_size == Config(mountpoint=Path("/")).spool_size  # not given: the field's default
+    flags = {s for act in _mount_parser()._actions for s in act.option_strings}
+    assert {"--" + f.name.replace("_", "-") for f in option_fields()} <= flags
+    with pytest.raises(ValueError, match="--cache-size: not a size"):
+        config_from_args(_mount_parser().parse_args(["/mnt", "--cache-size", "lots"]), auth.Connection())
+
+
+@pytest.mark.parametrize("bad, message", [("frobnicate", "unknown mount option: frobnicate"),
+                                          ("bucket", "needs a value"), ("read_only=1", "takes no value"),
+                                          ("ready_fd=3", "unknown mount option"),
+                                          ("password=pw", "use password_file=FILE")])
+def test_bad_o_options_are_refused(bad, message, capsys):
+    with pytest.raises(SystemExit):
+        expand_mount_options(_mount_parser(), ["/mnt", "-o", bad])
+    assert message in capsys.readouterr().err
+
+
+def test_daemon_gets_the_users_arguments_without_connection_options():
+    argv = ["mount", "--bucket", "b", "rel/mnt", "--server", "nats://u:pw@h", "--password=pw", "--token-file",
+            "/t", "--log-file", "/l", "--cache-size", "1GiB", "-o", "allow_other", "--read-only"]
+    assert daemon_arguments(argv, Path("rel/mnt"), "/abs/rel/mnt") == [
+        "mount", "/abs/rel/mnt", "--bucket", "b", "--cache-size", "1GiB", "-o", "allow_other", "--read-only"]
+    # An option whose value is optional never takes the next option as its value.
+    argv = ["mount", "/m", "--write-back", "--server", "nats://u:pw@h", "--write-back", "5s"]
+    assert daemon_arguments(argv, Path("/m"), "/m") == ["mount", "/m", "--write-back", "--write-back", "5s"]
+    parsed = config_from_args(_mount_parser().parse_args(expand_mount_options(_mount_parser(), [
+        "/m", "-o", "write_back"])), auth.Connection())
+    assert parsed.write_back == 0.0
+
+
+def test_connection_precedence_options_then_environment_then_context(tmp_path):
+    ctx = tmp_path / "nats" / "context"
+    ctx.mkdir(parents=True)
+    (ctx / "prod.json").write_text(json.dumps({"url": "nats://ctx:4222", "user": "cu", "password": "cp",
+                                               "creds": "~/x.creds", "ca": "/ca.pem"}))
+    (tmp_path / "nats" / "context.txt").write_text("prod")
+    env = {"XDG_CONFIG_HOME": str(tmp_path), "NATS_USER": "eu", "NATS_PASSWORD": "ep", "HOME": "/home/h"}
+    c = auth.resolve({"user": "ou"}, env)
+    assert c.servers == ("nats://ctx:4222",) and (c.user, c.password) == ("ou", "ep")
+    assert c.creds_file == "/home/h/x.creds" and c.tls_ca == "/ca.pem"
+    assert "ep" not in repr(c) and "password='***'" in repr(c)
+    assert auth.Connection.from_json(c.to_json()) == c
+    with pytest.raises(auth.Unavailable, match="NATS context 'nope'"):
+        auth.resolve({"context": "nope"}, env)
+    assert auth.resolve({}, {"HOME": str(tmp_path / "none")}) == auth.Connection()
+
+
+def test_secret_files_and_variables(tmp_path):
+    (tmp_path / "pw").write_text("from-file\n")
+    c = auth.resolve({"password_file": str(tmp_path / "pw"), "server": "nats://a,nats://b"},
+                     {"HOME": str(tmp_path), "NATS_TOKEN": "tok"})
+    assert c.password == "from-file" and c.token == "tok" and c.servers == ("nats://a", "nats://b")
+    assert c.connect_options() == {"password": "from-file", "token": "tok"}

@@ -1,0 +1,132 @@
+"""The write-back journal: framing, torn tails, compaction, replay order and merging of rewrites."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+
+from natsfs.adr20 import ObjectInfo, PosixAttrs
+from natsfs.journal import WriteBackJournal, frame, read_records
+from natsfs.staging import Spool, StagedFile, WriteState
+
+
+def entry(entry_id: str, name: str, size: int = 0) -> dict[str, object]:
+    return {"id": entry_id, "bucket": "b", "name": name, "size": size}
+
+
+def test_frame_is_length_crc_payload() -> None:
+    payload = b'{"id":"x"}'
+    data = frame(payload)
+    length, crc = struct.unpack(">II", data[:8])
+    assert (length, crc, data[8:]) == (len(payload), zlib.crc32(payload), payload)
+    assert read_records(data) == ([{"id": "x"}], len(data))
+
+
+def test_records_survive_reopen_in_order(tmp_path: Path) -> None:
+    j = WriteBackJournal(tmp_path / "wb.journal")
+    j.record(entry("a", "one"))
+    j.record(entry("b", "two"))
+    j.record(entry("c", "three"))
+    j.done("b")
+    j.close()
+    again = WriteBackJournal(tmp_path / "wb.journal")
+    assert [r["name"] for r in again.pending.values()] == ["one", "three"]
+    assert again.torn_at is None
+
+
+def test_rewrite_of_a_pending_file_merges_and_moves_to_the_end(tmp_path: Path) -> None:
+    j = WriteBackJournal(tmp_path / "wb.journal")
+    j.record(entry("a", "one", 1))
+    j.record(entry("b", "two", 2))
+    j.record(entry("a", "one", 10))  # closed again: one pending upload, with the newer content
+    j.close()
+    again = WriteBackJournal(tmp_path / "wb.journal")
+    assert [(r["id"], r["size"]) for r in again.pending.values()] == [("b", 2), ("a", 10)]
+
+
+def test_torn_tail_skips_only_the_torn_record(tmp_path: Path) -> None:
+    path = tmp_path / "wb.journal"
+    j = WriteBackJournal(path)
+    for i in range(3):
+        j.record(entry(f"id{i}", f"file{i}"))
+    j.close()
+    data = path.read_bytes()
+    last = len(frame(json.dumps({**entry("id2", "file2"), "op": "put"}, separators=(",", ":")).encode()))
+    path.write_bytes(data[: len(data) - last // 2])  # cut mid-record
+    again = WriteBackJournal(path)
+    assert [r["name"] for r in again.pending.values()] == ["file0", "file1"]
+    assert again.torn_at == len(data) - last
+    # The torn bytes are gone: new records after it are readable by the next run.
+    again.record(entry("id3", "file3"))
+    again.close()
+    assert [r["name"] for r in WriteBackJournal(path).pending.values()] == ["file0", "file1", "file3"]
+
+
+def test_a_flipped_byte_fails_the_crc(tmp_path: Path) -> None:
+    path = tmp_path / "wb.journal"
+    j = WriteBackJournal(path)
+    j.record(entry("a", "one"))
+    j.record(entry("b", "two"))
+    j.close()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert [r["name"] for r in WriteBackJournal(path).pending.values()] == ["one"]
+
+
+def test_garbage_length_is_a_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "wb.journal"
+    path.write_bytes(frame(b'{"id":"a","op":"put"}') + b"\xff\xff\xff\xff\x00\x00")
+    j = WriteBackJournal(path)
+    assert list(j.pending) == ["a"]
+    assert j.torn_at is not None
+
+
+def test_compaction_keeps_live_records_only(tmp_path: Path) -> None:
+    path = tmp_path / "wb.journal"
+    j = WriteBackJournal(path)
+    j.record(entry("keep", "kept"))
+    for i in range(200):
+        j.record(entry(f"t{i}", f"tmp{i}"))
+        j.done(f"t{i}")
+    size = path.stat().st_size
+    assert size < 40 * len(frame(json.dumps(entry("t0", "tmp0")).encode()))  # rewritten, not 401 records
+    j.record(entry("last", "after"))
+    j.close()
+    assert [r["name"] for r in WriteBackJournal(path).pending.values()] == ["kept", "after"]
+
+
+def test_done_of_an_unknown_id_writes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "wb.journal"
+    j = WriteBackJournal(path)
+    j.done("nothing")
+    j.close()
+    assert path.read_bytes() == b""
+
+
+def test_a_staged_file_resumes_from_its_journal_entry(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, 1 << 20)
+    base = ObjectInfo(bucket="b", name="d/f", nuid="N1", size=3, chunks=1, digest="SHA-256=x", mtime_ns=5,
+                      revision=42, chunk_size=128)
+    sf = StagedFile(spool, ino=7, path=("d", "f"), bucket="b", name="d/f", base=base,
+                    attrs=PosixAttrs(0o640, 10, 20, 99))
+    sf.skip_copy()
+    os.pwrite(sf.fd, b"new bytes", 0)
+    sf.size = 9
+    sf.touch()
+    sf.change_xattr("user.k", b"\x00v")
+    sf.change_xattr("user.gone", None)
+    j = WriteBackJournal(tmp_path / "wb.journal")
+    j.record(sf.journal_entry())
+    j.close()
+    entry = next(iter(WriteBackJournal(tmp_path / "wb.journal").pending.values()))
+    again = StagedFile.resume(Spool(tmp_path, 1 << 20), entry, ino=9, path=("d", "f"))
+    assert again.state is WriteState.DIRTY and again.unstored and again.serves_reads
+    assert (again.base, again.base_revision, again.size) == (base, 42, 9)
+    assert (again.mode, again.uid, again.gid, again.mtime_ns) == (0o640, 10, 20, sf.mtime_ns)
+    assert again.xattr_changes == [("user.k", b"\x00v"), ("user.gone", None)]
+    assert os.pread(again.fd, 9, 0) == b"new bytes"
+    assert again.spool_path == sf.spool_path
