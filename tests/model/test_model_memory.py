@@ -37,7 +37,7 @@ from natsfs.compose import Built, build_filesystem
 from natsfs.config import Config
 from natsfs.memstreams import MemoryStreams
 
-EXAMPLES = int(os.environ.get("NATSFS_MEMORY_EXAMPLES", "1000"))
+EXAMPLES = int(os.environ.get("NATSFS_MEMORY_EXAMPLES", "3000"))
 STEPS = int(os.environ.get("NATSFS_MEMORY_STEPS", "12"))
 BUCKET = "b"
 ROOT = pyfuse3.ROOT_INODE
