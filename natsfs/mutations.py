@@ -484,26 +484,17 @@ class Mutations:
     # ------------------------------------------------------------------ directories
     async def mkdir(self, bucket: str, rel: Path, attrs: PosixAttrs) -> ObjectInfo:
         """A directory that persists: an empty marker object named `<dir>/`."""
-        await self.check_writable(bucket)
-        name = "/".join(rel) + "/"
-        defaults = self.dir_defaults
-
-        def extra(doc: dict[str, Any]) -> None:
-            set_posix_attrs(doc, attrs, defaults)
-
-        try:
-            info = await self.store.put(bucket, name, BytesSource(b""), expected_revision=0, extra=extra,
-                                        replace_tombstone=True)
-        except Conflict:
-            raise AlreadyExists(f"{bucket}/{name}") from None
-        self._apply(bucket, info)
-        return info
+        return await self._put_empty(bucket, "/".join(rel) + "/", attrs, self.dir_defaults)
 
     async def make_special(self, bucket: str, name: str, attrs: PosixAttrs,
                            metadata: dict[str, str] | None = None) -> ObjectInfo:
         """A FIFO, socket, device node or symlink: an empty object with its type in the metadata."""
+        return await self._put_empty(bucket, name, attrs, self.file_defaults, metadata)
+
+    async def _put_empty(self, bucket: str, name: str, attrs: PosixAttrs, defaults: PosixAttrs,
+                         metadata: dict[str, str] | None = None) -> ObjectInfo:
+        """A new empty object (a directory marker or a special file); `AlreadyExists` if the name is live."""
         await self.check_writable(bucket)
-        defaults = self.file_defaults
 
         def extra(doc: dict[str, Any]) -> None:
             set_posix_attrs(doc, attrs, defaults)

@@ -419,6 +419,14 @@ class Filesystem:
             return self._staged_node(sf)
         return await self.ns.resolve(path)
 
+    async def _check_new_entry(self, path: tuple[str, ...]) -> None:
+        """`path` is free for a new object, in a bucket or directory."""
+        if await self._maybe_node(path) is not None:
+            raise AlreadyExists("/".join(path))
+        parent = await self._path_node(path[:-1])
+        if parent.kind not in (BUCKET, DIR):
+            raise NotADirectory("/".join(path[:-1]))
+
     async def _maybe_node(self, path: tuple[str, ...]) -> Node | None:
         try:
             return await self._path_node(path)
@@ -1143,11 +1151,7 @@ class Filesystem:
         bucket, rel = self._in_bucket(path)
         self.ns.store.check_name(bucket, "/".join(rel))
         await self.mut.check_writable(bucket)
-        if await self._maybe_node(path) is not None:
-            raise AlreadyExists("/".join(path))
-        parent = await self._path_node(path[:-1])
-        if parent.kind not in (BUCKET, DIR):
-            raise NotADirectory("/".join(path[:-1]))
+        await self._check_new_entry(path)
         attrs = PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None, kind,
                            rdev if kind in ("char", "block") else None)
         await self.mut.make_special(bucket, "/".join(rel), attrs)
@@ -1205,11 +1209,7 @@ class Filesystem:
         if not text:
             raise NotFound("an empty symlink target")
         await self.mut.check_writable(bucket)
-        if await self._maybe_node(path) is not None:
-            raise AlreadyExists("/".join(path))
-        parent = await self._path_node(path[:-1])
-        if parent.kind not in (BUCKET, DIR):
-            raise NotADirectory("/".join(path[:-1]))
+        await self._check_new_entry(path)
         metadata = {ATTR_SYMLINK: text}
         if not stays_in_mount(text, self.ns.mount_path(bucket, rel), self._mount_root):
             metadata[ATTR_SYMLINK_SIG] = await trio.to_thread.run_sync(self.signer.sign, bucket, text)
