@@ -507,6 +507,10 @@ class Subscription:
         # arrival, and keep the backlog short (see _PACE_HIGH).
         self.paced = False
         self._drained: asyncio.Event | None = None
+        # Pacing starts with trio's first `next_batch`: until then nobody takes the backlog, and holding
+        # the reader up would also hold up the reply that lets trio start (a consumer's CREATE answer
+        # arriving behind its first thousand deliveries); the consumer's flow control bounds it meanwhile.
+        self._taking = False
         self.closed = False
 
     # ---- asyncio side
@@ -548,6 +552,7 @@ class Subscription:
     async def next_batch(self, timeout: float | None = None) -> list[Msg]:
         """Everything queued so far; waits up to `timeout` seconds for at least one message. A request's
         replies raise `Unavailable` once those that came before its connection was lost are taken."""
+        self._taking = True
         deadline = trio.current_time() + timeout if timeout is not None else math.inf
         while not self._queue and not self._interrupted and self._error is None and trio.current_time() < deadline:
             # A wakeup scheduled for an earlier batch may land on this event: hence the loop.
@@ -595,7 +600,7 @@ class Subscription:
 
     async def wait_drained(self) -> None:
         """Called by the connection's reader: wait (briefly) while too much is waiting for trio."""
-        if self.closed or self.backlog() <= _PACE_HIGH:
+        if self.closed or not self._taking or self.backlog() <= _PACE_HIGH:
             return
         if self._drained is None:
             self._drained = asyncio.Event()
