@@ -40,7 +40,7 @@ import nats
 import nats.errors
 import trio
 
-from . import natscompat
+from . import natscompat, wire
 from .auth import Connection
 from .errors import JetStreamAPIError, NatsFSError, NotFound, OutcomeUnknown, Unavailable
 from .futures import wait_future
@@ -85,7 +85,7 @@ class Msg:
     subject: str
     reply: str
     headers: dict[str, str] | None
-    data: bytes
+    data: bytes | bytearray
 
     @property
     def status(self) -> str | None:
@@ -176,7 +176,7 @@ class _Link:
                  on_restored: Callable[[], None] = lambda: None,
                  restore: Callable[[Any], Awaitable[None]] | None = None,
                  after_msg: Callable[[int], Awaitable[None] | None] | None = None,
-                 quiet: bool = False):
+                 quiet: bool = False, lean: bool = False):
         self.servers = list(servers)
         self.name = name
         self.connect_timeout = connect_timeout
@@ -186,6 +186,8 @@ class _Link:
         self._restore = restore
         self._after_msg = after_msg
         self._log_level = logging.DEBUG if quiet else logging.WARNING
+        # Lean: the client is a `wire.WireConnection` (requests and their replies only), not nats-py.
+        self.lean = lean
         self.nc: Any = None
         self.prefix = ""  # the current client's reply inbox; replies to any other are dropped
         self.generation = 0  # counts clients: work pinned to one fails once it is replaced
@@ -222,6 +224,9 @@ class _Link:
                 self._lost(nc)
 
     async def _connect(self, server: str) -> None:
+        if self.lean:
+            await self._connect_lean(server)
+            return
         errors: list[BaseException] = []
         client: list[Any] = []
 
@@ -269,6 +274,20 @@ class _Link:
             raise
         self.nc, self.prefix = nc, prefix
         self.server_info = natscompat.server_info(nc)
+        assert self._ready is not None
+        self._ready.set()
+
+    async def _connect_lean(self, server: str) -> None:
+        try:
+            conn = await wire.connect(server, name=self.name, auth=self.auth, timeout=self.connect_timeout,
+                                      on_msg=self._on_lean_reply, on_closed=self._lost)
+        except (TimeoutError, OSError, wire.WireError) as e:  # (ssl.SSLError is an OSError)
+            raise Unavailable(f"cannot connect to NATS at {redact_url(server)}: {e or type(e).__name__}") from None
+        if self._closing:
+            await conn.close()
+            raise Unavailable("the connection to NATS is closed")
+        self.nc, self.prefix = conn, conn.inbox
+        self.server_info = conn.server_info
         assert self._ready is not None
         self._ready.set()
 
@@ -350,12 +369,18 @@ class _Link:
         return str(self._next_token)
 
     async def _on_reply(self, m: Any) -> None:
-        subject, prefix = m.subject, self.prefix
+        self._route(m.subject, m)
+
+    def _on_lean_reply(self, subject: str, headers: dict[str, str] | None, data: bytes | bytearray) -> None:
+        self._route(subject, Msg(subject, "", headers, data))
+
+    def _route(self, subject: str, m: Any) -> None:
+        prefix = self.prefix
         if not prefix or not subject.startswith(prefix) or subject[len(prefix) : len(prefix) + 1] != ".":
             return  # addressed to an earlier client's inbox
         token = subject[len(prefix) + 1 :]
         waiter = self.waiters.get(token)
-        if waiter is not None and waiter.deliver(_convert(m)):
+        if waiter is not None and waiter.deliver(m if isinstance(m, Msg) else _convert(m)):
             self.waiters.pop(token, None)
 
     async def send(self, subject: str, payload: bytes, headers: dict[str, str] | None, waiter: Any, *,
@@ -369,7 +394,7 @@ class _Link:
         self.waiters[token] = waiter
         try:
             await nc.publish(subject, payload, reply=f"{self.prefix}.{token}", headers=headers)
-        except nats.errors.Error as e:
+        except (nats.errors.Error, wire.WireError) as e:
             self.waiters.pop(token, None)
             raise Unavailable(f"{subject}: not sent ({e})") from None
         return token
@@ -500,6 +525,7 @@ class Subscription:
         self._lock = threading.Lock()
         self.nats_sub: Any = None  # nats-py's subscription (set by the bridge)
         self.stream_token: str | None = None  # a request_stream's reply token
+        self.stream_link: _Link | None = None  # and the link it was sent on
         self._interrupted = False
         self._error: NatsFSError | None = None
         self.reserved = 0  # budget bytes held for replies not yet taken (set by the bridge)
@@ -621,7 +647,8 @@ class Subscription:
         bridge.release_reply_bytes(self.reserved)
         self.reserved = 0
         if self.stream_token is not None:
-            bridge.drop_stream_waiter(self.stream_token)
+            if self.stream_link is not None:
+                bridge.drop_stream_waiter(self.stream_link, self.stream_token)
             return
         bridge.forget_subscription(self)
         sub = self.nats_sub
@@ -660,6 +687,7 @@ class Bridge:
         on_reconnect: Callable[[], None] | None = None,
         auth: Connection | None = None,
         reply_budget: int = REPLY_BUDGET,
+        lean_reads: bool = True,
     ):
         self.servers = list(servers)
         self.name = name
@@ -671,6 +699,10 @@ class Bridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._link: _Link | None = None
+        # Batched direct gets (the bytes of reads) go over a second, lean connection (`wire`) when the
+        # servers and credentials allow it; None: over `_link`.
+        self._lean_reads = lean_reads
+        self._reads: _Link | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._subs: set[Subscription] = set()  # restored on every new connection
         self._paced: dict[int, Subscription] = {}  # by nats-py subscription id
@@ -707,14 +739,37 @@ class Bridge:
             await self.close()
             raise
         self.connected = True
+        await self._open_reads()
+
+    async def _open_reads(self) -> None:
+        """The lean connection for replies in bulk, beside nats-py's; without it (servers or credentials
+        it does not speak, or a server that refuses a second connection) reads go through nats-py."""
+        why_not = wire.unsupported(self.servers, self.auth) if self._lean_reads else "turned off"
+        if why_not is not None:
+            log.debug("reads go through nats-py (lean connection: %s)", why_not)
+            return
+        reads = _Link(self.servers, name=self.name, connect_timeout=self.connect_timeout, auth=self.auth,
+                      on_lost=self._reads_lost, quiet=True, lean=True)
+        try:
+            await self.run_on_loop(reads.open())
+        except Unavailable as e:
+            log.info("reads go through nats-py: %s", e)
+            return
+        self._reads = reads
+
+    @property
+    def lean_reads(self) -> bool:
+        """Whether batched direct gets use the lean connection."""
+        return self._reads is not None
 
     async def close(self) -> None:
         loop = self._loop
         if loop is None:
             return
-        if self._link is not None:
-            with contextlib.suppress(Exception):
-                await self.run_on_loop(self._link.close())
+        for link in (self._reads, self._link):
+            if link is not None:
+                with contextlib.suppress(Exception):
+                    await self.run_on_loop(link.close())
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             await trio.to_thread.run_sync(self._thread.join, 5.0)
@@ -728,18 +783,27 @@ class Bridge:
 
     # ---- connection events (asyncio side, then trio)
     def _lost(self, reason: str) -> None:
-        in_flight = self._budget.used
+        in_flight = self._budget.used if self._reads is None else 0
         self.call_in_trio(lambda: self._lost_in_trio(in_flight))
+
+    def _reads_lost(self, reason: str) -> None:
+        """The lean connection was lost (it reconnects on its own, quietly: a server going away is
+        reported by the main connection); a slow-consumer kick shrinks the reply budget."""
+        in_flight = self._budget.used
+        self.call_in_trio(lambda: self._shrink_budget(in_flight))
 
     def _lost_in_trio(self, in_flight: int) -> None:
         self.connected = False
+        self._shrink_budget(in_flight)
+        if self.on_disconnect:
+            self.on_disconnect()
+
+    def _shrink_budget(self, in_flight: int) -> None:
         if in_flight >= MIN_REPLY_BUDGET and self._budget.limit > MIN_REPLY_BUDGET:
             limit = self._budget.shrink()
             log.warning("the connection was lost with %.1f MiB of replies in flight (a server with a small "
                         "max_pending drops clients that fall behind): at most %d MiB in flight from now on",
                         in_flight / 2**20, limit >> 20)
-        if self.on_disconnect:
-            self.on_disconnect()
 
     def _restored(self) -> None:
         self.call_in_trio(self._restored_in_trio)
@@ -802,11 +866,9 @@ class Bridge:
         """Give back reply budget a subscription held for replies it has now handed over."""
         self._budget.release(n)
 
-    def drop_stream_waiter(self, token: str) -> None:
+    def drop_stream_waiter(self, link: _Link, token: str) -> None:
         """A `request_stream` subscription closed: its replies are no longer routed to it."""
-        link = self._link
-        if link is not None:
-            self.call_on_loop(lambda: link.waiters.pop(token, None))
+        self.call_on_loop(lambda: link.waiters.pop(token, None))
 
     def forget_subscription(self, sub: Subscription) -> None:
         """A `subscribe` subscription closed: it is not restored on the next connection or paced."""
@@ -818,6 +880,10 @@ class Bridge:
         if self._link is None:
             raise Unavailable("not connected to NATS")
         return self._link
+
+    def _bulk_link(self) -> _Link:
+        """The link for requests answered in bulk (batched direct gets)."""
+        return self._reads or self._link_now()
 
     # ------------------------------------------------------------------ requests
     async def request(
@@ -837,7 +903,7 @@ class Bridge:
                            max_bytes: int = 0) -> list[Msg]:
         """A request answered by several messages, ending with a status message (direct get batch).
         `max_bytes`: what the request asks for, held from the reply budget until it ends."""
-        link = self._link_now()
+        link = self._bulk_link()
         held = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
         try:
             msgs = await self.run_on_loop(self._request_many(link, subject, payload, timeout or self.request_timeout))
@@ -865,9 +931,10 @@ class Bridge:
         """A request answered by a stream of messages ending in a status message, handed over as they
         arrive (`Subscription.next_batch`); the caller stops at the first message with a status and
         unsubscribes. `max_bytes` is held from the reply budget and given back as replies are taken."""
-        link = self._link_now()
+        link = self._bulk_link()
         sub = Subscription(self, subject)
         sub.reserved = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
+        sub.stream_link = link
         try:
             sub.stream_token = await self.run_on_loop(link.send(subject, payload, None, sub,
                                                                 timeout=self.request_timeout))
@@ -929,7 +996,7 @@ class Bridge:
         return int(self.server_info.get("max_payload") or 1024 * 1024)
 
 
-def _parse_api_reply(data: bytes, subject: str) -> dict[str, Any]:
+def _parse_api_reply(data: bytes | bytearray, subject: str) -> dict[str, Any]:
     try:
         reply = json.loads(data) if data else {}
     except ValueError:

@@ -117,7 +117,7 @@ def map_publish_error(e: JetStreamAPIError, subject: str) -> NatsFSError:
     return e
 
 
-def _batch_ack(data: bytes, subject: str) -> int:
+def _batch_ack(data: bytes | bytearray, subject: str) -> int:
     """The sequence in a batch message's reply (0 when the reply is empty, as for a message inside a
     batch), or the refusal it carries as a domain error."""
     try:

@@ -1,0 +1,493 @@
+"""A lean NATS client connection for bulk replies: part of the bridge layer (only bridge.py imports it).
+
+The daemon's reads arrive as batched direct-get replies of 128 KiB chunks. nats-py receives them through
+a StreamReader, its own parser and per-message tasks, copying each byte about five times and running
+Python per message that the daemon's one GIL pays for. `WireProtocol` is an `asyncio.BufferedProtocol`
+that speaks just what a request/reply client needs: it parses the control lines (INFO, MSG, HMSG, PING,
+PONG, +OK, -ERR) from one buffer, and `recv_into`s the rest of a large payload straight into the
+`bytearray` it is handed over in, so most payload bytes are copied once (kernel to that buffer) and
+none more than twice. It sends requests (PUB/HPUB) with a reply subject under its own inbox, which it
+subscribes to once; replies go to one callback, synchronously, as they are parsed.
+
+`connect` dials one server the way nats-py does for the same `auth.Connection`: TLS when the server's
+INFO requires it (with the configured CA and client certificate, or the system's trust store),
+user/password, token (also from the URL's userinfo), NKey seed or creds file (signing the server's
+nonce with `nkeys`), and the same connection name. Nothing here reconnects: a connection that fails
+calls its `on_closed` once, and the bridge's `_Link` replaces it, as it does nats-py clients. `-ERR`
+closes the connection, as nats-py does. No message raised or kept here contains a credential.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from .auth import Connection
+
+log = logging.getLogger(__name__)
+
+# Control lines (and small payloads, and the first bytes of large ones) are read into a buffer of this
+# size; the rest of a payload that does not fit is read straight into its own buffer.
+CONTROL_BUFFER = 64 * 1024
+# A control line longer than this is a protocol error (the server's INFO in a large cluster is the
+# longest line a client gets; the server's own limit for lines it reads is 4 KiB).
+MAX_CONTROL_LINE = 1024 * 1024
+# Client pings: one every this many seconds, and the connection is taken as dead when two in a row
+# go unanswered (as the nats-py connection is configured by the bridge).
+PING_INTERVAL = 30.0
+MAX_OUTSTANDING_PINGS = 2
+_DEFAULT_PORT = 4222
+_CRLF = b"\r\n"
+_HEADER_LINE = "NATS/1.0"
+
+# on_msg(subject, headers, data): headers as a dict (with `Status` and `Description` for an inline
+# status such as `404 No Messages`), None when the message has none.
+OnMsg = Callable[[str, dict[str, str] | None, bytes | bytearray], None]
+
+
+class WireError(Exception):
+    """The connection failed or is closed; the text names no credential."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One server URL, taken apart as nats-py does (no scheme means `nats://`, port 4222)."""
+
+    host: str
+    port: int
+    scheme: str
+    user: str | None
+    password: str | None
+
+
+def parse_server(url: str) -> Endpoint:
+    parts = urlsplit(url if "://" in url else "nats://" + url)
+    try:
+        port = parts.port or _DEFAULT_PORT
+    except ValueError:
+        raise WireError("invalid port in the server URL") from None
+    return Endpoint(parts.hostname or "localhost", port, parts.scheme.lower(),
+                    unquote(parts.username) if parts.username is not None else None,
+                    unquote(parts.password) if parts.password is not None else None)
+
+
+def unsupported(servers: tuple[str, ...] | list[str], auth: Connection | None) -> str | None:
+    """Why these servers and credentials cannot use this connection (the bridge then reads through
+    nats-py); None when they can."""
+    for server in servers:
+        scheme = parse_server(server).scheme
+        if scheme not in ("nats", "tls"):
+            return f"{scheme}:// servers"
+    if auth is not None and (auth.nkey_file or auth.creds_file) and importlib.util.find_spec("nkeys") is None:
+        return "NKey authentication without the nkeys package"
+    return None
+
+
+def parse_headers(raw: bytes) -> dict[str, str] | None:
+    """A header block (`NATS/1.0[ status[ description]]\\r\\nKey: Value\\r\\n...\\r\\n\\r\\n`) as a dict,
+    the first value of a repeated key; an inline status becomes `Status` (and `Description`)."""
+    lines = raw.decode("utf-8", "replace").split("\r\n")
+    headers: dict[str, str] = {}
+    first = lines[0]
+    if first.startswith(_HEADER_LINE):
+        code, _, description = first[len(_HEADER_LINE):].strip().partition(" ")
+        if code:
+            headers["Status"] = code
+            if description.strip():
+                headers["Description"] = description.strip()
+    for line in lines[1:]:
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if sep and key and key not in headers:
+            headers[key] = value.strip()
+    return headers or None
+
+
+def encode_headers(headers: dict[str, str]) -> bytes:
+    return (_HEADER_LINE + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode()
+
+
+class WireProtocol(asyncio.BufferedProtocol):
+    """The protocol side of one connection: parses what the server sends, answers its pings, sends ours."""
+
+    def __init__(self, on_msg: OnMsg, on_closed: Callable[[WireProtocol], None]):
+        self._on_msg = on_msg
+        self._on_closed = on_closed
+        self._buf = bytearray(CONTROL_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = 0  # parsed up to here
+        self._end = 0  # received up to here
+        # A message whose header block is not complete yet: (subject, header bytes, total bytes).
+        self._head: tuple[str, int, int] | None = None
+        # The payload being read straight into place: its buffer, how much of it is there, and the
+        # message it belongs to.
+        self._target: memoryview | None = None
+        self._target_pos = 0
+        self._target_msg: tuple[str, dict[str, str] | None, bytearray] | None = None
+        self._skip = 0  # bytes of a payload's trailing CRLF still to come
+        self.transport: asyncio.Transport | None = None
+        self.info: dict[str, Any] = {}
+        self.last_error: str | None = None
+        self.closed = False
+        self._info_wait: asyncio.Future[dict[str, Any]] | None = None
+        self._pong_waits: list[asyncio.Future[None]] = []
+        self._pings_out = 0
+        self._ping_timer: asyncio.TimerHandle | None = None
+
+    # ---- asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._target is not None:
+            return self._target[self._target_pos:]
+        if self._end == len(self._buf):
+            self._make_room()
+        return self._view[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self._target is not None:
+                self._target_pos += nbytes
+                if self._target_pos < len(self._target):
+                    return
+                self._finish_target()
+            else:
+                self._end += nbytes
+            self._parse()
+        except WireError as e:
+            self._fail(str(e))
+        except Exception as e:  # a fault of ours: end this connection (the bridge makes a new one), loudly
+            log.exception("reading from NATS failed unexpectedly")
+            self._fail(f"internal error: {e!r}")
+
+    def eof_received(self) -> bool | None:
+        self.last_error = self.last_error or "the server closed the connection"
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.last_error is None:
+            self.last_error = str(exc) if exc is not None and str(exc) else "connection closed"
+        if self._ping_timer is not None:
+            self._ping_timer.cancel()
+        error = WireError(self.last_error)
+        for fut in [self._info_wait, *self._pong_waits]:
+            if fut is not None and not fut.done():
+                fut.set_exception(error)
+        self._pong_waits.clear()
+        self._on_closed(self)
+
+    # ---- parsing
+    def _make_room(self) -> None:
+        """Free the parsed part of the control buffer; grow it when one unparsed line fills it."""
+        pending = self._end - self._start
+        if self._start == 0:
+            if pending >= MAX_CONTROL_LINE:
+                raise WireError("protocol error: control line too long")
+            bigger = bytearray(len(self._buf) * 2)
+            bigger[:pending] = self._view[:pending]
+            self._buf, self._view = bigger, memoryview(bigger)
+        else:
+            self._buf[:pending] = self._view[self._start:self._end]
+            self._start, self._end = 0, pending
+
+    def _parse(self) -> None:
+        buf, view = self._buf, self._view
+        while True:
+            if self._skip:
+                n = min(self._skip, self._end - self._start)
+                self._start += n
+                self._skip -= n
+                if self._skip:
+                    break
+            if self._head is not None:
+                if not self._take_payload():
+                    break
+                continue
+            start = self._start
+            eol = buf.find(_CRLF, start, self._end)
+            if eol < 0:
+                break
+            line = bytes(view[start:eol])
+            self._start = eol + 2
+            self._control(line)
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def _control(self, line: bytes) -> None:
+        op, _, args = line.partition(b" ")
+        op = op.upper()
+        if op == b"MSG":
+            # MSG <subject> <sid> [reply-to] <#bytes>
+            parts = args.split()
+            if len(parts) not in (3, 4):
+                raise WireError("protocol error: malformed MSG")
+            self._head = (parts[0].decode(), 0, int(parts[-1]))
+        elif op == b"HMSG":
+            # HMSG <subject> <sid> [reply-to] <#header bytes> <#total bytes>
+            parts = args.split()
+            if len(parts) not in (4, 5):
+                raise WireError("protocol error: malformed HMSG")
+            self._head = (parts[0].decode(), int(parts[-2]), int(parts[-1]))
+        elif op == b"PING":
+            self._write(b"PONG\r\n")
+        elif op == b"PONG":
+            self._pings_out = 0
+            if self._pong_waits:
+                fut = self._pong_waits.pop(0)
+                if not fut.done():
+                    fut.set_result(None)
+        elif op == b"INFO":
+            try:
+                info = json.loads(args)
+            except ValueError:
+                raise WireError("protocol error: unreadable INFO") from None
+            if not self.info:
+                self.info = info
+            if self._info_wait is not None and not self._info_wait.done():
+                self._info_wait.set_result(info)
+        elif op == b"-ERR":
+            raise WireError("nats: " + args.decode("utf-8", "replace").strip().strip("'"))
+        elif op != b"+OK":
+            raise WireError("protocol error: unknown operation from the server")
+        if self._head is not None and (self._head[1] < 0 or self._head[2] < self._head[1]):
+            raise WireError("protocol error: bad message sizes")
+
+    def _take_payload(self) -> bool:
+        """Take the message in `_head` from the buffer; False while its header block is incomplete."""
+        assert self._head is not None
+        subject, header_size, total = self._head
+        start, end = self._start, self._end
+        if end - start < header_size:
+            if header_size > len(self._buf) - start:
+                self._make_room()
+                if header_size > len(self._buf):
+                    bigger = bytearray(header_size + CONTROL_BUFFER)
+                    bigger[: self._end] = self._view[: self._end]
+                    self._buf, self._view = bigger, memoryview(bigger)
+            return False
+        self._head = None
+        headers = parse_headers(bytes(self._view[start : start + header_size])) if header_size else None
+        start += header_size
+        size = total - header_size
+        have = min(size, end - start)
+        if size == 0:
+            self._start = start
+            self._skip = 2
+            self._on_msg(subject, headers, b"")
+            return True
+        data = bytearray(size)
+        data[:have] = self._view[start : start + have]
+        self._start = start + have
+        if have < size:
+            self._target, self._target_pos = memoryview(data), have
+            self._target_msg = (subject, headers, data)
+            return False
+        self._skip = 2
+        self._on_msg(subject, headers, data)
+        return True
+
+    def _finish_target(self) -> None:
+        assert self._target_msg is not None
+        subject, headers, data = self._target_msg
+        self._target, self._target_msg = None, None
+        self._start = self._end = 0
+        self._skip = 2
+        self._on_msg(subject, headers, data)
+
+    # ---- sending
+    def _write(self, data: bytes) -> None:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise WireError(self.last_error or "connection closed")
+        self.transport.write(data)
+
+    def publish(self, subject: str, payload: bytes, reply: str, headers: dict[str, str] | None) -> None:
+        subject = f"{subject} {reply}" if reply else subject  # "<subject>[ <reply-to>]" on the line
+        limit = int(self.info.get("max_payload") or 0)
+        if headers:
+            head = encode_headers(headers)
+            size = len(head) + len(payload)
+            if limit and size > limit:
+                raise WireError("maximum payload exceeded")
+            self._write(b"".join((f"HPUB {subject} {len(head)} {size}\r\n".encode(), head, payload,
+                                  _CRLF)))
+        else:
+            if limit and len(payload) > limit:
+                raise WireError("maximum payload exceeded")
+            self._write(b"".join((f"PUB {subject} {len(payload)}\r\n".encode(), payload, _CRLF)))
+
+    def _ping(self) -> None:
+        self._ping_timer = None
+        if self.closed:
+            return
+        if self._pings_out >= MAX_OUTSTANDING_PINGS:
+            self._fail("nats: stale connection")
+            return
+        self._pings_out += 1
+        with contextlib.suppress(WireError):
+            self._write(b"PING\r\n")
+        self._ping_timer = asyncio.get_running_loop().call_later(PING_INTERVAL, self._ping)
+
+    def _fail(self, reason: str) -> None:
+        self.last_error = self.last_error or reason
+        if self.transport is not None:
+            self.transport.abort()
+
+    # ---- the handshake (see `connect`)
+    async def wait_info(self) -> dict[str, Any]:
+        if self.info:
+            return self.info
+        self._info_wait = asyncio.get_running_loop().create_future()
+        return await self._info_wait
+
+    async def ping(self) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pong_waits.append(fut)
+        self._write(b"PING\r\n")
+        await fut
+
+    def start_pinging(self) -> None:
+        self._ping_timer = asyncio.get_running_loop().call_later(PING_INTERVAL, self._ping)
+
+
+class WireConnection:
+    """One connected client: requests out, replies (on its inbox) to `on_msg`. The bridge's `_Link`
+    drives it through the same few calls it makes of a nats-py client."""
+
+    def __init__(self, protocol: WireProtocol, inbox: str):
+        self._protocol = protocol
+        self.inbox = inbox  # replies come to `<inbox>.<token>`
+
+    @property
+    def is_closed(self) -> bool:
+        return self._protocol.closed
+
+    @property
+    def last_error(self) -> str | None:
+        return self._protocol.last_error
+
+    @property
+    def server_info(self) -> dict[str, Any]:
+        return dict(self._protocol.info)
+
+    async def publish(self, subject: str, payload: bytes = b"", reply: str = "",
+                      headers: dict[str, str] | None = None) -> None:
+        """Send a message (a request, when `reply` is under the inbox); `WireError` if it cannot be."""
+        self._protocol.publish(subject, payload, reply, headers)
+
+    async def close(self) -> None:
+        protocol = self._protocol
+        protocol.last_error = protocol.last_error or "closed by the client"
+        if protocol.transport is not None:
+            protocol.transport.close()
+
+    drain = close  # nothing of ours is buffered that the server still needs
+
+
+def _connect_options(info: dict[str, Any], endpoint: Endpoint, auth: Connection | None, name: str) -> dict[str, Any]:
+    """CONNECT's fields, chosen the way nats-py chooses them for the same settings."""
+    options: dict[str, Any] = {"verbose": False, "pedantic": False, "lang": "python3", "version": "natsfs-wire",
+                               "protocol": 1, "headers": True, "no_responders": True, "name": name}
+    if not info.get("auth_required"):
+        return options
+    auth = auth or Connection()
+    if info.get("nonce") and (auth.creds_file or auth.nkey_file):
+        import nkeys  # type: ignore[import-untyped]
+
+        if auth.creds_file:
+            jwt, seed = _read_creds(auth.creds_file)
+            options["jwt"] = jwt
+        else:
+            with open(auth.nkey_file or "", "rb") as f:
+                seed = bytearray(f.read().strip())
+        pair = nkeys.from_seed(seed)
+        try:
+            options["sig"] = base64.b64encode(pair.sign(info["nonce"].encode())).decode()
+            if not auth.creds_file:
+                options["nkey"] = pair.public_key.decode()
+        finally:
+            pair.wipe()
+        if auth.token:
+            options["auth_token"] = auth.token
+    elif auth.user is not None and auth.password is not None:
+        options["user"], options["pass"] = auth.user, auth.password
+    elif auth.token is not None:
+        options["auth_token"] = auth.token
+    elif endpoint.user is not None:
+        if endpoint.password is None:
+            options["auth_token"] = endpoint.user
+        else:
+            options["user"], options["pass"] = endpoint.user, endpoint.password
+    return options
+
+
+def _read_creds(path: str) -> tuple[str, bytearray]:
+    """The user JWT and NKey seed of a creds file (the line after each BEGIN marker)."""
+    with open(path, "rb") as f:
+        lines = f.read().splitlines()
+    jwt: str | None = None
+    seed: bytearray | None = None
+    for i, line in enumerate(lines[:-1]):
+        if b"BEGIN NATS USER JWT" in line:
+            jwt = lines[i + 1].strip().decode()
+        elif b"BEGIN USER NKEY SEED" in line:
+            seed = bytearray(lines[i + 1].strip())
+    if jwt is None or seed is None:
+        raise WireError(f"{path} is not a creds file (no user JWT or no NKey seed)")
+    return jwt, seed
+
+
+async def connect(url: str, *, name: str, auth: Connection | None, timeout: float, on_msg: OnMsg,
+                  on_closed: Callable[[WireConnection], None]) -> WireConnection:
+    """Connect to one server, authenticate, subscribe the reply inbox, and check with a ping that the
+    server took all of it. `WireError` (or `OSError`, `ssl.SSLError`, `TimeoutError`) if that fails."""
+    endpoint = parse_server(url)
+    loop = asyncio.get_running_loop()
+    inbox = f"_INBOX.{os.urandom(11).hex()}"
+    connection: list[WireConnection] = []
+
+    def closed(_: WireProtocol) -> None:
+        if connection:
+            on_closed(connection[0])
+
+    protocol = WireProtocol(on_msg, closed)
+    transport: asyncio.Transport | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            transport, _ = await loop.create_connection(lambda: protocol, endpoint.host, endpoint.port)
+            info = await protocol.wait_info()
+            if info.get("tls_required"):
+                wants_files = auth is not None and (auth.tls_ca or auth.tls_cert)
+                context = auth.ssl_context() if auth is not None and wants_files else ssl.create_default_context()
+                tls = await loop.start_tls(transport, protocol, context, server_hostname=endpoint.host)
+                if tls is None:
+                    raise WireError("TLS handshake failed")
+                transport = protocol.transport = tls
+            options = _connect_options(info, endpoint, auth, name)
+            protocol.transport.write(b"CONNECT " + json.dumps(options).encode() + b"\r\nSUB "  # type: ignore[union-attr]
+                                     + inbox.encode() + b".* 1\r\n")
+            await protocol.ping()
+    except BaseException:
+        if transport is not None:
+            transport.abort()
+        raise
+    conn = WireConnection(protocol, inbox)
+    connection.append(conn)
+    if protocol.closed:  # lost between the pong and now
+        raise WireError(protocol.last_error or "connection closed")
+    protocol.start_pinging()
+    return conn
