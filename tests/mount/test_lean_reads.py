@@ -1,0 +1,247 @@
+"""Batched direct gets over the bridge's lean connection (natsfs.wire), against real nats-servers:
+the same messages as through nats-py, every credential the mount supports, and connection loss
+(kicks, `-ERR`, server restarts) failing what is in flight at once and replacing the connection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+import pytest
+import trio
+from helpers import create_bucket, raw_put
+from test_auth import METHODS, SECRET, _env, _options_dict, _setup
+from test_transport import KICKABLE, kick, own_server
+
+from natsfs.auth import Connection, resolve
+from natsfs.bridge import Bridge, _Link
+from natsfs.errors import Unavailable
+from natsfs.jetstream import JetStreams
+from natsfs.server import NatsServer
+
+CHUNK = 128 * 1024
+NUID = "l" * 22
+# Uneven sizes as nats.go may write them: empty, tiny, the default chunk, one near max_payload.
+SIZES = [CHUNK, 0, 1, CHUNK, 1000 * 1024, 77, CHUNK + 3, CHUNK]
+
+
+def put_object(url: str, bucket: str) -> list[bytes]:
+    create_bucket(url, bucket)
+    chunks = [os.urandom(n) for n in SIZES]
+    raw_put(url, bucket, "obj", chunks, nuid=NUID)
+    return chunks
+
+
+async def read_both_ways(js: JetStreams, bucket: str) -> tuple[list[Any], list[Any]]:
+    """(seq, subject, pending, payload) of every chunk, by `get_batch` and by `stream_batch`."""
+    stream, subject = f"OBJ_{bucket}", f"$O.{bucket}.C.{NUID}"
+    whole = await js.get_batch(stream, subject, 1, 100, 8 << 20)
+    batches = await js.stream_batch(stream, subject, 1, 100, 8 << 20)
+    streamed = []
+    while (msgs := await batches.next()) is not None:
+        streamed += msgs
+    return ([(m.seq, m.subject, m.pending, m.data) for m in whole],
+            [(m.seq, m.subject, m.pending, m.data) for m in streamed])
+
+
+def test_batched_gets_over_the_lean_connection_match_nats_py(private_server):
+    url = private_server.url
+    chunks = put_object(url, "lean")
+
+    async def main() -> None:
+        seen = {}
+        for lean in (True, False):
+            bridge = Bridge([url], lean_reads=lean)
+            await bridge.connect()
+            try:
+                assert bridge.lean_reads == lean
+                seen[lean] = await read_both_ways(JetStreams(bridge), "lean")
+            finally:
+                await bridge.close()
+        whole, streamed = seen[True]
+        assert whole == streamed == seen[False][0] == seen[False][1]
+        assert [bytes(d) for *_, d in whole] == chunks
+        assert [p for _, _, p, _ in whole] == list(range(len(chunks) - 1, -1, -1))
+        assert all(isinstance(d, bytearray) for *_, d in whole if d)  # received in place, not copied to bytes
+
+    trio.run(main)
+
+
+@pytest.mark.expect_log("nats: encountered error")  # the test's responder, when the server restarts
+def test_a_lost_lean_connection_fails_what_is_in_flight_at_once_and_is_replaced(tmp_path, caplog):
+    """A request waiting on the lean connection when the server kicks it fails with Unavailable at once
+    (not after the request timeout); a new lean connection serves the next reads; so it does after a
+    server restart. The loss is logged once (by the main connection), not once per connection."""
+    import nats
+
+    server = own_server(tmp_path, KICKABLE)
+    url = server.url
+    chunks = put_object(url, "kick")
+    asked = threading.Event()
+    stop = threading.Event()
+
+    def responder() -> None:  # takes requests on svc.never and never answers
+        async def main() -> None:
+            nc = await nats.connect(url)
+
+            async def never(_: Any) -> None:
+                asked.set()
+
+            await nc.subscribe("svc.never", cb=never)
+            await nc.flush()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            await nc.close()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=responder, daemon=True)
+    thread.start()
+
+    async def reads_again(js: JetStreams) -> None:
+        with trio.fail_after(20):
+            while True:
+                try:
+                    whole, _ = await read_both_ways(js, "kick")
+                    break
+                except Unavailable:
+                    await trio.sleep(0.1)
+        assert [bytes(d) for *_, d in whole] == chunks
+
+    async def main() -> None:
+        bridge = Bridge([url], request_timeout=30)
+        await bridge.connect()
+        js = JetStreams(bridge)
+        try:
+            assert bridge.lean_reads
+            caplog.clear()
+            failed: list[float] = []
+
+            async def ask() -> None:
+                with pytest.raises(Unavailable, match="connection to NATS lost"):
+                    await bridge.request_many("svc.never", b"", max_bytes=CHUNK)
+                failed.append(trio.current_time())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                with trio.fail_after(10):
+                    while not asked.is_set():
+                        await trio.sleep(0.01)
+                started = trio.current_time()
+                assert await trio.to_thread.run_sync(kick, url, "natsfs") == 2  # both of the bridge's
+            assert failed and failed[0] - started < 5  # at once, not after 30 s
+            assert bridge._budget.used == 0
+            await reads_again(js)
+            lost = [r for r in caplog.records if "lost the connection" in r.getMessage()
+                    and r.levelno >= logging.WARNING]
+            assert len(lost) == 1, [r.getMessage() for r in lost]
+
+            server.stop()
+            server.start()
+            await reads_again(js)
+        finally:
+            await bridge.close()
+
+    try:
+        trio.run(main)
+    finally:
+        stop.set()
+        thread.join(5)
+        server.stop()
+
+
+def test_err_on_the_lean_connection_leaves_the_main_one_alone(private_server):
+    """`-ERR` (a subject over the server's control-line limit) ends only the lean connection: the
+    request fails at once, the main connection is not replaced, and reads go on over a new lean one."""
+    url = private_server.url
+    chunks = put_object(url, "err")
+
+    async def main() -> None:
+        bridge = Bridge([url], request_timeout=20)
+        await bridge.connect()
+        js = JetStreams(bridge)
+        try:
+            first = bridge._reads.nc if bridge._reads is not None else None
+            assert first is not None
+            with trio.fail_after(5), pytest.raises(Unavailable):
+                await bridge.request_many("x." + "a" * 5000, b"")
+            with trio.fail_after(15):
+                while True:
+                    try:
+                        _, streamed = await read_both_ways(js, "err")
+                        break
+                    except Unavailable:
+                        await trio.sleep(0.05)
+            assert [bytes(d) for *_, d in streamed] == chunks
+            assert bridge._reads.nc is not first
+            assert bridge.connected and bridge.reconnects == 0
+            assert "limits" in await bridge.api("INFO")
+        finally:
+            await bridge.close()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_reads_take_the_lean_connection_with_each_method(tmp_path, method):
+    """Each credential the mount supports opens the lean connection too (no quiet fall back to nats-py),
+    and chunks read over it are byte-exact."""
+    config, options, extra_env, scheme, _secret = _setup(method, tmp_path)
+    server = NatsServer(tmp_path / "nats", config=config)
+    server.start()
+    try:
+        url = f"{scheme}://{server.host}:{server.port}"
+        if method == "context":
+            (tmp_path / "config" / "nats" / "context" / "prod.json").write_text(json.dumps({"url": url,
+                                                                                          "token": SECRET}))
+        connection = resolve({"server": None if method == "context" else url, **_options_dict(options)},
+                             _env(**extra_env))
+
+        async def main() -> None:
+            bridge = Bridge(list(connection.servers), auth=connection)
+            await bridge.connect()
+            try:
+                assert bridge.lean_reads
+                await bridge.api("STREAM.CREATE.OBJ_a", {"name": "OBJ_a", "subjects": ["$O.a.C.>"],
+                                                         "allow_direct": True, "storage": "memory"})
+                chunks = [os.urandom(n) for n in (CHUNK, 5, CHUNK)]
+                for c in chunks:
+                    await bridge.js_publish(f"$O.a.C.{NUID}", c)
+                whole, streamed = await read_both_ways(JetStreams(bridge), "a")
+                assert [bytes(d) for *_, d in whole] == [bytes(d) for *_, d in streamed] == chunks
+            finally:
+                await bridge.close()
+
+        trio.run(main)
+    finally:
+        server.stop()
+
+
+def test_a_refused_lean_connection_names_no_secret(tmp_path):
+    server = NatsServer(tmp_path / "nats", config=f'authorization {{ user: "u1", password: "{SECRET}" }}')
+    server.start()
+    try:
+        attempts = [
+            ([server.url], Connection(user="u1", password=SECRET + "-wrong")),
+            ([f"nats://u1:{SECRET}-wrong@{server.host}:{server.port}"], None),
+            ([f"nats://{SECRET}@{server.host}:{server.port}"], None),
+        ]
+        for servers, auth in attempts:
+            async def main(servers: list[str] = servers, auth: Connection | None = auth) -> str:
+                link = _Link(servers, name="natsfs", connect_timeout=5, auth=auth, lean=True)
+                try:
+                    await link.open()
+                except Unavailable as e:
+                    return str(e)
+                finally:
+                    await link.close()
+                raise AssertionError("connected with a wrong password")
+
+            text = asyncio.run(main())
+            assert "Authorization Violation" in text and SECRET not in text, text
+    finally:
+        server.stop()
