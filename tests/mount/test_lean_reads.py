@@ -5,6 +5,7 @@ the same messages as through nats-py, every credential the mount supports, and c
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import create_bucket, raw_put
+from helpers import create_bucket, raw_put, wait_for
 from test_auth import METHODS, SECRET, _env, _options_dict, _setup
 from test_transport import KICKABLE, kick, own_server
 
@@ -27,6 +28,21 @@ CHUNK = 128 * 1024
 NUID = "l" * 22
 # Uneven sizes as nats.go may write them: empty, tiny, the default chunk, one near max_payload.
 SIZES = [CHUNK, 0, 1, CHUNK, 1000 * 1024, 77, CHUNK + 3, CHUNK]
+
+
+def connected(url: str, name: str) -> int:
+    """How many client connections with this name the server has (asked as its system account)."""
+    import nats
+
+    async def main() -> int:
+        nc = await nats.connect(url.replace("nats://", "nats://sys:sys@"))
+        try:
+            r = await nc.request("$SYS.REQ.SERVER.PING.CONNZ", json.dumps({"limit": 4096}).encode(), timeout=5)
+            return sum(c.get("name") == name for c in json.loads(r.data)["data"]["connections"])
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
 
 
 def put_object(url: str, bucket: str) -> list[bytes]:
@@ -243,5 +259,48 @@ def test_a_refused_lean_connection_names_no_secret(tmp_path):
 
             text = asyncio.run(main())
             assert "Authorization Violation" in text and SECRET not in text, text
+    finally:
+        server.stop()
+
+
+def test_a_mount_reads_over_its_lean_connection_through_kicks(tmp_path, mounter):
+    """A mount has two connections named `natsfs` (the main one and the lean one); files read through a
+    fresh mount are byte-exact, and stay so when the server kicks both connections mid-read, which is
+    one WARNING line per kick (the main connection's), not one per connection."""
+    server = own_server(tmp_path, KICKABLE.replace("max_pending: 2MB\n", ""))
+    try:
+        url = server.url
+        create_bucket(url, "mnt")
+        sources = {}
+        for i, sizes in enumerate([[CHUNK] * 40 + [5], [CHUNK, 1, 0, CHUNK + 7, 1000 * 1024, 3]]):
+            chunks = [os.urandom(n) for n in sizes]
+            raw_put(url, "mnt", f"f{i}.bin", chunks)
+            sources[f"f{i}.bin"] = b"".join(chunks)
+        m = mounter(url, "--cache-size", "4MiB")
+        assert (m.path / "mnt" / "f1.bin").read_bytes() == sources["f1.bin"]
+        assert kick(url, "natsfs") == 2
+        assert wait_for(lambda: connected(url, "natsfs") == 2, 10)  # both replaced
+        done = threading.Event()
+        got: dict[str, bytes] = {}
+        errors: list[OSError] = []
+
+        def reader() -> None:
+            while not done.is_set():
+                try:
+                    got["f0.bin"] = (m.path / "mnt" / "f0.bin").read_bytes()
+                    done.set()
+                except OSError as e:  # a read that lost its connection twice in a row
+                    errors.append(e)
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        assert kick(url, "natsfs") >= 1
+        thread.join(60)
+        assert not thread.is_alive()
+        assert got["f0.bin"] == sources["f0.bin"]
+        assert (m.path / "mnt" / "f1.bin").read_bytes() == sources["f1.bin"]
+        assert all(e.errno == errno.EIO for e in errors), errors
+        assert wait_for(lambda: connected(url, "natsfs") == 2, 10)
+        assert m.log().count("WARNING natsfs.bridge: lost the connection to NATS") == 2, m.log()[-3000:]
     finally:
         server.stop()
