@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 # Control lines (and small payloads, and the first bytes of large ones) are read into a buffer of this
 # size; the rest of a payload that does not fit is read straight into its own buffer.
 CONTROL_BUFFER = 64 * 1024
+# After a large payload the next one is likely large too: the next read into the control buffer asks
+# for this much only (its control line and headers, a few hundred bytes), so that the next payload
+# arrives in its own buffer instead of being copied there from the control buffer.
+CONTROL_READ_AFTER_LARGE = 2048
 # A control line longer than this is a protocol error (the server's INFO in a large cluster is the
 # longest line a client gets; the server's own limit for lines it reads is 4 KiB).
 MAX_CONTROL_LINE = 1024 * 1024
@@ -135,6 +139,7 @@ class WireProtocol(asyncio.BufferedProtocol):
         self._target_pos = 0
         self._target_msg: tuple[str, dict[str, str] | None, bytearray] | None = None
         self._skip = 0  # bytes of a payload's trailing CRLF still to come
+        self._read_size = CONTROL_BUFFER  # the most one read into the control buffer asks for
         self.transport: asyncio.Transport | None = None
         self.info: dict[str, Any] = {}
         self.last_error: str | None = None
@@ -154,7 +159,7 @@ class WireProtocol(asyncio.BufferedProtocol):
             return self._target[self._target_pos:]
         if self._end == len(self._buf):
             self._make_room()
-        return self._view[self._end:]
+        return self._view[self._end : self._end + self._read_size]
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
@@ -293,6 +298,7 @@ class WireProtocol(asyncio.BufferedProtocol):
         data = bytearray(size)
         data[:have] = self._view[start : start + have]
         self._start = start + have
+        self._read_size = CONTROL_READ_AFTER_LARGE if size >= CONTROL_BUFFER else CONTROL_BUFFER
         if have < size:
             self._target, self._target_pos = memoryview(data), have
             self._target_msg = (subject, headers, data)
