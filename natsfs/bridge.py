@@ -735,11 +735,11 @@ class Bridge:
                            on_restored=self._restored, restore=self._restore, after_msg=self._after_msg)
         try:
             await self.run_on_loop(self._link.open())
+            await self._open_reads()
         except BaseException:
             await self.close()
             raise
         self.connected = True
-        await self._open_reads()
 
     async def _open_reads(self) -> None:
         """The lean connection for replies in bulk, beside nats-py's; without it (servers or credentials

@@ -89,7 +89,10 @@ def unsupported(servers: tuple[str, ...] | list[str], auth: Connection | None) -
     """Why these servers and credentials cannot use this connection (the bridge then reads through
     nats-py); None when they can."""
     for server in servers:
-        scheme = parse_server(server).scheme
+        try:
+            scheme = parse_server(server).scheme
+        except WireError as e:
+            return str(e)
         if scheme not in ("nats", "tls"):
             return f"{scheme}:// servers"
     if auth is not None and (auth.nkey_file or auth.creds_file) and importlib.util.find_spec("nkeys") is None:
