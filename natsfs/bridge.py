@@ -882,8 +882,12 @@ class Bridge:
         return self._link
 
     def _bulk_link(self) -> _Link:
-        """The link for requests answered in bulk (batched direct gets)."""
-        return self._reads or self._link_now()
+        """The link for requests answered in bulk (batched direct gets): the lean one while it has a
+        connection; while it is being replaced, the main one (reads never wait for the lean one alone)."""
+        reads = self._reads
+        if reads is not None and reads.nc is not None:
+            return reads
+        return self._link_now()
 
     # ------------------------------------------------------------------ requests
     async def request(

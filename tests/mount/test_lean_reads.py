@@ -152,6 +152,9 @@ def test_a_lost_lean_connection_fails_what_is_in_flight_at_once_and_is_replaced(
             assert failed and failed[0] - started < 5  # at once, not after 30 s
             assert bridge._budget.used == 0
             await reads_again(js)
+            with trio.fail_after(10):
+                while not (bridge._reads is not None and bridge._reads.nc is not None):
+                    await trio.sleep(0.02)
             lost = [r for r in caplog.records if "lost the connection" in r.getMessage()
                     and r.levelno >= logging.WARNING]
             assert len(lost) == 1, [r.getMessage() for r in lost]
@@ -185,15 +188,11 @@ def test_err_on_the_lean_connection_leaves_the_main_one_alone(private_server):
             assert first is not None
             with trio.fail_after(5), pytest.raises(Unavailable):
                 await bridge.request_many("x." + "a" * 5000, b"")
-            with trio.fail_after(15):
-                while True:
-                    try:
-                        _, streamed = await read_both_ways(js, "err")
-                        break
-                    except Unavailable:
-                        await trio.sleep(0.05)
+            with trio.fail_after(10):
+                while bridge._reads.nc in (None, first):
+                    await trio.sleep(0.02)
+            _, streamed = await read_both_ways(js, "err")  # over the new lean connection
             assert [bytes(d) for *_, d in streamed] == chunks
-            assert bridge._reads.nc is not first
             assert bridge.connected and bridge.reconnects == 0
             assert "limits" in await bridge.api("INFO")
         finally:
