@@ -15,10 +15,12 @@ earlier client are dropped, so none can complete a request of a later one.
 
 Replies of batched direct gets are bounded by one byte budget (`REPLY_BUDGET`): the server drops a
 client whose unread bytes pass its `max_pending`, so the bytes asked for and not yet taken by trio
-must stay well under it.
+must stay well under it. They travel over a second `_Link` whose client is the lean connection of
+`natsfs.wire` (payloads received straight into their own buffers, replies handed to their waiters as
+they are parsed) when the servers and credentials allow it, and over the main link otherwise.
 
-Nothing outside this module imports asyncio or nats; nats exceptions become `natsfs.errors`, and
-nats-py internals are reached only through `natsfs.natscompat`.
+Nothing outside this module (and `natsfs.wire`, which only it imports) imports asyncio or nats; nats
+exceptions become `natsfs.errors`, and nats-py internals are reached only through `natsfs.natscompat`.
 """
 
 from __future__ import annotations
