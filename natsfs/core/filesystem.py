@@ -532,15 +532,19 @@ class Filesystem:
 
     # ------------------------------------------------------------------ files
     async def open(self, inode: InodeNo, flags: int, caller: Caller | None = None) -> Opened:
-        node = await self._node(inode)
-        if node.kind != FILE:
-            raise NatsFSError("not a regular file", errno=errno.EISDIR if node.kind != LINK else errno.ELOOP,
-                              log_level=logging.DEBUG)
-        info = node.info
-        assert info is not None and node.bucket is not None
         writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
-        if writing or flags & (os.O_TRUNC | os.O_APPEND):
-            await self.mut.check_writable(node.bucket)
+        while True:
+            node = await self._node(inode)
+            if node.kind != FILE:
+                raise NatsFSError("not a regular file", errno=errno.EISDIR if node.kind != LINK else errno.ELOOP,
+                                  log_level=logging.DEBUG)
+            assert node.info is not None and node.bucket is not None
+            if writing or flags & (os.O_TRUNC | os.O_APPEND):
+                await self.mut.check_writable(node.bucket)
+            # The object may have changed while this open awaited; its handle must read what the
+            # inode shows now, or the kernel would serve two versions from one page cache.
+            if self._shows_now(inode, node.info):
+                break
         if flags & os.O_TRUNC:
             sf = self._stage(inode, node)
             async with sf.lock:
@@ -548,6 +552,38 @@ class Filesystem:
                 await sf.truncate(0)
             self.mut.after_write(sf, 0)
         return self._open_handle(inode, node, writing, caller)
+
+    def _shows_now(self, inode: InodeNo, info: ObjectInfo) -> bool:
+        """Whether a handle of version `info` may be registered on `inode` at this moment.
+
+        Every handle of an inode reads one version, the one the inode shows: the kernel keeps one page
+        cache and one size per inode. An inode keeps its path while that shows the version its handles
+        read; when the path moves on, the inode is detached (`entry_changed`) and stays with its handles.
+        So an open that resolved its inode before awaiting may hold a version the inode no longer shows
+        (replaced meanwhile: the inode was detached and keeps the old version; or it had no handle to
+        keep it and shows the new one); it then resolves again.
+        """
+        sf = self.staging.get(inode)
+        if sf is not None and sf.shown:
+            return True  # reads come from the staged file, every byte of which went through this kernel
+        if self._nameless(inode):
+            readers = self._readers(inode)
+            return not readers or readers[0].info.nuid == info.nuid
+        path = self.inodes.path_of(inode)
+        bucket, rel = self.ns.split(path)
+        if bucket is None:
+            return False
+        if self._readers_left_behind(inode, bucket, rel):
+            # Its handles read a version the path no longer shows, and nothing detached it yet (a
+            # change seen while this mount's own upload of it ran, which then failed): as the watch does.
+            self._detach(path)
+            parent = self.inodes.known(path[:-1])
+            if parent is not None:
+                self.kernel.entry(parent, os.fsencode(path[-1]))
+            return False
+        index = self.ns.loaded_index(bucket)
+        current = index.get(rel) if index is not None else None
+        return isinstance(current, ObjectInfo) and (current is info or (bool(info.nuid) and current.nuid == info.nuid))
 
     def _open_handle(self, inode: InodeNo, node: Node, writing: bool, caller: Caller | None) -> Opened:
         info = node.info
