@@ -519,8 +519,14 @@ class Filesystem:
         if not isinstance(handle, DirHandle):
             raise NatsFSError("bad directory handle", errno=errno.EBADF)
         for i in range(start_id, len(handle.entries)):
-            name, path, node = handle.entries[i]
+            name, path, listed = handle.entries[i]
+            # The names are the snapshot taken at opendir, but the kernel caches the attributes handed
+            # with each entry for its inode: they must be what the path shows now (after a replace, the
+            # new version's size, on the fresh inode the path got if readers keep the old one).
             ino = self.inodes.ino_for(path)
+            staged = self.staging.get(ino)
+            node = (self._staged_node(staged) if staged is not None and staged.shown
+                    else self.ns.loaded_node(path) or listed)
             if not reply(os.fsencode(name), self._attr(ino, node), i + 1):
                 if self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
                     self.files.forget_cached_version(ino)

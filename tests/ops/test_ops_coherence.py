@@ -18,7 +18,7 @@ import pyfuse3
 import pytest
 import trio
 from gowriters import put_object
-from opskit import CTX, Env
+from opskit import CTX, Env, Listing
 
 from natsfs.adr20 import ObjectStore
 from natsfs.handles import FileHandle
@@ -190,5 +190,31 @@ def test_a_reader_left_on_an_inode_whose_upload_conflicted_keeps_its_version(ops
         assert moved.st_ino != ino and await env.read_all(moved.st_ino) == NEW
         for fi in (reader, again):
             await env.ops.release(fi.fh)
+
+    ops_env(body, setup=one_object)
+
+
+@pytest.mark.parametrize("reader_open", [False, True])
+def test_a_listing_hands_the_kernel_the_attributes_an_entry_has_now(ops_env, reader_open):
+    """A listing's names are a snapshot taken at opendir, but the attributes handed with each entry are
+    cached by the kernel for the entry's inode: after a replace they must be the new version's (on the
+    same inode, or on the fresh one the path got while a reader keeps the old), never the old size."""
+    async def body(env: Env):
+        alpha = (await env.lookup("alpha")).st_ino
+        ino = (await env.lookup("alpha/moving.bin")).st_ino
+        reader = await env.ops.open(ino, os.O_RDONLY, CTX) if reader_open else None
+        fh = await env.ops.opendir(alpha, None)
+        await replace(env)
+        await env.settle()
+        listing = Listing()
+        await env.ops.readdir(fh, 0, listing)
+        await env.ops.releasedir(fh)
+        [(name, attr, _)] = listing.entries
+        assert name == "moving.bin" and attr.st_size == len(NEW)
+        assert (attr.st_ino != ino) == reader_open
+        assert await env.read_all(attr.st_ino) == NEW
+        if reader is not None:
+            assert (await env.ops.getattr(ino, None)).st_size == len(OLD)
+            await env.ops.release(reader.fh)
 
     ops_env(body, setup=one_object)
