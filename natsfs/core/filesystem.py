@@ -577,8 +577,7 @@ class Filesystem:
             return not readers or readers[0].info.nuid == info.nuid
         path = self.inodes.path_of(inode)
         bucket, rel = self.ns.split(path)
-        if bucket is None:
-            return False
+        assert bucket is not None  # a file's path is inside a bucket
         if self._readers_left_behind(inode, bucket, rel):
             # Its handles read a version the path no longer shows, and nothing detached it yet (a
             # change seen while this mount's own upload of it ran, which then failed): as the watch does.
@@ -587,9 +586,9 @@ class Filesystem:
             if parent is not None:
                 self.kernel.entry(parent, os.fsencode(path[-1]))
             return False
-        index = self.ns.loaded_index(bucket)
-        current = index.get(rel) if index is not None else None
-        return isinstance(current, ObjectInfo) and (current is info or (bool(info.nuid) and current.nuid == info.nuid))
+        current = self.ns.loaded_node(path)
+        shown = current.info if current is not None and current.kind == FILE else None
+        return shown is not None and (shown is info or (bool(info.nuid) and shown.nuid == info.nuid))
 
     def _open_handle(self, inode: InodeNo, node: Node, writing: bool, caller: Caller | None) -> Opened:
         info = node.info
