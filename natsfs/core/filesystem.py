@@ -400,18 +400,24 @@ class Filesystem:
 
     async def _node(self, ino: InodeNo) -> Node:
         """What an inode is now: its staged state while that differs from the bucket, else the index."""
-        sf = self.staging.get(ino)
-        if sf is not None and sf.shown:
-            return self._staged_node(sf)
-        try:
-            return await self.ns.resolve(self.inodes.path_of(ino))
-        except NotFound:
-            readers = self._readers(ino)
-            if not readers or not self._nameless(ino):
-                raise
-            # Deleted or replaced while open (by this mount or another client): what its handles hold.
-            info = readers[0].info
-            return Node(FILE, info.bucket, (), None, info, info.mtime_ns)
+        while True:
+            sf = self.staging.get(ino)
+            if sf is not None and sf.shown:
+                return self._staged_node(sf)
+            path = self.inodes.path_of(ino)
+            try:
+                node = await self.ns.resolve(path)
+            except NotFound:
+                readers = self._readers(ino)
+                if not readers or not self._nameless(ino):
+                    raise
+                # Deleted or replaced while open (by this mount or another client): what its handles hold.
+                info = readers[0].info
+                return Node(FILE, info.bucket, (), None, info, info.mtime_ns)
+            if self.inodes.path_of(ino) == path:
+                return node
+            # Renamed, or detached (replaced while open) while the index was awaited: what the path
+            # shows now may be another inode's.
 
     async def _path_node(self, path: tuple[str, ...]) -> Node:
         sf = self.staging.at_path(path)

@@ -218,3 +218,27 @@ def test_a_listing_hands_the_kernel_the_attributes_an_entry_has_now(ops_env, rea
             await env.ops.release(reader.fh)
 
     ops_env(body, setup=one_object)
+
+
+def test_attributes_asked_for_while_the_object_is_replaced_are_those_of_the_inodes_version(ops_env, monkeypatch):
+    """A getattr of the inode an old reader holds, under way while the object is replaced: the inode keeps
+    the old version, so the kernel must get the old size (the new one would cut the reader short)."""
+    async def body(env: Env):
+        ino = (await env.lookup("alpha/moving.bin")).st_ino
+        reader = await env.ops.open(ino, os.O_RDONLY, CTX)
+        hold = Held(monkeypatch, env.ns, "resolve")
+        sizes: list[int] = []
+
+        async def getattr_() -> None:
+            sizes.append((await env.ops.getattr(ino, None)).st_size)
+
+        env.nursery.start_soon(getattr_)
+        await hold.held.wait()
+        await put_object(env.streams, "alpha", "moving.bin", NEW)
+        await env.settle()
+        hold.release()
+        await env.settle()
+        assert sizes == [len(OLD)]
+        await env.ops.release(reader.fh)
+
+    ops_env(body, setup=one_object)
