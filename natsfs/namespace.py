@@ -203,6 +203,14 @@ class Namespace:
             raise NotFound(f"{bucket}/{'/'.join(rel)}")
         return self._node(bucket, rel, entry)
 
+    def loaded_node(self, path: Path) -> Node | None:
+        """What `resolve` answers for an entry inside a bucket whose index is loaded, without waiting;
+        None when the index is not loaded or nothing is there."""
+        bucket, rel = self.split(path)
+        index = self.loaded_index(bucket) if bucket is not None and rel else None
+        entry = index.get(rel) if index is not None else None
+        return self._node(bucket, rel, entry) if bucket is not None and entry is not None else None
+
     def _node(self, bucket: str, rel: Path, entry: Dir | ObjectInfo) -> Node:
         if isinstance(entry, Dir):
             kind = BUCKET if not rel and self.single_bucket is None else (ROOT if not rel else DIR)

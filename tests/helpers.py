@@ -46,11 +46,14 @@ class Mount:
         """The daemon's ERROR/CRITICAL records and records with a traceback that no `expect_log` covers."""
         return unexpected_records(self.log(), self.expected)
 
+    def command(self) -> list[str]:
+        """The daemon's command line (a test may run it through a launcher of its own)."""
+        return [sys.executable, "-m", "natsfs", "mount", str(self.path), "--foreground",
+                "--log-level", "debug", "--log-file", str(self.log_file), "--cache-dir", str(self.cache_dir),
+                *(["--server", self.url] if self.url else []), *self.args]
+
     def start(self, timeout: float = 30.0) -> None:
-        cmd = [sys.executable, "-m", "natsfs", "mount", str(self.path), "--foreground",
-               "--log-level", "debug", "--log-file", str(self.log_file), "--cache-dir", str(self.cache_dir),
-               *(["--server", self.url] if self.url else []), *self.args]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

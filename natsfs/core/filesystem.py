@@ -401,18 +401,24 @@ class Filesystem:
 
     async def _node(self, ino: InodeNo) -> Node:
         """What an inode is now: its staged state while that differs from the bucket, else the index."""
-        sf = self.staging.get(ino)
-        if sf is not None and sf.shown:
-            return self._staged_node(sf)
-        try:
-            return await self.ns.resolve(self.inodes.path_of(ino))
-        except NotFound:
-            readers = self._readers(ino)
-            if not readers or not self._nameless(ino):
-                raise
-            # Deleted or replaced while open (by this mount or another client): what its handles hold.
-            info = readers[0].info
-            return Node(FILE, info.bucket, (), None, info, info.mtime_ns)
+        while True:
+            sf = self.staging.get(ino)
+            if sf is not None and sf.shown:
+                return self._staged_node(sf)
+            path = self.inodes.path_of(ino)
+            try:
+                node = await self.ns.resolve(path)
+            except NotFound:
+                readers = self._readers(ino)
+                if not readers or not self._nameless(ino):
+                    raise
+                # Deleted or replaced while open (by this mount or another client): what its handles hold.
+                info = readers[0].info
+                return Node(FILE, info.bucket, (), None, info, info.mtime_ns)
+            if self.inodes.path_of(ino) == path:
+                return node
+            # Renamed, or detached (replaced while open) while the index was awaited: what the path
+            # shows now may be another inode's.
 
     async def _path_node(self, path: tuple[str, ...]) -> Node:
         sf = self.staging.at_path(path)
@@ -520,8 +526,14 @@ class Filesystem:
         if not isinstance(handle, DirHandle):
             raise NatsFSError("bad directory handle", errno=errno.EBADF)
         for i in range(start_id, len(handle.entries)):
-            name, path, node = handle.entries[i]
+            name, path, listed = handle.entries[i]
+            # The names are the snapshot taken at opendir, but the kernel caches the attributes handed
+            # with each entry for its inode: they must be what the path shows now (after a replace, the
+            # new version's size, on the fresh inode the path got if readers keep the old one).
             ino = self.inodes.ino_for(path)
+            staged = self.staging.get(ino)
+            node = (self._staged_node(staged) if staged is not None and staged.shown
+                    else self.ns.loaded_node(path) or listed)
             if not reply(os.fsencode(name), self._attr(ino, node), i + 1):
                 if self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
                     self.files.forget_cached_version(ino)
@@ -533,15 +545,19 @@ class Filesystem:
 
     # ------------------------------------------------------------------ files
     async def open(self, inode: InodeNo, flags: int, caller: Caller | None = None) -> Opened:
-        node = await self._node(inode)
-        if node.kind != FILE:
-            raise NatsFSError("not a regular file", errno=errno.EISDIR if node.kind != LINK else errno.ELOOP,
-                              log_level=logging.DEBUG)
-        info = node.info
-        assert info is not None and node.bucket is not None
         writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
-        if writing or flags & (os.O_TRUNC | os.O_APPEND):
-            await self.mut.check_writable(node.bucket)
+        while True:
+            node = await self._node(inode)
+            if node.kind != FILE:
+                raise NatsFSError("not a regular file", errno=errno.EISDIR if node.kind != LINK else errno.ELOOP,
+                                  log_level=logging.DEBUG)
+            assert node.info is not None and node.bucket is not None
+            if writing or flags & (os.O_TRUNC | os.O_APPEND):
+                await self.mut.check_writable(node.bucket)
+            # The object may have changed while this open awaited; its handle must read what the
+            # inode shows now, or the kernel would serve two versions from one page cache.
+            if self._shows_now(inode, node.info):
+                break
         if flags & os.O_TRUNC:
             sf = self._stage(inode, node)
             async with sf.lock:
@@ -549,6 +565,37 @@ class Filesystem:
                 await sf.truncate(0)
             self.mut.after_write(sf, 0)
         return self._open_handle(inode, node, writing, caller)
+
+    def _shows_now(self, inode: InodeNo, info: ObjectInfo) -> bool:
+        """Whether a handle of version `info` may be registered on `inode` at this moment.
+
+        Every handle of an inode reads one version, the one the inode shows: the kernel keeps one page
+        cache and one size per inode. An inode keeps its path while that shows the version its handles
+        read; when the path moves on, the inode is detached (`entry_changed`) and stays with its handles.
+        So an open that resolved its inode before awaiting may hold a version the inode no longer shows
+        (replaced meanwhile: the inode was detached and keeps the old version; or it had no handle to
+        keep it and shows the new one); it then resolves again.
+        """
+        sf = self.staging.get(inode)
+        if sf is not None and sf.shown:
+            return True  # reads come from the staged file, every byte of which went through this kernel
+        if self._nameless(inode):
+            readers = self._readers(inode)
+            return not readers or readers[0].info.nuid == info.nuid
+        path = self.inodes.path_of(inode)
+        bucket, rel = self.ns.split(path)
+        assert bucket is not None  # a file's path is inside a bucket
+        if self._readers_left_behind(inode, bucket, rel):
+            # Its handles read a version the path no longer shows, and nothing detached it yet (a
+            # change seen while this mount's own upload of it ran, which then failed): as the watch does.
+            self._detach(path)
+            parent = self.inodes.known(path[:-1])
+            if parent is not None:
+                self.kernel.entry(parent, os.fsencode(path[-1]))
+            return False
+        current = self.ns.loaded_node(path)
+        shown = current.info if current is not None and current.kind == FILE else None
+        return shown is not None and (shown is info or (bool(info.nuid) and shown.nuid == info.nuid))
 
     def _open_handle(self, inode: InodeNo, node: Node, writing: bool, caller: Caller | None) -> Opened:
         info = node.info

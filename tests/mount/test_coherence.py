@@ -10,11 +10,14 @@ from __future__ import annotations
 import errno
 import os
 import random
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from gowriters import delete_object, put_link, put_object, rename_object
-from helpers import create_bucket, nats_py_put, raw_put, wait_for, with_nats, with_store
+from helpers import Mount, check_daemon_logs, create_bucket, nats_py_put, raw_put, wait_for, with_nats, with_store
 
 from natsfs.adr20 import meta_subject, stream_name
 
@@ -203,6 +206,74 @@ def test_two_readers_of_two_versions_never_see_each_others_bytes(nats_url, bucke
     assert stale or data == old
     with open(p, "rb") as g:  # once the old reader is gone, the page cache serves the new version only
         assert g.read() == new
+
+
+class HeldOpenMount(Mount):
+    """A mount whose daemon holds one open where it awaits, on request (see held_open_daemon.py)."""
+
+    def __init__(self, url: str, tmp_path: Path) -> None:
+        (tmp_path / "mnt").mkdir()
+        super().__init__(url, tmp_path / "mnt", [], log_file=tmp_path / "mount.log", cache_dir=tmp_path / "cache")
+        self.control = tmp_path / "control"
+        self.control.mkdir()
+
+    def command(self) -> list[str]:
+        launcher = Path(__file__).with_name("held_open_daemon.py")
+        return [sys.executable, str(launcher), str(self.control), *super().command()[3:]]
+
+    def hold_next_resolve_of(self, name: str) -> None:
+        (self.control / "hold").write_text(name)
+
+    def holding(self) -> bool:
+        return (self.control / "held").exists()
+
+    def release(self) -> None:
+        (self.control / "release").touch()
+
+
+def test_an_open_held_across_a_replace_never_shares_its_inode_with_the_other_version(nats_url, bucket_name,
+                                                                                      tmp_path):
+    """The interleaving behind the flake of the test above, forced: a second open of the inode an old
+    reader holds is under way (the kernel's entry still points at that inode) while another client
+    replaces the object and the mount sees it. Neither handle may read the other version's pages."""
+    old, new = _versions(16)
+    nats_py_put(nats_url, bucket_name, "moving.bin", old)
+    m = HeldOpenMount(nats_url, tmp_path)
+    m.start()
+    try:
+        p = m.path / bucket_name / "moving.bin"
+        with open(p, "rb", buffering=0) as f:
+            got = [f.read(131072)]
+            opened_mtime = os.fstat(f.fileno()).st_mtime_ns
+            m.hold_next_resolve_of("moving.bin")
+            second: list[bytes] = []
+            result: list[bool] = []
+            opener = threading.Thread(target=lambda: result.append(_read_whole(p, second)))
+            opener.start()
+            assert wait_for(m.holding, T)  # the second open waits in the daemon
+            nats_py_put(nats_url, bucket_name, "moving.bin", new)
+            assert wait_for(lambda: os.stat(p).st_mtime_ns != opened_mtime, T)  # the mount has seen it
+            m.release()
+            opener.join(T)
+            assert result, "the second reader did not finish"
+            stale = _read_on(f, got)
+        data = b"".join(got)
+        assert data == old[: len(data)] and (stale or data == old)
+        other = b"".join(second)
+        # The second open reached the old inode: it reads the old version (or ESTALE), or, had it been
+        # served after the change, the new one: never a mix.
+        assert other in (old[: len(other)], new[: len(other)]) and (result[0] or other in (old, new))
+        assert wait_for(lambda: read_or_none(p) == new, T)
+        assert m.alive
+    finally:
+        m.stop()
+    check_daemon_logs([m], [])
+
+
+def _read_whole(p: Path, got: list[bytes]) -> bool:
+    """Open `p` and read it to its end into `got`; True if it ended with ESTALE."""
+    with open(p, "rb", buffering=0) as g:
+        return _read_on(g, got)
 
 
 def test_deleted_file_open_for_reading(nats_url, bucket_name, mounter):

@@ -1,0 +1,244 @@
+"""Opens racing replacements: every handle of an inode reads one version, whatever the interleaving.
+
+The kernel keeps one page cache (and one size) per inode, so two handles of one inode that read two
+versions would be served each other's pages. An open awaits (the bucket's index, the server) between
+resolving its inode and registering its handle; these tests hold it right there, let another client
+replace the object, and then check what each handle reads, which handles the kernel may let keep its
+pages (`keep_cache`), and that the path moved to a fresh inode where it had to.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pyfuse3
+import pytest
+import trio
+from gowriters import put_object
+from opskit import CTX, Env, Listing
+
+from natsfs.adr20 import ObjectStore
+from natsfs.handles import FileHandle
+from natsfs.memstreams import MemoryStreams
+
+OLD = b"the old version\n" * 4096  # 64 KiB: one chunk
+NEW = b"THE NEW, LONGER VERSION\n" * 4096
+
+
+async def one_object(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("alpha")
+    await put_object(ms, "alpha", "moving.bin", OLD)
+
+
+class Held:
+    """Holds the next call of the async method `obj.name` (its arguments already taken) until `release()`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, obj: object, name: str) -> None:
+        self.held = trio.Event()
+        self._gate = trio.Event()
+        self._armed = True
+        real = getattr(obj, name)
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            if self._armed:
+                self._armed = False
+                self.held.set()
+                await self._gate.wait()
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(obj, name, held)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+async def held_open(hold: Held, env: Env, ino: int, meanwhile: Callable[[], Awaitable[None]],
+                    flags: int = os.O_RDONLY) -> pyfuse3.FileInfo:
+    """Open `ino`, with `meanwhile()` run (and the watch settled) while the open is held by `hold`."""
+    opened: list[pyfuse3.FileInfo] = []
+
+    async def open_it() -> None:
+        opened.append(await env.ops.open(ino, flags, CTX))
+
+    env.nursery.start_soon(open_it)
+    await hold.held.wait()
+    await meanwhile()
+    await env.settle()
+    hold.release()
+    await env.settle()
+    assert len(opened) == 1
+    return opened[0]
+
+
+def versions_on(env: Env, ino: int) -> set[str]:
+    """The nuids the open handles of `ino` read."""
+    return {h.info.nuid for h in env.fs.handles.values() if isinstance(h, FileHandle) and h.ino == ino}
+
+
+async def read(env: Env, fi: pyfuse3.FileInfo, size: int) -> bytes:
+    return await env.ops.read(fi.fh, 0, size)
+
+
+async def replace(env: Env) -> None:
+    await put_object(env.streams, "alpha", "moving.bin", NEW)
+
+
+def test_an_open_reaching_a_replaced_inode_reads_the_version_its_other_handles_hold(ops_env, monkeypatch):
+    """The object is replaced while a reader holds it and a second open of the same inode (the kernel's
+    entry still pointed at it) is under way: the second handle reads the old version too, never the new."""
+    async def body(env: Env):
+        ino = (await env.lookup("alpha/moving.bin")).st_ino
+        first = await env.ops.open(ino, os.O_RDONLY, CTX)
+        assert await read(env, first, len(OLD)) == OLD  # its chunk is now cached
+        old_nuid = versions_on(env, ino)
+
+        # Held after it took the inode's path, before it read the index.
+        second = await held_open(Held(monkeypatch, env.ns, "resolve"), env, ino, lambda: replace(env))
+
+        assert versions_on(env, ino) == old_nuid  # one version per inode
+        assert await read(env, second, len(OLD)) == OLD
+        assert not second.keep_cache  # the detached inode's pages were not vouched for
+        moved = await env.lookup("alpha/moving.bin")
+        assert moved.st_ino != ino and moved.st_size == len(NEW)
+        assert await env.read_all(moved.st_ino) == NEW
+        assert (await env.ops.getattr(ino, None)).st_size == len(OLD)
+        for fi in (first, second):
+            await env.ops.release(fi.fh)
+
+    ops_env(body, setup=one_object)
+
+
+@pytest.mark.parametrize("held_in", ["resolve", "check_writable"])
+def test_an_open_under_way_while_the_object_is_replaced_reads_the_new_version(ops_env, monkeypatch, held_in):
+    """No handle is open when the object is replaced, but an open of its inode is under way (held before
+    it read the index, or after, while it checks the bucket is writable): that open registers after the
+    change, so it reads the new version, and the inode keeps one version."""
+    async def body(env: Env):
+        ino = (await env.lookup("alpha/moving.bin")).st_ino
+        assert await env.read_all(ino) == OLD  # the kernel's pages now hold the old version
+
+        hold = Held(monkeypatch, env.ns if held_in == "resolve" else env.fs.mut, held_in)
+        held = await held_open(hold, env, ino, lambda: replace(env), flags=os.O_RDWR)
+
+        assert not held.keep_cache  # the old version's pages are dropped at this open
+        assert await read(env, held, len(NEW)) == NEW
+        again = await env.ops.open(ino, os.O_RDONLY, CTX)  # the kernel's entry still points here
+        assert again.keep_cache  # its pages were filled by the new version only
+        assert len(versions_on(env, ino)) == 1
+        assert await read(env, again, len(NEW)) == NEW
+        assert ("inode", ino, None) in env.fs.kernel.sent
+        for fi in (held, again):
+            await env.ops.release(fi.fh)
+
+    ops_env(body, setup=one_object)
+
+
+def test_an_open_under_way_while_the_object_is_deleted_is_enoent(ops_env, monkeypatch):
+    async def body(env: Env):
+        ino = (await env.lookup("alpha/moving.bin")).st_ino
+
+        async def delete() -> None:
+            await env.store.delete("alpha", "moving.bin")
+
+        hold = Held(monkeypatch, env.ns, "resolve")
+        failed: list[int] = []
+
+        async def open_it() -> None:
+            try:
+                await env.ops.open(ino, os.O_RDONLY, CTX)
+            except pyfuse3.FUSEError as e:
+                failed.append(e.errno)
+
+        env.nursery.start_soon(open_it)
+        await hold.held.wait()
+        await delete()
+        await env.settle()
+        hold.release()
+        await env.settle()
+        assert failed == [errno.ENOENT]
+        assert not versions_on(env, ino)
+
+    ops_env(body, setup=one_object)
+
+
+def test_a_reader_left_on_an_inode_whose_upload_conflicted_keeps_its_version(ops_env):
+    """A reader holds the inode while a writer's upload of it loses to another client's version (the
+    change was seen while the upload ran, so nothing detached the inode then): a later open of the inode
+    joins the reader's version, and the path moves to a fresh inode for the other client's."""
+    async def body(env: Env):
+        alpha = (await env.lookup("alpha")).st_ino
+        ino = (await env.lookup("alpha/moving.bin")).st_ino
+        reader = await env.ops.open(ino, os.O_RDONLY, CTX)
+        assert await read(env, reader, len(OLD)) == OLD
+        old_nuid = versions_on(env, ino)
+        writer = await env.ops.open(ino, os.O_WRONLY | os.O_TRUNC, CTX)
+        await env.ops.write(writer.fh, 0, b"mine")
+        await replace(env)
+        await env.settle()
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.flush(writer.fh)  # ESTALE: another client changed it meanwhile
+        await env.ops.release(writer.fh)
+
+        again = await env.ops.open(ino, os.O_RDONLY, CTX)  # the kernel's entry still points here
+        assert versions_on(env, ino) == old_nuid
+        assert await read(env, again, len(OLD)) == OLD
+        assert ("entry", alpha, b"moving.bin") in env.fs.kernel.sent
+        moved = await env.lookup("alpha/moving.bin")
+        assert moved.st_ino != ino and await env.read_all(moved.st_ino) == NEW
+        for fi in (reader, again):
+            await env.ops.release(fi.fh)
+
+    ops_env(body, setup=one_object)
+
+
+@pytest.mark.parametrize("reader_open", [False, True])
+def test_a_listing_hands_the_kernel_the_attributes_an_entry_has_now(ops_env, reader_open):
+    """A listing's names are a snapshot taken at opendir, but the attributes handed with each entry are
+    cached by the kernel for the entry's inode: after a replace they must be the new version's (on the
+    same inode, or on the fresh one the path got while a reader keeps the old), never the old size."""
+    async def body(env: Env):
+        alpha = (await env.lookup("alpha")).st_ino
+        ino = (await env.lookup("alpha/moving.bin")).st_ino
+        reader = await env.ops.open(ino, os.O_RDONLY, CTX) if reader_open else None
+        fh = await env.ops.opendir(alpha, None)
+        await replace(env)
+        await env.settle()
+        listing = Listing()
+        await env.ops.readdir(fh, 0, listing)
+        await env.ops.releasedir(fh)
+        [(name, attr, _)] = listing.entries
+        assert name == "moving.bin" and attr.st_size == len(NEW)
+        assert (attr.st_ino != ino) == reader_open
+        assert await env.read_all(attr.st_ino) == NEW
+        if reader is not None:
+            assert (await env.ops.getattr(ino, None)).st_size == len(OLD)
+            await env.ops.release(reader.fh)
+
+    ops_env(body, setup=one_object)
+
+
+def test_attributes_asked_for_while_the_object_is_replaced_are_those_of_the_inodes_version(ops_env, monkeypatch):
+    """A getattr of the inode an old reader holds, under way while the object is replaced: the inode keeps
+    the old version, so the kernel must get the old size (the new one would cut the reader short)."""
+    async def body(env: Env):
+        ino = (await env.lookup("alpha/moving.bin")).st_ino
+        reader = await env.ops.open(ino, os.O_RDONLY, CTX)
+        hold = Held(monkeypatch, env.ns, "resolve")
+        sizes: list[int] = []
+
+        async def getattr_() -> None:
+            sizes.append((await env.ops.getattr(ino, None)).st_size)
+
+        env.nursery.start_soon(getattr_)
+        await hold.held.wait()
+        await put_object(env.streams, "alpha", "moving.bin", NEW)
+        await env.settle()
+        hold.release()
+        await env.settle()
+        assert sizes == [len(OLD)]
+        await env.ops.release(reader.fh)
+
+    ops_env(body, setup=one_object)
