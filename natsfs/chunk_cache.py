@@ -63,7 +63,7 @@ import trio
 from .adr20 import ObjectInfo, ObjectStore, chunk_subject, format_digest, parse_digest
 from .errors import Corrupt, NatsFSError, Stale, Unavailable, single_error
 from .futures import wait_future
-from .streams import StoredMsg
+from .streams import Payload, StoredMsg
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class ChunkCache:
         self.store = store
         self.cache_bytes = cache_bytes
         self.batch_bytes = max(batch_bytes, 128 * 1024)
-        self._data: cachetools.LRUCache[ChunkKey, bytes] = cachetools.LRUCache(cache_bytes, getsizeof=len)
+        self._data: cachetools.LRUCache[ChunkKey, Payload] = cachetools.LRUCache(cache_bytes, getsizeof=len)
         self._layouts: cachetools.LRUCache[tuple[str, str], Layout] = cachetools.LRUCache(4096)
         self._inflight: dict[ChunkKey, trio.Event] = {}
         self._limiter = trio.CapacityLimiter(parallelism)
@@ -294,7 +294,7 @@ class ChunkCache:
         return int(self._data.currsize)
 
     # ------------------------------------------------------------------ reading
-    async def read(self, info: ObjectInfo, offset: int, size: int, readahead: int = 0) -> bytes:
+    async def read(self, info: ObjectInfo, offset: int, size: int, readahead: int = 0) -> Payload:
         """Bytes [offset, offset+size) of `info`'s version (short at EOF); prefetch `readahead` beyond."""
         end = min(offset + size, info.size)
         if offset >= end:
@@ -325,9 +325,9 @@ class ChunkCache:
             return joined  # whole chunks: no copy
         return joined[offset - base : end - base]
 
-    async def _pieces(self, info: ObjectInfo, layout: Layout, first: int, last: int) -> list[bytes]:
-        pieces: list[bytes] = []
-        fetched: dict[int, bytes] = {}
+    async def _pieces(self, info: ObjectInfo, layout: Layout, first: int, last: int) -> list[Payload]:
+        pieces: list[Payload] = []
+        fetched: dict[int, Payload] = {}
         generation = layout.generation
         for idx in range(first, last + 1):
             if layout.generation != generation:
@@ -353,7 +353,7 @@ class ChunkCache:
     def _key(self, info: ObjectInfo, layout: Layout, idx: int) -> ChunkKey:
         return (info.bucket, info.nuid, layout.seqs[idx])
 
-    async def _get_missing(self, info: ObjectInfo, layout: Layout, idx: int, stop: int) -> dict[int, bytes]:
+    async def _get_missing(self, info: ObjectInfo, layout: Layout, idx: int, stop: int) -> dict[int, Payload]:
         """Chunk `idx` (and any missing ones after it, up to `stop`), sharing fetches already in flight.
         Empty when the chunk turned out to be gone."""
         for _ in range(3):
@@ -647,14 +647,14 @@ class ChunkCache:
         self.stats.bytes_fetched += sum(len(m.data) for m in msgs)
         return msgs
 
-    def _store(self, info: ObjectInfo, layout: Layout, idx: int, data: bytes) -> None:
+    def _store(self, info: ObjectInfo, layout: Layout, idx: int, data: Payload) -> None:
         # A chunk larger than the whole cache (ValueError) is served uncached.
         with contextlib.suppress(ValueError):
             self._data[self._key(info, layout, idx)] = data
         if idx == layout.hash_pos and layout.intact:
             self._hash_forward(info, layout, data)
 
-    def _hash_forward(self, info: ObjectInfo, layout: Layout, data: bytes | None) -> None:
+    def _hash_forward(self, info: ObjectInfo, layout: Layout, data: Payload | None) -> None:
         """Hash chunk `hash_pos` (given, or from the cache) and every cached chunk after it."""
         while layout.hash_pos < len(layout.seqs):
             if data is None:
@@ -715,10 +715,10 @@ class ChunkCache:
         return start, end, events
 
     async def _fetch_claimed(self, info: ObjectInfo, layout: Layout, start: int, end: int,
-                             events: list[trio.Event]) -> dict[int, bytes]:
+                             events: list[trio.Event]) -> dict[int, Payload]:
         """Fetch the chunks of slots [start, end). Each reply fills only the slot of its own sequence:
         a chunk that does not come back is gone (reported once, EIO for the reads that need it)."""
-        out: dict[int, bytes] = {}
+        out: dict[int, Payload] = {}
         keys = [self._key(info, layout, k) for k in range(start, end)]
         try:
             if start >= end:
@@ -774,7 +774,7 @@ class ChunkCache:
         return out
 
     async def _fetch_one(self, info: ObjectInfo, layout: Layout, idx: int, subject: str,
-                         out: dict[int, bytes]) -> bool:
+                         out: dict[int, Payload]) -> bool:
         """Ask for slot `idx`'s chunk alone (it did not come with its run): False if it is gone."""
         seq = layout.seqs[idx]
         msgs = await self._fetch(info, seq, 1, 1)

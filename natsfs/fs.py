@@ -206,7 +206,8 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=opened.fh, keep_cache=opened.keep_cache), entry_attributes(attrs)
 
     @_boundary
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray:  # type: ignore[override]
+        # (pyfuse3 replies with any contiguous buffer: a cached chunk goes out as the bytearray it came in)
         return await self.fs.read(HandleNo(fh), off, size)
 
     @_boundary

@@ -30,6 +30,11 @@ BATCH_MAX_MSGS = 1000
 BATCH_IDLE_S = 10.0
 
 
+# A message's payload: bytes, or the bytearray the bridge's lean connection received it into (no copy);
+# nobody modifies one after it is handed over.
+Payload = bytes | bytearray
+
+
 @dataclass(slots=True)
 class StoredMsg:
     """One message as stored in a stream."""
@@ -37,7 +42,7 @@ class StoredMsg:
     seq: int
     subject: str
     headers: dict[str, str] | None
-    data: bytes
+    data: Payload
     time_ns: int
     # Direct gets only: how many messages on `subject` come after this one (`Nats-Num-Pending`) when
     # the reply was made; -1 when not known.

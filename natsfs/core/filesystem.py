@@ -59,6 +59,7 @@ from ..openers import Openers, ProcOpeners
 from ..secrecy import redact_urls
 from ..staging import StagedFile, Staging
 from ..status import recent_problems
+from ..streams import Payload
 from .openfiles import OpenFileTable
 from .writeback import WriteBack
 
@@ -585,7 +586,7 @@ class Filesystem:
         base = sf.base
         assert base is not None
 
-        async def read(offset: int, size: int) -> bytes:
+        async def read(offset: int, size: int) -> Payload:
             return await self.cache.read(base, offset, size)
 
         await sf.fill(read, upto)
@@ -615,7 +616,7 @@ class Filesystem:
         node = self._staged_node(sf)
         return self._open_handle(ino, node, True, caller), self._attr(ino, node)
 
-    async def read(self, fh: HandleNo, off: int, size: int) -> bytes:
+    async def read(self, fh: HandleNo, off: int, size: int) -> Payload:
         handle = self._file_handle(fh)
         sf = self.staging.get(handle.ino)
         if sf is not None and sf.serves_reads:
