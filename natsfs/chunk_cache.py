@@ -50,10 +50,10 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-import contextlib
 import hashlib
 import logging
 from array import array
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -82,6 +82,8 @@ GAP_CHECKS = 16
 FETCH_RETRY_S = 15.0
 _FETCH_PAUSE_S = 0.25
 GAP_SCAN_LIMIT = 100_000
+# A version not read for this long no longer counts as a stream sharing the readahead budget.
+STREAM_IDLE_S = 1.0
 
 # The sequence of a slot that stands for bytes whose chunks cannot be placed (missing, or not provably
 # where they seem to be). Stream sequences start at 1.
@@ -92,13 +94,59 @@ class _Unproven(Exception):
     """A reply does not fit the computed slot it was asked for: the version is mapped by a scan."""
 
 
+class ChunkLRU:
+    """Chunk bytes by key, bounded in bytes, the least recently used leaving first. A chunk a sequential
+    reader has gone past is `demote`d to the front of the queue (the kernel's page cache holds its bytes
+    now), so readahead that nobody has read yet outlives it instead of being evicted and fetched again."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self._items: OrderedDict[ChunkKey, Payload] = OrderedDict()
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: ChunkKey) -> Payload | None:
+        data = self._items.get(key)
+        if data is not None:
+            self._items.move_to_end(key)
+        return data
+
+    def peek(self, key: ChunkKey) -> Payload | None:
+        """The chunk, if cached, without making it recently used."""
+        return self._items.get(key)
+
+    def put(self, key: ChunkKey, data: Payload) -> bool:
+        """Keep `data` (evicting the least recently used); False for a chunk larger than the whole cache."""
+        size = len(data)
+        if size > self.limit:
+            return False
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.size -= len(old)
+        self._items[key] = data
+        self.size += size
+        while self.size > self.limit:
+            _, gone = self._items.popitem(last=False)
+            self.size -= len(gone)
+        return True
+
+    def demote(self, key: ChunkKey) -> None:
+        if key in self._items:
+            self._items.move_to_end(key, last=False)
+
+
 class Layout:
     """Where the bytes of one version live, as far as it is proven: one slot per chunk in offset order
     (stream sequence and end offset), known from the front. A damaged version (see `place_chunks`)
     also has one `UNPROVEN` slot covering the bytes no chunk can be proven to hold."""
 
     __slots__ = ("busy", "complete", "computed", "ends", "error", "generation", "gone", "grew", "hash_pos",
-                 "hasher", "intact", "reported", "retry_error", "seqs", "verdict")
+                 "hasher", "intact", "last_read", "reported", "retry_error", "runs", "seqs", "verdict", "window")
 
     def __init__(self) -> None:
         self.seqs = array("q")
@@ -119,6 +167,11 @@ class Layout:
         self.hasher = hashlib.sha256()
         self.hash_pos = 0  # index of the next chunk to hash
         self.verdict: bool | None = None  # None: not (yet) verified
+        # Readahead of this version (see `ChunkCache._readahead`): the window its last read was granted,
+        # when that read came (trio clock), and its prefetch runs in flight.
+        self.window = 0
+        self.last_read = 0.0
+        self.runs = 0
 
     def wake(self) -> None:
         grew, self.grew = self.grew, trio.Event()
@@ -267,21 +320,40 @@ class CacheStats:
         self.misses = 0
         self.reads = 0
         self.read_bytes = 0
+        # Readahead: the largest window granted to one version, how often a version's window collapsed
+        # (a read that is not sequential after sequential ones), and the batched requests it sent for
+        # versions whose layout was known (a layout walk's requests are `fetch_requests`).
+        self.readahead_peak = 0
+        self.readahead_collapses = 0
+        self.prefetch_requests = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
 
 
 class ChunkCache:
+    """Reads of versions' bytes through the chunk cache, with readahead.
+
+    Readahead. A version read sequentially (the caller passes the window it planned, growing while the
+    reads stay sequential, 0 on random access) is a stream. All streams share one byte budget, at most
+    half the cache so that what is fetched ahead is never evicted before it is read: a read may fetch
+    ahead up to its window or the budget divided by the streams read within the last `STREAM_IDLE_S`,
+    whichever is smaller. What a stream has read is demoted in the cache (the kernel's page cache
+    holds it), so the bytes ahead of every stream stay cached. A version's layout walk fetches ahead as it
+    goes; a version whose layout is known has up to `parallelism` batched requests in flight, each up to
+    `batch_bytes`."""
+
     def __init__(self, store: ObjectStore, *, cache_bytes: int, batch_bytes: int = 4 << 20,
-                 parallelism: int = 4):
+                 parallelism: int = 4, readahead_budget: int = 32 << 20):
         self.store = store
         self.cache_bytes = cache_bytes
         self.batch_bytes = max(batch_bytes, 128 * 1024)
-        self._data: cachetools.LRUCache[ChunkKey, Payload] = cachetools.LRUCache(cache_bytes, getsizeof=len)
+        self.parallelism = max(1, parallelism)
+        self.readahead_budget = max(0, min(readahead_budget, cache_bytes // 2))
+        self._data = ChunkLRU(cache_bytes)
         self._layouts: cachetools.LRUCache[tuple[str, str], Layout] = cachetools.LRUCache(4096)
         self._inflight: dict[ChunkKey, trio.Event] = {}
-        self._limiter = trio.CapacityLimiter(parallelism)
+        self._streams: set[Layout] = set()  # versions read sequentially of late (see `_readahead`)
         self._nursery: trio.Nursery | None = None
         self.stats = CacheStats()
 
@@ -291,7 +363,7 @@ class ChunkCache:
 
     @property
     def cached_bytes(self) -> int:
-        return int(self._data.currsize)
+        return self._data.size
 
     # ------------------------------------------------------------------ reading
     async def read(self, info: ObjectInfo, offset: int, size: int, readahead: int = 0) -> Payload:
@@ -301,6 +373,7 @@ class ChunkCache:
             return b""
         self.stats.reads += 1
         self.stats.read_bytes += end - offset
+        readahead = self._readahead(self._layout_of(info), readahead)
         while True:
             layout = await self._layout_covering(info, offset, end, end + readahead)
             if layout.verdict is False:
@@ -315,7 +388,12 @@ class ChunkCache:
             if layout.generation == generation:
                 break
             # The slots were rebuilt while this read waited: look again.
+        if layout.intact and layout.hash_pos <= last:
+            self._hash_forward(info, layout, pieces, first)
         if readahead > 0:
+            # A sequential reader is past these chunks: they are the first to go (see `ChunkLRU`).
+            for idx in range(first, last + 1 if layout.ends[last] <= end else last):
+                self._data.demote(self._key(info, layout, idx))
             self._prefetch(info, layout, last + 1, min(end + readahead, info.size))
         if end == info.size and layout.verdict is None:
             await self._verify(info, layout)
@@ -324,6 +402,25 @@ class ChunkCache:
         if offset == base and end - base == len(joined):
             return joined  # whole chunks: no copy
         return joined[offset - base : end - base]
+
+    def _readahead(self, layout: Layout, window: int) -> int:
+        """How far ahead of this read to fetch: the caller's `window` (0 for random access), within this
+        version's share of the readahead budget."""
+        if window <= 0:
+            if layout.window:
+                self.stats.readahead_collapses += 1
+                layout.window = 0
+            self._streams.discard(layout)
+            return 0
+        now = trio.current_time()
+        layout.last_read = now
+        self._streams.add(layout)
+        idle = [s for s in self._streams if now - s.last_read > STREAM_IDLE_S]
+        self._streams.difference_update(idle)
+        granted = min(window, self.readahead_budget // len(self._streams))
+        layout.window = granted
+        self.stats.readahead_peak = max(self.stats.readahead_peak, granted)
+        return granted
 
     async def _pieces(self, info: ObjectInfo, layout: Layout, first: int, last: int) -> list[Payload]:
         pieces: list[Payload] = []
@@ -352,6 +449,13 @@ class ChunkCache:
 
     def _key(self, info: ObjectInfo, layout: Layout, idx: int) -> ChunkKey:
         return (info.bucket, info.nuid, layout.seqs[idx])
+
+    def _layout_of(self, info: ObjectInfo) -> Layout:
+        key = (info.bucket, info.nuid)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = Layout()
+        return layout
 
     async def _get_missing(self, info: ObjectInfo, layout: Layout, idx: int, stop: int) -> dict[int, Payload]:
         """Chunk `idx` (and any missing ones after it, up to `stop`), sharing fetches already in flight.
@@ -394,11 +498,7 @@ class ChunkCache:
     # ------------------------------------------------------------------ layout
     async def _layout_covering(self, info: ObjectInfo, offset: int, end: int, want_end: int = 0) -> Layout:
         """The object's layout, known at least up to `end` (walking forward up to `want_end` if it must)."""
-        key = (info.bucket, info.nuid)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = Layout()
-            self._layouts[key] = layout
+        layout = self._layout_of(info)
         deadline = trio.current_time() + FETCH_RETRY_S
         while layout.known_bytes < end and not layout.complete:
             if layout.error is not None:
@@ -648,22 +748,23 @@ class ChunkCache:
         return msgs
 
     def _store(self, info: ObjectInfo, layout: Layout, idx: int, data: Payload) -> None:
-        # A chunk larger than the whole cache (ValueError) is served uncached.
-        with contextlib.suppress(ValueError):
-            self._data[self._key(info, layout, idx)] = data
-        if idx == layout.hash_pos and layout.intact:
-            self._hash_forward(info, layout, data)
+        # A chunk larger than the whole cache is not kept: the read that fetched it serves it.
+        self._data.put(self._key(info, layout, idx), data)
 
-    def _hash_forward(self, info: ObjectInfo, layout: Layout, data: Payload | None) -> None:
-        """Hash chunk `hash_pos` (given, or from the cache) and every cached chunk after it."""
+    def _hash_forward(self, info: ObjectInfo, layout: Layout, pieces: Sequence[Payload] = (), first: int = 0) -> None:
+        """Hash chunk `hash_pos` and those after it that are at hand (in `pieces`, the chunks from index
+        `first` on, or cached), in order, in one task of the hashing thread (a read hashes what it serves,
+        and whatever its readahead brought in already)."""
+        batch: list[Payload] = []
         while layout.hash_pos < len(layout.seqs):
+            k = layout.hash_pos - first
+            data = pieces[k] if 0 <= k < len(pieces) else self._data.peek(self._key(info, layout, layout.hash_pos))
             if data is None:
-                data = self._data.get(self._key(info, layout, layout.hash_pos))
-                if data is None:
-                    return
-            _HASHER.submit(layout.hasher.update, data)
+                break
+            batch.append(data)
             layout.hash_pos += 1
-            data = None
+        if batch:
+            _HASHER.submit(_update_all, layout.hasher, batch)
 
     async def _verify(self, info: ObjectInfo, layout: Layout) -> None:
         """Finish the digest check of a version whose last byte is being served, when every chunk
@@ -675,7 +776,7 @@ class ChunkCache:
             return
         while layout.hash_pos < info.chunks and layout.complete and layout.intact:
             before = layout.hash_pos
-            self._hash_forward(info, layout, None)
+            self._hash_forward(info, layout)
             if layout.hash_pos == before:
                 event = self._inflight.get(self._key(info, layout, layout.hash_pos))
                 if event is None:
@@ -791,6 +892,10 @@ class ChunkCache:
 
     # ------------------------------------------------------------------ readahead
     def _prefetch(self, info: ObjectInfo, layout: Layout, from_idx: int, to_offset: int) -> None:
+        """Fetch what is missing of the chunks from `from_idx` to `to_offset` in the background: by the
+        layout walk while the layout is not known that far, else in batched requests, up to
+        `parallelism` of them in flight for this version (the budget bounds their bytes: see
+        `_readahead`)."""
         if self._nursery is None or to_offset <= layout.start_of(min(from_idx, len(layout.seqs))):
             return
         if layout.known_bytes < to_offset and not layout.complete:
@@ -799,7 +904,7 @@ class ChunkCache:
             return
         stop = layout.chunk_at(to_offset - 1) + 1
         idx = from_idx
-        while idx < stop:
+        while idx < stop and layout.runs < self.parallelism:
             if not layout.readable(idx):
                 return
             key = self._key(info, layout, idx)
@@ -807,19 +912,27 @@ class ChunkCache:
                 idx += 1
                 continue
             run = self._claim(info, layout, idx, stop)
+            layout.runs += 1
+            self.stats.prefetch_requests += 1
             self._nursery.start_soon(self._prefetch_run, info, layout, run)
             idx = run[1]
 
     async def _prefetch_run(self, info: ObjectInfo, layout: Layout, run: tuple[int, int, list[trio.Event]]) -> None:
         try:
-            async with self._limiter:
-                await self._fetch_claimed(info, layout, *run)
+            await self._fetch_claimed(info, layout, *run)
         except NatsFSError as e:
             log.debug("readahead of %s/%s stopped: %s", info.bucket, info.name, e)
         except _Unproven:
             log.debug("readahead of %s/%s stopped: a chunk does not fit its computed slot", info.bucket, info.name)
         except Exception:
             log.exception("readahead of %s/%s failed unexpectedly", info.bucket, info.name)
+        finally:
+            layout.runs -= 1
+
+
+def _update_all(hasher: hashlib._Hash, chunks: list[Payload]) -> None:
+    for data in chunks:
+        hasher.update(data)
 
 
 def _unanswered(error: NatsFSError) -> bool:
