@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 from array import array
@@ -84,6 +85,10 @@ _FETCH_PAUSE_S = 0.25
 GAP_SCAN_LIMIT = 100_000
 # A version not read for this long no longer counts as a stream sharing the readahead budget.
 STREAM_IDLE_S = 1.0
+# Bytes handed to the hashing thread and not hashed yet, beyond which a read waits for it: chunks
+# queued for hashing stay in memory even once evicted, and a starved hashing thread must not let that
+# queue grow without bound.
+HASH_BACKLOG = 16 * 1024 * 1024
 
 # The sequence of a slot that stands for bytes whose chunks cannot be placed (missing, or not provably
 # where they seem to be). Stream sequences start at 1.
@@ -146,7 +151,8 @@ class Layout:
     also has one `UNPROVEN` slot covering the bytes no chunk can be proven to hold."""
 
     __slots__ = ("busy", "complete", "computed", "ends", "error", "generation", "gone", "grew", "hash_pos",
-                 "hasher", "intact", "last_read", "reported", "retry_error", "runs", "seqs", "verdict", "window")
+                 "hasher", "intact", "last_read", "read_end", "reported", "retry_error", "runs", "seqs", "verdict",
+                 "window")
 
     def __init__(self) -> None:
         self.seqs = array("q")
@@ -168,9 +174,11 @@ class Layout:
         self.hash_pos = 0  # index of the next chunk to hash
         self.verdict: bool | None = None  # None: not (yet) verified
         # Readahead of this version (see `ChunkCache._readahead`): the window its last read was granted,
-        # when that read came (trio clock), and its prefetch runs in flight.
+        # when that read came (trio clock), the furthest a sequential read got, and its prefetch runs in
+        # flight.
         self.window = 0
         self.last_read = 0.0
+        self.read_end = 0
         self.runs = 0
 
     def wake(self) -> None:
@@ -356,6 +364,10 @@ class ChunkCache:
         self._streams: set[Layout] = set()  # versions read sequentially of late (see `_readahead`)
         self._nursery: trio.Nursery | None = None
         self.stats = CacheStats()
+        # Bytes handed to the hashing thread, and hashed by it (each written by one thread only).
+        self._hash_submitted = 0
+        self.hashed = 0
+        self._hash_last: concurrent.futures.Future[None] | None = None
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background readahead runs in `nursery`; without one, reads still work, just without it."""
@@ -390,8 +402,13 @@ class ChunkCache:
             # The slots were rebuilt while this read waited: look again.
         if layout.intact and layout.hash_pos <= last:
             self._hash_forward(info, layout, pieces, first)
-        if readahead > 0:
-            # A sequential reader is past these chunks: they are the first to go (see `ChunkLRU`).
+            if self._hash_submitted - self.hashed > HASH_BACKLOG and self._hash_last is not None:
+                await _finished(self._hash_last)
+        if readahead > 0 and end >= layout.read_end:
+            # A sequential reader is past these chunks: they are the first to go (see `ChunkLRU`). (A read
+            # behind the furthest one, such as the kernel reading a page again that it dropped, changes
+            # nothing: the readahead beyond it is under way already.)
+            layout.read_end = end
             for idx in range(first, last + 1 if layout.ends[last] <= end else last):
                 self._data.demote(self._key(info, layout, idx))
             self._prefetch(info, layout, last + 1, min(end + readahead, info.size))
@@ -764,7 +781,14 @@ class ChunkCache:
             batch.append(data)
             layout.hash_pos += 1
         if batch:
-            _HASHER.submit(_update_all, layout.hasher, batch)
+            self._hash_submitted += sum(len(data) for data in batch)
+            self._hash_last = _HASHER.submit(self._update_all, layout.hasher, batch)
+
+    def _update_all(self, hasher: hashlib._Hash, chunks: list[Payload]) -> None:
+        """(hashing thread)"""
+        for data in chunks:
+            hasher.update(data)
+            self.hashed += len(data)
 
     async def _verify(self, info: ObjectInfo, layout: Layout) -> None:
         """Finish the digest check of a version whose last byte is being served, when every chunk
@@ -930,9 +954,18 @@ class ChunkCache:
             layout.runs -= 1
 
 
-def _update_all(hasher: hashlib._Hash, chunks: list[Payload]) -> None:
-    for data in chunks:
-        hasher.update(data)
+async def _finished(fut: concurrent.futures.Future[None]) -> None:
+    """Wait until `fut` has run, without cancelling it if this waiter is cancelled (it is part of a
+    version's digest: skipping it would fail a good version)."""
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def wake(_: object) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(done.set)
+
+    fut.add_done_callback(wake)
+    await done.wait()
 
 
 def _unanswered(error: NatsFSError) -> bool:
