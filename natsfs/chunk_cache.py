@@ -404,10 +404,12 @@ class ChunkCache:
             self._hash_forward(info, layout, pieces, first)
             if self._hash_submitted - self.hashed > HASH_BACKLOG and self._hash_last is not None:
                 await _finished(self._hash_last)
+        if readahead > 0 and end < layout.read_end - readahead:
+            layout.read_end = 0  # a sequential reader far behind the furthest one: another one, or it started over
         if readahead > 0 and end >= layout.read_end:
             # A sequential reader is past these chunks: they are the first to go (see `ChunkLRU`). (A read
-            # behind the furthest one, such as the kernel reading a page again that it dropped, changes
-            # nothing: the readahead beyond it is under way already.)
+            # a little behind the furthest one, such as the kernel reading a page again that it dropped,
+            # changes nothing: the readahead beyond it is under way already.)
             layout.read_end = end
             for idx in range(first, last + 1 if layout.ends[last] <= end else last):
                 self._data.demote(self._key(info, layout, idx))
@@ -927,6 +929,9 @@ class ChunkCache:
                 self._start_extend(info, layout, to_offset)
             return
         stop = layout.chunk_at(to_offset - 1) + 1
+        # As reads move on, the window's end moves a read at a time: wait until a batch (or half the
+        # window) is missing before asking, so that requests stay batches.
+        worth = min(self.batch_bytes, (to_offset - layout.start_of(min(from_idx, stop))) // 2)
         idx = from_idx
         while idx < stop and layout.runs < self.parallelism:
             if not layout.readable(idx):
@@ -935,6 +940,8 @@ class ChunkCache:
             if key in self._data or key in self._inflight:
                 idx += 1
                 continue
+            if layout.ends[stop - 1] - layout.start_of(idx) < worth and stop < len(layout.seqs):
+                return
             run = self._claim(info, layout, idx, stop)
             layout.runs += 1
             self.stats.prefetch_requests += 1

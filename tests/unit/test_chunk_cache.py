@@ -925,3 +925,21 @@ def test_a_version_whose_layout_is_known_gets_several_batched_requests_in_flight
         assert cache.stats.chunks_fetched == info.chunks
 
     run(body, cache_bytes=16 << 20, batch_bytes=128 * KiB, delay=0.001)
+
+
+def test_a_second_sequential_read_of_a_version_gets_readahead_again():
+    data = blob(4 << 20)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "twice.bin", data, chunk_size=64 * KiB)
+        assert await read_sequentially(cache, info, 64 * KiB, 256 * KiB, 1 << 20) == data
+        await trio.testing.wait_all_tasks_blocked()
+        requests = Requests(store)
+        assert await read_sequentially(cache, info, 64 * KiB, 256 * KiB, 1 << 20) == data
+        # The cache holds a quarter of the version: the second pass fetches most of it again, a batch
+        # (four chunks) per request, several requests ahead of the reads.
+        asked = len(requests.asked[info.nuid])
+        assert 0 < asked <= info.chunks // 4 + 4
+        assert requests.peak[info.nuid] >= 2
+
+    run(body, cache_bytes=1 << 20, batch_bytes=256 * KiB, delay=0.001)
