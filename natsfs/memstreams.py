@@ -93,7 +93,7 @@ def subjects_overlap(a: str, b: str) -> bool:
     return True
 
 
-def stored_size(subject: str, headers: dict[str, str] | None, data: bytes) -> int:
+def stored_size(subject: str, headers: dict[str, str] | None, data: bytes | bytearray) -> int:
     """Bytes a message counts against limits (nats-server's memory store: subject + headers + data + 16)."""
     hdr = 0
     if headers:

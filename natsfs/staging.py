@@ -463,7 +463,7 @@ class StagedFile:
         """Nothing of the base version's content survives (O_TRUNC): no copy needed."""
         self.copied = True
 
-    async def fill(self, read: Callable[[int, int], Awaitable[bytes]], upto: int | None = None) -> None:
+    async def fill(self, read: Callable[[int, int], Awaitable[bytes | bytearray]], upto: int | None = None) -> None:
         """Copy the base version's bytes in (copy-on-write), at most `upto` of them."""
         if self.copied:
             return
