@@ -334,6 +334,9 @@ class CacheStats:
         self.readahead_peak = 0
         self.readahead_collapses = 0
         self.prefetch_requests = 0
+        # Reads that waited for chunks already on their way (the layout walk's, or a fetch in flight):
+        # readahead was not far enough ahead of them.
+        self.waits = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -488,6 +491,7 @@ class ChunkCache:
                 return {idx: data}
             event = self._inflight.get(key)
             if event is not None:
+                self.stats.waits += 1
                 await event.wait()
                 continue
             self.stats.misses += 1
@@ -518,6 +522,7 @@ class ChunkCache:
     async def _layout_covering(self, info: ObjectInfo, offset: int, end: int, want_end: int = 0) -> Layout:
         """The object's layout, known at least up to `end` (walking forward up to `want_end` if it must)."""
         layout = self._layout_of(info)
+        waited = 0
         deadline = trio.current_time() + FETCH_RETRY_S
         while layout.known_bytes < end and not layout.complete:
             if layout.error is not None:
@@ -528,6 +533,8 @@ class ChunkCache:
                 await trio.sleep(_FETCH_PAUSE_S)
                 continue
             if layout.busy:
+                waited += 1
+                self.stats.waits += waited == 1
                 await layout.grew.wait()
             elif offset <= layout.known_bytes + self.batch_bytes:
                 if self._nursery is None:
