@@ -3,8 +3,8 @@ fetches, readahead, digest checks.
 
 Chunks are cached under `(bucket, nuid, stream sequence)`: a reply can only ever fill the slot of its own
 sequence, and a nuid is fresh on every put, so a replaced object is never served from its predecessor's
-chunks. The cache is a cachetools LRU bounded in bytes. Concurrent misses on one chunk share one fetch
-(an in-flight table of trio Events).
+chunks. The cache is an LRU bounded in bytes (`ChunkLRU`) in which a sequential reader's passed chunks
+go first. Concurrent misses on one chunk share one fetch (an in-flight table of trio Events).
 
 Where chunks live (`Layout`: stream sequence and end offset of each chunk) is learned lazily and never
 assumed: chunk sizes may differ anywhere, so no offset is computed from a chunk size. A read from the
@@ -15,8 +15,10 @@ meta's, its bytes fit the meta's size and it was stored before the meta. So a ch
 its offset is proven. A read far from what is known first tries to compute the layout (below), and
 otherwise maps the whole version with one headers-only scan (no payloads). A version whose chunks do not
 match its meta is placed once by `place_chunks`, which serves what it can prove and marks the rest
-unreadable (EIO); each such version is logged once. Readahead runs in the background, bounded by a
-capacity limiter, and its failures are left for the foreground read to report.
+unreadable (EIO); each such version is logged once. Readahead runs in the background, under one byte
+budget shared equally by the versions being read (see `ChunkCache`), and its failures are left for the
+foreground read to report. Digests are checked per version: each read hands what it serves (and what
+readahead brought in after it) to one hashing thread, in chunk order.
 
 Random access without a scan (`_compute`). One writer stores a version's n chunks at consecutive
 sequences F..F+n-1, every one holding the meta's `max_chunk_size` c bytes but the last. Two probes show
@@ -169,7 +171,7 @@ class Layout:
         self.grew = trio.Event()
         self.error: NatsFSError | None = None
         self.retry_error = False  # `error` is the server not answering: worth another walk
-        # Digest check of this version: chunks are hashed in order as they become available.
+        # Digest check of this version: chunks are hashed in order as reads serve them.
         self.hasher = hashlib.sha256()
         self.hash_pos = 0  # index of the next chunk to hash
         self.verdict: bool | None = None  # None: not (yet) verified
@@ -369,7 +371,7 @@ class ChunkCache:
         self.stats = CacheStats()
         # Bytes handed to the hashing thread, and hashed by it (each written by one thread only).
         self._hash_submitted = 0
-        self.hashed = 0
+        self._hash_done = 0
         self._hash_last: concurrent.futures.Future[None] | None = None
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -405,7 +407,7 @@ class ChunkCache:
             # The slots were rebuilt while this read waited: look again.
         if layout.intact and layout.hash_pos <= last:
             self._hash_forward(info, layout, pieces, first)
-            if self._hash_submitted - self.hashed > HASH_BACKLOG and self._hash_last is not None:
+            if self._hash_submitted - self._hash_done > HASH_BACKLOG and self._hash_last is not None:
                 await _finished(self._hash_last)
         if readahead > 0 and end < layout.read_end - readahead:
             layout.read_end = 0  # a sequential reader far behind the furthest one: another one, or it started over
@@ -797,7 +799,7 @@ class ChunkCache:
         """(hashing thread)"""
         for data in chunks:
             hasher.update(data)
-            self.hashed += len(data)
+            self._hash_done += len(data)
 
     async def _verify(self, info: ObjectInfo, layout: Layout) -> None:
         """Finish the digest check of a version whose last byte is being served, when every chunk
