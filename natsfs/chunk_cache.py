@@ -154,7 +154,7 @@ class Layout:
 
     __slots__ = ("busy", "complete", "computed", "ends", "error", "generation", "gone", "grew", "hash_pos",
                  "hasher", "intact", "last_read", "read_end", "reported", "retry_error", "runs", "seqs", "verdict",
-                 "window")
+                 "walk_to", "window")
 
     def __init__(self) -> None:
         self.seqs = array("q")
@@ -176,11 +176,12 @@ class Layout:
         self.hash_pos = 0  # index of the next chunk to hash
         self.verdict: bool | None = None  # None: not (yet) verified
         # Readahead of this version (see `ChunkCache._readahead`): the window its last read was granted,
-        # when that read came (trio clock), the furthest a sequential read got, and its prefetch runs in
-        # flight.
+        # when that read came (trio clock), the furthest a sequential read got, how far readers want the
+        # layout walk to go, and its prefetch runs in flight.
         self.window = 0
         self.last_read = 0.0
         self.read_end = 0
+        self.walk_to = 0
         self.runs = 0
 
     def wake(self) -> None:
@@ -565,6 +566,7 @@ class ChunkCache:
 
     def _start_extend(self, info: ObjectInfo, layout: Layout, want_end: int) -> None:
         assert self._nursery is not None
+        layout.walk_to = max(layout.walk_to, want_end)
         layout.busy = True
         self._nursery.start_soon(self._extend, info, layout, want_end)
 
@@ -576,8 +578,10 @@ class ChunkCache:
         return Unavailable(f"{info.bucket}/{info.name}: {text}", log_level=logging.DEBUG)
 
     async def _extend(self, info: ObjectInfo, layout: Layout, want_end: int) -> None:
-        """Walk forward from the last known chunk with one batched direct get whose chunks are taken
-        (into the layout and the cache) as they arrive, so readers never wait for the whole batch.
+        """Walk forward from the last known chunk with batched direct gets whose chunks are taken (into
+        the layout and the cache) as they arrive, so readers never wait for the whole batch; while
+        readers' readahead asks for more than a batch brought (`Layout.walk_to`), the next one is sent at
+        once rather than at the next read.
 
         A reply is taken only if it is the next chunk of this version beyond doubt: its subject is this
         nuid's chunk subject, its sequence follows the last known chunk's, the number of chunk messages
@@ -586,48 +590,54 @@ class ChunkCache:
         it was stored before the meta. Anything else is settled by a full scan (`_map_all`)."""
         subject = chunk_subject(info.bucket, info.nuid)
         try:
-            remaining = info.chunks - len(layout.seqs)
-            if remaining <= 0:
-                await self._map_all(info, layout)
-                return
-            want = max(self.batch_bytes, want_end - layout.known_bytes)
-            count = min(remaining, -(-want // self._chunk_guess(info)))
-            start_seq = layout.seqs[-1] + 1 if layout.seqs else 1
-            self.stats.fetch_requests += 1
-            batches = await self.store.stream_chunks(info.bucket, info.nuid, start_seq, count, want)
-            got = 0
-            settle = False
-            try:
-                while not settle and (msgs := await batches.next()) is not None:
-                    taken = 0
-                    for m in msgs:
-                        if m.subject != subject:
-                            raise self._stray(info, layout, m, f"a chunk of {subject}")
-                        if m.seq < start_seq or (layout.seqs and m.seq <= layout.seqs[-1]):
-                            raise self._stray(info, layout, m, f"the chunk after seq {start_seq - 1}")
-                        idx = len(layout.seqs)
-                        end = layout.known_bytes + len(m.data)
-                        if (m.pending < 0 or idx + 1 + m.pending != info.chunks or end > info.size
-                                or (idx == info.chunks - 1 and end != info.size)
-                                or (info.revision and m.seq > info.revision)):
-                            settle = True
-                            break
-                        layout.append(m.seq, len(m.data))
-                        self._store(info, layout, idx, m.data)
-                        self.stats.chunks_fetched += 1
-                        self.stats.bytes_fetched += len(m.data)
-                        taken += 1
-                    got += len(msgs)
-                    if taken:
-                        layout.wake()
-            finally:
-                await batches.close()
-            if settle:
-                await self._map_all(info, layout)
-            elif not got:
-                raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
-            elif len(layout.seqs) >= info.chunks:
-                layout.complete = True
+            while True:
+                remaining = info.chunks - len(layout.seqs)
+                if remaining <= 0:
+                    await self._map_all(info, layout)
+                    return
+                want = max(self.batch_bytes, want_end - layout.known_bytes)
+                count = min(remaining, -(-want // self._chunk_guess(info)))
+                start_seq = layout.seqs[-1] + 1 if layout.seqs else 1
+                self.stats.fetch_requests += 1
+                batches = await self.store.stream_chunks(info.bucket, info.nuid, start_seq, count, want)
+                got = 0
+                settle = False
+                try:
+                    while not settle and (msgs := await batches.next()) is not None:
+                        taken = 0
+                        for m in msgs:
+                            if m.subject != subject:
+                                raise self._stray(info, layout, m, f"a chunk of {subject}")
+                            if m.seq < start_seq or (layout.seqs and m.seq <= layout.seqs[-1]):
+                                raise self._stray(info, layout, m, f"the chunk after seq {start_seq - 1}")
+                            idx = len(layout.seqs)
+                            end = layout.known_bytes + len(m.data)
+                            if (m.pending < 0 or idx + 1 + m.pending != info.chunks or end > info.size
+                                    or (idx == info.chunks - 1 and end != info.size)
+                                    or (info.revision and m.seq > info.revision)):
+                                settle = True
+                                break
+                            layout.append(m.seq, len(m.data))
+                            self._store(info, layout, idx, m.data)
+                            self.stats.chunks_fetched += 1
+                            self.stats.bytes_fetched += len(m.data)
+                            taken += 1
+                        got += len(msgs)
+                        if taken:
+                            layout.wake()
+                finally:
+                    await batches.close()
+                if settle:
+                    await self._map_all(info, layout)
+                    return
+                if not got:
+                    raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
+                if len(layout.seqs) >= info.chunks:
+                    layout.complete = True
+                    return
+                want_end = max(want_end, layout.walk_to)
+                if want_end <= layout.known_bytes:
+                    return
         except NatsFSError as e:
             layout.error, layout.retry_error = e, _unanswered(e)
         except Exception as e:
@@ -934,7 +944,9 @@ class ChunkCache:
         if self._nursery is None or to_offset <= layout.start_of(min(from_idx, len(layout.seqs))):
             return
         if layout.known_bytes < to_offset and not layout.complete:
-            if not layout.busy:
+            if layout.busy:
+                layout.walk_to = max(layout.walk_to, to_offset)  # the walk under way goes on that far
+            else:
                 self._start_extend(info, layout, to_offset)
             return
         stop = layout.chunk_at(to_offset - 1) + 1
