@@ -3,8 +3,8 @@ fetches, readahead, digest checks.
 
 Chunks are cached under `(bucket, nuid, stream sequence)`: a reply can only ever fill the slot of its own
 sequence, and a nuid is fresh on every put, so a replaced object is never served from its predecessor's
-chunks. The cache is a cachetools LRU bounded in bytes. Concurrent misses on one chunk share one fetch
-(an in-flight table of trio Events).
+chunks. The cache is an LRU bounded in bytes (`ChunkLRU`) in which a sequential reader's passed chunks
+go first. Concurrent misses on one chunk share one fetch (an in-flight table of trio Events).
 
 Where chunks live (`Layout`: stream sequence and end offset of each chunk) is learned lazily and never
 assumed: chunk sizes may differ anywhere, so no offset is computed from a chunk size. A read from the
@@ -15,8 +15,10 @@ meta's, its bytes fit the meta's size and it was stored before the meta. So a ch
 its offset is proven. A read far from what is known first tries to compute the layout (below), and
 otherwise maps the whole version with one headers-only scan (no payloads). A version whose chunks do not
 match its meta is placed once by `place_chunks`, which serves what it can prove and marks the rest
-unreadable (EIO); each such version is logged once. Readahead runs in the background, bounded by a
-capacity limiter, and its failures are left for the foreground read to report.
+unreadable (EIO); each such version is logged once. Readahead runs in the background, under one byte
+budget shared equally by the versions being read (see `ChunkCache`), and its failures are left for the
+foreground read to report. Digests are checked per version: each read hands what it serves (and what
+readahead brought in after it) to one hashing thread, in chunk order.
 
 Random access without a scan (`_compute`). One writer stores a version's n chunks at consecutive
 sequences F..F+n-1, every one holding the meta's `max_chunk_size` c bytes but the last. Two probes show
@@ -54,6 +56,7 @@ import contextlib
 import hashlib
 import logging
 from array import array
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -82,6 +85,12 @@ GAP_CHECKS = 16
 FETCH_RETRY_S = 15.0
 _FETCH_PAUSE_S = 0.25
 GAP_SCAN_LIMIT = 100_000
+# A version not read for this long no longer counts as a stream sharing the readahead budget.
+STREAM_IDLE_S = 1.0
+# Bytes handed to the hashing thread and not hashed yet, beyond which a read waits for it: chunks
+# queued for hashing stay in memory even once evicted, and a starved hashing thread must not let that
+# queue grow without bound.
+HASH_BACKLOG = 16 * 1024 * 1024
 
 # The sequence of a slot that stands for bytes whose chunks cannot be placed (missing, or not provably
 # where they seem to be). Stream sequences start at 1.
@@ -92,13 +101,60 @@ class _Unproven(Exception):
     """A reply does not fit the computed slot it was asked for: the version is mapped by a scan."""
 
 
+class ChunkLRU:
+    """Chunk bytes by key, bounded in bytes, the least recently used leaving first. A chunk a sequential
+    reader has gone past is `demote`d to the front of the queue (the kernel's page cache holds its bytes
+    now), so readahead that nobody has read yet outlives it instead of being evicted and fetched again."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self._items: OrderedDict[ChunkKey, Payload] = OrderedDict()
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: ChunkKey) -> Payload | None:
+        data = self._items.get(key)
+        if data is not None:
+            self._items.move_to_end(key)
+        return data
+
+    def peek(self, key: ChunkKey) -> Payload | None:
+        """The chunk, if cached, without making it recently used."""
+        return self._items.get(key)
+
+    def put(self, key: ChunkKey, data: Payload) -> bool:
+        """Keep `data` (evicting the least recently used); False for a chunk larger than the whole cache."""
+        size = len(data)
+        if size > self.limit:
+            return False
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.size -= len(old)
+        self._items[key] = data
+        self.size += size
+        while self.size > self.limit:
+            _, gone = self._items.popitem(last=False)
+            self.size -= len(gone)
+        return True
+
+    def demote(self, key: ChunkKey) -> None:
+        if key in self._items:
+            self._items.move_to_end(key, last=False)
+
+
 class Layout:
     """Where the bytes of one version live, as far as it is proven: one slot per chunk in offset order
     (stream sequence and end offset), known from the front. A damaged version (see `place_chunks`)
     also has one `UNPROVEN` slot covering the bytes no chunk can be proven to hold."""
 
     __slots__ = ("busy", "complete", "computed", "ends", "error", "generation", "gone", "grew", "hash_pos",
-                 "hasher", "intact", "reported", "retry_error", "seqs", "verdict")
+                 "hasher", "intact", "last_read", "read_end", "reported", "retry_error", "runs", "seqs", "verdict",
+                 "walk_to", "window")
 
     def __init__(self) -> None:
         self.seqs = array("q")
@@ -115,10 +171,18 @@ class Layout:
         self.grew = trio.Event()
         self.error: NatsFSError | None = None
         self.retry_error = False  # `error` is the server not answering: worth another walk
-        # Digest check of this version: chunks are hashed in order as they become available.
+        # Digest check of this version: chunks are hashed in order as reads serve them.
         self.hasher = hashlib.sha256()
         self.hash_pos = 0  # index of the next chunk to hash
         self.verdict: bool | None = None  # None: not (yet) verified
+        # Readahead of this version (see `ChunkCache._readahead`): the window its last read was granted,
+        # when that read came (trio clock), the furthest a sequential read got, how far readers want the
+        # layout walk to go, and its prefetch runs in flight.
+        self.window = 0
+        self.last_read = 0.0
+        self.read_end = 0
+        self.walk_to = 0
+        self.runs = 0
 
     def wake(self) -> None:
         grew, self.grew = self.grew, trio.Event()
@@ -267,23 +331,49 @@ class CacheStats:
         self.misses = 0
         self.reads = 0
         self.read_bytes = 0
+        # Readahead: the largest window granted to one version, how often a version's window collapsed
+        # (a read that is not sequential after sequential ones), and the batched requests it sent for
+        # versions whose layout was known (a layout walk's requests are `fetch_requests`).
+        self.readahead_peak = 0
+        self.readahead_collapses = 0
+        self.prefetch_requests = 0
+        # Reads that waited for chunks already on their way (the layout walk's, or a fetch in flight):
+        # readahead was not far enough ahead of them.
+        self.waits = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
 
 
 class ChunkCache:
+    """Reads of versions' bytes through the chunk cache, with readahead.
+
+    Readahead. A version read sequentially (the caller passes the window it planned, growing while the
+    reads stay sequential, 0 on random access) is a stream. All streams share one byte budget, at most
+    half the cache so that what is fetched ahead is never evicted before it is read: a read may fetch
+    ahead up to its window or the budget divided by the streams read within the last `STREAM_IDLE_S`,
+    whichever is smaller. What a stream has read is demoted in the cache (the kernel's page cache
+    holds it), so the bytes ahead of every stream stay cached. A version's layout walk fetches ahead as it
+    goes; a version whose layout is known has up to `parallelism` batched requests in flight, each up to
+    `batch_bytes`."""
+
     def __init__(self, store: ObjectStore, *, cache_bytes: int, batch_bytes: int = 4 << 20,
-                 parallelism: int = 4):
+                 parallelism: int = 4, readahead_budget: int = 32 << 20):
         self.store = store
         self.cache_bytes = cache_bytes
         self.batch_bytes = max(batch_bytes, 128 * 1024)
-        self._data: cachetools.LRUCache[ChunkKey, Payload] = cachetools.LRUCache(cache_bytes, getsizeof=len)
+        self.parallelism = max(1, parallelism)
+        self.readahead_budget = max(0, min(readahead_budget, cache_bytes // 2))
+        self._data = ChunkLRU(cache_bytes)
         self._layouts: cachetools.LRUCache[tuple[str, str], Layout] = cachetools.LRUCache(4096)
         self._inflight: dict[ChunkKey, trio.Event] = {}
-        self._limiter = trio.CapacityLimiter(parallelism)
+        self._streams: set[Layout] = set()  # versions read sequentially of late (see `_readahead`)
         self._nursery: trio.Nursery | None = None
         self.stats = CacheStats()
+        # Bytes handed to the hashing thread, and hashed by it (each written by one thread only).
+        self._hash_submitted = 0
+        self._hash_done = 0
+        self._hash_last: concurrent.futures.Future[None] | None = None
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background readahead runs in `nursery`; without one, reads still work, just without it."""
@@ -291,7 +381,7 @@ class ChunkCache:
 
     @property
     def cached_bytes(self) -> int:
-        return int(self._data.currsize)
+        return self._data.size
 
     # ------------------------------------------------------------------ reading
     async def read(self, info: ObjectInfo, offset: int, size: int, readahead: int = 0) -> Payload:
@@ -301,6 +391,7 @@ class ChunkCache:
             return b""
         self.stats.reads += 1
         self.stats.read_bytes += end - offset
+        readahead = self._readahead(self._layout_of(info), readahead)
         while True:
             layout = await self._layout_covering(info, offset, end, end + readahead)
             if layout.verdict is False:
@@ -315,7 +406,19 @@ class ChunkCache:
             if layout.generation == generation:
                 break
             # The slots were rebuilt while this read waited: look again.
-        if readahead > 0:
+        if layout.intact and layout.hash_pos <= last:
+            self._hash_forward(info, layout, pieces, first)
+            if self._hash_submitted - self._hash_done > HASH_BACKLOG and self._hash_last is not None:
+                await _finished(self._hash_last)
+        if readahead > 0 and end < layout.read_end - readahead:
+            layout.read_end = 0  # a sequential reader far behind the furthest one: another one, or it started over
+        if readahead > 0 and end >= layout.read_end:
+            # A sequential reader is past these chunks: they are the first to go (see `ChunkLRU`). (A read
+            # a little behind the furthest one, such as the kernel reading a page again that it dropped,
+            # changes nothing: the readahead beyond it is under way already.)
+            layout.read_end = end
+            for idx in range(first, last + 1 if layout.ends[last] <= end else last):
+                self._data.demote(self._key(info, layout, idx))
             self._prefetch(info, layout, last + 1, min(end + readahead, info.size))
         if end == info.size and layout.verdict is None:
             await self._verify(info, layout)
@@ -324,6 +427,25 @@ class ChunkCache:
         if offset == base and end - base == len(joined):
             return joined  # whole chunks: no copy
         return joined[offset - base : end - base]
+
+    def _readahead(self, layout: Layout, window: int) -> int:
+        """How far ahead of this read to fetch: the caller's `window` (0 for random access), within this
+        version's share of the readahead budget."""
+        if window <= 0:
+            if layout.window:
+                self.stats.readahead_collapses += 1
+                layout.window = 0
+            self._streams.discard(layout)
+            return 0
+        now = trio.current_time()
+        layout.last_read = now
+        self._streams.add(layout)
+        idle = [s for s in self._streams if now - s.last_read > STREAM_IDLE_S]
+        self._streams.difference_update(idle)
+        granted = min(window, self.readahead_budget // len(self._streams))
+        layout.window = granted
+        self.stats.readahead_peak = max(self.stats.readahead_peak, granted)
+        return granted
 
     async def _pieces(self, info: ObjectInfo, layout: Layout, first: int, last: int) -> list[Payload]:
         pieces: list[Payload] = []
@@ -353,6 +475,13 @@ class ChunkCache:
     def _key(self, info: ObjectInfo, layout: Layout, idx: int) -> ChunkKey:
         return (info.bucket, info.nuid, layout.seqs[idx])
 
+    def _layout_of(self, info: ObjectInfo) -> Layout:
+        key = (info.bucket, info.nuid)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = Layout()
+        return layout
+
     async def _get_missing(self, info: ObjectInfo, layout: Layout, idx: int, stop: int) -> dict[int, Payload]:
         """Chunk `idx` (and any missing ones after it, up to `stop`), sharing fetches already in flight.
         Empty when the chunk turned out to be gone."""
@@ -365,6 +494,7 @@ class ChunkCache:
                 return {idx: data}
             event = self._inflight.get(key)
             if event is not None:
+                self.stats.waits += 1
                 await event.wait()
                 continue
             self.stats.misses += 1
@@ -394,11 +524,8 @@ class ChunkCache:
     # ------------------------------------------------------------------ layout
     async def _layout_covering(self, info: ObjectInfo, offset: int, end: int, want_end: int = 0) -> Layout:
         """The object's layout, known at least up to `end` (walking forward up to `want_end` if it must)."""
-        key = (info.bucket, info.nuid)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = Layout()
-            self._layouts[key] = layout
+        layout = self._layout_of(info)
+        waited = 0
         deadline = trio.current_time() + FETCH_RETRY_S
         while layout.known_bytes < end and not layout.complete:
             if layout.error is not None:
@@ -409,6 +536,8 @@ class ChunkCache:
                 await trio.sleep(_FETCH_PAUSE_S)
                 continue
             if layout.busy:
+                waited += 1
+                self.stats.waits += waited == 1
                 await layout.grew.wait()
             elif offset <= layout.known_bytes + self.batch_bytes:
                 if self._nursery is None:
@@ -437,6 +566,7 @@ class ChunkCache:
 
     def _start_extend(self, info: ObjectInfo, layout: Layout, want_end: int) -> None:
         assert self._nursery is not None
+        layout.walk_to = max(layout.walk_to, want_end)
         layout.busy = True
         self._nursery.start_soon(self._extend, info, layout, want_end)
 
@@ -448,8 +578,10 @@ class ChunkCache:
         return Unavailable(f"{info.bucket}/{info.name}: {text}", log_level=logging.DEBUG)
 
     async def _extend(self, info: ObjectInfo, layout: Layout, want_end: int) -> None:
-        """Walk forward from the last known chunk with one batched direct get whose chunks are taken
-        (into the layout and the cache) as they arrive, so readers never wait for the whole batch.
+        """Walk forward from the last known chunk with batched direct gets whose chunks are taken (into
+        the layout and the cache) as they arrive, so readers never wait for the whole batch; while
+        readers' readahead asks for more than a batch brought (`Layout.walk_to`), the next one is sent at
+        once rather than at the next read.
 
         A reply is taken only if it is the next chunk of this version beyond doubt: its subject is this
         nuid's chunk subject, its sequence follows the last known chunk's, the number of chunk messages
@@ -458,48 +590,54 @@ class ChunkCache:
         it was stored before the meta. Anything else is settled by a full scan (`_map_all`)."""
         subject = chunk_subject(info.bucket, info.nuid)
         try:
-            remaining = info.chunks - len(layout.seqs)
-            if remaining <= 0:
-                await self._map_all(info, layout)
-                return
-            want = max(self.batch_bytes, want_end - layout.known_bytes)
-            count = min(remaining, -(-want // self._chunk_guess(info)))
-            start_seq = layout.seqs[-1] + 1 if layout.seqs else 1
-            self.stats.fetch_requests += 1
-            batches = await self.store.stream_chunks(info.bucket, info.nuid, start_seq, count, want)
-            got = 0
-            settle = False
-            try:
-                while not settle and (msgs := await batches.next()) is not None:
-                    taken = 0
-                    for m in msgs:
-                        if m.subject != subject:
-                            raise self._stray(info, layout, m, f"a chunk of {subject}")
-                        if m.seq < start_seq or (layout.seqs and m.seq <= layout.seqs[-1]):
-                            raise self._stray(info, layout, m, f"the chunk after seq {start_seq - 1}")
-                        idx = len(layout.seqs)
-                        end = layout.known_bytes + len(m.data)
-                        if (m.pending < 0 or idx + 1 + m.pending != info.chunks or end > info.size
-                                or (idx == info.chunks - 1 and end != info.size)
-                                or (info.revision and m.seq > info.revision)):
-                            settle = True
-                            break
-                        layout.append(m.seq, len(m.data))
-                        self._store(info, layout, idx, m.data)
-                        self.stats.chunks_fetched += 1
-                        self.stats.bytes_fetched += len(m.data)
-                        taken += 1
-                    got += len(msgs)
-                    if taken:
-                        layout.wake()
-            finally:
-                await batches.close()
-            if settle:
-                await self._map_all(info, layout)
-            elif not got:
-                raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
-            elif len(layout.seqs) >= info.chunks:
-                layout.complete = True
+            while True:
+                remaining = info.chunks - len(layout.seqs)
+                if remaining <= 0:
+                    await self._map_all(info, layout)
+                    return
+                want = max(self.batch_bytes, want_end - layout.known_bytes)
+                count = min(remaining, -(-want // self._chunk_guess(info)))
+                start_seq = layout.seqs[-1] + 1 if layout.seqs else 1
+                self.stats.fetch_requests += 1
+                batches = await self.store.stream_chunks(info.bucket, info.nuid, start_seq, count, want)
+                got = 0
+                settle = False
+                try:
+                    while not settle and (msgs := await batches.next()) is not None:
+                        taken = 0
+                        for m in msgs:
+                            if m.subject != subject:
+                                raise self._stray(info, layout, m, f"a chunk of {subject}")
+                            if m.seq < start_seq or (layout.seqs and m.seq <= layout.seqs[-1]):
+                                raise self._stray(info, layout, m, f"the chunk after seq {start_seq - 1}")
+                            idx = len(layout.seqs)
+                            end = layout.known_bytes + len(m.data)
+                            if (m.pending < 0 or idx + 1 + m.pending != info.chunks or end > info.size
+                                    or (idx == info.chunks - 1 and end != info.size)
+                                    or (info.revision and m.seq > info.revision)):
+                                settle = True
+                                break
+                            layout.append(m.seq, len(m.data))
+                            self._store(info, layout, idx, m.data)
+                            self.stats.chunks_fetched += 1
+                            self.stats.bytes_fetched += len(m.data)
+                            taken += 1
+                        got += len(msgs)
+                        if taken:
+                            layout.wake()
+                finally:
+                    await batches.close()
+                if settle:
+                    await self._map_all(info, layout)
+                    return
+                if not got:
+                    raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
+                if len(layout.seqs) >= info.chunks:
+                    layout.complete = True
+                    return
+                want_end = max(want_end, layout.walk_to)
+                if want_end <= layout.known_bytes:
+                    return
         except NatsFSError as e:
             layout.error, layout.retry_error = e, _unanswered(e)
         except Exception as e:
@@ -648,22 +786,30 @@ class ChunkCache:
         return msgs
 
     def _store(self, info: ObjectInfo, layout: Layout, idx: int, data: Payload) -> None:
-        # A chunk larger than the whole cache (ValueError) is served uncached.
-        with contextlib.suppress(ValueError):
-            self._data[self._key(info, layout, idx)] = data
-        if idx == layout.hash_pos and layout.intact:
-            self._hash_forward(info, layout, data)
+        # A chunk larger than the whole cache is not kept: the read that fetched it serves it.
+        self._data.put(self._key(info, layout, idx), data)
 
-    def _hash_forward(self, info: ObjectInfo, layout: Layout, data: Payload | None) -> None:
-        """Hash chunk `hash_pos` (given, or from the cache) and every cached chunk after it."""
+    def _hash_forward(self, info: ObjectInfo, layout: Layout, pieces: Sequence[Payload] = (), first: int = 0) -> None:
+        """Hash chunk `hash_pos` and those after it that are at hand (in `pieces`, the chunks from index
+        `first` on, or cached), in order, in one task of the hashing thread (a read hashes what it serves,
+        and whatever its readahead brought in already)."""
+        batch: list[Payload] = []
         while layout.hash_pos < len(layout.seqs):
+            k = layout.hash_pos - first
+            data = pieces[k] if 0 <= k < len(pieces) else self._data.peek(self._key(info, layout, layout.hash_pos))
             if data is None:
-                data = self._data.get(self._key(info, layout, layout.hash_pos))
-                if data is None:
-                    return
-            _HASHER.submit(layout.hasher.update, data)
+                break
+            batch.append(data)
             layout.hash_pos += 1
-            data = None
+        if batch:
+            self._hash_submitted += sum(len(data) for data in batch)
+            self._hash_last = _HASHER.submit(self._update_all, layout.hasher, batch)
+
+    def _update_all(self, hasher: hashlib._Hash, chunks: list[Payload]) -> None:
+        """(hashing thread)"""
+        for data in chunks:
+            hasher.update(data)
+            self._hash_done += len(data)
 
     async def _verify(self, info: ObjectInfo, layout: Layout) -> None:
         """Finish the digest check of a version whose last byte is being served, when every chunk
@@ -675,7 +821,7 @@ class ChunkCache:
             return
         while layout.hash_pos < info.chunks and layout.complete and layout.intact:
             before = layout.hash_pos
-            self._hash_forward(info, layout, None)
+            self._hash_forward(info, layout)
             if layout.hash_pos == before:
                 event = self._inflight.get(self._key(info, layout, layout.hash_pos))
                 if event is None:
@@ -791,35 +937,63 @@ class ChunkCache:
 
     # ------------------------------------------------------------------ readahead
     def _prefetch(self, info: ObjectInfo, layout: Layout, from_idx: int, to_offset: int) -> None:
+        """Fetch what is missing of the chunks from `from_idx` to `to_offset` in the background: by the
+        layout walk while the layout is not known that far, else in batched requests, up to
+        `parallelism` of them in flight for this version (the budget bounds their bytes: see
+        `_readahead`)."""
         if self._nursery is None or to_offset <= layout.start_of(min(from_idx, len(layout.seqs))):
             return
         if layout.known_bytes < to_offset and not layout.complete:
-            if not layout.busy:
+            if layout.busy:
+                layout.walk_to = max(layout.walk_to, to_offset)  # the walk under way goes on that far
+            else:
                 self._start_extend(info, layout, to_offset)
             return
         stop = layout.chunk_at(to_offset - 1) + 1
+        # As reads move on, the window's end moves a read at a time: wait until a batch (or half the
+        # window) is missing before asking, so that requests stay batches.
+        worth = min(self.batch_bytes, (to_offset - layout.start_of(min(from_idx, stop))) // 2)
         idx = from_idx
-        while idx < stop:
+        while idx < stop and layout.runs < self.parallelism:
             if not layout.readable(idx):
                 return
             key = self._key(info, layout, idx)
             if key in self._data or key in self._inflight:
                 idx += 1
                 continue
+            if layout.ends[stop - 1] - layout.start_of(idx) < worth and stop < len(layout.seqs):
+                return
             run = self._claim(info, layout, idx, stop)
+            layout.runs += 1
+            self.stats.prefetch_requests += 1
             self._nursery.start_soon(self._prefetch_run, info, layout, run)
             idx = run[1]
 
     async def _prefetch_run(self, info: ObjectInfo, layout: Layout, run: tuple[int, int, list[trio.Event]]) -> None:
         try:
-            async with self._limiter:
-                await self._fetch_claimed(info, layout, *run)
+            await self._fetch_claimed(info, layout, *run)
         except NatsFSError as e:
             log.debug("readahead of %s/%s stopped: %s", info.bucket, info.name, e)
         except _Unproven:
             log.debug("readahead of %s/%s stopped: a chunk does not fit its computed slot", info.bucket, info.name)
         except Exception:
             log.exception("readahead of %s/%s failed unexpectedly", info.bucket, info.name)
+        finally:
+            layout.runs -= 1
+
+
+async def _finished(fut: concurrent.futures.Future[None]) -> None:
+    """Wait until `fut` has run, without cancelling it if this waiter is cancelled (it is part of a
+    version's digest: skipping it would fail a good version)."""
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def wake(_: object) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(done.set)
+
+    fut.add_done_callback(wake)
+    await done.wait()
 
 
 def _unanswered(error: NatsFSError) -> bool:

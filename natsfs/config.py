@@ -124,7 +124,10 @@ class Config:
     # Readahead grows from the first to the second value while a handle reads sequentially.
     readahead_min: int = 1024 * 1024
     readahead_max: int = 32 * 1024 * 1024
-    # How many chunk batches may be in flight for one mount, and how big one batch is.
+    # Bytes all sequential readers together may fetch ahead (at most half the cache), shared equally by
+    # the versions being read; how many batched requests one version may have in flight, and how big one
+    # batch is.
+    readahead_budget: int = 32 * 1024 * 1024
     fetch_parallelism: int = 4
     # Kernel readahead for the mount (sysfs bdi setting; needs root): lets reads arrive 1 MiB at a time.
     kernel_readahead_kb: int = 1024

@@ -137,6 +137,13 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.fs = fs
         self.failures = FailureLog()
+        self.initialized = False  # the kernel's INIT was answered
+        # Called (once) before the first open is answered: the mount sets the kernel's readahead there,
+        # which a file takes when it is opened (see `natsfs.mount.KernelReadahead`).
+        self.before_first_open: Callable[[], None] | None = None
+
+    def init(self) -> None:
+        self.initialized = True
 
     def _request_inodes(self, op: str, args: tuple[Any, ...]) -> tuple[InodeNo, ...]:
         """The inodes a request names (directories for entry operations, files for data ones)."""
@@ -194,14 +201,21 @@ class Operations(pyfuse3.Operations):
         self.fs.releasedir(HandleNo(fh))
 
     # ------------------------------------------------------------------ files
+    def _first_open(self) -> None:
+        hook, self.before_first_open = self.before_first_open, None
+        if hook is not None:
+            hook()
+
     @_boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        self._first_open()
         opened = await self.fs.open(InodeNo(inode), flags, _caller(ctx) if ctx is not None else None)
         return pyfuse3.FileInfo(fh=opened.fh, keep_cache=opened.keep_cache)
 
     @_boundary
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self._first_open()
         opened, attrs = await self.fs.create(InodeNo(parent_inode), name, mode, flags, _caller(ctx))
         return pyfuse3.FileInfo(fh=opened.fh, keep_cache=opened.keep_cache), entry_attributes(attrs)
 

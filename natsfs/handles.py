@@ -33,11 +33,19 @@ class FileHandle:
     readahead: int = 0
 
     def plan_readahead(self, offset: int, size: int, minimum: int, maximum: int) -> int:
-        """Readahead grows while reads are sequential and collapses on a seek."""
+        """Readahead grows (doubling) while reads are sequential and collapses on a seek.
+
+        A read near where the reader is, within its readahead window or eight of its own size, neither
+        grows nor collapses it: the kernel's readahead sends requests a little out of order, and reads
+        single pages again, far behind, when it dropped them before the reader got to them (page cache
+        reclaim). Such a read behind does not move the reader back either."""
+        near = max(self.readahead, size * 8)
         if offset == self.next_offset:
             self.readahead = minimum if self.readahead == 0 else min(maximum, self.readahead * 2)
-        elif offset > self.next_offset + size * 8 or offset < self.next_offset - size * 8:
+        elif offset > self.next_offset + near or offset < self.next_offset - near:
             self.readahead = 0
+        elif offset < self.next_offset:
+            return self.readahead
         self.next_offset = offset + size
         return self.readahead
 

@@ -22,6 +22,7 @@ from .bridge import Bridge
 from .compose import build_filesystem
 from .config import Config
 from .errors import NatsFSError, NotFound
+from .fs import Operations
 from .jetstream import JetStreams
 from .kernel import clone_device, session_device_fd
 from .secrecy import redact_urls
@@ -113,7 +114,9 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
                 log.warning("cannot send invalidations to the kernel (%s); its caches expire after %g s",
                             e, config.entry_timeout)
             log.info("mounted %s on %s", config.bucket or "all buckets", mountpoint)
-            nursery.start_soon(raise_kernel_readahead, mountpoint, config.kernel_readahead_kb)
+            readahead = KernelReadahead(mountpoint, config.kernel_readahead_kb)
+            built.ops.before_first_open = readahead.apply
+            nursery.start_soon(readahead.apply_soon, built.ops)
             fuse = _FuseLoop()
             try:
                 nursery.start_soon(fuse.terminate_on_signal)
@@ -139,32 +142,53 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             await bridge.close()
 
 
-async def raise_kernel_readahead(mountpoint: Path, kb: int) -> None:
+class KernelReadahead:
     """Let the kernel send 1 MiB reads instead of 128 KiB ones (fewer, larger FUSE requests).
 
-    The kernel sets the device's readahead when it processes our INIT reply, so this waits for that
-    and checks that the setting stuck. The device number comes from /proc/self/mountinfo: stat() on
-    our own mountpoint would deadlock. Needs root; otherwise the kernel default stays.
+    The kernel sets the device's readahead (sysfs `read_ahead_kb` of the mount's bdi) when it processes
+    our INIT reply, to at most the 128 KiB default, so the setting can only be raised after that. A file
+    takes the device's readahead when it is opened, so it is raised before the first open is answered
+    (`Operations.before_first_open`; INIT is answered by then), and otherwise as soon as INIT was. The
+    device number comes from /proc/self/mountinfo: stat() on our own mountpoint would deadlock. Needs
+    root; otherwise the kernel default stays.
     """
-    bdi: Path | None = None
-    for _ in range(20):
-        await trio.sleep(0.05)
+
+    def __init__(self, mountpoint: Path, kb: int):
+        self.mountpoint = mountpoint
+        self.kb = kb
+        self.done = kb <= 0
+
+    def apply(self) -> None:
+        """Raise it now (once INIT has been answered); after one attempt, whatever came of it, never again."""
+        if self.done:
+            return
+        self.done = True
         try:
+            bdi: Path | None = None
+            with open("/proc/self/mountinfo") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 4 and fields[4] == str(self.mountpoint):
+                        bdi = Path("/sys/class/bdi") / fields[2] / "read_ahead_kb"
             if bdi is None:
-                with open("/proc/self/mountinfo") as f:
-                    for line in f:
-                        fields = line.split()
-                        if len(fields) > 4 and fields[4] == str(mountpoint):
-                            bdi = Path("/sys/class/bdi") / fields[2] / "read_ahead_kb"
-                if bdi is None:
-                    continue
-            if bdi.read_text().strip() == str(kb):
-                log.debug("kernel readahead on %s is %d KiB", mountpoint, kb)
+                log.debug("could not raise kernel readahead: %s is not in /proc/self/mountinfo", self.mountpoint)
                 return
-            bdi.write_text(str(kb))
+            if bdi.read_text().strip() != str(self.kb):
+                bdi.write_text(str(self.kb))
+            log.debug("kernel readahead on %s is %d KiB", self.mountpoint, self.kb)
         except OSError as e:
             log.debug("could not raise kernel readahead: %s", e)
-            return
+
+    async def apply_soon(self, ops: Operations) -> None:
+        """Raise it once the kernel has INIT's answer, if no open came first."""
+        for _ in range(200):
+            if self.done:
+                return
+            if ops.initialized:
+                # pyfuse3 calls `init` and answers INIT in one step: any later task runs after the answer.
+                self.apply()
+                return
+            await trio.sleep(0.01)
 
 
 class _FuseLoop:

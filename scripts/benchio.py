@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchlib import KiB, MiB, Table, Target, drop_page_cache, log, mib_per_s, safe_ratio
+from benchlib import CpuMeter, KiB, MiB, RssSampler, Table, Target, drop_page_cache, log, mib_per_s, safe_ratio
 
 BUCKET = "bench"
 
@@ -66,30 +66,51 @@ def _read_from(path: Path, offset: int) -> str:
 # ---------------------------------------------------------------------------------------------- parallel readers
 def parallel_readers(ctx: Any, t: Table) -> None:
     """4 `cat`s of 4 different objects at once on one cold mount with a 64 MiB cache (issue 8's
-    slow-consumer case): aggregate MiB/s against the raw direct get; disconnects and ERRORs must be 0."""
+    slow-consumer case): aggregate MiB/s against the raw direct get (and against the single cold
+    reader of `seq_read`, when it ran); chunks fetched against chunks read (readahead evicted before it
+    was read is fetched again), daemon CPU and peak RSS; disconnects and ERRORs must be 0."""
     specs = ctx.catalog["par"]
     total = sum(s.size for s in specs)
+    chunks = sum(s.chunks for s in specs)
     cache = "64MiB"
     with t.step(f"{len(specs)} parallel readers"), ctx.env.mounted("parallel", ["--cache-size", cache]) as m, \
             ctx.env.watchdog(m, ctx.timeout_for(total), "parallel cats"):
         health = Health(ctx.env.tmp / "logs" / "nats-server.log", m.log_file)
-        t0 = time.perf_counter()
-        procs = [subprocess.Popen(["cat", ctx.path(m, s)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                 for s in specs]
-        failures = []
-        for s, p in zip(specs, procs, strict=True):
-            _, err = p.communicate()
-            if p.returncode != 0:
-                failures.append(f"{s.name}: {err.decode(errors='replace').strip()}")
-        secs = time.perf_counter() - t0
+        before = m.stats()["cache"]
+        with RssSampler(m.pid) as rss, CpuMeter({"daemon": m.pid, "nats-server": ctx.env.server_pid},
+                                                threads_of=m.pid) as cpu:
+            t0 = time.perf_counter()
+            procs = [subprocess.Popen(["cat", ctx.path(m, s)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                     for s in specs]
+            failures = []
+            for s, p in zip(specs, procs, strict=True):
+                _, err = p.communicate()
+                if p.returncode != 0:
+                    failures.append(f"{s.name}: {err.decode(errors='replace').strip()}")
+            secs = time.perf_counter() - t0
+        after = m.stats()["cache"]
         slow, lost, errors = health.counts()
         if failures:
             raise RuntimeError("; ".join(failures))
         rate = mib_per_s(total, secs)
         each = specs[0].size // MiB
+        single = ctx.env.results.get("cold")
         t.add(f"{len(specs)} parallel cold readers, {each} MiB each, cache {cache}: aggregate", rate, "MiB/s",
               ratio=safe_ratio(rate, ctx.env.results.get("raw")), target=Target(">=", 0.8),
-              reference=f"ratio: aggregate / raw batched direct get; {secs:.1f} s")
+              reference=f"ratio: aggregate / raw batched direct get; {secs:.1f} s"
+                        + (f"; {safe_ratio(rate, single) or 0:.2f}x the single cold reader" if single else ""))
+        fetched = after["chunks_fetched"] - before["chunks_fetched"]
+        t.add("  chunks fetched per chunk read", fetched / chunks if chunks else 0, "ratio",
+              target=Target("<=", 1.01, on="value"),
+              reference=f"{fetched} fetched for {chunks}; readahead peak "
+                        f"{after.get('readahead_peak', 0) / MiB:.0f} MiB per reader; "
+                        f"{after['fetch_requests'] - before['fetch_requests']} requests; "
+                        f"{after.get('waits', 0) - before.get('waits', 0)} waits for chunks on their way")
+        t.add("  CPU during those reads: mount daemon", cpu.pct("daemon"), "% core",
+              reference=f"{cpu.describe('nats-server')}; daemon {1000 * cpu.used['daemon'] / (total / MiB):.1f} ms "
+                        f"CPU per MiB; {cpu.describe_threads()}")
+        t.add(f"  daemon peak RSS during those reads ({rss.samples} samples)", rss.peak_kib / KiB, "MiB",
+              target=Target("<=", 64 + 100, on="value"), reference=f"cache {cache} + 100 MiB (nothing staged)")
         t.add("  slow-consumer disconnects during those reads", slow + lost, "count",
               target=Target("<=", 0, on="value"),
               reference=f"server log 'Slow Consumer': {slow}; daemon 'connection was lost': {lost}")

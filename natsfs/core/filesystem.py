@@ -668,7 +668,7 @@ class Filesystem:
         sf = self.staging.get(handle.ino)
         if sf is not None and sf.serves_reads:
             return await sf.read(off, size)
-        ra = handle.plan_readahead(off, size, self.config.readahead_min, self._readahead_max())
+        ra = handle.plan_readahead(off, size, self.config.readahead_min, self.config.readahead_max)
         try:
             return await self.cache.read(handle.info, off, size, ra)
         except Corrupt:
@@ -713,9 +713,6 @@ class Filesystem:
         if not isinstance(handle, FileHandle):
             raise NatsFSError("bad file handle", errno=errno.EBADF)
         return handle
-
-    def _readahead_max(self) -> int:
-        return max(self.config.readahead_min, min(self.config.readahead_max, self.cache.cache_bytes // 4))
 
     async def flush(self, fh: HandleNo) -> None:
         """Store at the close of the thread group that opened the handle for writing (see openers.py):

@@ -114,6 +114,46 @@ def test_concurrent_readers_get_the_same_bytes(nats_url, bucket_name, mounter):
     assert set(results) == {hashlib.sha256(b"".join(chunks)).digest()}
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising the kernel readahead (sysfs) needs root")
+def test_the_first_file_opened_on_a_fresh_mount_is_read_in_1_mib_requests(nats_url, bucket_name, mounter):
+    """The kernel readahead is raised before the first open is answered (a file takes its device's
+    readahead when opened): 8 MiB arrive in about 8 requests, not 64 of 128 KiB."""
+    create_bucket(nats_url, bucket_name)
+    chunks = [random.Random(i).randbytes(131072) for i in range(64)]
+    raw_put(nats_url, bucket_name, "first.bin", chunks)
+    m = mounter(nats_url)
+    with open(m.path / bucket_name / "first.bin", "rb") as f:  # the mount's first open
+        assert f.read() == b"".join(chunks)
+    assert stats(m)["reads"] <= 16
+
+
+def test_parallel_readers_through_a_small_cache_read_exactly_and_share_the_readahead(nats_url, bucket_name,
+                                                                                      mounter):
+    import concurrent.futures
+
+    create_bucket(nats_url, bucket_name)
+    objects = {}
+    for k in range(4):
+        chunks = [random.Random(100 * k + i).randbytes(131072) for i in range(96)]  # 12 MiB each
+        raw_put(nats_url, bucket_name, f"par-{k}.bin", chunks)
+        objects[f"par-{k}.bin"] = hashlib.sha256(b"".join(chunks)).digest()
+    m = mounter(nats_url, "--cache-size", "8MiB")
+
+    def digest_of(name: str) -> bytes:
+        h = hashlib.sha256()
+        with open(m.path / bucket_name / name, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        return h.digest()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        assert dict(zip(objects, ex.map(digest_of, objects), strict=True)) == objects
+    s = stats(m)
+    assert s["cached_bytes"] <= 8 << 20
+    assert 0 < s["readahead_peak"] <= 4 << 20  # at most the whole budget: half the cache
+    assert s["chunks_fetched"] >= 4 * 96
+
+
 def test_single_bucket_mount_shows_the_bucket_as_root(nats_url, bucket_name, mounter):
     nats_py_put(nats_url, bucket_name, "a/b.txt", b"bee")
     m = mounter(nats_url, "--bucket", bucket_name)

@@ -16,6 +16,8 @@ from gowriters import put_object
 from natsfs.adr20 import ObjectInfo, ObjectStore, chunk_subject, digest_of, stream_name
 from natsfs.chunk_cache import ChunkCache
 from natsfs.errors import Corrupt, Stale, Unavailable
+from natsfs.handles import FileHandle
+from natsfs.inodes import InodeNo
 from natsfs.memstreams import MemoryBatchStream, MemoryStreams
 from natsfs.streams import StoredMsg
 
@@ -799,3 +801,145 @@ def test_a_failed_probe_surfaces_as_its_own_error_and_the_next_read_works():
         assert cache.stats.layouts_computed == 1
 
     run(body)
+
+
+# ---------------------------------------------------------------- readahead (one budget, shared fairly)
+class Requests:
+    """Every chunk request the cache sends (walks and batched gets), per object version: how many, how
+    many bytes each asked for, and which versions had one in flight at the same moment."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.asked: dict[str, list[int]] = {}
+        self.in_flight: dict[str, int] = {}
+        self.peak: dict[str, int] = {}  # the most requests in flight at one moment, per version
+        self.most_at_once = 0  # the most versions with a request in flight at one moment
+        fetch, stream = store.fetch_chunks, store.stream_chunks
+
+        async def fetch_chunks(bucket: str, nuid: str, start: int, count: int, max_bytes: int) -> Any:
+            self._start(nuid, max_bytes)
+            try:
+                return await fetch(bucket, nuid, start, count, max_bytes)
+            finally:
+                self._end(nuid)
+
+        async def stream_chunks(bucket: str, nuid: str, start: int, count: int, max_bytes: int) -> Any:
+            self._start(nuid, max_bytes)
+            batches = await stream(bucket, nuid, start, count, max_bytes)
+            close = batches.close
+
+            async def closed() -> None:
+                self._end(nuid)
+                await close()
+
+            batches.close = closed
+            return batches
+
+        store.fetch_chunks = fetch_chunks  # type: ignore[method-assign]
+        store.stream_chunks = stream_chunks  # type: ignore[method-assign]
+
+    def _start(self, nuid: str, max_bytes: int) -> None:
+        self.asked.setdefault(nuid, []).append(max_bytes)
+        self.in_flight[nuid] = self.in_flight.get(nuid, 0) + 1
+        self.peak[nuid] = max(self.peak.get(nuid, 0), self.in_flight[nuid])
+        self.most_at_once = max(self.most_at_once, sum(1 for n in self.in_flight.values() if n))
+
+    def _end(self, nuid: str) -> None:
+        self.in_flight[nuid] -= 1
+
+
+async def read_sequentially(cache: ChunkCache, info: ObjectInfo, piece: int, minimum: int, maximum: int) -> bytes:
+    """Read a whole version in `piece`-byte reads with the readahead a file handle plans for them."""
+    handle = FileHandle(InodeNo(2), info)
+    out = bytearray()
+    for off in range(0, info.size, piece):
+        out += await cache.read(info, off, piece, handle.plan_readahead(off, piece, minimum, maximum))
+    return bytes(out)
+
+
+def test_readahead_grows_while_reads_are_sequential_and_collapses_on_a_random_read():
+    data = blob(4 << 20)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "seq.bin", data, chunk_size=64 * KiB)
+        handle = FileHandle(InodeNo(2), info)
+        windows = []
+        for off in range(0, 1 << 20, 64 * KiB):
+            ra = handle.plan_readahead(off, 64 * KiB, 64 * KiB, 1 << 20)
+            assert await cache.read(info, off, 64 * KiB, ra) == data[off : off + 64 * KiB]
+            windows.append(cache.stats.readahead_peak)
+        assert windows[0] == 64 * KiB and windows[-1] == 1 << 20 and windows == sorted(windows)
+        assert cache.stats.readahead_collapses == 0
+        await trio.testing.wait_all_tasks_blocked()  # the last window's readahead has landed
+        fetched = cache.stats.chunks_fetched
+        far = 3 << 20
+        ra = handle.plan_readahead(far, 4096, 64 * KiB, 1 << 20)
+        assert ra == 0
+        assert await cache.read(info, far, 4096, ra) == data[far : far + 4096]
+        assert cache.stats.readahead_collapses == 1
+        await trio.testing.wait_all_tasks_blocked()
+        # Nothing ahead of it: its own chunk, and the last one (the probe that proves where chunks are).
+        assert cache.stats.chunks_fetched - fetched == 2
+
+    run(body, cache_bytes=16 << 20)
+
+
+def test_parallel_readers_share_the_readahead_budget_and_nothing_is_fetched_twice():
+    """Four readers of four versions through a cache whose readahead budget is 1 MiB: each gets its
+    share (256 KiB) and requests in flight alongside the others, and no chunk leaves the cache before it
+    is read (the chunks a reader has passed go first)."""
+    size = 3 << 20
+    datas = [blob(size) for _ in range(4)]
+
+    async def body(ms, store, cache):
+        infos = [await put_object(ms, "b", f"p{k}.bin", datas[k], chunk_size=32 * KiB) for k in range(4)]
+        requests = Requests(store)
+        got: dict[int, bytes] = {}
+
+        async def reader(k: int) -> None:
+            got[k] = await read_sequentially(cache, infos[k], 32 * KiB, 64 * KiB, 4 << 20)
+
+        async with trio.open_nursery() as n:
+            for k in range(4):
+                n.start_soon(reader, k)
+        assert all(got[k] == datas[k] for k in range(4))
+        assert requests.most_at_once == 4
+        share = cache.readahead_budget // 4
+        for info in infos:
+            assert len(requests.asked[info.nuid]) >= 4
+            assert max(requests.asked[info.nuid]) <= share + 32 * KiB  # its share beyond the read's own bytes
+        assert cache.stats.readahead_peak == share
+        assert cache.stats.chunks_fetched == sum(info.chunks for info in infos)
+
+    run(body, cache_bytes=2 << 20, batch_bytes=128 * KiB, delay=0.001)
+
+
+def test_a_version_whose_layout_is_known_gets_several_batched_requests_in_flight():
+    data = blob(4 << 20)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "known.bin", data, chunk_size=64 * KiB)
+        await cache.read(info, info.size - 10, 10)  # the layout is computed: no walk needed from here
+        requests = Requests(store)
+        assert await read_sequentially(cache, info, 64 * KiB, 1 << 20, 2 << 20) == data
+        assert requests.peak[info.nuid] >= 2
+        assert cache.stats.chunks_fetched == info.chunks
+
+    run(body, cache_bytes=16 << 20, batch_bytes=128 * KiB, delay=0.001)
+
+
+def test_a_second_sequential_read_of_a_version_gets_readahead_again():
+    data = blob(4 << 20)
+
+    async def body(ms, store, cache):
+        info = await put_object(ms, "b", "twice.bin", data, chunk_size=64 * KiB)
+        assert await read_sequentially(cache, info, 64 * KiB, 256 * KiB, 1 << 20) == data
+        await trio.testing.wait_all_tasks_blocked()
+        requests = Requests(store)
+        assert await read_sequentially(cache, info, 64 * KiB, 256 * KiB, 1 << 20) == data
+        # The cache holds a quarter of the version: the second pass fetches most of it again, a batch
+        # (four chunks) per request, several requests ahead of the reads.
+        asked = len(requests.asked[info.nuid])
+        assert 0 < asked <= info.chunks // 4 + 4
+        assert requests.peak[info.nuid] >= 2
+
+    run(body, cache_bytes=1 << 20, batch_bytes=256 * KiB, delay=0.001)

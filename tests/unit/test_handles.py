@@ -40,6 +40,21 @@ def test_small_jitter_keeps_readahead_but_a_seek_back_drops_it():
     assert h.plan_readahead(0, size, 1000, 8000) == 0  # far behind
 
 
+def test_a_page_read_again_far_behind_within_the_window_neither_collapses_nor_moves_the_reader():
+    """The kernel reads a single page again, megabytes behind, when it dropped it from its page cache
+    before the reader got there: the reader is still sequential."""
+    h = FileHandle(ino=5, info=info())
+    size = 1 << 20
+    lo, hi = 1 << 20, 32 << 20
+    for k in range(8):
+        h.plan_readahead(k * size, size, lo, hi)
+    assert h.readahead == hi
+    assert h.plan_readahead(5 * size, 4096, lo, hi) == hi  # a stray page, 3 MiB behind
+    assert h.plan_readahead(8 * size, size, lo, hi) == hi  # where the reader is: still sequential
+    assert h.next_offset == 9 * size
+    assert h.plan_readahead(100 * size, size, lo, hi) == 0  # a real seek, beyond the window
+
+
 def test_handle_numbers_are_unique_and_not_reused():
     t = HandleTable()
     a = t.add(DirHandle(1, ()))
