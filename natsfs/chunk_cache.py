@@ -35,9 +35,13 @@ and natsfs fill a buffer of that size, and a short read in the middle makes a ch
 larger), the chunks hold `size` bytes in all (the meta), and the last holds t, so the other n-1 hold
 c*(n-1) bytes at most c each: every one holds exactly c, and chunk i starts at c*i. A short chunk in
 the middle makes the last one longer than t, so (2) fails and the version is scanned.
-The two probes are two moments: a chunk deleted between them could leave the counts agreeing while
-the sequences do not (it takes deleting a chunk within that window, with another writer's messages
-between this version's chunks). So nothing rests on the probes alone: every later reply for a computed
+The two probes are two moments, so their order matters: the count (1) is taken after the last
+chunk's probe (2), again if need be. At the moment of (2) nothing on S lies after F+n-1; messages
+only ever join a stream at higher sequences, so the n messages (1) counts later from F on all lie in
+[F, F+n-1] (a writer adding to this nuid's subject meanwhile is outside the premise). A chunk deleted
+between the probes leaves (1) counting fewer and fails it; asked the other way round, a deleted last
+chunk with another writer's message between this version's chunks could make both probes agree on a
+layout that is off by one. So nothing rests on the probes alone: every later reply for a computed
 slot must be on S, at the slot's sequence exactly, hold the slot's size, and carry the pending count of
 its index (n-1-i, counted by the server when it answers); a reply that does not fit, or a chunk that
 does not come back, drops the computed slots (`_Unproven`) and the version is mapped by a scan, which
@@ -64,7 +68,7 @@ import cachetools
 import trio
 
 from .adr20 import ObjectInfo, ObjectStore, chunk_subject, format_digest, parse_digest
-from .errors import Corrupt, NatsFSError, Stale, Unavailable, single_error
+from .errors import Corrupt, NatsFSError, Stale, Unavailable
 from .futures import wait_future
 from .streams import Payload, StoredMsg
 
@@ -657,29 +661,15 @@ class ChunkCache:
             return False
         subject = chunk_subject(info.bucket, info.nuid)
         guessed: list[StoredMsg] | None = None
+        counted_after_last = False  # whether the count of chunk 0 was taken after the last probe
         if not layout.seqs:
-            # The first chunk: the first message on the subject, with chunks-1 more after it (what a walk
-            # checks for chunk 0). It is kept whatever the rest turns out to be. With the meta right
-            # after the last chunk (one writer), the last probe's sequence is known already: both go out
-            # together, and the guess is used only if the first probe confirms it.
+            # With the meta right after the last chunk (one writer), the last probe's sequence is known
+            # already: it goes first, and its answer is used only if the first probe confirms it.
             if info.revision > chunks:
-                replies: dict[str, list[StoredMsg]] = {}
-
-                async def probe(what: str, seq: int) -> None:
-                    replies[what] = await self._fetch(info, seq, 1, step)
-
-                try:
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(probe, "first", 1)
-                        nursery.start_soon(probe, "last", info.revision - 1)
-                except BaseExceptionGroup as group:
-                    error = single_error(group)
-                    if error is group:
-                        raise
-                    raise error from None
-                msgs, guessed = replies["first"], replies["last"]
-            else:
-                msgs = await self._fetch(info, 1, 1, step)
+                guessed = await self._fetch(info, info.revision - 1, 1, step)
+            # The first chunk: the first message on the subject, with chunks-1 more after it (what a
+            # walk checks for chunk 0). It is kept whatever the rest turns out to be.
+            msgs = await self._fetch(info, 1, 1, step)
             if not msgs:
                 return False
             m = msgs[0]
@@ -690,20 +680,29 @@ class ChunkCache:
             layout.append(m.seq, step)
             self._store(info, layout, 0, m.data)
             layout.wake()
+            counted_after_last = guessed is not None
         first = layout.seqs[0]
         if any(layout.seqs[k] != first + k or layout.size_of(k) != step for k in range(len(layout.seqs))):
             return False
         last_seq = first + chunks - 1
         if info.revision and last_seq > info.revision:
             return False
-        msgs = guessed if guessed and guessed[0].seq == last_seq else await self._fetch(info, last_seq, 1, step)
-        if not msgs:
+        if not (guessed and guessed[0].seq == last_seq):
+            guessed, counted_after_last = await self._fetch(info, last_seq, 1, step), False
+        if not guessed:
             return False
-        m = msgs[0]
+        m = guessed[0]
         if m.subject != subject:
             raise self._stray(info, layout, m, f"a chunk of {subject}")
         if m.seq != last_seq or m.pending != 0 or len(m.data) != tail:
             return False
+        if not counted_after_last:
+            # The count must be taken after the last probe: a chunk deleted between the two is then
+            # seen (chunk 0 answered with fewer chunks after it), never mistaken for a layout.
+            recount = await self._fetch(info, first, 1, step)
+            if not recount or recount[0].seq != first or recount[0].subject != subject \
+                    or recount[0].pending != chunks - 1:
+                return False
         layout.fill_contiguous(first, chunks, step, info.size)
         self._store(info, layout, chunks - 1, m.data)
         self.stats.layouts_computed += 1

@@ -772,6 +772,43 @@ def test_a_chunk_deleted_after_the_layout_was_computed_is_settled_by_a_scan(capl
     assert len(damage_records(caplog, info)) == 1
 
 
+@pytest.mark.expect_log("object b/r .*chunks? missing")
+def test_the_last_chunk_deleted_between_the_probes_is_never_mistaken_for_a_layout():
+    """Another writer's message sits between chunks 2 and 3, every chunk is full, and the last chunk is
+    deleted right after the first probe. Counted before the last probe, chunk 0 would still have five
+    chunks after it and chunk 4 (then the last on the subject, full size) would pass as the last: off
+    by one from chunk 3 on. The count is taken after the last probe, so the layout is never computed
+    and every read gives its own bytes or EIO."""
+    data = blob(6 * CHUNK)
+
+    async def body(ms, store, cache):
+        nuid = "R" * 22
+        subject = chunk_subject("b", nuid)
+        for k in range(6):
+            await ms.publish(subject, data[k * CHUNK : (k + 1) * CHUNK])
+            if k == 2:
+                await ms.publish(chunk_subject("b", "X" * 22), b"other writer")
+        meta = await put_object(ms, "b", "r", b"", chunk_size=CHUNK)
+        info = _with(meta, nuid=nuid, size=len(data), chunks=6, digest=digest_of(data), chunk_size=CHUNK,
+                     revision=(await ms.stream_info(stream_name("b"))).last_seq + 1)
+        last_seq = (await ms.stream_info(stream_name("b"))).last_seq - 1  # the meta is after it
+        fetch, calls = cache._fetch, []
+
+        async def fetch_then_delete(*args: Any, **kw: Any) -> list[StoredMsg]:
+            msgs = await fetch(*args, **kw)
+            calls.append(args)
+            if len(calls) == 1:
+                await ms.delete_msg(stream_name("b"), last_seq)
+            return msgs
+
+        cache._fetch = fetch_then_delete
+        got = await read_each_chunk(cache, info, data, [4, 3, 0, 1, 2, 5])
+        assert cache.stats.layouts_computed == 0
+        assert got == {k: "EIO" if k == 5 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(6)}
+
+    run(body, cache_bytes=1 << 20)
+
+
 def test_a_foreign_message_at_a_computed_sequence_is_never_served():
     """The computed slots of a version whose chunk 2 was replaced, after the probes, by the next
     chunk (the server says so by its pending count): the reply does not fit and a scan decides."""
@@ -877,8 +914,9 @@ def test_readahead_grows_while_reads_are_sequential_and_collapses_on_a_random_re
         assert await cache.read(info, far, 4096, ra) == data[far : far + 4096]
         assert cache.stats.readahead_collapses == 1
         await trio.testing.wait_all_tasks_blocked()
-        # Nothing ahead of it: its own chunk, and the last one (the probe that proves where chunks are).
-        assert cache.stats.chunks_fetched - fetched == 2
+        # Nothing ahead of it: its own chunk, the last one and chunk 0 counted again after it (the
+        # probes that prove where chunks are).
+        assert cache.stats.chunks_fetched - fetched == 3
 
     run(body, cache_bytes=16 << 20)
 
