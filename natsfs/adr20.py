@@ -23,6 +23,16 @@ whole batch); a message id the stream already saw refuses the whole batch (10201
 acknowledged as a duplicate, while the ids of a refused or abandoned batch are not remembered. So an
 unacknowledged commit is read back and, if not stored, the same batch (same ids) is sent again: stored
 at most once. Other puts keep the nats.go order (`PutSession`).
+
+Small puts: a file of at most one chunk is put with two plain publishes (the chunk, then, once it is
+acknowledged, the meta), even where atomic batches are allowed (`_put_small`): on a file-backed stream
+the server stages an atomic batch on disk and syncs it, which costs several milliseconds per batch
+against a fraction of one per publish. The put journal covers it like any other put.
+
+Timestamps: a meta's stored message carries the server's timestamp, which is its mtime unless the meta
+says otherwise; reading it back costs a round trip after the ack. Callers that show their own time
+(the filesystem shows a written file's last write, or the meta carries `natsfs.mtime_ns`) pass
+`timestamp=False`: the returned info then carries this machine's time.
 """
 
 from __future__ import annotations
@@ -611,7 +621,7 @@ class ObjectStore:
 
     # ---------------------------------------------------------------- writes
     async def publish_meta(self, bucket: str, doc: dict[str, Any], *, expected_revision: int | None = None,
-                           msg_id: str = "") -> ObjectInfo:
+                           msg_id: str = "", timestamp: bool = True) -> ObjectInfo:
         """Publish a meta with `Nats-Rollup: sub` and `Nats-Msg-Id` (`msg_id`, or a fresh one); with
         `expected_revision`, only if the name's meta subject still ends at that sequence (0: never
         written), else `Conflict`. An ambiguous outcome is settled (see `_publish_settled`)."""
@@ -621,10 +631,11 @@ class ObjectStore:
         headers = {ROLLUP: "sub", MSG_ID: msg_id or new_nuid()}
         if expected_revision is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_revision)
-        return parse_meta(bucket, await self._publish_settled(bucket, subject, data, headers, expected_revision))
+        return parse_meta(bucket, await self._publish_settled(bucket, subject, data, headers, expected_revision,
+                                                              timestamp=timestamp))
 
     async def _publish_settled(self, bucket: str, subject: str, data: bytes, headers: dict[str, str],
-                               expected_revision: int | None) -> StoredMsg:
+                               expected_revision: int | None, *, timestamp: bool = True) -> StoredMsg:
         """Publish a meta and know whether it was stored.
 
         No ack (`Unavailable`, `OutcomeUnknown`): the name's meta is read back; our document there is
@@ -655,6 +666,8 @@ class ObjectStore:
                                          f"within {self.settle_timeout:g}s") from None
                 await backoff.pause()
                 continue
+            if not timestamp:
+                return StoredMsg(seq, subject, headers, data, time.time_ns())
             try:
                 stored = await self.streams.last_msg(stream_name(bucket), subject)
             except NatsFSError:
@@ -729,7 +742,9 @@ class ObjectStore:
         self.check_name(bucket, name)
         chunk_size = kwargs.pop("chunk_size", None) or self.chunk_size
         window = kwargs.pop("window", 64)
-        if size > 0 and self.batch_fits(bucket, size, chunk_size):
+        if size <= chunk_size:
+            return await self._put_small(bucket, name, fd, size, chunk_size, **kwargs)
+        if self.batch_fits(bucket, size, chunk_size):
 
             def file_chunks(hasher: Any) -> AsyncIterator[bytes]:
                 return _file_chunks(fd, size, chunk_size, hasher)
@@ -755,6 +770,24 @@ class ObjectStore:
                 await session.abort()
             raise
 
+    async def _put_small(self, bucket: str, name: str, fd: int, size: int, chunk_size: int, **commit: Any
+                         ) -> ObjectInfo:
+        """A put of at most one chunk from a local file, in-process: the chunk (recorded in the put
+        journal first), then the meta once the chunk is acknowledged (see the module docstring)."""
+        data = os.pread(fd, size, 0) if size else b""  # at most one chunk: no worker thread needed
+        if len(data) < size:  # a hole at the end of a sparse file reads short: zeros
+            data += bytes(size - len(data))
+        session = self.start_put(bucket, chunk_size, 1, name)
+        session.remote = False
+        session.hasher.update(data)
+        try:
+            await session.send([data] if data else [])
+            return await session.commit(name, session.hasher.digest(), **commit)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await session.abort()
+            raise
+
     # ---------------------------------------------------------------- atomic puts
     def batch_fits(self, bucket: str, size: int, chunk_size: int | None = None) -> bool:
         """Whether a put of `size` bytes into `bucket` goes as one atomic batch: the bucket is known to
@@ -766,7 +799,7 @@ class ObjectStore:
                          chunk_size: int, window: int, *, base: dict[str, Any] | None = None,
                          expected_revision: int | None = None, old_nuid: str = "",
                          extra: Callable[[dict[str, Any]], None] | None = None,
-                         replace_tombstone: bool = False) -> ObjectInfo:
+                         replace_tombstone: bool = False, timestamp: bool = True) -> ObjectInfo:
         """A put as one atomic batch: chunks `<nuid>.<i>` and the meta (rollup, expected revision) are
         stored together at the commit or not at all, so no crash leaves a partial version or orphan
         chunks, and no put journal record is needed. `chunks_of(hasher)` yields the chunks (fed to the
@@ -856,7 +889,7 @@ class ObjectStore:
                     sent.clear()  # that batch was refused: nothing of it can be stored
                     return await self._put_in_order(bucket, name, chunks_of, chunk_size, window, base=base,
                                                     expected_revision=expected, old_nuid=old_nuid, extra=extra,
-                                                    replace_tombstone=replace_tombstone)
+                                                    replace_tombstone=replace_tombstone, timestamp=timestamp)
                 except Unavailable:
                     if ambiguous is None:
                         raise  # cut off before the commit: nothing of this put is stored
@@ -871,7 +904,8 @@ class ObjectStore:
             with trio.CancelScope(shield=True):
                 await self.end_replacing(bucket, old_nuid, name, noted, stored=False)
             raise
-        stored_msg = await self._stored_meta(bucket, meta_subj, seq, sent["meta"])
+        stored_msg = (await self._stored_meta(bucket, meta_subj, seq, sent["meta"]) if timestamp
+                      else StoredMsg(seq, meta_subj, None, sent["meta"], time.time_ns()))
         if old_nuid and old_nuid != nuid:
             await self.end_replacing(bucket, old_nuid, name, noted, stored=True)
         return parse_meta(bucket, stored_msg)
@@ -934,19 +968,21 @@ class ObjectStore:
             raise error from None
 
     async def publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
-                                replace_tombstone: bool, msg_id: str = "") -> ObjectInfo:
+                                replace_tombstone: bool, msg_id: str = "", *, timestamp: bool = True) -> ObjectInfo:
         """`publish_meta`; with `replace_tombstone`, a name whose current meta is a tombstone (a deleted
         object) counts as free (`expected_revision` 0) and is replaced at the tombstone's revision."""
         msg_id = msg_id or new_nuid()
         try:
-            return await self.publish_meta(bucket, doc, expected_revision=expected_revision, msg_id=msg_id)
+            return await self.publish_meta(bucket, doc, expected_revision=expected_revision, msg_id=msg_id,
+                                           timestamp=timestamp)
         except Conflict:
             if not (replace_tombstone and expected_revision == 0):
                 raise
             current = await self.get_info(bucket, doc["name"])
             if current is None or not current.deleted:
                 raise
-            return await self.publish_meta(bucket, doc, expected_revision=current.revision, msg_id=msg_id)
+            return await self.publish_meta(bucket, doc, expected_revision=current.revision, msg_id=msg_id,
+                                           timestamp=timestamp)
 
     async def delete(self, bucket: str, name: str, *, expected_revision: int | None = None,
                      purge_chunks: bool = True, shared: bool = False) -> ObjectInfo | None:
@@ -1008,11 +1044,13 @@ class ObjectStore:
 
     async def update_meta(self, bucket: str, name: str, change: Callable[[dict[str, Any]], None], *,
                           expected_revision: int | None = None) -> ObjectInfo:
-        """Rewrite an object's meta in place (same nuid), keeping every field `change` leaves alone."""
+        """Rewrite an object's meta in place (same nuid), keeping every field `change` leaves alone.
+        A meta that carries its own mtime (`natsfs.mtime_ns`) is not read back for its timestamp."""
         doc, revision = await self._live_doc(bucket, name, expected_revision)
         doc = dict(doc, mtime=ZERO_TIME)
         change(doc)
-        return await self.publish_meta(bucket, doc, expected_revision=revision)
+        own_time = isinstance(doc.get("metadata"), dict) and ATTR_MTIME in doc["metadata"]
+        return await self.publish_meta(bucket, doc, expected_revision=revision, timestamp=not own_time)
 
     async def add_link(self, bucket: str, name: str, target_bucket: str, target_name: str | None, *,
                        metadata: dict[str, str] | None = None) -> ObjectInfo:
@@ -1206,7 +1244,7 @@ class PutSession:
     async def commit(self, name: str, digest: bytes, *, base: dict[str, Any] | None = None,
                      expected_revision: int | None = None, old_nuid: str = "",
                      extra: Callable[[dict[str, Any]], None] | None = None,
-                     replace_tombstone: bool = False) -> ObjectInfo:
+                     replace_tombstone: bool = False, timestamp: bool = True) -> ObjectInfo:
         self.name = name
         doc = meta_doc(name=name, bucket=self.bucket, nuid=self.nuid, size=self.size, chunks=self.chunks,
                        digest=format_digest(digest), base=base, chunk_size=self.chunk_size)
@@ -1216,7 +1254,7 @@ class PutSession:
         noted = self.store.note_replacing(self.bucket, old_nuid, self.nuid, name)
         try:
             info = await self.store.publish_replacing(self.bucket, doc, expected_revision, replace_tombstone,
-                                                       msg_id=f"{self.nuid}.meta")
+                                                       msg_id=f"{self.nuid}.meta", timestamp=timestamp)
         except BaseException as e:
             if isinstance(e, NatsFSError) and not isinstance(e, Unavailable):
                 self.meta_state = _META_REFUSED  # the server said no (or nothing was sent): not stored

@@ -359,8 +359,10 @@ class Mutations:
             sf.apply_xattr_changes(doc, changes)
             set_posix_attrs(doc, attrs, defaults)
 
+        # timestamp=False: the filesystem shows a stored file's last write (or its natsfs.mtime_ns), never
+        # the meta message's time, so the put does not read the stored meta back for it.
         common: dict[str, Any] = dict(base=base_doc, expected_revision=expected, old_nuid=old_nuid,
-                                      extra=extra, replace_tombstone=replace_tombstone)
+                                      extra=extra, replace_tombstone=replace_tombstone, timestamp=False)
         session = sf.stream
         try:
             if session is not None and not sf.stream_dead and session.chunk_size == chunk_size:

@@ -24,8 +24,9 @@ class Openers(Protocol):
     def thread_group(self, pid: int) -> int | None:
         """The thread group (process) of thread `pid`, None if unknown."""
 
-    def still_holds(self, tgid: int, ino: int) -> bool:
-        """Whether process `tgid` still has a descriptor open for writing on inode `ino` of this mount."""
+    def still_holds(self, tgid: int, ino: int, max_fds: int | None = None) -> bool | None:
+        """Whether process `tgid` still has a descriptor open for writing on inode `ino` of this mount;
+        None (not looked at) when it has more than `max_fds` descriptors open."""
 
 
 def _mount_id(mountpoint: Path) -> int | None:
@@ -63,17 +64,19 @@ class ProcOpeners:
             return None
         return None
 
-    def still_holds(self, tgid: int, ino: int) -> bool:
+    def still_holds(self, tgid: int, ino: int, max_fds: int | None = None) -> bool | None:
         if self._mnt_id is None:
             self._mnt_id = _mount_id(self._mountpoint)
-        fdinfo = self._proc / str(tgid) / "fdinfo"
+        fdinfo = f"{self._proc}/{tgid}/fdinfo/"  # (plain strings: this runs at every close of a writer)
         try:
             fds = os.listdir(fdinfo)
         except OSError:
             return False
+        if max_fds is not None and len(fds) > max_fds:
+            return None
         for fd in fds:
             try:
-                with open(fdinfo / fd, "rb") as f:
+                with open(fdinfo + fd, "rb") as f:
                     text = f.read(4096)
             except OSError:
                 continue  # closed meanwhile

@@ -53,6 +53,8 @@ class WriteBack:
         self._journal_lock = trio.Lock()
         self._wake = trio.Event()
         self._changed = trio.Event()  # set whenever an upload ends (drain waits on it)
+        # fsyncs of spool files and of the journal, journal records written, uploads done (for the stats).
+        self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0}
 
     # ------------------------------------------------------------------ closes
     async def closed(self, sf: StagedFile) -> None:
@@ -69,9 +71,12 @@ class WriteBack:
                     return
                 await self.fs.fill_staged(sf)
                 await trio.to_thread.run_sync(os.fsync, sf.fd)
+                self.counters["spool_fsyncs"] += 1
                 entry = sf.journal_entry()
         async with self._journal_lock:
             await trio.to_thread.run_sync(self.journal.record, entry)
+            self.counters["records"] += 1
+            self.counters["journal_fsyncs"] += 1
         self.schedule(sf, self.delay)
 
     def schedule(self, sf: StagedFile, delay: float) -> None:
