@@ -33,6 +33,12 @@ Timestamps: a meta's stored message carries the server's timestamp, which is its
 says otherwise; reading it back costs a round trip after the ack. Callers that show their own time
 (the filesystem shows a written file's last write, or the meta carries `natsfs.mtime_ns`) pass
 `timestamp=False`: the returned info then carries this machine's time.
+
+Own metas: the store remembers the last metas it stored itself (subject, revision, bytes; bounded).
+A rewrite that expects exactly such a revision (a chmod or utime after close, a rename, a delete of
+a file this mount just wrote) starts from that document instead of reading it back: the revision it
+expects is checked by the server (`Nats-Expected-Last-Subject-Sequence`), so another client's change
+in between is refused as before (`Conflict`), never overwritten.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import os
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -96,6 +103,7 @@ SETTLE_S = 60.0
 # The most chunks a put sent as one atomic batch can have: a batch holds at most 1000 messages, the
 # last one being the meta.
 ATOMIC_MAX_CHUNKS = BATCH_MAX_MSGS - 1
+OWN_METAS_KEPT = 4096  # metas this store stored itself, kept to rewrite them without reading them back
 BUCKET_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]+$")
 # Keys of a meta's `metadata` map that carry POSIX attributes written by natsfs.
 ATTR_MODE = "natsfs.mode"
@@ -459,6 +467,8 @@ class ObjectStore:
         self.put_log: PutLog | None = None
         # Whether each bucket's stream allows atomic batch publish (from its last status).
         self._atomic: dict[str, bool] = {}
+        # Metas this store stored itself: meta subject -> (revision, payload), most recent last.
+        self._own_metas: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
 
     @property
     def max_payload(self) -> int:
@@ -636,6 +646,31 @@ class ObjectStore:
 
     async def _publish_settled(self, bucket: str, subject: str, data: bytes, headers: dict[str, str],
                                expected_revision: int | None, *, timestamp: bool = True) -> StoredMsg:
+        stored = await self._publish_settled_once(bucket, subject, data, headers, expected_revision,
+                                                  timestamp=timestamp)
+        self._remember_meta(subject, stored.seq, data)
+        return stored
+
+    def _remember_meta(self, subject: str, revision: int, data: bytes) -> None:
+        self._own_metas[subject] = (revision, data)
+        self._own_metas.move_to_end(subject)
+        if len(self._own_metas) > OWN_METAS_KEPT:
+            self._own_metas.popitem(last=False)
+
+    async def _doc_at(self, bucket: str, name: str, expected_revision: int | None
+                      ) -> tuple[dict[str, Any], int] | None:
+        """`get_meta_doc`, or without a round trip the meta this store stored itself at exactly
+        `expected_revision` (the server checks that revision again when the rewrite is published)."""
+        if expected_revision:
+            own = self._own_metas.get(meta_subject(bucket, name))
+            if own is not None and own[0] == expected_revision:
+                doc = json.loads(own[1])
+                if isinstance(doc, dict):
+                    return doc, own[0]
+        return await self.get_meta_doc(bucket, name)
+
+    async def _publish_settled_once(self, bucket: str, subject: str, data: bytes, headers: dict[str, str],
+                                    expected_revision: int | None, *, timestamp: bool = True) -> StoredMsg:
         """Publish a meta and know whether it was stored.
 
         No ack (`Unavailable`, `OutcomeUnknown`): the name's meta is read back; our document there is
@@ -906,6 +941,7 @@ class ObjectStore:
             raise
         stored_msg = (await self._stored_meta(bucket, meta_subj, seq, sent["meta"]) if timestamp
                       else StoredMsg(seq, meta_subj, None, sent["meta"], time.time_ns()))
+        self._remember_meta(meta_subj, seq, sent["meta"])
         if old_nuid and old_nuid != nuid:
             await self.end_replacing(bucket, old_nuid, name, noted, stored=True)
         return parse_meta(bucket, stored_msg)
@@ -990,7 +1026,7 @@ class ObjectStore:
         name `shared` the nuid (a rename interrupted between its steps), no tombstone may carry it (other
         clients purge the nuid they find under a deleted name): the name's meta subject is purged instead,
         up to the revision read, and None is returned."""
-        current = await self.get_meta_doc(bucket, name)
+        current = await self._doc_at(bucket, name, expected_revision)
         if current is None:
             raise NotFound(f"{bucket}/{name}")
         doc, revision = current
@@ -1002,7 +1038,9 @@ class ObjectStore:
         if shared and nuid:
             await self.streams.purge_subject(stream_name(bucket), meta_subject(bucket, name), before_seq=revision + 1)
             return None
-        info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision)
+        # (A tombstone's time is shown nowhere: not read back.)
+        info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision,
+                                       timestamp=False)
         if purge_chunks and nuid:
             await self.purge_chunks_later_if_needed(bucket, nuid, name)
         return info
@@ -1023,7 +1061,8 @@ class ObjectStore:
         moved = dict(doc, name=new, mtime=ZERO_TIME)
         if change is not None:
             change(moved)
-        new_info = await self.publish_replacing(bucket, moved, target_revision, True)
+        own_time = isinstance(moved.get("metadata"), dict) and ATTR_MTIME in moved["metadata"]
+        new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=not own_time)
         await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
         return new_info, revision
 
@@ -1034,7 +1073,7 @@ class ObjectStore:
 
     async def _live_doc(self, bucket: str, name: str, expected_revision: int | None) -> tuple[dict[str, Any], int]:
         """The meta of a live object, checked against the revision the caller read (`Conflict`)."""
-        current = await self.get_meta_doc(bucket, name)
+        current = await self._doc_at(bucket, name, expected_revision)
         if current is None or current[0].get("deleted"):
             raise NotFound(f"{bucket}/{name}")
         doc, revision = current

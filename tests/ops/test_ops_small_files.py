@@ -10,8 +10,12 @@ import os
 from collections import Counter
 
 import pyfuse3
+import pytest
+from gowriters import put_object
 from opskit import Env
 from test_ops_write import Ctx, Fields, one_bucket, stored
+
+from natsfs.errors import Conflict
 
 MTIME_NS = 1_700_000_000 * 10**9
 
@@ -91,5 +95,51 @@ def test_a_file_deleted_before_its_close_costs_nothing(ops_env):
         await env.ops.release(fi.fh)
         assert calls_since(env, before) == {}
         assert await env.store.get_info("b", "tmp") is None
+
+    ops_env(body, setup=atomic_bucket)
+
+
+def test_changes_right_after_the_close_are_one_publish_each(ops_env):
+    """chmod after close (Hadoop's chmod), rename (a task's output committed) and unlink of a file this
+    mount just stored start from the meta it stored: no read back of it."""
+    async def body(env: Env):
+        b, _ = await ready(env)
+        await tar_one_file(env, b, "part-0", b"rows")
+        attr = await env.lookup("b/part-0")
+        before = env.streams.calls.copy()
+        a = pyfuse3.EntryAttributes()
+        a.st_mode = 0o100600
+        await env.ops.setattr(attr.st_ino, a, Fields(update_mode=True), None, Ctx())
+        assert calls_since(env, before) == {"publish": 1}
+        before = env.streams.calls.copy()
+        await env.ops.rename(b, b"part-0", b, b"part-00000", 0, Ctx())
+        assert calls_since(env, before) == {"publish": 1, "purge_subject": 1}
+        doc, _ = await env.store.get_meta_doc("b", "part-00000")
+        assert doc["metadata"]["natsfs.mode"] == "600" and doc["metadata"]["natsfs.mtime_ns"] == str(MTIME_NS)
+        assert await stored(env, "part-00000") == b"rows"
+        before = env.streams.calls.copy()
+        await env.ops.unlink(b, b"part-00000", Ctx())
+        assert calls_since(env, before) == {"publish": 1, "purge_subject": 1}
+        info = await env.store.get_info("b", "part-00000")
+        assert info is not None and info.deleted
+
+    ops_env(body, setup=atomic_bucket)
+
+
+def test_a_rewrite_from_the_remembered_meta_still_refuses_another_clients_change(ops_env):
+    async def body(env: Env):
+        b, _ = await ready(env)
+        await tar_one_file(env, b, "f", b"mine")
+        ours = await env.store.get_info("b", "f")
+        assert ours is not None
+        await put_object(env.streams, "b", "f", b"theirs")
+        before = env.streams.calls.copy()
+        with pytest.raises(Conflict):
+            await env.store.update_meta("b", "f", lambda doc: doc.update(description="x"),
+                                        expected_revision=ours.revision)
+        assert "last_msg" not in calls_since(env, before)  # started from the remembered meta
+        assert await stored(env, "f") == b"theirs"
+        doc, _ = await env.store.get_meta_doc("b", "f")
+        assert "description" not in doc
 
     ops_env(body, setup=atomic_bucket)
