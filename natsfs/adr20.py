@@ -657,6 +657,15 @@ class ObjectStore:
         if len(self._own_metas) > OWN_METAS_KEPT:
             self._own_metas.popitem(last=False)
 
+    def _own_tombstone(self, bucket: str, name: str) -> int:
+        """The revision of the tombstone this store last wrote for `name` (0: none remembered): where a
+        new object replaces a deleted one (rm, then create), the put expects it at once."""
+        own = self._own_metas.get(meta_subject(bucket, name))
+        if own is None:
+            return 0
+        doc = json.loads(own[1])
+        return own[0] if isinstance(doc, dict) and doc.get("deleted") else 0
+
     async def _doc_at(self, bucket: str, name: str, expected_revision: int | None
                       ) -> tuple[dict[str, Any], int] | None:
         """`get_meta_doc`, or without a round trip the meta this store stored itself at exactly
@@ -849,6 +858,8 @@ class ObjectStore:
           flight): the ordinary put, unless an earlier attempt's outcome is still unknown."""
         meta_subj = self._meta_subject(bucket, name)
         expected = expected_revision
+        if replace_tombstone and expected == 0:
+            expected = self._own_tombstone(bucket, name)
         nuid = new_nuid()
         subject = chunk_subject(bucket, nuid)
         ambiguous: NatsFSError | None = None
@@ -900,7 +911,7 @@ class ObjectStore:
                             seq = mine.seq
                             break
                         raise
-                    if not (replace_tombstone and expected == 0 and attempt == 1):
+                    if not (replace_tombstone and expected_revision == 0 and attempt == 1):
                         raise
                     current = await self.get_info(bucket, name)
                     if current is None or not current.deleted:
@@ -1006,11 +1017,13 @@ class ObjectStore:
     async def publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
                                 replace_tombstone: bool, msg_id: str = "", *, timestamp: bool = True) -> ObjectInfo:
         """`publish_meta`; with `replace_tombstone`, a name whose current meta is a tombstone (a deleted
-        object) counts as free (`expected_revision` 0) and is replaced at the tombstone's revision."""
+        object) counts as free (`expected_revision` 0) and is replaced at the tombstone's revision
+        (expected at once when this store wrote that tombstone itself, else read back after a refusal)."""
         msg_id = msg_id or new_nuid()
+        own_tombstone = self._own_tombstone(bucket, doc["name"]) if replace_tombstone and expected_revision == 0 else 0
         try:
-            return await self.publish_meta(bucket, doc, expected_revision=expected_revision, msg_id=msg_id,
-                                           timestamp=timestamp)
+            return await self.publish_meta(bucket, doc, expected_revision=own_tombstone or expected_revision,
+                                           msg_id=msg_id, timestamp=timestamp)
         except Conflict:
             if not (replace_tombstone and expected_revision == 0):
                 raise

@@ -143,3 +143,18 @@ def test_a_rewrite_from_the_remembered_meta_still_refuses_another_clients_change
         assert "description" not in doc
 
     ops_env(body, setup=atomic_bucket)
+
+
+def test_a_file_written_again_after_rm_replaces_the_tombstone_at_once(ops_env):
+    """tar over an existing tree (unlink, then create) and Spark's overwrite: the new put expects the
+    tombstone this mount just wrote instead of being refused and reading it back."""
+    async def body(env: Env):
+        b, _ = await ready(env)
+        await tar_one_file(env, b, "f", b"first")
+        await env.ops.unlink(b, b"f", Ctx())
+        before = env.streams.calls.copy()
+        await tar_one_file(env, b, "f", b"second")
+        assert calls_since(env, before) == {"publish_many": 1, "publish": 1}
+        assert await stored(env, "f") == b"second"
+
+    ops_env(body, setup=atomic_bucket)
