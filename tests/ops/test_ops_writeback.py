@@ -258,3 +258,20 @@ def test_a_replayed_upload_the_dead_run_had_stored_is_closed_not_kept_as_a_confl
     ops_env(second, bucket="b", streams=ms, write_back=0.0)
     assert ms.subjects("OBJ_b") == before  # nothing stored again
     assert not (spool_root(tmp_path / "cache", Path("/nonexistent")) / "lost+found").exists()
+
+
+def test_without_write_back_a_small_files_record_restores_its_bytes_for_lost_found(ops_env, tmp_path):
+    ms = MemoryStreams()
+    root = spool_root(tmp_path / "cache", Path("/nonexistent"))
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "a.txt", b"closed, never uploaded")
+        for f in (root / "spool").iterdir():
+            f.write_bytes(b"torn")  # the machine died: the spool file was never synced
+
+    async def second(env: Env):
+        assert await env.store.get_info("b", "a.txt") is None
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(second, bucket="b", streams=ms)
+    assert [p.read_bytes() for p in (root / "lost+found" / "leftover").iterdir()] == [b"closed, never uploaded"]
