@@ -745,7 +745,7 @@ class ObjectStore:
     async def put(self, bucket: str, name: str, source: ChunkSource, *, base: dict[str, Any] | None = None,
                   expected_revision: int | None = None, old_nuid: str = "", chunk_size: int | None = None,
                   window: int = 64, extra: Callable[[dict[str, Any]], None] | None = None,
-                  replace_tombstone: bool = False) -> ObjectInfo:
+                  replace_tombstone: bool = False, timestamp: bool = True) -> ObjectInfo:
         """Store an object the way nats.go's Put does: chunks on a fresh nuid (pipelined, at most
         `window` acks outstanding), then the meta (rollup; optimistic concurrency when
         `expected_revision` is given), then purge of the old nuid's chunks. If anything fails before
@@ -754,7 +754,7 @@ class ObjectStore:
         self.check_name(bucket, name)
         chunk_size = chunk_size or self.chunk_size
         commit: dict[str, Any] = dict(base=base, expected_revision=expected_revision, old_nuid=old_nuid,
-                                      extra=extra, replace_tombstone=replace_tombstone)
+                                      extra=extra, replace_tombstone=replace_tombstone, timestamp=timestamp)
         head: list[bytes] = []
         if self.batch_fits(bucket, 1, chunk_size):
             # Read up to one batch ahead: a source that ends within it is put atomically.
@@ -1054,7 +1054,7 @@ class ObjectStore:
         # (A tombstone's time is shown nowhere: not read back.)
         info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision,
                                        timestamp=False)
-        if purge_chunks and nuid:
+        if purge_chunks and nuid and (doc.get("chunks") or doc.get("size")):  # (an empty object has none)
             await self.purge_chunks_later_if_needed(bucket, nuid, name)
         return info
 
@@ -1074,8 +1074,9 @@ class ObjectStore:
         moved = dict(doc, name=new, mtime=ZERO_TIME)
         if change is not None:
             change(moved)
-        own_time = isinstance(moved.get("metadata"), dict) and ATTR_MTIME in moved["metadata"]
-        new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=not own_time)
+        # (Not read back for its timestamp: a renamed file keeps its mtime in natsfs.mtime_ns, and a
+        # directory marker's or link's new time is now, as this machine's clock has it.)
+        new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=False)
         await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
         return new_info, revision
 

@@ -537,8 +537,9 @@ class Mutations:
                 doc["metadata"] = dict(doc.get("metadata") or {}) | metadata
 
         try:
+            # (Not read back for its timestamp: a new directory's or special file's time is now.)
             info = await self.store.put(bucket, name, BytesSource(b""), expected_revision=0, extra=extra,
-                                        replace_tombstone=True)
+                                        replace_tombstone=True, timestamp=False)
         except Conflict:
             raise AlreadyExists(f"{bucket}/{name}") from None
         self._apply(bucket, info)

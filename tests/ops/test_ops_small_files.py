@@ -158,3 +158,19 @@ def test_a_file_written_again_after_rm_replaces_the_tombstone_at_once(ops_env):
         assert await stored(env, "f") == b"second"
 
     ops_env(body, setup=atomic_bucket)
+
+
+def test_a_directory_is_one_publish_to_make_and_one_to_remove(ops_env):
+    """Spark makes and removes many `_temporary` directories: a marker put is not read back for its
+    time, and removing an empty object purges no chunks (it has none)."""
+    async def body(env: Env):
+        b, before = await ready(env)
+        await env.ops.mkdir(b, b"_temporary", 0o755, Ctx())
+        assert calls_since(env, before) == {"publish": 1}
+        before = env.streams.calls.copy()
+        await env.ops.rmdir(b, b"_temporary", Ctx())
+        assert calls_since(env, before) == {"publish": 1}
+        info = await env.store.get_info("b", "_temporary/")
+        assert info is not None and info.deleted
+
+    ops_env(body, setup=atomic_bucket)
