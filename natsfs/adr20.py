@@ -1098,12 +1098,12 @@ class ObjectStore:
     async def update_meta(self, bucket: str, name: str, change: Callable[[dict[str, Any]], None], *,
                           expected_revision: int | None = None) -> ObjectInfo:
         """Rewrite an object's meta in place (same nuid), keeping every field `change` leaves alone.
-        A meta that carries its own mtime (`natsfs.mtime_ns`) is not read back for its timestamp."""
+        Not read back for its timestamp: without `natsfs.mtime_ns`, its time is now, as this machine's
+        clock has it."""
         doc, revision = await self._live_doc(bucket, name, expected_revision)
         doc = dict(doc, mtime=ZERO_TIME)
         change(doc)
-        own_time = isinstance(doc.get("metadata"), dict) and ATTR_MTIME in doc["metadata"]
-        return await self.publish_meta(bucket, doc, expected_revision=revision, timestamp=not own_time)
+        return await self.publish_meta(bucket, doc, expected_revision=revision, timestamp=False)
 
     async def add_link(self, bucket: str, name: str, target_bucket: str, target_name: str | None, *,
                        metadata: dict[str, str] | None = None) -> ObjectInfo:
