@@ -24,8 +24,9 @@ acknowledged as a duplicate, while the ids of a refused or abandoned batch are n
 unacknowledged commit is read back and, if not stored, the same batch (same ids) is sent again: stored
 at most once. Other puts keep the nats.go order (`PutSession`).
 
-Small puts: a file of at most one chunk is put with two plain publishes (the chunk, then, once it is
-acknowledged, the meta), even where atomic batches are allowed (`_put_small`): on a file-backed stream
+Small puts: a file of at most one chunk (and `SMALL_PUT_MAX`) is put with two plain publishes (the
+chunk, then, once it is acknowledged, the meta), even where atomic batches are allowed (`_put_small`):
+on a file-backed stream
 the server stages an atomic batch on disk and syncs it, which costs several milliseconds per batch
 against a fraction of one per publish. The put journal covers it like any other put.
 
@@ -103,6 +104,8 @@ SETTLE_S = 60.0
 # The most chunks a put sent as one atomic batch can have: a batch holds at most 1000 messages, the
 # last one being the meta.
 ATOMIC_MAX_CHUNKS = BATCH_MAX_MSGS - 1
+# A file of at most one chunk and at most this size is put by `_put_small` (read and hashed in place).
+SMALL_PUT_MAX = 256 * 1024
 OWN_METAS_KEPT = 4096  # metas this store stored itself, kept to rewrite them without reading them back
 BUCKET_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]+$")
 # Keys of a meta's `metadata` map that carry POSIX attributes written by natsfs.
@@ -786,7 +789,7 @@ class ObjectStore:
         self.check_name(bucket, name)
         chunk_size = kwargs.pop("chunk_size", None) or self.chunk_size
         window = kwargs.pop("window", 64)
-        if size <= chunk_size:
+        if size <= min(chunk_size, SMALL_PUT_MAX):
             return await self._put_small(bucket, name, fd, size, chunk_size, **kwargs)
         if self.batch_fits(bucket, size, chunk_size):
 
@@ -818,7 +821,7 @@ class ObjectStore:
                          ) -> ObjectInfo:
         """A put of at most one chunk from a local file, in-process: the chunk (recorded in the put
         journal first), then the meta once the chunk is acknowledged (see the module docstring)."""
-        data = os.pread(fd, size, 0) if size else b""  # at most one chunk: no worker thread needed
+        data = os.pread(fd, size, 0) if size else b""  # small: read and hashed here, no worker thread
         if len(data) < size:  # a hole at the end of a sparse file reads short: zeros
             data += bytes(size - len(data))
         session = self.start_put(bucket, chunk_size, 1, name)
