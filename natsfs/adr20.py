@@ -26,9 +26,8 @@ at most once. Other puts keep the nats.go order (`PutSession`).
 
 Small puts: a file of at most one chunk (and `SMALL_PUT_MAX`) is put with two plain publishes (the
 chunk, then, once it is acknowledged, the meta), even where atomic batches are allowed (`_put_small`):
-on a file-backed stream
-the server stages an atomic batch on disk and syncs it, which costs several milliseconds per batch
-against a fraction of one per publish. The put journal covers it like any other put.
+on a file-backed stream the server stages an atomic batch on disk and syncs it, which costs several
+milliseconds per batch against a fraction of one per publish. The put journal covers it like any other put.
 
 Timestamps: a meta's stored message carries the server's timestamp, which is its mtime unless the meta
 says otherwise; reading it back costs a round trip after the ack. Callers that show their own time
