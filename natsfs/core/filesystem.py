@@ -769,7 +769,23 @@ class Filesystem:
         """Unmounting: store what files still open for writing hold (within `timeout` in all, progress in
         the log); keep what cannot be stored in lost+found, one log line per file. Nothing is dropped
         silently. In write-back mode: wait for the queued uploads instead; what is still queued after
-        `timeout` stays in the spool and the journal for the next mount."""
+        `timeout` stays in the spool and the journal for the next mount. Directory times not written
+        yet are written last."""
+        try:
+            await self._shutdown_files(timeout)
+        finally:
+            with trio.move_on_after(DIR_TIME_MAX_S):
+                await self._store_pending_dir_times()
+
+    async def _store_pending_dir_times(self) -> None:
+        for directory in list(self._dir_times_pending):
+            try:
+                async with self._dir_gate.storing():
+                    await self._store_dir_time(directory)
+            except NatsFSError as e:
+                log.debug("%s: directory time not stored at unmount (%s)", "/".join(directory), e)
+
+    async def _shutdown_files(self, timeout: float) -> None:
         if self.writeback is not None:
             await self.writeback.drain(timeout)
             for sf in self.staging.all():

@@ -174,3 +174,17 @@ def test_a_directory_is_one_publish_to_make_and_one_to_remove(ops_env):
         assert info is not None and info.deleted
 
     ops_env(body, setup=atomic_bucket)
+
+
+def test_a_directory_time_not_written_yet_is_written_at_unmount(ops_env):
+    async def body(env: Env):
+        b, _ = await ready(env)
+        await env.ops.mkdir(b, b"tree", 0o755, Ctx())
+        tree = (await env.lookup("b/tree")).st_ino
+        await tar_one_file(env, tree, "f", b"x")
+        shown = (await env.lookup("b/tree")).st_mtime_ns
+        await env.fs.shutdown(10)  # before the directory's quiet time has passed
+        doc, _ = await env.store.get_meta_doc("b", "tree/")
+        assert doc["metadata"]["natsfs.mtime_ns"] == str(shown)
+
+    ops_env(body, setup=atomic_bucket)
