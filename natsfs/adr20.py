@@ -23,6 +23,22 @@ whole batch); a message id the stream already saw refuses the whole batch (10201
 acknowledged as a duplicate, while the ids of a refused or abandoned batch are not remembered. So an
 unacknowledged commit is read back and, if not stored, the same batch (same ids) is sent again: stored
 at most once. Other puts keep the nats.go order (`PutSession`).
+
+Small puts: a file of at most one chunk (and `SMALL_PUT_MAX`) is put with two plain publishes (the
+chunk, then, once it is acknowledged, the meta), even where atomic batches are allowed (`_put_small`):
+on a file-backed stream the server stages an atomic batch on disk and syncs it, which costs several
+milliseconds per batch against a fraction of one per publish. The put journal covers it like any other put.
+
+Timestamps: a meta's stored message carries the server's timestamp, which is its mtime unless the meta
+says otherwise; reading it back costs a round trip after the ack. Callers that show their own time
+(the filesystem shows a written file's last write, or the meta carries `natsfs.mtime_ns`) pass
+`timestamp=False`: the returned info then carries this machine's time.
+
+Own metas: the store remembers the last metas it stored itself (subject, revision, bytes; bounded).
+A rewrite that expects exactly such a revision (a chmod or utime after close, a rename, a delete of
+a file this mount just wrote) starts from that document instead of reading it back: the revision it
+expects is checked by the server (`Nats-Expected-Last-Subject-Sequence`), so another client's change
+in between is refused as before (`Conflict`), never overwritten.
 """
 
 from __future__ import annotations
@@ -36,6 +52,7 @@ import os
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -86,6 +103,9 @@ SETTLE_S = 60.0
 # The most chunks a put sent as one atomic batch can have: a batch holds at most 1000 messages, the
 # last one being the meta.
 ATOMIC_MAX_CHUNKS = BATCH_MAX_MSGS - 1
+# A file of at most one chunk and at most this size is put by `_put_small` (read and hashed in place).
+SMALL_PUT_MAX = 256 * 1024
+OWN_METAS_KEPT = 4096  # metas this store stored itself, kept to rewrite them without reading them back
 BUCKET_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]+$")
 # Keys of a meta's `metadata` map that carry POSIX attributes written by natsfs.
 ATTR_MODE = "natsfs.mode"
@@ -449,6 +469,8 @@ class ObjectStore:
         self.put_log: PutLog | None = None
         # Whether each bucket's stream allows atomic batch publish (from its last status).
         self._atomic: dict[str, bool] = {}
+        # Metas this store stored itself: meta subject -> (revision, payload), most recent last.
+        self._own_metas: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
 
     @property
     def max_payload(self) -> int:
@@ -611,7 +633,7 @@ class ObjectStore:
 
     # ---------------------------------------------------------------- writes
     async def publish_meta(self, bucket: str, doc: dict[str, Any], *, expected_revision: int | None = None,
-                           msg_id: str = "") -> ObjectInfo:
+                           msg_id: str = "", timestamp: bool = True) -> ObjectInfo:
         """Publish a meta with `Nats-Rollup: sub` and `Nats-Msg-Id` (`msg_id`, or a fresh one); with
         `expected_revision`, only if the name's meta subject still ends at that sequence (0: never
         written), else `Conflict`. An ambiguous outcome is settled (see `_publish_settled`)."""
@@ -621,10 +643,45 @@ class ObjectStore:
         headers = {ROLLUP: "sub", MSG_ID: msg_id or new_nuid()}
         if expected_revision is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_revision)
-        return parse_meta(bucket, await self._publish_settled(bucket, subject, data, headers, expected_revision))
+        return parse_meta(bucket, await self._publish_settled(bucket, subject, data, headers, expected_revision,
+                                                              timestamp=timestamp))
 
     async def _publish_settled(self, bucket: str, subject: str, data: bytes, headers: dict[str, str],
-                               expected_revision: int | None) -> StoredMsg:
+                               expected_revision: int | None, *, timestamp: bool = True) -> StoredMsg:
+        stored = await self._publish_settled_once(bucket, subject, data, headers, expected_revision,
+                                                  timestamp=timestamp)
+        self._remember_meta(subject, stored.seq, data)
+        return stored
+
+    def _remember_meta(self, subject: str, revision: int, data: bytes) -> None:
+        self._own_metas[subject] = (revision, data)
+        self._own_metas.move_to_end(subject)
+        if len(self._own_metas) > OWN_METAS_KEPT:
+            self._own_metas.popitem(last=False)
+
+    def _own_tombstone(self, bucket: str, name: str) -> int:
+        """The revision of the tombstone this store last wrote for `name` (0: none remembered): where a
+        new object replaces a deleted one (rm, then create), the put expects it at once."""
+        own = self._own_metas.get(meta_subject(bucket, name))
+        if own is None:
+            return 0
+        doc = json.loads(own[1])
+        return own[0] if isinstance(doc, dict) and doc.get("deleted") else 0
+
+    async def _doc_at(self, bucket: str, name: str, expected_revision: int | None
+                      ) -> tuple[dict[str, Any], int] | None:
+        """`get_meta_doc`, or without a round trip the meta this store stored itself at exactly
+        `expected_revision` (the server checks that revision again when the rewrite is published)."""
+        if expected_revision:
+            own = self._own_metas.get(meta_subject(bucket, name))
+            if own is not None and own[0] == expected_revision:
+                doc = json.loads(own[1])
+                if isinstance(doc, dict):
+                    return doc, own[0]
+        return await self.get_meta_doc(bucket, name)
+
+    async def _publish_settled_once(self, bucket: str, subject: str, data: bytes, headers: dict[str, str],
+                                    expected_revision: int | None, *, timestamp: bool = True) -> StoredMsg:
         """Publish a meta and know whether it was stored.
 
         No ack (`Unavailable`, `OutcomeUnknown`): the name's meta is read back; our document there is
@@ -655,6 +712,8 @@ class ObjectStore:
                                          f"within {self.settle_timeout:g}s") from None
                 await backoff.pause()
                 continue
+            if not timestamp:
+                return StoredMsg(seq, subject, headers, data, time.time_ns())
             try:
                 stored = await self.streams.last_msg(stream_name(bucket), subject)
             except NatsFSError:
@@ -688,7 +747,7 @@ class ObjectStore:
     async def put(self, bucket: str, name: str, source: ChunkSource, *, base: dict[str, Any] | None = None,
                   expected_revision: int | None = None, old_nuid: str = "", chunk_size: int | None = None,
                   window: int = 64, extra: Callable[[dict[str, Any]], None] | None = None,
-                  replace_tombstone: bool = False) -> ObjectInfo:
+                  replace_tombstone: bool = False, timestamp: bool = True) -> ObjectInfo:
         """Store an object the way nats.go's Put does: chunks on a fresh nuid (pipelined, at most
         `window` acks outstanding), then the meta (rollup; optimistic concurrency when
         `expected_revision` is given), then purge of the old nuid's chunks. If anything fails before
@@ -697,7 +756,7 @@ class ObjectStore:
         self.check_name(bucket, name)
         chunk_size = chunk_size or self.chunk_size
         commit: dict[str, Any] = dict(base=base, expected_revision=expected_revision, old_nuid=old_nuid,
-                                      extra=extra, replace_tombstone=replace_tombstone)
+                                      extra=extra, replace_tombstone=replace_tombstone, timestamp=timestamp)
         head: list[bytes] = []
         if self.batch_fits(bucket, 1, chunk_size):
             # Read up to one batch ahead: a source that ends within it is put atomically.
@@ -729,7 +788,9 @@ class ObjectStore:
         self.check_name(bucket, name)
         chunk_size = kwargs.pop("chunk_size", None) or self.chunk_size
         window = kwargs.pop("window", 64)
-        if size > 0 and self.batch_fits(bucket, size, chunk_size):
+        if size <= min(chunk_size, SMALL_PUT_MAX):
+            return await self._put_small(bucket, name, fd, size, chunk_size, **kwargs)
+        if self.batch_fits(bucket, size, chunk_size):
 
             def file_chunks(hasher: Any) -> AsyncIterator[bytes]:
                 return _file_chunks(fd, size, chunk_size, hasher)
@@ -755,6 +816,24 @@ class ObjectStore:
                 await session.abort()
             raise
 
+    async def _put_small(self, bucket: str, name: str, fd: int, size: int, chunk_size: int, **commit: Any
+                         ) -> ObjectInfo:
+        """A put of at most one chunk from a local file, in-process: the chunk (recorded in the put
+        journal first), then the meta once the chunk is acknowledged (see the module docstring)."""
+        data = os.pread(fd, size, 0) if size else b""  # small: read and hashed here, no worker thread
+        if len(data) < size:  # a hole at the end of a sparse file reads short: zeros
+            data += bytes(size - len(data))
+        session = self.start_put(bucket, chunk_size, 1, name)
+        session.remote = False
+        session.hasher.update(data)
+        try:
+            await session.send([data] if data else [])
+            return await session.commit(name, session.hasher.digest(), **commit)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await session.abort()
+            raise
+
     # ---------------------------------------------------------------- atomic puts
     def batch_fits(self, bucket: str, size: int, chunk_size: int | None = None) -> bool:
         """Whether a put of `size` bytes into `bucket` goes as one atomic batch: the bucket is known to
@@ -766,7 +845,7 @@ class ObjectStore:
                          chunk_size: int, window: int, *, base: dict[str, Any] | None = None,
                          expected_revision: int | None = None, old_nuid: str = "",
                          extra: Callable[[dict[str, Any]], None] | None = None,
-                         replace_tombstone: bool = False) -> ObjectInfo:
+                         replace_tombstone: bool = False, timestamp: bool = True) -> ObjectInfo:
         """A put as one atomic batch: chunks `<nuid>.<i>` and the meta (rollup, expected revision) are
         stored together at the commit or not at all, so no crash leaves a partial version or orphan
         chunks, and no put journal record is needed. `chunks_of(hasher)` yields the chunks (fed to the
@@ -781,6 +860,8 @@ class ObjectStore:
           flight): the ordinary put, unless an earlier attempt's outcome is still unknown."""
         meta_subj = self._meta_subject(bucket, name)
         expected = expected_revision
+        if replace_tombstone and expected == 0:
+            expected = self._own_tombstone(bucket, name)
         nuid = new_nuid()
         subject = chunk_subject(bucket, nuid)
         ambiguous: NatsFSError | None = None
@@ -832,7 +913,7 @@ class ObjectStore:
                             seq = mine.seq
                             break
                         raise
-                    if not (replace_tombstone and expected == 0 and attempt == 1):
+                    if not (replace_tombstone and expected_revision == 0 and attempt == 1):
                         raise
                     current = await self.get_info(bucket, name)
                     if current is None or not current.deleted:
@@ -856,7 +937,7 @@ class ObjectStore:
                     sent.clear()  # that batch was refused: nothing of it can be stored
                     return await self._put_in_order(bucket, name, chunks_of, chunk_size, window, base=base,
                                                     expected_revision=expected, old_nuid=old_nuid, extra=extra,
-                                                    replace_tombstone=replace_tombstone)
+                                                    replace_tombstone=replace_tombstone, timestamp=timestamp)
                 except Unavailable:
                     if ambiguous is None:
                         raise  # cut off before the commit: nothing of this put is stored
@@ -871,7 +952,9 @@ class ObjectStore:
             with trio.CancelScope(shield=True):
                 await self.end_replacing(bucket, old_nuid, name, noted, stored=False)
             raise
-        stored_msg = await self._stored_meta(bucket, meta_subj, seq, sent["meta"])
+        stored_msg = (await self._stored_meta(bucket, meta_subj, seq, sent["meta"]) if timestamp
+                      else StoredMsg(seq, meta_subj, None, sent["meta"], time.time_ns()))
+        self._remember_meta(meta_subj, seq, sent["meta"])
         if old_nuid and old_nuid != nuid:
             await self.end_replacing(bucket, old_nuid, name, noted, stored=True)
         return parse_meta(bucket, stored_msg)
@@ -934,19 +1017,23 @@ class ObjectStore:
             raise error from None
 
     async def publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
-                                replace_tombstone: bool, msg_id: str = "") -> ObjectInfo:
+                                replace_tombstone: bool, msg_id: str = "", *, timestamp: bool = True) -> ObjectInfo:
         """`publish_meta`; with `replace_tombstone`, a name whose current meta is a tombstone (a deleted
-        object) counts as free (`expected_revision` 0) and is replaced at the tombstone's revision."""
+        object) counts as free (`expected_revision` 0) and is replaced at the tombstone's revision
+        (expected at once when this store wrote that tombstone itself, else read back after a refusal)."""
         msg_id = msg_id or new_nuid()
+        own_tombstone = self._own_tombstone(bucket, doc["name"]) if replace_tombstone and expected_revision == 0 else 0
         try:
-            return await self.publish_meta(bucket, doc, expected_revision=expected_revision, msg_id=msg_id)
+            return await self.publish_meta(bucket, doc, expected_revision=own_tombstone or expected_revision,
+                                           msg_id=msg_id, timestamp=timestamp)
         except Conflict:
             if not (replace_tombstone and expected_revision == 0):
                 raise
             current = await self.get_info(bucket, doc["name"])
             if current is None or not current.deleted:
                 raise
-            return await self.publish_meta(bucket, doc, expected_revision=current.revision, msg_id=msg_id)
+            return await self.publish_meta(bucket, doc, expected_revision=current.revision, msg_id=msg_id,
+                                           timestamp=timestamp)
 
     async def delete(self, bucket: str, name: str, *, expected_revision: int | None = None,
                      purge_chunks: bool = True, shared: bool = False) -> ObjectInfo | None:
@@ -954,7 +1041,7 @@ class ObjectStore:
         name `shared` the nuid (a rename interrupted between its steps), no tombstone may carry it (other
         clients purge the nuid they find under a deleted name): the name's meta subject is purged instead,
         up to the revision read, and None is returned."""
-        current = await self.get_meta_doc(bucket, name)
+        current = await self._doc_at(bucket, name, expected_revision)
         if current is None:
             raise NotFound(f"{bucket}/{name}")
         doc, revision = current
@@ -966,8 +1053,10 @@ class ObjectStore:
         if shared and nuid:
             await self.streams.purge_subject(stream_name(bucket), meta_subject(bucket, name), before_seq=revision + 1)
             return None
-        info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision)
-        if purge_chunks and nuid:
+        # (A tombstone's time is shown nowhere: not read back.)
+        info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision,
+                                       timestamp=False)
+        if purge_chunks and nuid and (doc.get("chunks") or doc.get("size")):  # (an empty object has none)
             await self.purge_chunks_later_if_needed(bucket, nuid, name)
         return info
 
@@ -987,7 +1076,9 @@ class ObjectStore:
         moved = dict(doc, name=new, mtime=ZERO_TIME)
         if change is not None:
             change(moved)
-        new_info = await self.publish_replacing(bucket, moved, target_revision, True)
+        # (Not read back for its timestamp: a renamed file keeps its mtime in natsfs.mtime_ns, and a
+        # directory marker's or link's new time is now, as this machine's clock has it.)
+        new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=False)
         await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
         return new_info, revision
 
@@ -998,7 +1089,7 @@ class ObjectStore:
 
     async def _live_doc(self, bucket: str, name: str, expected_revision: int | None) -> tuple[dict[str, Any], int]:
         """The meta of a live object, checked against the revision the caller read (`Conflict`)."""
-        current = await self.get_meta_doc(bucket, name)
+        current = await self._doc_at(bucket, name, expected_revision)
         if current is None or current[0].get("deleted"):
             raise NotFound(f"{bucket}/{name}")
         doc, revision = current
@@ -1008,11 +1099,13 @@ class ObjectStore:
 
     async def update_meta(self, bucket: str, name: str, change: Callable[[dict[str, Any]], None], *,
                           expected_revision: int | None = None) -> ObjectInfo:
-        """Rewrite an object's meta in place (same nuid), keeping every field `change` leaves alone."""
+        """Rewrite an object's meta in place (same nuid), keeping every field `change` leaves alone.
+        Not read back for its timestamp: without `natsfs.mtime_ns`, its time is now, as this machine's
+        clock has it."""
         doc, revision = await self._live_doc(bucket, name, expected_revision)
         doc = dict(doc, mtime=ZERO_TIME)
         change(doc)
-        return await self.publish_meta(bucket, doc, expected_revision=revision)
+        return await self.publish_meta(bucket, doc, expected_revision=revision, timestamp=False)
 
     async def add_link(self, bucket: str, name: str, target_bucket: str, target_name: str | None, *,
                        metadata: dict[str, str] | None = None) -> ObjectInfo:
@@ -1206,7 +1299,7 @@ class PutSession:
     async def commit(self, name: str, digest: bytes, *, base: dict[str, Any] | None = None,
                      expected_revision: int | None = None, old_nuid: str = "",
                      extra: Callable[[dict[str, Any]], None] | None = None,
-                     replace_tombstone: bool = False) -> ObjectInfo:
+                     replace_tombstone: bool = False, timestamp: bool = True) -> ObjectInfo:
         self.name = name
         doc = meta_doc(name=name, bucket=self.bucket, nuid=self.nuid, size=self.size, chunks=self.chunks,
                        digest=format_digest(digest), base=base, chunk_size=self.chunk_size)
@@ -1216,7 +1309,7 @@ class PutSession:
         noted = self.store.note_replacing(self.bucket, old_nuid, self.nuid, name)
         try:
             info = await self.store.publish_replacing(self.bucket, doc, expected_revision, replace_tombstone,
-                                                       msg_id=f"{self.nuid}.meta")
+                                                       msg_id=f"{self.nuid}.meta", timestamp=timestamp)
         except BaseException as e:
             if isinstance(e, NatsFSError) and not isinstance(e, Unavailable):
                 self.meta_state = _META_REFUSED  # the server said no (or nothing was sent): not stored

@@ -10,6 +10,7 @@ the same graph with the same settings.
 
 from __future__ import annotations
 
+import base64
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from .fs import Operations
 from .journal import WriteBackJournal
 from .kernel import KernelNotifier
 from .namespace import Namespace
-from .staging import Spool, Staging
+from .staging import Spool, Staging, restore_file
 from .streams import Streams
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ def open_write_back_journal(path: Path, write_back: bool) -> WriteBackJournal | 
             log.warning("%d file(s) closed in write-back mode by an earlier run of this mount were never "
                         "uploaded; without --write-back they are not replayed but kept in lost+found",
                         len(left.pending))
+        for rec in left.pending.values():
+            if "data" in rec:  # what the close made durable, whatever the unsynced spool file holds now
+                restore_file(path.parent / "spool" / str(rec["id"]), base64.b64decode(rec["data"]))
         left.close()
         path.unlink()
     return None

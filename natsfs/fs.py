@@ -90,6 +90,8 @@ def _boundary(fn: F) -> F:
 
     @functools.wraps(fn)
     async def wrapper(self: Operations, *args: Any) -> Any:
+        self.fs.op_counts[op] += 1
+        _t0 = time.perf_counter()
         try:
             with self.fs.serving(self._request_inodes(op, args)):
                 return await fn(self, *args)
@@ -102,6 +104,8 @@ def _boundary(fn: F) -> F:
                 raise pyfuse3.FUSEError(error.errno) from None
             self.failures.log(logging.ERROR, f"{op}{args[:2]!r} failed unexpectedly: {error!r}", exc_info=True)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            self.fs.op_counts[op + "_us"] += int((time.perf_counter() - _t0) * 1e6)
 
     return wrapper  # type: ignore[return-value]
 

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import weakref
+from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -146,6 +147,9 @@ class JetStreams:
 
     def __init__(self, bridge: Bridge):
         self.bridge = bridge
+        # Calls per method, and `batch_msgs`: messages sent as requests inside atomic batches (each one a
+        # round trip); shown in the daemon's stats, like `MemoryStreams.calls`.
+        self.calls: Counter[str] = Counter()
         # Per stream, the highest sequence this client has seen stored (acks, watch deliveries, reads).
         # Direct gets carry it as `min_last_seq`: on a replicated stream any replica may answer, and
         # one that has not applied that far yet hands the request to the leader instead of answering
@@ -180,6 +184,7 @@ class JetStreams:
                 return names
 
     async def stream_info(self, name: str) -> StreamState:
+        self.calls["stream_info"] += 1
         return await _stream_info(self.bridge, name)
 
     async def subject_count(self, stream: str, filter_subject: str) -> int:
@@ -244,6 +249,7 @@ class JetStreams:
 
     # ---------------------------------------------------------------- messages
     async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
+        self.calls["publish"] += 1
         deadline = trio.current_time() + FAILOVER_S
         while True:
             try:
@@ -303,6 +309,7 @@ class JetStreams:
         """Publish stream messages (chunks, each with its own `Nats-Msg-Id`), pipelined. Messages that
         got no ack, or no responders while their stream elects a leader, are sent again until
         `FAILOVER_S` has passed: the server's de-duplication keeps a message stored twice out."""
+        self.calls["publish_many"] += 1
         results = await self.bridge.js_publish_many(msgs, window)
         deadline = trio.current_time() + FAILOVER_S
         while again := [i for i, r in enumerate(results) if isinstance(r, NotFound | Unavailable)]:
@@ -335,6 +342,7 @@ class JetStreams:
         a new leader (or the connection is replaced) it is sent again, from `messages()` anew and under a
         new batch id, for up to `FAILOVER_S`. An unanswered commit (`OutcomeUnknown`) is the caller's to
         settle."""
+        self.calls["publish_batch"] += 1
         deadline: float | None = None
         attempt = 0
         while True:
@@ -386,15 +394,18 @@ class JetStreams:
 
         async for msg in msgs:
             if held is not None:
+                self.calls["batch_msgs"] += 1
                 await send(held, False)
             count += 1
             sent_bytes += len(msg[1])
             held = msg
         if held is None:
             raise InvalidArgument(f"batch {batch_id} is empty")
+        self.calls["batch_msgs"] += 1
         return await send(held, True)
 
     async def purge_subject(self, stream: str, subject: str, *, before_seq: int = 0) -> None:
+        self.calls["purge_subject"] += 1
         body: dict[str, Any] = {"filter": subject}
         if before_seq:
             body["seq"] = before_seq
@@ -405,6 +416,7 @@ class JetStreams:
         what this answers decides conflicts and settles publishes, and a replica may not have applied
         the latest write yet (on a replicated stream even `min_last_seq` was seen to let a stale meta
         through right after a rewrite of it)."""
+        self.calls["last_msg"] += 1
         try:
             reply = await _api(self.bridge, f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject})
         except JetStreamAPIError as e:
@@ -423,6 +435,7 @@ class JetStreams:
 
     async def get_batch(self, stream: str, subject: str, start_seq: int, batch: int,
                         max_bytes: int) -> list[StoredMsg]:
+        self.calls["get_batch"] += 1
         max_bytes = min(max_bytes, self.bridge.max_batch_bytes)  # replies in flight stay within the budget
         body = {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
         for _ in range(_FLOOR_TRIES):
@@ -445,6 +458,7 @@ class JetStreams:
     async def stream_batch(self, stream: str, subject: str, start_seq: int, batch: int,
                            max_bytes: int) -> BatchStream:
         """Like `get_batch`, but hands messages over as they arrive instead of all at the end."""
+        self.calls["stream_batch"] += 1
         max_bytes = min(max_bytes, self.bridge.max_batch_bytes)  # replies in flight stay within the budget
         body = self._floor_body(stream, {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch,
                                          "max_bytes": max_bytes})

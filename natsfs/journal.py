@@ -7,14 +7,19 @@ not done.
 
 The file is a sequence of framed records, each `length (u32 BE) | CRC-32 of the payload (u32 BE) |
 payload` with a JSON object as payload. One writer (the daemon, holding the mount) appends and
-chooses when to sync: `record` and `done` fsync before they return. A record cut short by a crash or
+chooses when to sync: `record_many` writes the records of several closes at once and fsyncs them
+together (group commit: one sync for every close that arrived while the previous one ran); `done` is
+written without a sync of its own (the next sync covers it; a `done` lost to a crash of the machine
+only makes the replay find the object already stored, see `core.writeback`). A record cut short by a crash or
 a failed CRC ends the readable journal: that torn record and whatever follows it is skipped (one log
 line), everything before it is used. The journal is rewritten with only its live records (compaction:
 temporary file, fsync, rename, fsync of the directory) when it is opened after a torn tail or once
 most of its records are dead.
 
 A live record is keyed by `id` (the spool file's name) and holds what `staging.StagedFile.journal_entry`
-writes: bucket, name, base version, state, attributes, xattr changes. A newer record of the same id
+writes: bucket, name, base version, state, attributes, xattr changes, and for a small file its bytes
+(`data`, base64: then the record alone makes the close durable, no sync of the spool file is needed,
+and the replay restores the spool file from it). A newer record of the same id
 replaces the older one (a rewrite of a pending file merges into one upload), and replay order is the
 order in which each id's latest record was written.
 """
@@ -107,22 +112,38 @@ class WriteBackJournal:
         dead = self._written - len(self.pending)
         return dead >= _COMPACT_MIN and dead > _COMPACT_FACTOR * len(self.pending)
 
-    def _append(self, rec: dict[str, Any]) -> None:
-        os.write(self._fd, frame(json.dumps(rec, separators=(",", ":")).encode()))
-        os.fsync(self._fd)
-        self._written += 1
-        self._apply(rec)
-        if self._mostly_dead():
+    def _append(self, recs: list[dict[str, Any]], sync: bool, compact: bool = True) -> None:
+        data = b"".join(frame(json.dumps(rec, separators=(",", ":")).encode()) for rec in recs)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+        if sync:
+            os.fdatasync(self._fd)
+        self._written += len(recs)
+        for rec in recs:
+            self._apply(rec)
+        if compact and self._mostly_dead():
             self.compact()
 
     def record(self, entry: dict[str, Any]) -> None:
-        """A file's bytes (already fsynced in its spool file) wait for upload: durable when this returns."""
-        self._append({**entry, "op": "put"})
+        """A file's bytes (fsynced in its spool file, or carried in the entry) wait for upload: durable
+        when this returns."""
+        self.record_many([entry])
 
-    def done(self, entry_id: str) -> None:
-        """The file was stored (or kept in lost+found): nothing to replay for it."""
+    def record_many(self, entries: list[dict[str, Any]]) -> None:
+        """`record` of several files with one write and one sync (group commit)."""
+        self._append([{**entry, "op": "put"} for entry in entries], sync=True)
+
+    def done(self, entry_id: str, *, compact: bool = True) -> None:
+        """The file was stored (or kept in lost+found): nothing to replay for it. Not synced here: one
+        small write, which the trio thread may do itself when `compact` is False (then it calls
+        `compact` on a worker thread once `wants_compaction` says so)."""
         if entry_id in self.pending:
-            self._append({"op": "done", "id": entry_id})
+            self._append([{"op": "done", "id": entry_id}], sync=False, compact=compact)
+
+    @property
+    def wants_compaction(self) -> bool:
+        return self._mostly_dead()
 
     def compact(self) -> None:
         """Rewrite the journal with only its live records, atomically (rename over the old file)."""

@@ -12,7 +12,9 @@ carry a live object's nuid (`purge_shared_tombstones`), once the server answers.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +29,7 @@ from .adr20 import (
     PosixAttrs,
     PutSession,
     chunk_subject,
+    format_digest,
     meta_json,
     set_posix_attrs,
     stream_name,
@@ -56,6 +59,17 @@ Path = tuple[str, ...]
 # A growing file's chunks are streamed to the server in batches of this many bytes.
 STREAM_BATCH = 4 * 1024 * 1024
 STREAM_PARALLEL = 3
+
+
+def _digest_of_file(fd: int, size: int) -> bytes:
+    """SHA-256 of the first `size` bytes of a file (a hole at its end counts as zeros)."""
+    hasher = hashlib.sha256()
+    pos = 0
+    while pos < size:
+        data = os.pread(fd, min(1 << 20, size - pos), pos) or bytes(min(1 << 20, size - pos))
+        hasher.update(data)
+        pos += len(data)
+    return hasher.digest()
 
 
 def check_meta_size(doc: dict[str, Any], limit: int) -> None:
@@ -334,6 +348,11 @@ class Mutations:
         """The put of an uploading staged file (its lock held); the stored meta and how many of its
         xattr changes it holds."""
         await self.check_writable(sf.bucket)
+        if sf.resumed:
+            sf.resumed = False
+            already = await self._stored_by_earlier_run(sf)
+            if already is not None:
+                return already, len(sf.xattr_changes)
         base_doc = None
         expected, old_nuid = sf.base_revision, sf.base.nuid if sf.base is not None else ""
         replace_tombstone = sf.base is None
@@ -359,8 +378,10 @@ class Mutations:
             sf.apply_xattr_changes(doc, changes)
             set_posix_attrs(doc, attrs, defaults)
 
+        # timestamp=False: the filesystem shows a stored file's last write (or its natsfs.mtime_ns), never
+        # the meta message's time, so the put does not read the stored meta back for it.
         common: dict[str, Any] = dict(base=base_doc, expected_revision=expected, old_nuid=old_nuid,
-                                      extra=extra, replace_tombstone=replace_tombstone)
+                                      extra=extra, replace_tombstone=replace_tombstone, timestamp=False)
         session = sf.stream
         try:
             if session is not None and not sf.stream_dead and session.chunk_size == chunk_size:
@@ -391,6 +412,20 @@ class Mutations:
         finally:
             sf.reset_stream()
         return info, len(changes)
+
+    async def _stored_by_earlier_run(self, sf: StagedFile) -> ObjectInfo | None:
+        """A write-back upload replayed from the journal whose object the daemon that died had stored
+        already (killed between the put and the journal's `done`): the name holds a newer version than
+        the record's base with exactly these bytes (size and digest). That object is this upload."""
+        info = await self.store.get_info(sf.bucket, sf.name)
+        if info is None or info.deleted or info.revision == sf.base_revision or info.size != sf.size:
+            return None
+        digest = await trio.to_thread.run_sync(_digest_of_file, sf.fd, sf.size)
+        if info.digest != format_digest(digest):
+            return None
+        log.info("%s/%s: replayed write-back upload was already stored by the earlier run (revision %d)",
+                 sf.bucket, sf.name, info.revision)
+        return info
 
     async def delete(self, bucket: str, info: ObjectInfo, *, keep_chunks: bool = False) -> None:
         """Delete an object (or link): tombstone, then purge its chunks unless another name shares them
@@ -502,8 +537,9 @@ class Mutations:
                 doc["metadata"] = dict(doc.get("metadata") or {}) | metadata
 
         try:
+            # (Not read back for its timestamp: a new directory's or special file's time is now.)
             info = await self.store.put(bucket, name, BytesSource(b""), expected_revision=0, extra=extra,
-                                        replace_tombstone=True)
+                                        replace_tombstone=True, timestamp=False)
         except Conflict:
             raise AlreadyExists(f"{bucket}/{name}") from None
         self._apply(bucket, info)

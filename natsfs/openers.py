@@ -24,8 +24,9 @@ class Openers(Protocol):
     def thread_group(self, pid: int) -> int | None:
         """The thread group (process) of thread `pid`, None if unknown."""
 
-    def still_holds(self, tgid: int, ino: int) -> bool:
-        """Whether process `tgid` still has a descriptor open for writing on inode `ino` of this mount."""
+    def still_holds(self, tgid: int, ino: int, max_fds: int | None = None) -> bool | None:
+        """Whether process `tgid` still has a descriptor open for writing on inode `ino` of this mount;
+        None (not looked at) when it has more than `max_fds` descriptors open."""
 
 
 def _mount_id(mountpoint: Path) -> int | None:
@@ -50,6 +51,9 @@ class ProcOpeners:
         self._mountpoint = mountpoint
         self._proc = proc
         self._mnt_id: int | None = None
+        # Resolved now, before the mount exists: never a request to ourselves later.
+        self._root = str(mountpoint.resolve())
+        self._own_ns = _readlink(f"{proc}/self/ns/mnt")
 
     def thread_group(self, pid: int) -> int | None:
         if pid <= 0:  # a process in another pid namespace shows as 0
@@ -63,17 +67,19 @@ class ProcOpeners:
             return None
         return None
 
-    def still_holds(self, tgid: int, ino: int) -> bool:
+    def still_holds(self, tgid: int, ino: int, max_fds: int | None = None) -> bool | None:
         if self._mnt_id is None:
             self._mnt_id = _mount_id(self._mountpoint)
-        fdinfo = self._proc / str(tgid) / "fdinfo"
+        fdinfo = f"{self._proc}/{tgid}/fdinfo/"  # (plain strings: this runs at every close of a writer)
         try:
             fds = os.listdir(fdinfo)
         except OSError:
             return False
-        for fd in fds:
+        if max_fds is not None and len(fds) > max_fds:
+            return None
+        for fd in self._in_this_mount(tgid, fds):
             try:
-                with open(fdinfo / fd, "rb") as f:
+                with open(fdinfo + fd, "rb") as f:
                     text = f.read(4096)
             except OSError:
                 continue  # closed meanwhile
@@ -89,3 +95,25 @@ class ProcOpeners:
                 continue
             return True
         return False
+
+    def _in_this_mount(self, tgid: int, fds: list[str]) -> list[str]:
+        """The descriptors of `tgid` whose path lies in this mount: a JVM holds hundreds of descriptors
+        (jars, sockets), and one readlink each is far cheaper than reading each one's fdinfo. Only
+        comparable within our own mount namespace (elsewhere, or unreadable: every descriptor)."""
+        if self._own_ns is None or _readlink(f"{self._proc}/{tgid}/ns/mnt") != self._own_ns:
+            return fds
+        base = f"{self._proc}/{tgid}/fd/"
+        prefix = self._root.rstrip("/") + "/"
+        found = []
+        for fd in fds:
+            target = _readlink(base + fd)
+            if target is not None and (target == self._root or target.startswith(prefix)):
+                found.append(fd)
+        return found
+
+
+def _readlink(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None

@@ -215,6 +215,17 @@ class Spool:
         return dest
 
 
+def restore_file(path: Path, data: bytes) -> None:
+    """Write `data` as the whole content of `path` (a spool file restored from a journal record)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
 class WriteState(enum.StrEnum):
     """Where a staged file is on its way to the bucket (see the module's design note)."""
 
@@ -287,16 +298,20 @@ class StagedFile:
         # Extended attributes set or removed (None) on a file that has no stored object yet, stored
         # with its first upload.
         self.xattr_changes: list[tuple[str, bytes | None]] = []
+        # Resumed from the write-back journal: its upload may have been stored by the run that died.
+        self.resumed = False
 
     @property
     def entry_id(self) -> str:
         """Its key in the write-back journal: the spool file's name (unique in the spool)."""
         return self.spool_path.name
 
-    def journal_entry(self) -> dict[str, Any]:
-        """What the write-back journal keeps of it: all an upload after a crash needs (plain data)."""
+    def journal_entry(self, data: bytes | None = None) -> dict[str, Any]:
+        """What the write-back journal keeps of it: all an upload after a crash needs (plain data);
+        `data`, the whole content of a small file, makes the record alone durable (no spool sync)."""
         base = self.base
-        return {
+        inline = {} if data is None else {"data": base64.b64encode(data).decode()}
+        return inline | {
             "id": self.entry_id, "bucket": self.bucket, "name": self.name, "state": self.state.value,
             "copied": self.copied, "size": self.size,
             "base": None if base is None else {"nuid": base.nuid, "size": base.size, "chunks": base.chunks,
@@ -313,6 +328,8 @@ class StagedFile:
         again (an upload that was running is settled by the put journal, see `Mutations.upload`)."""
         b = entry["base"]
         base = None if b is None else ObjectInfo(bucket=entry["bucket"], name=entry["name"], **b)
+        if "data" in entry:  # the bytes the close made durable (the spool file was not synced)
+            restore_file(spool.dir / entry["id"], base64.b64decode(entry["data"]))
         sf = cls(spool, ino=ino, path=path, bucket=entry["bucket"], name=entry["name"], base=base,
                  attrs=PosixAttrs(entry["mode"], entry["uid"], entry["gid"], entry["mtime_ns"]), new=True,
                  spool_file=spool.dir / entry["id"])
@@ -320,7 +337,13 @@ class StagedFile:
         sf.copied = True  # only files holding every byte are journaled
         sf.mtime_explicit = bool(entry["mtime_explicit"])
         sf.xattr_changes = [(k, None if v is None else base64.b64decode(v)) for k, v in entry["xattrs"]]
+        sf.resumed = True
         return sf
+
+    def read_all(self) -> bytes:
+        """The whole staged content (a small file: read in place, no worker thread)."""
+        data = os.pread(self.fd, self.size, 0) if self.size else b""
+        return data + bytes(self.size - len(data))  # a hole at the end reads short
 
     def _to(self, state: WriteState) -> None:
         if state not in _NEXT[self.state]:

@@ -8,6 +8,7 @@ last subject sequence did not match), `NoSpace` (stream limits refuse the messag
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -104,6 +105,9 @@ class MsgBatches(Protocol):
 
 
 class Streams(Protocol):
+    # Calls made so far, per method name (and `batch_msgs`: messages of atomic batches), for the stats.
+    calls: Counter[str]
+
     @property
     def max_payload(self) -> int:
         """The largest message the server takes."""

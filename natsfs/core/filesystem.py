@@ -21,6 +21,7 @@ import logging
 import os
 import stat
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,11 @@ from .openfiles import OpenFileTable
 from .writeback import WriteBack
 
 WRITTEN_MTIMES_MAX = 10_000
-DIR_TIME_DELAY_S = 0.5  # entry changes of a directory within this are stored to its marker at once
+OPENER_FDS_INLINE = 64  # an opener with at most this many descriptors is checked without a worker thread
+# A directory's time is stored to its marker once no entry of it changed for DIR_TIME_DELAY_S, and at
+# the latest DIR_TIME_MAX_S after the first change not stored yet (tar keeps directories busy).
+DIR_TIME_DELAY_S = 0.5
+DIR_TIME_MAX_S = 5.0
 log = logging.getLogger(__name__)
 
 XATTR_STATS = b"user.natsfs.stats"
@@ -238,6 +243,7 @@ class Filesystem:
         self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
         self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0,
                          "flushes_deferred": 0}
+        self.op_counts: Counter[str] = Counter()  # FUSE requests served, per operation (fs.py counts them)
         # Write-back mode (--write-back): closes are made durable locally and uploaded in the background.
         self.writeback: WriteBack | None = None
         if config.write_back is not None and journal is not None:
@@ -724,13 +730,20 @@ class Filesystem:
         sf = self.staging.get(handle.ino)
         if sf is None or not sf.unstored:
             return
-        if handle.opener is not None and await trio.to_thread.run_sync(self.openers.still_holds, handle.opener,
-                                                                         handle.ino):
+        if handle.opener is not None and await self._opener_holds(handle.opener, handle.ino):
             self.counters["flushes_deferred"] += 1
             self.files.defer_store(handle.ino, True)
             return
         self.files.defer_store(handle.ino, False)
         await self._store_or_journal(handle.ino)
+
+    async def _opener_holds(self, tgid: int, ino: InodeNo) -> bool:
+        """`Openers.still_holds`, read here when the opener has few descriptors (procfs is memory: a
+        few reads cost less than a worker thread's round trip at every close), else on a worker thread."""
+        held = self.openers.still_holds(tgid, ino, max_fds=OPENER_FDS_INLINE)
+        if held is None:
+            held = await trio.to_thread.run_sync(self.openers.still_holds, tgid, ino)
+        return bool(held)
 
     async def fsync(self, fh: HandleNo) -> None:
         handle = self._file_handle(fh)
@@ -801,7 +814,23 @@ class Filesystem:
         """Unmounting: store what files still open for writing hold (within `timeout` in all, progress in
         the log); keep what cannot be stored in lost+found, one log line per file. Nothing is dropped
         silently. In write-back mode: wait for the queued uploads instead; what is still queued after
-        `timeout` stays in the spool and the journal for the next mount."""
+        `timeout` stays in the spool and the journal for the next mount. Directory times not written
+        yet are written last."""
+        try:
+            await self._shutdown_files(timeout)
+        finally:
+            with trio.move_on_after(DIR_TIME_MAX_S):
+                await self._store_pending_dir_times()
+
+    async def _store_pending_dir_times(self) -> None:
+        for directory in list(self._dir_times_pending):
+            try:
+                async with self._dir_gate.storing():
+                    await self._store_dir_time(directory)
+            except NatsFSError as e:
+                log.debug("%s: directory time not stored at unmount (%s)", "/".join(directory), e)
+
+    async def _shutdown_files(self, timeout: float) -> None:
         if self.writeback is not None:
             await self.writeback.drain(timeout)
             for sf in self.staging.all():
@@ -973,7 +1002,12 @@ class Filesystem:
 
     async def _persist_dir_time(self, directory: tuple[str, ...]) -> None:
         try:
-            await trio.sleep(DIR_TIME_DELAY_S)
+            latest = trio.current_time() + DIR_TIME_MAX_S
+            while True:
+                changed = self._dir_mtimes.get(directory)
+                await trio.sleep(min(DIR_TIME_DELAY_S, max(0.0, latest - trio.current_time())))
+                if self._dir_mtimes.get(directory) == changed or trio.current_time() >= latest:
+                    break
         finally:
             self._dir_times_pending.discard(directory)
         try:
@@ -1228,6 +1262,9 @@ class Filesystem:
             "cache": self.cache.stats.as_dict() | {"cached_bytes": self.cache.cached_bytes,
                                                    "cache_limit": self.cache.cache_bytes},
             "fs": dict(self.counters),
+            "ops": dict(self.op_counts),
+            "server_calls": dict(self.ns.store.streams.calls),
+            "writeback": dict(self.writeback.counters) if self.writeback is not None else None,
             "staged_files": len(self.staging),
             "spool_bytes": self.staging.spool.used,
             "inodes": len(self.inodes),

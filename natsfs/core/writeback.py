@@ -2,10 +2,16 @@
 
 `WriteBack` owns the mount's `WriteBackJournal` (see `natsfs.journal`) and the queue of staged files
 waiting for their upload. `closed` is what a close (or fsync) does in write-back mode: the staged bytes
-are copied in completely, the spool file is fsynced, then one journal record is appended and fsynced;
-the file joins the queue. `run` uploads queued files one at a time in the order of their latest
-close, through the core's ordinary upload (same conflict check, same put journal): a newer close of a
-file that is still queued replaces its place (one upload for both). A server that does not answer
+are copied in completely; a small file's bytes go into its journal record itself, a larger file's
+spool file is fsynced first; then the record is appended and fsynced. Records of closes that arrive
+while a sync runs are written and synced together by the next one (group commit: the first close to
+find no sync running leads, the others wait for its result), so N concurrent closes cost far fewer
+than N syncs. The file joins the queue. `run` starts queued uploads in the order of their latest close,
+up to `UPLOADS_AT_ONCE` at a time (never two of one name at once), through the core's ordinary upload
+(same conflict check, same put journal): a newer close of a file that is still queued replaces its
+place (one upload for both). A replayed record whose object the run that died had already stored
+(its `done` record lost) is recognised by the core (same size and digest) and closed, not taken for
+a conflict. A server that does not answer
 postpones the file with exponential backoff; a conflict with another client's newer version keeps the
 bytes in lost+found (the core logs it); any other refusal (a full bucket, a sealed or missing bucket,
 a name the bucket refuses) keeps the bytes in lost+found with one log line. Either way the journal
@@ -20,7 +26,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -37,6 +43,18 @@ log = logging.getLogger(__name__)
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 PROGRESS_FILE = "writeback.progress"
+# Files up to this size are made durable by their journal record alone (their bytes inside it).
+INLINE_BYTES = 64 * 1024
+# Uploads running at once (each waits for the server most of its time).
+UPLOADS_AT_ONCE = 8
+
+
+class _Synced:
+    """A close waiting for the group commit that makes its record durable."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.error: OSError | None = None
 
 
 class WriteBack:
@@ -49,10 +67,16 @@ class WriteBack:
         # trio time their next attempt may start.
         self._queue: dict[str, tuple[StagedFile, float]] = {}
         self._attempts: dict[str, int] = {}
-        self._running: StagedFile | None = None
-        self._journal_lock = trio.Lock()
+        self._running: dict[str, StagedFile] = {}  # uploads in progress, by journal id
+        self._journal_lock = trio.Lock()  # held for `done` records (and compactions they start)
+        # Group commit: records waiting for the next sync, each with the event its close waits on and
+        # the error that sync raised (None: durable).
+        self._to_sync: list[tuple[dict[str, Any], _Synced]] = []
+        self._syncing = False
         self._wake = trio.Event()
         self._changed = trio.Event()  # set whenever an upload ends (drain waits on it)
+        # fsyncs of spool files and of the journal, journal records written, uploads done (for the stats).
+        self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0}
 
     # ------------------------------------------------------------------ closes
     async def closed(self, sf: StagedFile) -> None:
@@ -60,19 +84,52 @@ class WriteBack:
         durable on local disk; the upload follows in the background."""
         if sf.state is WriteState.UPLOADING:
             # The uploader is storing it (holding its lock for the whole put): its bytes cannot change
-            # meanwhile and were synced before the record that queued this upload. Only the record is
-            # written again (a rename changes its name).
-            entry = sf.journal_entry()
+            # meanwhile and were made durable with the record that queued this upload. The record is
+            # written again (a rename changes its name), with the bytes again if it carried them.
+            entry = sf.journal_entry(sf.read_all() if sf.size <= INLINE_BYTES else None)
         else:
             async with sf.lock:
                 if not sf.unstored:
                     return
                 await self.fs.fill_staged(sf)
-                await trio.to_thread.run_sync(os.fsync, sf.fd)
-                entry = sf.journal_entry()
-        async with self._journal_lock:
-            await trio.to_thread.run_sync(self.journal.record, entry)
+                if sf.size <= INLINE_BYTES:
+                    entry = sf.journal_entry(sf.read_all())
+                else:
+                    await trio.to_thread.run_sync(os.fsync, sf.fd)
+                    self.counters["spool_fsyncs"] += 1
+                    entry = sf.journal_entry()
+        await self._record(entry)
         self.schedule(sf, self.delay)
+
+    async def _record(self, entry: dict[str, Any]) -> None:
+        """Append `entry` to the journal and return once it is synced (group commit, see the module
+        docstring); `OSError` if the write or the sync failed."""
+        synced = _Synced()
+        self._to_sync.append((entry, synced))
+        if not self._syncing:
+            self._syncing = True
+            try:
+                # Shielded: the closes waiting on this leader must get their answer even if its own
+                # request is interrupted.
+                with trio.CancelScope(shield=True):
+                    while self._to_sync:
+                        batch, self._to_sync = self._to_sync, []
+                        error: OSError | None = None
+                        try:
+                            async with self._journal_lock:
+                                await trio.to_thread.run_sync(self.journal.record_many, [e for e, _ in batch])
+                        except OSError as e:
+                            error = e
+                        self.counters["records"] += len(batch)
+                        self.counters["journal_fsyncs"] += 1
+                        for _, waiter in batch:
+                            waiter.error = error
+                            waiter.event.set()
+            finally:
+                self._syncing = False
+        await synced.event.wait()
+        if synced.error is not None:
+            raise synced.error
 
     def schedule(self, sf: StagedFile, delay: float) -> None:
         self._queue.pop(sf.entry_id, None)  # a newer close takes the place of a queued one
@@ -80,12 +137,12 @@ class WriteBack:
         self._wake.set()
 
     def queued(self, sf: StagedFile) -> bool:
-        return sf.entry_id in self._queue or self._running is sf
+        return sf.entry_id in self._queue or self._running.get(sf.entry_id) is sf
 
     @property
     def pending(self) -> list[StagedFile]:
-        files = [sf for sf, _ in self._queue.values()]
-        return [*files, self._running] if self._running is not None else files
+        running = [sf for key, sf in self._running.items() if key not in self._queue]
+        return [*(sf for sf, _ in self._queue.values()), *running]
 
     # ------------------------------------------------------------------ replay
     def resume(self) -> None:
@@ -98,7 +155,7 @@ class WriteBack:
             bucket, name = str(entry["bucket"]), str(entry["name"])
             path = self.fs.ns.mount_path(bucket, tuple(name.split("/")))
             spool_file = self.fs.staging.spool.dir / str(entry["id"])
-            if not spool_file.is_file():
+            if "data" not in entry and not spool_file.is_file():
                 log.error("write-back journal: the spool file of %s/%s is missing; nothing to upload", bucket, name)
                 self.journal.done(str(entry["id"]))
                 continue
@@ -120,24 +177,41 @@ class WriteBack:
 
     # ------------------------------------------------------------------ the uploader
     async def run(self) -> None:
-        """Upload queued files one at a time, each once its time has come."""
-        while True:
-            now = trio.current_time()
-            ready = next((sf for sf, due in self._queue.values() if due <= now), None)
-            if ready is None:
-                next_due = min((due for _, due in self._queue.values()), default=math.inf)
-                self._wake = trio.Event()
-                with trio.move_on_at(next_due):
-                    await self._wake.wait()
-                continue
-            del self._queue[ready.entry_id]
-            self._running = ready
-            try:
-                await self._upload(ready)
-            finally:
-                self._running = None
-                self._changed.set()
-                self._changed = trio.Event()
+        """Upload queued files, each once its time has come, up to `UPLOADS_AT_ONCE` at a time."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                ready = self._next_ready(trio.current_time()) if len(self._running) < UPLOADS_AT_ONCE else None
+                if ready is None:
+                    # (a file due now but blocked by a running upload waits for that one to end: `_wake`)
+                    now = trio.current_time()
+                    later = [due for _, due in self._queue.values() if due > now]
+                    next_due = min(later, default=math.inf) if len(self._running) < UPLOADS_AT_ONCE else math.inf
+                    self._wake = trio.Event()
+                    with trio.move_on_at(next_due):
+                        await self._wake.wait()
+                    continue
+                del self._queue[ready.entry_id]
+                self._running[ready.entry_id] = ready
+                nursery.start_soon(self._run_one, ready)
+
+    def _next_ready(self, now: float) -> StagedFile | None:
+        """The queued file to upload next: due, not being uploaded, and no upload of its name running
+        (two versions of one name are stored in the order of their closes)."""
+        busy = {(sf.bucket, sf.name) for sf in self._running.values()}
+        for key, (sf, due) in self._queue.items():
+            if due <= now and key not in self._running and (sf.bucket, sf.name) not in busy:
+                return sf
+        return None
+
+    async def _run_one(self, sf: StagedFile) -> None:
+        try:
+            await self._upload(sf)
+        finally:
+            del self._running[sf.entry_id]
+            self.counters["uploads"] += 1
+            self._wake.set()
+            self._changed.set()
+            self._changed = trio.Event()
 
     async def _upload(self, sf: StagedFile) -> None:
         key = sf.entry_id
@@ -166,7 +240,13 @@ class WriteBack:
         if self._attempts.pop(key, None):
             log.info("%s/%s: stored after the server answered again", sf.bucket, sf.name)
         async with self._journal_lock:
-            await trio.to_thread.run_sync(self.journal.done, key)
+            try:
+                self.journal.done(key, compact=False)
+                if self.journal.wants_compaction:
+                    await trio.to_thread.run_sync(self.journal.compact)
+            except OSError as e:  # the record stays live: the next mount finds the object stored (see resume)
+                log.warning("write-back journal: the end of %s/%s's upload could not be recorded (%s)", sf.bucket,
+                            sf.name, e)
         if key not in self._queue:
             self.fs.upload_settled(sf)
 

@@ -329,7 +329,7 @@ class FakeOpeners:
     def thread_group(self, pid: int) -> int | None:
         return pid + 1000  # a thread of process pid+1000
 
-    def still_holds(self, tgid: int, ino: int) -> bool:
+    def still_holds(self, tgid: int, ino: int, max_fds: int | None = None) -> bool | None:
         return tgid in self.holding
 
 

@@ -187,3 +187,91 @@ def test_a_read_only_mount_leaves_pending_uploads_for_the_next_write_back_mount(
     ops_env(read_only, bucket="b", streams=ms, read_only=True)
     ops_env(second, bucket="b", streams=ms, write_back=0.0)
     assert not (spool_root(tmp_path / "cache", Path("/nonexistent")) / "lost+found").exists()
+
+
+def test_closes_arriving_together_share_one_journal_sync(ops_env):
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        async with trio.open_nursery() as nursery:
+            for i in range(10):
+                nursery.start_soon(write_file, env, ROOT, f"f{i}.txt", f"file {i}".encode())
+        counters = env.fs.writeback.counters
+        assert counters["records"] == 10 and counters["journal_fsyncs"] < 10
+        assert counters["spool_fsyncs"] == 0  # small files: the bytes are in their records
+        assert sorted(r["name"] for r in journal_of(env).pending.values()) == [f"f{i}.txt" for i in range(10)]
+        await env.fs.shutdown(10)
+        for i in range(10):
+            assert await env.cat(f"f{i}.txt") == f"file {i}".encode()
+            assert (await env.store.get_info("b", f"f{i}.txt")).size == len(f"file {i}")  # type: ignore[union-attr]
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=LATER)
+
+
+def test_a_small_files_record_restores_a_spool_file_the_crash_lost(ops_env, tmp_path):
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "a.txt", b"closed, in the record")
+        # The machine dies: the spool file (never synced) is lost or torn; the record is durable.
+        for f in (spool_root(tmp_path / "cache", Path("/nonexistent")) / "spool").iterdir():
+            f.write_bytes(b"torn")
+
+    async def second(env: Env):
+        with trio.fail_after(10):
+            while await env.store.get_info("b", "a.txt") is None:
+                await trio.sleep(0.01)
+        assert await env.cat("a.txt") == b"closed, in the record"
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+
+
+def test_a_replayed_upload_the_dead_run_had_stored_is_closed_not_kept_as_a_conflict(ops_env, tmp_path):
+    ms = MemoryStreams()
+    data = os.urandom(3000)
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "a.txt", data)
+        fi = await env.ops.open((await env.lookup("old.txt")).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+        await env.ops.write(fi.fh, 0, b"new content")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        # The run stored both objects, then died before the journal's `done` records.
+        await put_object(ms, "b", "a.txt", data)
+        await put_object(ms, "b", "old.txt", b"new content")
+
+    revisions: dict[str, int] = {}
+
+    async def second(env: Env):
+        with trio.fail_after(10):
+            while journal_of(env).pending:
+                await trio.sleep(0.01)
+        for name in ("a.txt", "old.txt"):
+            info = await env.store.get_info("b", name)
+            assert info is not None
+            revisions[name] = info.revision
+        assert await env.cat("a.txt") == data
+        assert await env.cat("old.txt") == b"new content"
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    before = {name: seq for name, seq in ms.subjects("OBJ_b").items()}
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert ms.subjects("OBJ_b") == before  # nothing stored again
+    assert not (spool_root(tmp_path / "cache", Path("/nonexistent")) / "lost+found").exists()
+
+
+def test_without_write_back_a_small_files_record_restores_its_bytes_for_lost_found(ops_env, tmp_path):
+    ms = MemoryStreams()
+    root = spool_root(tmp_path / "cache", Path("/nonexistent"))
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "a.txt", b"closed, never uploaded")
+        for f in (root / "spool").iterdir():
+            f.write_bytes(b"torn")  # the machine died: the spool file was never synced
+
+    async def second(env: Env):
+        assert await env.store.get_info("b", "a.txt") is None
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(second, bucket="b", streams=ms)
+    assert [p.read_bytes() for p in (root / "lost+found" / "leftover").iterdir()] == [b"closed, never uploaded"]

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import trio
-from gowriters import put_object
+from gowriters import delete_object, put_object
 
 from natsfs.adr20 import ATOMIC_MAX_CHUNKS, BytesSource, ObjectStore, chunk_subject, format_digest, stream_name
 from natsfs.errors import Conflict, OutcomeUnknown, Unavailable
@@ -114,10 +114,20 @@ def test_a_commit_without_ack_is_read_back_and_never_stored_twice():
 def test_a_new_name_over_a_tombstone_is_put_in_one_batch_after_a_retry():
     async def body(ms, store):
         await put_object(ms, "b", "f", b"old")
-        await store.delete("b", "f")
+        await delete_object(ms, "b", "f")  # another client's tombstone
         info = await store.put("b", "f", BytesSource(b"new" * 700), expected_revision=0, replace_tombstone=True)
         assert ms.calls["publish_batch"] == 2 and await read(store, "f") == b"new" * 700
         assert not [m for m in messages(ms) if m.subject.startswith("$O.b.C.") and info.nuid not in m.subject]
+
+    run(body)
+
+
+def test_a_new_name_over_its_own_tombstone_is_put_in_one_batch_at_once():
+    async def body(ms, store):
+        await put_object(ms, "b", "f", b"old")
+        await store.delete("b", "f")  # this store remembers the tombstone it wrote
+        await store.put("b", "f", BytesSource(b"new" * 700), expected_revision=0, replace_tombstone=True)
+        assert ms.calls["publish_batch"] == 1 and await read(store, "f") == b"new" * 700
 
     run(body)
 

@@ -130,3 +130,31 @@ def test_a_staged_file_resumes_from_its_journal_entry(tmp_path: Path) -> None:
     assert again.xattr_changes == [("user.k", b"\x00v"), ("user.gone", None)]
     assert os.pread(again.fd, 9, 0) == b"new bytes"
     assert again.spool_path == sf.spool_path
+
+
+def test_records_written_together_share_one_sync_and_done_records_none(tmp_path: Path, monkeypatch) -> None:
+    syncs: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (syncs.append(fd), real(fd)))
+    j = WriteBackJournal(tmp_path / "wb.journal")
+    j.record_many([entry(f"e{i}", f"n{i}") for i in range(5)])
+    assert len(syncs) == 1
+    j.done("e0")
+    j.done("e1", compact=False)
+    assert len(syncs) == 1
+    j.close()
+    assert [r["name"] for r in WriteBackJournal(tmp_path / "wb.journal").pending.values()] == ["n2", "n3", "n4"]
+
+
+def test_a_small_files_record_carries_its_bytes_and_resume_restores_them(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, 1 << 20)
+    sf = StagedFile(spool, ino=5, path=("b", "f"), bucket="b", name="f", base=None, attrs=PosixAttrs(), new=True)
+    os.pwrite(sf.fd, b"closed bytes", 0)
+    sf.size = 12
+    j = WriteBackJournal(tmp_path / "wb.journal")
+    j.record(sf.journal_entry(sf.read_all()))
+    j.close()
+    sf.spool_path.write_bytes(b"")  # the spool file was never synced: lost with the machine
+    (rec,) = WriteBackJournal(tmp_path / "wb.journal").pending.values()
+    again = StagedFile.resume(spool, rec, ino=5, path=("b", "f"))
+    assert (again.size, again.read_all(), again.resumed) == (12, b"closed bytes", True)
