@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -955,19 +956,130 @@ _WORKER_WINDOW = 64
 # Acks of a range come back within milliseconds on a healthy server; one missing after this long (a
 # server restarting just then) leaves the put's outcome unknown, and the daemon sends it again.
 _WORKER_ACK_TIMEOUT = 15.0
+# A range is read from its spool file this many bytes at a time (one pread, sliced into chunks).
+_WORKER_READ = 1024 * 1024
 
 
 class _WorkerSession:
-    """One put session in the worker: its hash, and the offset the next range must start at."""
+    """One put session in the worker: its hash (fed on the hashing thread, in offset order), the offset
+    the next range must start at, and its window of unacknowledged publishes."""
 
-    def __init__(self, window: int):
+    def __init__(self, window: int, hashing: Any):
         import hashlib
 
         self.hasher = hashlib.sha256()
+        self.hashing = hashing  # a one-thread executor: updates run in the order they are submitted
+        self.hashed: collections.deque[asyncio.Future[None]] = collections.deque()
         self.next_start = 0
         self.turn = asyncio.Condition()
-        self.window = asyncio.Semaphore(window)
+        self.window = window
+        self.in_flight = 0  # publishes sent and not acknowledged (never above `window`)
+        self.most_in_flight = 0
+        self.slot = asyncio.Event()
         self.failed: dict[str, Any] | None = None  # the error that ended this session, for later ranges
+
+    def hash(self, data: bytes) -> None:
+        """Feed `data` to the hash on the hashing thread (hashlib drops the GIL for large buffers), so
+        it runs next to the publishing; at most two reads are waiting to be hashed."""
+        self.hashed.append(asyncio.get_running_loop().run_in_executor(self.hashing, self.hasher.update, data))
+
+    async def hashed_upto(self, pending: int) -> None:
+        while len(self.hashed) > pending:
+            await self.hashed.popleft()
+
+    async def take_slot(self) -> None:
+        while self.in_flight >= self.window:
+            self.slot.clear()
+            await self.slot.wait()
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+    def free_slots(self, n: int) -> None:
+        self.in_flight -= n
+        self.slot.set()
+
+
+class _RangeAcks:
+    """The acks of one range's publishes, all sent with this one waiter (a waiter per chunk costs a
+    future, a task and a timer each): counts them, keeps the first refusal, frees a window slot per
+    ack, and is done once every ack came or the connection was lost (`OutcomeUnknown`)."""
+
+    __slots__ = ("acked", "done", "error", "fut", "s", "sent", "subject", "tokens")
+    ack = True
+
+    def __init__(self, subject: str, s: _WorkerSession):
+        self.subject = subject
+        self.s = s
+        self.sent = 0
+        self.acked = 0
+        self.done = False  # every publish has been sent
+        self.tokens: list[str] = []
+        self.error: NatsFSError | None = None
+        self.fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def deliver(self, msg: Msg) -> bool:
+        if self.fut.done():
+            return True
+        self.acked += 1
+        self.s.free_slots(1)
+        try:
+            if msg.status == "503" and not msg.data:
+                raise NotFound(f"no responders on {self.subject}")
+            _parse_ack(msg, self.subject)
+        except NatsFSError as e:
+            self.error = self.error or e
+        self.check()
+        return True
+
+    def fail(self, reason: str) -> None:
+        if self.fut.done():
+            return
+        self.s.free_slots(self.sent - self.acked)
+        self.error = OutcomeUnknown(f"publish to {self.subject}: connection to NATS lost before the "
+                                    f"acknowledgement ({reason})")
+        self.fut.set_result(None)
+
+    def check(self) -> None:
+        if self.done and self.acked == self.sent and not self.fut.done():
+            self.fut.set_result(None)
+
+    def settle(self, link: _Link) -> None:
+        """Stop waiting: forget the tokens still registered and give their window slots back."""
+        for token in self.tokens:
+            link.waiters.pop(token, None)
+        if not self.fut.done():
+            self.s.free_slots(self.sent - self.acked)
+            self.fut.set_result(None)
+
+
+async def _send_chunk(link: _Link, subject: str, payload: memoryview, msg_id: str, acks: _RangeAcks,
+                      generation: int) -> str:
+    """Publish one chunk with its `Nats-Msg-Id` and its ack to `acks`, writing the frame's parts to the
+    connection's transport as they are (the payload is never copied here). Returns its reply token."""
+    nc = await link.client(30)
+    if generation != link.generation:
+        raise Unavailable(f"{subject}: not sent, the connection to NATS was replaced meanwhile")
+    if len(payload) > nc.max_payload:
+        raise Unavailable(f"{subject}: a chunk of {len(payload)} bytes is over the server's max payload")
+    try:
+        transport = await natscompat.raw_transport(nc, 30)
+    except (nats.errors.Error, TimeoutError) as e:
+        raise Unavailable(f"{subject}: not sent ({e or type(e).__name__})") from None
+    if transport is None:
+        return await link.send(subject, payload, {"Nats-Msg-Id": msg_id}, acks, timeout=30, generation=generation)
+    token = link.token()
+    link.waiters[token] = acks
+    header = b"NATS/1.0\r\nNats-Msg-Id: %s\r\n\r\n" % msg_id.encode()
+    transport.write(b"HPUB %s %s.%s %d %d\r\n%s" % (subject.encode(), link.prefix.encode(), token.encode(),
+                                                      len(header), len(header) + len(payload), header))
+    transport.write(payload)
+    transport.write(b"\r\n")
+    try:
+        await transport.drain()
+    except (ConnectionError, OSError) as e:  # the link notices the lost client and fails the others
+        link.waiters.pop(token, None)
+        raise Unavailable(f"{subject}: not sent ({e})") from None
+    return token
 
 
 def _worker_error(e: BaseException, subject: str) -> dict[str, Any]:
@@ -981,13 +1093,14 @@ def _worker_error(e: BaseException, subject: str) -> dict[str, Any]:
 
 
 async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> dict[str, Any]:
-    """Publish a file range as chunks. Ranges of a session are hashed and published strictly in offset
-    order (a range waits for its turn) on one connection; their acks are awaited outside that turn, so
-    the next range is already being sent while this one's acks come back."""
+    """Publish a file range as chunks. Ranges of a session are read and published strictly in offset
+    order (a range waits for its turn) on one connection, with at most the session's window of acks
+    outstanding; the bytes are hashed on the hashing thread meanwhile. A range's acks are awaited
+    outside its turn, so the next range is already being sent while this one's acks come back."""
     subject, path, start, end, chunk = req["subject"], req["path"], req["start"], req["end"], req["chunk_size"]
     # Chunk i of put `session` is message `<session>.<i>` (JetStream de-duplication, as in adr20.PutSession).
     first_index = start // chunk
-    pending: list[tuple[str, _Reply]] = []
+    acks = _RangeAcks(subject, s)
     async with s.turn:
         await asyncio.wait_for(s.turn.wait_for(lambda: s.next_start == start or s.failed is not None), 120)
         if s.failed is not None:
@@ -997,45 +1110,47 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
         try:
             pos = start
             while pos < end:
-                n = min(chunk, end - pos)
-                data = os.pread(fd, n, pos)
-                if len(data) < n:  # a hole at the end of a sparse file reads short: zeros
-                    data += bytes(n - len(data))
-                s.hasher.update(data)
-                await s.window.acquire()
-                waiter = _Reply(subject, ack=True)
-                waiter.fut.add_done_callback(lambda _: s.window.release())
-                try:
-                    msg_id = {"Nats-Msg-Id": f"{req['session']}.{first_index + len(pending)}"}
-                    token = await link.send(subject, data, msg_id, waiter, timeout=30, generation=generation)
-                except BaseException:
-                    waiter.settle()
-                    raise
-                pending.append((token, waiter))
-                pos += n
+                want = min(end - pos, max(chunk, _WORKER_READ // chunk * chunk))
+                data = os.pread(fd, want, pos)
+                if len(data) < want:  # a hole at the end of a sparse file reads short: zeros
+                    data += bytes(want - len(data))
+                s.hash(data)
+                view = memoryview(data)
+                for off in range(0, want, chunk):
+                    await s.take_slot()
+                    msg_id = f"{req['session']}.{first_index + acks.sent}"
+                    try:
+                        token = await _send_chunk(link, subject, view[off : off + chunk], msg_id, acks, generation)
+                    except BaseException:
+                        s.free_slots(1)
+                        raise
+                    acks.sent += 1
+                    acks.tokens.append(token)
+                await s.hashed_upto(1)
+                pos += want
         except Exception as e:
-            for token, waiter in pending:
-                link.waiters.pop(token, None)
-                waiter.settle()
+            acks.settle(link)
             s.failed = _worker_error(e, subject)
             return {"error": s.failed}
         finally:
             os.close(fd)
             s.turn.notify_all()
         s.next_start = end
-    results = await asyncio.gather(*(link.reply(t, w, _WORKER_ACK_TIMEOUT) for t, w in pending),
-                                   return_exceptions=True)
-    for m in results:
-        try:
-            if isinstance(m, BaseException):
-                raise m
-            _parse_ack(m, subject)
-        except NatsFSError as e:
-            s.failed = _worker_error(e, subject)
-            async with s.turn:
-                s.turn.notify_all()
-            return {"error": s.failed}
-    return {"chunks": len(pending), "bytes": end - start}
+    acks.done = True
+    acks.check()
+    try:
+        await asyncio.wait_for(asyncio.shield(acks.fut), _WORKER_ACK_TIMEOUT)
+    except TimeoutError:
+        acks.error = acks.error or OutcomeUnknown(
+            f"publish to {subject} not acknowledged in {_WORKER_ACK_TIMEOUT:g}s")
+    finally:
+        acks.settle(link)
+    if acks.error is not None:
+        s.failed = _worker_error(acks.error, subject)
+        async with s.turn:
+            s.turn.notify_all()
+        return {"error": s.failed}
+    return {"chunks": acks.sent, "bytes": end - start}
 
 
 async def _worker_main(connection: Connection) -> None:
@@ -1054,17 +1169,20 @@ async def _worker_main(connection: Connection) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     out = sys.stdout.buffer
     sessions: dict[str, _WorkerSession] = {}
+    hashing = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="natsfs-sha256")
 
     async def handle(req: dict[str, Any]) -> None:
         session = req.get("session", "")
         try:
             op = req["op"]
             if op == "send":
-                s = sessions.setdefault(session, _WorkerSession(req.get("window", _WORKER_WINDOW)))
+                s = sessions.get(session) or sessions.setdefault(
+                    session, _WorkerSession(req.get("window", _WORKER_WINDOW), hashing))
                 body = await _worker_send(link, req, s)
             elif op == "digest":
-                s = sessions.setdefault(session, _WorkerSession(_WORKER_WINDOW))
-                body = {"digest": s.hasher.digest().hex(), "bytes": s.next_start}
+                s = sessions.get(session) or sessions.setdefault(session, _WorkerSession(_WORKER_WINDOW, hashing))
+                await s.hashed_upto(0)
+                body = {"digest": s.hasher.digest().hex(), "bytes": s.next_start, "most_in_flight": s.most_in_flight}
             elif op == "drop":
                 sessions.pop(session, None)
                 body = {}

@@ -2,8 +2,9 @@
 
 natsfs relies on a few things nats-py does not offer as API: the socket read size (a module global),
 a hook into its message dispatch (to pace a subscription whose consumer falls behind), the server's
-INFO as sent (its limits), a subscription's id, and the queue of publishes waiting for a flush (a
-closed client never answers them). Each is reached only through a function here, and
+INFO as sent (its limits), a subscription's id, the queue of publishes waiting for a flush (a
+closed client never answers them), and its transport with the bytes still queued for it (the upload
+worker writes its chunk frames there itself). Each is reached only through a function here, and
 `check()` verifies that the installed nats-py still has them before anything connects, so an
 incompatible upgrade fails the mount at start with one sentence instead of misbehaving later.
 `pyproject.toml` pins nats-py below the first version not checked against this module.
@@ -62,6 +63,8 @@ def check() -> None:
         missing.append("Client._server_info")
     if not hasattr(client, "_flush_queue"):
         missing.append("Client._flush_queue")
+    if not (hasattr(client, "_transport") and isinstance(getattr(client, "_pending_data_size", None), int)):
+        missing.append("Client._transport, Client._pending_data_size")
     if not isinstance(getattr(nats.aio.subscription.Subscription(None), "_id", None), int):
         missing.append("Subscription._id")
     if missing:
@@ -101,3 +104,18 @@ def hook_messages(nc: Any, after: Callable[[int], Awaitable[None] | None]) -> No
             await waiting
 
     nc._process_msg = process_msg
+
+
+async def raw_transport(nc: Any, timeout: float) -> Any | None:
+    """The transport nats-py writes `nc`'s protocol to, for frames the caller builds itself (the upload
+    worker's chunk publishes: nats-py would copy each payload three times, joining it with its header
+    and then with every other pending frame). Whatever nats-py still holds for the server (a
+    subscription, a pong) is flushed first, so nothing the caller writes can overtake it; nats-py's own
+    writes are whole frames too, so frames never interleave. None for a transport without
+    `write`/`drain` (websocket): then publish through nats-py."""
+    transport = nc._transport
+    if transport is None or not hasattr(transport, "write") or not hasattr(transport, "drain"):
+        return None
+    if nc._pending_data_size:
+        await nc.flush(timeout)
+    return transport
