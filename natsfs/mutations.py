@@ -252,9 +252,11 @@ class Mutations:
         """Called after every change of a staged file's content at `offset` (or a truncate to it)."""
         if offset < sf.stream_claimed:
             self._break_stream(sf)
-        elif (self._nursery is not None and sf.may_stream(STREAM_BATCH)
-              and not self.store.batch_fits(sf.bucket, sf.size, self.config.chunk_size)):
-            # A file that still fits one atomic batch is put whole at close (all or nothing).
+        elif self._nursery is not None and sf.may_stream(STREAM_BATCH):
+            # Also in a bucket that takes atomic batches: a batch would hold the whole upload until close
+            # (and the server writes a batch twice). A streamed put is the ordered put (meta last, after
+            # every chunk's ack; the put journal settles the chunks of one that never commits). Files
+            # closed before one STREAM_BATCH was written are still put whole, as one batch.
             sf.streaming_started()
             self._nursery.start_soon(self._stream_ahead, sf)
 
