@@ -198,6 +198,7 @@ class _Link:
         self._closing = False
         self._next_token = 0
         self._next_server = 0
+        self.most_in_flight = 0  # of the last js_publish_many: never above its window
 
     # ---- connecting
     async def open(self) -> None:
@@ -369,7 +370,7 @@ class _Link:
         token = self.token()
         self.waiters[token] = waiter
         try:
-            await nc.publish(subject, payload, reply=f"{self.prefix}.{token}", headers=headers)
+            await natscompat.publish(nc, subject, payload, reply=f"{self.prefix}.{token}", headers=headers)
         except nats.errors.Error as e:
             self.waiters.pop(token, None)
             raise Unavailable(f"{subject}: not sent ({e})") from None
@@ -407,21 +408,50 @@ class _Link:
 
     async def js_publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]], window: int,
                               timeout: float) -> list[dict[str, Any] | NatsFSError]:
-        # Like nats.go's PublishAsync: plain publishes whose acks come back to the reply inbox, at most
-        # `window` unacknowledged, all on one client: once it is lost, the rest are not sent.
+        # Like nats.go's PublishAsync: plain publishes, sent in order by this one coroutine, whose acks
+        # come back to the reply inbox, at most `window` unacknowledged (the oldest is awaited before
+        # the next is sent; usually its ack is there already), all on one client: once it is lost,
+        # the rest are not sent.
         await self.client(timeout)
         generation = self.generation
         results: list[dict[str, Any] | NatsFSError] = [Unavailable("not acknowledged")] * len(msgs)
-        sem = asyncio.Semaphore(window)
+        waiting: collections.deque[tuple[int, str, _Reply]] = collections.deque()
+        self.most_in_flight = 0
 
-        async def one(i: int, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
-            async with sem:
+        async def take_oldest() -> None:
+            i, token, waiter = waiting.popleft()
+            try:
+                if waiter.fut.done():
+                    self.waiters.pop(token, None)
+                    waiter.settle()
+                    msg = waiter.fut.result()
+                    if msg.status == "503" and not msg.data:
+                        raise NotFound(f"no responders on {waiter.subject}")
+                else:
+                    msg = await self.reply(token, waiter, timeout)
+                results[i] = _parse_ack(msg, waiter.subject)
+            except NatsFSError as e:
+                results[i] = e
+
+        try:
+            for i, (subject, data, headers) in enumerate(msgs):
+                if len(waiting) >= window:
+                    await take_oldest()
+                waiter = _Reply(subject, ack=True)
                 try:
-                    results[i] = await self.js_publish(subject, data, headers, timeout, generation)
+                    token = await self.send(subject, data, headers, waiter, timeout=timeout, generation=generation)
                 except NatsFSError as e:
+                    waiter.settle()
                     results[i] = e
-
-        await asyncio.gather(*(one(i, s, d, h) for i, (s, d, h) in enumerate(msgs)))
+                    continue
+                waiting.append((i, token, waiter))
+                self.most_in_flight = max(self.most_in_flight, len(waiting))
+            while waiting:
+                await take_oldest()
+        finally:
+            for _, token, waiter in waiting:  # cancelled: nobody waits for these acks any more
+                self.waiters.pop(token, None)
+                waiter.settle()
         return results
 
 
