@@ -198,7 +198,6 @@ class _Link:
         self._closing = False
         self._next_token = 0
         self._next_server = 0
-        self.most_in_flight = 0  # of the last js_publish_many: never above its window
 
     # ---- connecting
     async def open(self) -> None:
@@ -416,7 +415,6 @@ class _Link:
         generation = self.generation
         results: list[dict[str, Any] | NatsFSError] = [Unavailable("not acknowledged")] * len(msgs)
         waiting: collections.deque[tuple[int, str, _Reply]] = collections.deque()
-        self.most_in_flight = 0
 
         async def take_oldest() -> None:
             i, token, waiter = waiting.popleft()
@@ -445,7 +443,6 @@ class _Link:
                     results[i] = e
                     continue
                 waiting.append((i, token, waiter))
-                self.most_in_flight = max(self.most_in_flight, len(waiting))
             while waiting:
                 await take_oldest()
         finally:
@@ -1180,7 +1177,7 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
         async with s.turn:
             s.turn.notify_all()
         return {"error": s.failed}
-    return {"chunks": acks.sent, "bytes": end - start}
+    return {"chunks": acks.sent, "bytes": end - start, "most_in_flight": s.most_in_flight}
 
 
 async def _worker_main(connection: Connection) -> None:
@@ -1212,7 +1209,7 @@ async def _worker_main(connection: Connection) -> None:
             elif op == "digest":
                 s = sessions.get(session) or sessions.setdefault(session, _WorkerSession(_WORKER_WINDOW, hashing))
                 await s.hashed_upto(0)
-                body = {"digest": s.hasher.digest().hex(), "bytes": s.next_start, "most_in_flight": s.most_in_flight}
+                body = {"digest": s.hasher.digest().hex(), "bytes": s.next_start}
             elif op == "drop":
                 sessions.pop(session, None)
                 body = {}
