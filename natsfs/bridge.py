@@ -1093,7 +1093,8 @@ async def _send_chunk(link: _Link, subject: str, payload: memoryview, msg_id: st
     except (nats.errors.Error, TimeoutError) as e:
         raise Unavailable(f"{subject}: not sent ({e or type(e).__name__})") from None
     if transport is None:
-        return await link.send(subject, payload, {"Nats-Msg-Id": msg_id}, acks, timeout=30, generation=generation)
+        return await link.send(subject, bytes(payload), {"Nats-Msg-Id": msg_id}, acks, timeout=30,
+                               generation=generation)
     token = link.token()
     link.waiters[token] = acks
     header = b"NATS/1.0\r\nNats-Msg-Id: %s\r\n\r\n" % msg_id.encode()
