@@ -991,11 +991,11 @@ class _WorkerSession:
     """One put session in the worker: its hash (fed on the hashing thread, in offset order), the offset
     the next range must start at, and its window of unacknowledged publishes."""
 
-    def __init__(self, window: int, hashing: Any):
+    def __init__(self, window: int, hashing: _Hashing):
         import hashlib
 
         self.hasher = hashlib.sha256()
-        self.hashing = hashing  # a one-thread executor: updates run in the order they are submitted
+        self.hashing = hashing  # one thread: updates run in the order they are submitted
         self.hashed: collections.deque[asyncio.Future[None]] = collections.deque()
         self.next_start = 0
         self.turn = asyncio.Condition()
@@ -1005,10 +1005,13 @@ class _WorkerSession:
         self.slot = asyncio.Event()
         self.failed: dict[str, Any] | None = None  # the error that ended this session, for later ranges
 
-    def hash(self, data: bytes) -> None:
-        """Feed `data` to the hash on the hashing thread (hashlib drops the GIL for large buffers), so
-        it runs next to the publishing; at most two reads are waiting to be hashed."""
-        self.hashed.append(asyncio.get_running_loop().run_in_executor(self.hashing, self.hasher.update, data))
+    def hash(self, pieces: list[memoryview], buffer: bytearray) -> None:
+        """Feed `pieces` (of `buffer`) to the hash on the hashing thread (hashlib drops the GIL for large
+        buffers), so it runs next to the publishing; the caller keeps at most two reads waiting to be
+        hashed. `buffer` is free again afterwards."""
+        done = asyncio.get_running_loop().run_in_executor(self.hashing.executor, _hash_all, self.hasher, pieces)
+        done.add_done_callback(lambda _: self.hashing.free.append(buffer))
+        self.hashed.append(done)
 
     async def hashed_upto(self, pending: int) -> None:
         while len(self.hashed) > pending:
@@ -1024,6 +1027,28 @@ class _WorkerSession:
     def free_slots(self, n: int) -> None:
         self.in_flight -= n
         self.slot.set()
+
+
+def _hash_all(hasher: Any, pieces: list[memoryview]) -> None:
+    for piece in pieces:
+        hasher.update(piece)
+
+
+class _Hashing:
+    """The worker's hashing thread, and the frame buffers it is done with: a buffer is reused once its
+    chunks are hashed (they have been written to the transport, which keeps what it could not send in a
+    buffer of its own), because a fresh megabyte costs a page fault per page on every read."""
+
+    def __init__(self) -> None:
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="natsfs-sha256")
+        self.free: list[bytearray] = []
+
+    def buffer(self, size: int) -> bytearray:
+        while self.free:
+            buf = self.free.pop()
+            if len(buf) >= size:
+                return buf
+        return bytearray(size + 4096)  # room for longer headers next time
 
 
 class _RangeAcks:
@@ -1079,35 +1104,68 @@ class _RangeAcks:
             self.fut.set_result(None)
 
 
-async def _send_chunk(link: _Link, subject: str, payload: memoryview, msg_id: str, acks: _RangeAcks,
-                      generation: int) -> str:
-    """Publish one chunk with its `Nats-Msg-Id` and its ack to `acks`, writing the frame's parts to the
-    connection's transport as they are (the payload is never copied here). Returns its reply token."""
+async def _send_piece(link: _Link, s: _WorkerSession, acks: _RangeAcks, fd: int, pos: int, sizes: list[int],
+                      msg_ids: list[str], generation: int) -> None:
+    """Publish the next chunks of a spool file (`sizes` of them from `pos`), each with its `Nats-Msg-Id`
+    and its ack to `acks`. Their frames are laid out in one buffer and the chunks read straight into
+    their places (`preadv`), hashed there on the hashing thread and written to the connection's
+    transport at once: no copy of a payload in this process, one write for the lot."""
+    subject = acks.subject
     nc = await link.client(30)
     if generation != link.generation:
         raise Unavailable(f"{subject}: not sent, the connection to NATS was replaced meanwhile")
-    if len(payload) > nc.max_payload:
-        raise Unavailable(f"{subject}: a chunk of {len(payload)} bytes is over the server's max payload")
+    if max(sizes) > nc.max_payload:
+        raise Unavailable(f"{subject}: a chunk of {max(sizes)} bytes is over the server's max payload")
     try:
         transport = await natscompat.raw_transport(nc, 30)
     except (nats.errors.Error, TimeoutError) as e:
         raise Unavailable(f"{subject}: not sent ({e or type(e).__name__})") from None
-    if transport is None:
-        return await link.send(subject, bytes(payload), {"Nats-Msg-Id": msg_id}, acks, timeout=30,
-                               generation=generation)
-    token = link.token()
-    link.waiters[token] = acks
-    header = b"NATS/1.0\r\nNats-Msg-Id: %s\r\n\r\n" % msg_id.encode()
-    transport.write(b"HPUB %s %s.%s %d %d\r\n%s" % (subject.encode(), link.prefix.encode(), token.encode(),
-                                                      len(header), len(header) + len(payload), header))
-    transport.write(payload)
-    transport.write(b"\r\n")
+    if generation != link.generation:  # replaced while nats-py's queue was flushed
+        raise Unavailable(f"{subject}: not sent, the connection to NATS was replaced meanwhile")
+    tokens = [link.token() for _ in sizes]
+    prefix, subj = link.prefix.encode(), subject.encode()
+    heads = []
+    for token, size, msg_id in zip(tokens, sizes, msg_ids, strict=True):
+        header = b"NATS/1.0\r\nNats-Msg-Id: %s\r\n\r\n" % msg_id.encode()
+        heads.append(b"HPUB %s %s.%s %d %d\r\n%s" % (subj, prefix, token.encode(), len(header),
+                                                       len(header) + size, header))
+    length = sum(map(len, heads)) + sum(sizes) + 2 * len(sizes)
+    buffer = s.hashing.buffer(length)
+    frames = memoryview(buffer)[:length]
+    payloads = []
+    at = 0
+    for head, size in zip(heads, sizes, strict=True):
+        frames[at : at + len(head)] = head
+        at += len(head)
+        payloads.append(frames[at : at + size])
+        at += size
+        frames[at : at + 2] = b"\r\n"
+        at += 2
+    missing = sum(sizes) - os.preadv(fd, payloads, pos)
+    for payload in reversed(payloads):  # a hole at the end of a sparse file reads short: zeros
+        if missing <= 0:
+            break
+        zeros = min(missing, len(payload))
+        payload[len(payload) - zeros :] = bytes(zeros)
+        missing -= zeros
+    if transport is None:  # (a transport nats-py does not let us write to: publish through it, copied)
+        copies = [bytes(payload) for payload in payloads]
+        s.hash(payloads, buffer)
+        for data, msg_id in zip(copies, msg_ids, strict=True):
+            acks.tokens.append(await link.send(subject, data, {"Nats-Msg-Id": msg_id}, acks, timeout=30,
+                                               generation=generation))
+            acks.sent += 1
+        return
+    s.hash(payloads, buffer)  # (the buffer is reused only after this is hashed: it is written before that)
+    for token in tokens:
+        link.waiters[token] = acks
+    acks.sent += len(tokens)
+    acks.tokens += tokens
+    transport.write(frames)
     try:
         await transport.drain()
-    except (ConnectionError, OSError) as e:  # the link notices the lost client and fails the others
-        link.waiters.pop(token, None)
+    except (ConnectionError, OSError) as e:  # the link notices the lost client and fails the acks
         raise Unavailable(f"{subject}: not sent ({e})") from None
-    return token
 
 
 def _worker_error(e: BaseException, subject: str) -> dict[str, Any]:
@@ -1137,25 +1195,19 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
         fd = os.open(path, os.O_RDONLY)
         try:
             pos = start
+            per_piece = max(1, min(s.window, _WORKER_READ // chunk))
             while pos < end:
-                want = min(end - pos, max(chunk, _WORKER_READ // chunk * chunk))
-                data = os.pread(fd, want, pos)
-                if len(data) < want:  # a hole at the end of a sparse file reads short: zeros
-                    data += bytes(want - len(data))
-                s.hash(data)
-                view = memoryview(data)
-                for off in range(0, want, chunk):
+                sizes = [min(chunk, end - p) for p in range(pos, min(end, pos + per_piece * chunk), chunk)]
+                for _ in sizes:
                     await s.take_slot()
-                    msg_id = f"{req['session']}.{first_index + acks.sent}"
-                    try:
-                        token = await _send_chunk(link, subject, view[off : off + chunk], msg_id, acks, generation)
-                    except BaseException:
-                        s.free_slots(1)
-                        raise
-                    acks.sent += 1
-                    acks.tokens.append(token)
+                msg_ids = [f"{req['session']}.{first_index + acks.sent + i}" for i in range(len(sizes))]
+                try:
+                    await _send_piece(link, s, acks, fd, pos, sizes, msg_ids, generation)
+                except BaseException:
+                    s.free_slots(len(sizes) - (acks.sent - (pos - start) // chunk))
+                    raise
                 await s.hashed_upto(1)
-                pos += want
+                pos += sum(sizes)
         except Exception as e:
             acks.settle(link)
             s.failed = _worker_error(e, subject)
@@ -1197,7 +1249,7 @@ async def _worker_main(connection: Connection) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     out = sys.stdout.buffer
     sessions: dict[str, _WorkerSession] = {}
-    hashing = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="natsfs-sha256")
+    hashing = _Hashing()
 
     async def handle(req: dict[str, Any]) -> None:
         session = req.get("session", "")
