@@ -1074,6 +1074,9 @@ class _RangeAcks:
             return True
         self.acked += 1
         self.s.free_slots(1)
+        if msg.data.startswith(b'{"stream":') and b'"error"' not in msg.data:
+            self.check()  # an ack (a stream name holds no quote): nothing in it the worker needs
+            return True
         try:
             if msg.status == "503" and not msg.data:
                 raise NotFound(f"no responders on {self.subject}")
