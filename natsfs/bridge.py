@@ -972,12 +972,15 @@ def _parse_api_reply(data: bytes, subject: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- upload worker
 # The daemon's FUSE thread and its NATS thread share one GIL, and bulk publishing (copying 128 KiB
 # chunks through nats-py and asyncio's transport) is the costliest thing the daemon does when files
-# are written. `python -m natsfs.bridge upload-worker URL[,URL]` is a helper process with its own
-# connection that reads chunks straight from spool files, hashes them and publishes them, pipelined,
-# so that work runs on another core. It speaks newline-delimited JSON on stdin/stdout
-# (see natsfs.uploader for the daemon's side); requests of one session are handled in order.
-# Its connection is a `_Link` too: when it is lost, the chunks in flight fail at once (their outcome
-# unknown), the rest of the session is refused, and the next put uses the new connection.
+# are written. `python -I -m natsfs.bridge upload-worker` (the connection as JSON on its first stdin
+# line) is a helper process with its own connection that reads chunks straight from spool files into
+# the frames it writes to the connection, hashes them on a thread of its own and publishes them,
+# pipelined, so that work runs on other cores. It speaks newline-delimited JSON on stdin/stdout
+# (see natsfs.uploader for the daemon's side): `send` (a range of a session; the reply counts its
+# chunks and says the most publishes of the session that were unacknowledged at once, never above its
+# window), `digest`, `drop`; ranges of one session are sent in offset order. Its connection is a
+# `_Link` too: when it is lost, the chunks in flight fail at once (their outcome unknown), the rest of
+# the session is refused, and the next put uses the new connection.
 
 _WORKER_WINDOW = 64
 # Acks of a range come back within milliseconds on a healthy server; one missing after this long (a
