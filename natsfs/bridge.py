@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -1013,7 +1014,7 @@ class _WorkerSession:
         buffers), so it runs next to the publishing; the caller keeps at most two reads waiting to be
         hashed. `buffer` is free again afterwards."""
         done = asyncio.get_running_loop().run_in_executor(self.hashing.executor, _hash_all, self.hasher, pieces)
-        done.add_done_callback(lambda _: self.hashing.free.append(buffer))
+        done.add_done_callback(lambda _: self.hashing.done_with(buffer))
         self.hashed.append(done)
 
     async def hashed_upto(self, pending: int) -> None:
@@ -1037,14 +1038,24 @@ def _hash_all(hasher: Any, pieces: list[memoryview]) -> None:
         hasher.update(piece)
 
 
+# Up to Python 3.11, asyncio's socket transport copies what the socket does not take at once into a
+# buffer of its own, so a frame buffer may be written over as soon as `write` returned; later versions
+# keep a view of the caller's buffer until it is sent.
+_TRANSPORT_COPIES = sys.version_info < (3, 12)
+
+
 class _Hashing:
     """The worker's hashing thread, and the frame buffers it is done with: a buffer is reused once its
-    chunks are hashed (they have been written to the transport, which keeps what it could not send in a
-    buffer of its own), because a fresh megabyte costs a page fault per page on every read."""
+    chunks are hashed (they were written to the transport before, see `_TRANSPORT_COPIES`), because a
+    fresh megabyte costs a page fault per page on every read."""
 
     def __init__(self) -> None:
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="natsfs-sha256")
         self.free: list[bytearray] = []
+
+    def done_with(self, buffer: bytearray) -> None:
+        if _TRANSPORT_COPIES:
+            self.free.append(buffer)
 
     def buffer(self, size: int) -> bytearray:
         while self.free:
@@ -1240,8 +1251,6 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
 
 
 async def _worker_main(connection: Connection) -> None:
-    import sys
-
     # Quiet: stderr is the daemon's; the daemon notices a dead worker or failed ranges and says so itself.
     link = _Link(connection.servers, name="natsfs-upload-worker", connect_timeout=5, quiet=True,
                  auth=connection)
@@ -1304,8 +1313,6 @@ def _read_worker_connection(fd: int) -> Connection:
 
 
 def _main() -> None:
-    import sys
-
     if sys.argv[1:] == ["upload-worker"]:
         asyncio.run(_worker_main(_read_worker_connection(sys.stdin.fileno())))
     else:
