@@ -1389,6 +1389,15 @@ class ChunkSource(Protocol):
     def digest(self) -> bytes: ...
 
 
+# A batch at least this big is hashed on a worker thread, off the trio thread.
+_THREAD_HASH_BYTES = 1024 * 1024
+
+
+def _hash_all(hasher: Any, pieces: list[bytes]) -> None:
+    for piece in pieces:
+        hasher.update(piece)
+
+
 class BytesSource:
     """A `ChunkSource` over bytes in memory (small objects, markers, tests)."""
 
@@ -1404,10 +1413,13 @@ class BytesSource:
         while self._pos < len(self._data) and len(out) < max_chunks:
             piece = self._data[self._pos : self._pos + chunk_size]
             self._pos += len(piece)
-            self._hash.update(piece)
             self.size += len(piece)
             self.chunks += 1
             out.append(piece)
+        if sum(map(len, out)) >= _THREAD_HASH_BYTES:
+            await trio.to_thread.run_sync(_hash_all, self._hash, out)  # hashlib drops the GIL
+        else:
+            _hash_all(self._hash, out)
         return out
 
     def digest(self) -> bytes:

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -395,7 +397,7 @@ class _Link:
         token = self.token()
         self.waiters[token] = waiter
         try:
-            await nc.publish(subject, payload, reply=f"{self.prefix}.{token}", headers=headers)
+            await natscompat.publish(nc, subject, payload, reply=f"{self.prefix}.{token}", headers=headers)
         except (nats.errors.Error, wire.WireError) as e:
             self.waiters.pop(token, None)
             raise Unavailable(f"{subject}: not sent ({e})") from None
@@ -433,21 +435,48 @@ class _Link:
 
     async def js_publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]], window: int,
                               timeout: float) -> list[dict[str, Any] | NatsFSError]:
-        # Like nats.go's PublishAsync: plain publishes whose acks come back to the reply inbox, at most
-        # `window` unacknowledged, all on one client: once it is lost, the rest are not sent.
+        # Like nats.go's PublishAsync: plain publishes, sent in order by this one coroutine, whose acks
+        # come back to the reply inbox, at most `window` unacknowledged (the oldest is awaited before
+        # the next is sent; usually its ack is there already), all on one client: once it is lost,
+        # the rest are not sent.
         await self.client(timeout)
         generation = self.generation
         results: list[dict[str, Any] | NatsFSError] = [Unavailable("not acknowledged")] * len(msgs)
-        sem = asyncio.Semaphore(window)
+        waiting: collections.deque[tuple[int, str, _Reply]] = collections.deque()
 
-        async def one(i: int, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
-            async with sem:
+        async def take_oldest() -> None:
+            i, token, waiter = waiting.popleft()
+            try:
+                if waiter.fut.done():
+                    self.waiters.pop(token, None)
+                    waiter.settle()
+                    msg = waiter.fut.result()
+                    if msg.status == "503" and not msg.data:
+                        raise NotFound(f"no responders on {waiter.subject}")
+                else:
+                    msg = await self.reply(token, waiter, timeout)
+                results[i] = _parse_ack(msg, waiter.subject)
+            except NatsFSError as e:
+                results[i] = e
+
+        try:
+            for i, (subject, data, headers) in enumerate(msgs):
+                if len(waiting) >= window:
+                    await take_oldest()
+                waiter = _Reply(subject, ack=True)
                 try:
-                    results[i] = await self.js_publish(subject, data, headers, timeout, generation)
+                    token = await self.send(subject, data, headers, waiter, timeout=timeout, generation=generation)
                 except NatsFSError as e:
+                    waiter.settle()
                     results[i] = e
-
-        await asyncio.gather(*(one(i, s, d, h) for i, (s, d, h) in enumerate(msgs)))
+                    continue
+                waiting.append((i, token, waiter))
+            while waiting:
+                await take_oldest()
+        finally:
+            for _, token, waiter in waiting:  # cancelled: nobody waits for these acks any more
+                self.waiters.pop(token, None)
+                waiter.settle()
         return results
 
 
@@ -1017,30 +1046,216 @@ def _parse_api_reply(data: bytes | bytearray, subject: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- upload worker
 # The daemon's FUSE thread and its NATS thread share one GIL, and bulk publishing (copying 128 KiB
 # chunks through nats-py and asyncio's transport) is the costliest thing the daemon does when files
-# are written. `python -m natsfs.bridge upload-worker URL[,URL]` is a helper process with its own
-# connection that reads chunks straight from spool files, hashes them and publishes them, pipelined,
-# so that work runs on another core. It speaks newline-delimited JSON on stdin/stdout
-# (see natsfs.uploader for the daemon's side); requests of one session are handled in order.
-# Its connection is a `_Link` too: when it is lost, the chunks in flight fail at once (their outcome
-# unknown), the rest of the session is refused, and the next put uses the new connection.
+# are written. `python -I -m natsfs.bridge upload-worker` (the connection as JSON on its first stdin
+# line) is a helper process with its own connection that reads chunks straight from spool files into
+# the frames it writes to the connection, hashes them on a thread of its own and publishes them,
+# pipelined, so that work runs on other cores. It speaks newline-delimited JSON on stdin/stdout
+# (see natsfs.uploader for the daemon's side): `send` (a range of a session; the reply counts its
+# chunks and says the most publishes of the session that were unacknowledged at once, never above its
+# window), `digest`, `drop`; ranges of one session are sent in offset order. Its connection is a
+# `_Link` too: when it is lost, the chunks in flight fail at once (their outcome unknown), the rest of
+# the session is refused, and the next put uses the new connection.
 
 _WORKER_WINDOW = 64
 # Acks of a range come back within milliseconds on a healthy server; one missing after this long (a
 # server restarting just then) leaves the put's outcome unknown, and the daemon sends it again.
 _WORKER_ACK_TIMEOUT = 15.0
+# A range is read from its spool file this many bytes at a time (one pread, sliced into chunks).
+_WORKER_READ = 1024 * 1024
 
 
 class _WorkerSession:
-    """One put session in the worker: its hash, and the offset the next range must start at."""
+    """One put session in the worker: its hash (fed on the hashing thread, in offset order), the offset
+    the next range must start at, and its window of unacknowledged publishes."""
 
-    def __init__(self, window: int):
+    def __init__(self, window: int, hashing: _Hashing):
         import hashlib
 
         self.hasher = hashlib.sha256()
+        self.hashing = hashing  # one thread: updates run in the order they are submitted
+        self.hashed: collections.deque[asyncio.Future[None]] = collections.deque()
         self.next_start = 0
         self.turn = asyncio.Condition()
-        self.window = asyncio.Semaphore(window)
+        self.window = window
+        self.in_flight = 0  # publishes sent and not acknowledged (never above `window`)
+        self.most_in_flight = 0
+        self.slot = asyncio.Event()
         self.failed: dict[str, Any] | None = None  # the error that ended this session, for later ranges
+
+    def hash(self, pieces: list[memoryview], buffer: bytearray) -> None:
+        """Feed `pieces` (of `buffer`) to the hash on the hashing thread (hashlib drops the GIL for large
+        buffers), so it runs next to the publishing; the caller keeps at most two reads waiting to be
+        hashed. `buffer` is free again afterwards."""
+        done = asyncio.get_running_loop().run_in_executor(self.hashing.executor, _hash_all, self.hasher, pieces)
+        done.add_done_callback(lambda _: self.hashing.done_with(buffer))
+        self.hashed.append(done)
+
+    async def hashed_upto(self, pending: int) -> None:
+        while len(self.hashed) > pending:
+            await self.hashed.popleft()
+
+    async def take_slot(self) -> None:
+        while self.in_flight >= self.window:
+            self.slot.clear()
+            await self.slot.wait()
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+    def free_slots(self, n: int) -> None:
+        self.in_flight -= n
+        self.slot.set()
+
+
+def _hash_all(hasher: Any, pieces: list[memoryview]) -> None:
+    for piece in pieces:
+        hasher.update(piece)
+
+
+# Up to Python 3.11, asyncio's socket transport copies what the socket does not take at once into a
+# buffer of its own, so a frame buffer may be written over as soon as `write` returned; later versions
+# keep a view of the caller's buffer until it is sent.
+_TRANSPORT_COPIES = sys.version_info < (3, 12)
+
+
+class _Hashing:
+    """The worker's hashing thread, and the frame buffers it is done with: a buffer is reused once its
+    chunks are hashed (they were written to the transport before, see `_TRANSPORT_COPIES`), because a
+    fresh megabyte costs a page fault per page on every read."""
+
+    def __init__(self) -> None:
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="natsfs-sha256")
+        self.free: list[bytearray] = []
+
+    def done_with(self, buffer: bytearray) -> None:
+        if _TRANSPORT_COPIES:
+            self.free.append(buffer)
+
+    def buffer(self, size: int) -> bytearray:
+        while self.free:
+            buf = self.free.pop()
+            if len(buf) >= size:
+                return buf
+        return bytearray(size + 4096)  # room for longer headers next time
+
+
+class _RangeAcks:
+    """The acks of one range's publishes, all sent with this one waiter (a waiter per chunk costs a
+    future, a task and a timer each): counts them, keeps the first refusal, frees a window slot per
+    ack, and is done once every ack came or the connection was lost (`OutcomeUnknown`)."""
+
+    __slots__ = ("acked", "done", "error", "fut", "s", "sent", "subject", "tokens")
+    ack = True
+
+    def __init__(self, subject: str, s: _WorkerSession):
+        self.subject = subject
+        self.s = s
+        self.sent = 0
+        self.acked = 0
+        self.done = False  # every publish has been sent
+        self.tokens: list[str] = []
+        self.error: NatsFSError | None = None
+        self.fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def deliver(self, msg: Msg) -> bool:
+        if self.fut.done():
+            return True
+        self.acked += 1
+        self.s.free_slots(1)
+        if msg.data.startswith(b'{"stream":') and b'"error"' not in msg.data:
+            self.check()  # an ack (a stream name holds no quote): nothing in it the worker needs
+            return True
+        try:
+            if msg.status == "503" and not msg.data:
+                raise NotFound(f"no responders on {self.subject}")
+            _parse_ack(msg, self.subject)
+        except NatsFSError as e:
+            self.error = self.error or e
+        self.check()
+        return True
+
+    def fail(self, reason: str) -> None:
+        if self.fut.done():
+            return
+        self.s.free_slots(self.sent - self.acked)
+        self.error = OutcomeUnknown(f"publish to {self.subject}: connection to NATS lost before the "
+                                    f"acknowledgement ({reason})")
+        self.fut.set_result(None)
+
+    def check(self) -> None:
+        if self.done and self.acked == self.sent and not self.fut.done():
+            self.fut.set_result(None)
+
+    def settle(self, link: _Link) -> None:
+        """Stop waiting: forget the tokens still registered and give their window slots back."""
+        for token in self.tokens:
+            link.waiters.pop(token, None)
+        if not self.fut.done():
+            self.s.free_slots(self.sent - self.acked)
+            self.fut.set_result(None)
+
+
+async def _send_piece(link: _Link, s: _WorkerSession, acks: _RangeAcks, fd: int, pos: int, sizes: list[int],
+                      msg_ids: list[str], generation: int) -> None:
+    """Publish the next chunks of a spool file (`sizes` of them from `pos`), each with its `Nats-Msg-Id`
+    and its ack to `acks`. Their frames are laid out in one buffer and the chunks read straight into
+    their places (`preadv`), hashed there on the hashing thread and written to the connection's
+    transport at once: no copy of a payload in this process, one write for the lot."""
+    subject = acks.subject
+    nc = await link.client(30)
+    if generation != link.generation:
+        raise Unavailable(f"{subject}: not sent, the connection to NATS was replaced meanwhile")
+    if max(sizes) > nc.max_payload:
+        raise Unavailable(f"{subject}: a chunk of {max(sizes)} bytes is over the server's max payload")
+    try:
+        transport = await natscompat.raw_transport(nc, 30)
+    except (nats.errors.Error, TimeoutError) as e:
+        raise Unavailable(f"{subject}: not sent ({e or type(e).__name__})") from None
+    if generation != link.generation:  # replaced while nats-py's queue was flushed
+        raise Unavailable(f"{subject}: not sent, the connection to NATS was replaced meanwhile")
+    tokens = [link.token() for _ in sizes]
+    prefix, subj = link.prefix.encode(), subject.encode()
+    heads = []
+    for token, size, msg_id in zip(tokens, sizes, msg_ids, strict=True):
+        header = b"NATS/1.0\r\nNats-Msg-Id: %s\r\n\r\n" % msg_id.encode()
+        heads.append(b"HPUB %s %s.%s %d %d\r\n%s" % (subj, prefix, token.encode(), len(header),
+                                                       len(header) + size, header))
+    length = sum(map(len, heads)) + sum(sizes) + 2 * len(sizes)
+    buffer = s.hashing.buffer(length)
+    frames = memoryview(buffer)[:length]
+    payloads = []
+    at = 0
+    for head, size in zip(heads, sizes, strict=True):
+        frames[at : at + len(head)] = head
+        at += len(head)
+        payloads.append(frames[at : at + size])
+        at += size
+        frames[at : at + 2] = b"\r\n"
+        at += 2
+    missing = sum(sizes) - os.preadv(fd, payloads, pos)
+    for payload in reversed(payloads):  # a hole at the end of a sparse file reads short: zeros
+        if missing <= 0:
+            break
+        zeros = min(missing, len(payload))
+        payload[len(payload) - zeros :] = bytes(zeros)
+        missing -= zeros
+    if transport is None:  # (a transport nats-py does not let us write to: publish through it, copied)
+        copies = [bytes(payload) for payload in payloads]
+        s.hash(payloads, buffer)
+        for data, msg_id in zip(copies, msg_ids, strict=True):
+            acks.tokens.append(await link.send(subject, data, {"Nats-Msg-Id": msg_id}, acks, timeout=30,
+                                               generation=generation))
+            acks.sent += 1
+        return
+    s.hash(payloads, buffer)  # (the buffer is reused only after this is hashed: it is written before that)
+    for token in tokens:
+        link.waiters[token] = acks
+    acks.sent += len(tokens)
+    acks.tokens += tokens
+    transport.write(frames)
+    try:
+        await transport.drain()
+    except (ConnectionError, OSError) as e:  # the link notices the lost client and fails the acks
+        raise Unavailable(f"{subject}: not sent ({e})") from None
 
 
 def _worker_error(e: BaseException, subject: str) -> dict[str, Any]:
@@ -1054,13 +1269,14 @@ def _worker_error(e: BaseException, subject: str) -> dict[str, Any]:
 
 
 async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> dict[str, Any]:
-    """Publish a file range as chunks. Ranges of a session are hashed and published strictly in offset
-    order (a range waits for its turn) on one connection; their acks are awaited outside that turn, so
-    the next range is already being sent while this one's acks come back."""
+    """Publish a file range as chunks. Ranges of a session are read and published strictly in offset
+    order (a range waits for its turn) on one connection, with at most the session's window of acks
+    outstanding; the bytes are hashed on the hashing thread meanwhile. A range's acks are awaited
+    outside its turn, so the next range is already being sent while this one's acks come back."""
     subject, path, start, end, chunk = req["subject"], req["path"], req["start"], req["end"], req["chunk_size"]
     # Chunk i of put `session` is message `<session>.<i>` (JetStream de-duplication, as in adr20.PutSession).
     first_index = start // chunk
-    pending: list[tuple[str, _Reply]] = []
+    acks = _RangeAcks(subject, s)
     async with s.turn:
         await asyncio.wait_for(s.turn.wait_for(lambda: s.next_start == start or s.failed is not None), 120)
         if s.failed is not None:
@@ -1069,51 +1285,45 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
         fd = os.open(path, os.O_RDONLY)
         try:
             pos = start
+            per_piece = max(1, min(s.window, _WORKER_READ // chunk))
             while pos < end:
-                n = min(chunk, end - pos)
-                data = os.pread(fd, n, pos)
-                if len(data) < n:  # a hole at the end of a sparse file reads short: zeros
-                    data += bytes(n - len(data))
-                s.hasher.update(data)
-                await s.window.acquire()
-                waiter = _Reply(subject, ack=True)
-                waiter.fut.add_done_callback(lambda _: s.window.release())
+                sizes = [min(chunk, end - p) for p in range(pos, min(end, pos + per_piece * chunk), chunk)]
+                for _ in sizes:
+                    await s.take_slot()
+                msg_ids = [f"{req['session']}.{first_index + acks.sent + i}" for i in range(len(sizes))]
                 try:
-                    msg_id = {"Nats-Msg-Id": f"{req['session']}.{first_index + len(pending)}"}
-                    token = await link.send(subject, data, msg_id, waiter, timeout=30, generation=generation)
+                    await _send_piece(link, s, acks, fd, pos, sizes, msg_ids, generation)
                 except BaseException:
-                    waiter.settle()
+                    s.free_slots(len(sizes) - (acks.sent - (pos - start) // chunk))
                     raise
-                pending.append((token, waiter))
-                pos += n
+                await s.hashed_upto(1)
+                pos += sum(sizes)
         except Exception as e:
-            for token, waiter in pending:
-                link.waiters.pop(token, None)
-                waiter.settle()
+            acks.settle(link)
             s.failed = _worker_error(e, subject)
             return {"error": s.failed}
         finally:
             os.close(fd)
             s.turn.notify_all()
         s.next_start = end
-    results = await asyncio.gather(*(link.reply(t, w, _WORKER_ACK_TIMEOUT) for t, w in pending),
-                                   return_exceptions=True)
-    for m in results:
-        try:
-            if isinstance(m, BaseException):
-                raise m
-            _parse_ack(m, subject)
-        except NatsFSError as e:
-            s.failed = _worker_error(e, subject)
-            async with s.turn:
-                s.turn.notify_all()
-            return {"error": s.failed}
-    return {"chunks": len(pending), "bytes": end - start}
+    acks.done = True
+    acks.check()
+    try:
+        await asyncio.wait_for(asyncio.shield(acks.fut), _WORKER_ACK_TIMEOUT)
+    except TimeoutError:
+        acks.error = acks.error or OutcomeUnknown(
+            f"publish to {subject} not acknowledged in {_WORKER_ACK_TIMEOUT:g}s")
+    finally:
+        acks.settle(link)
+    if acks.error is not None:
+        s.failed = _worker_error(acks.error, subject)
+        async with s.turn:
+            s.turn.notify_all()
+        return {"error": s.failed}
+    return {"chunks": acks.sent, "bytes": end - start, "most_in_flight": s.most_in_flight}
 
 
 async def _worker_main(connection: Connection) -> None:
-    import sys
-
     # Quiet: stderr is the daemon's; the daemon notices a dead worker or failed ranges and says so itself.
     link = _Link(connection.servers, name="natsfs-upload-worker", connect_timeout=5, quiet=True,
                  auth=connection)
@@ -1127,16 +1337,19 @@ async def _worker_main(connection: Connection) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     out = sys.stdout.buffer
     sessions: dict[str, _WorkerSession] = {}
+    hashing = _Hashing()
 
     async def handle(req: dict[str, Any]) -> None:
         session = req.get("session", "")
         try:
             op = req["op"]
             if op == "send":
-                s = sessions.setdefault(session, _WorkerSession(req.get("window", _WORKER_WINDOW)))
+                s = sessions.get(session) or sessions.setdefault(
+                    session, _WorkerSession(req.get("window", _WORKER_WINDOW), hashing))
                 body = await _worker_send(link, req, s)
             elif op == "digest":
-                s = sessions.setdefault(session, _WorkerSession(_WORKER_WINDOW))
+                s = sessions.get(session) or sessions.setdefault(session, _WorkerSession(_WORKER_WINDOW, hashing))
+                await s.hashed_upto(0)
                 body = {"digest": s.hasher.digest().hex(), "bytes": s.next_start}
             elif op == "drop":
                 sessions.pop(session, None)
@@ -1173,8 +1386,6 @@ def _read_worker_connection(fd: int) -> Connection:
 
 
 def _main() -> None:
-    import sys
-
     if sys.argv[1:] == ["upload-worker"]:
         asyncio.run(_worker_main(_read_worker_connection(sys.stdin.fileno())))
     else:

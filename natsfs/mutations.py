@@ -266,20 +266,32 @@ class Mutations:
         """Called after every change of a staged file's content at `offset` (or a truncate to it)."""
         if offset < sf.stream_claimed:
             self._break_stream(sf)
-        elif (self._nursery is not None and sf.may_stream(STREAM_BATCH)
-              and not self.store.batch_fits(sf.bucket, sf.size, self.config.chunk_size)):
-            # A file that still fits one atomic batch is put whole at close (all or nothing).
+        elif sf.stream_wake is not None:
+            sf.stream_wake.set()  # a streamer is running: there may be more to claim
+        elif self._nursery is not None and sf.may_stream(STREAM_BATCH):
+            # Also in a bucket that takes atomic batches: a batch would hold the whole upload until close
+            # (and the server writes a batch twice). A streamed put is the ordered put (meta last, after
+            # every chunk's ack; the put journal settles the chunks of one that never commits). Files
+            # closed before one STREAM_BATCH was written are still put whole, as one batch.
             sf.streaming_started()
             self._nursery.start_soon(self._stream_ahead, sf)
 
     async def _stream_ahead(self, sf: StagedFile) -> None:
         """Send the staged file's full chunks that nobody will change any more (it grows at the end),
-        with a few ranges in flight at once."""
+        with a few ranges in flight at once. While ranges are in flight it waits for the next write
+        (or the end of a send) instead of ending: a streamer that ended only once its last ranges were
+        acknowledged let the pipeline run dry at every such pause."""
         chunk = self.config.chunk_size
         in_flight = trio.Semaphore(STREAM_PARALLEL)
         try:
             async with trio.open_nursery() as nursery:
-                while not sf.stream_dead and not sf.ended and sf.size - sf.stream_claimed >= STREAM_BATCH:
+                while not sf.stream_dead and not sf.ended:
+                    wake = sf.stream_wake = trio.Event()
+                    if sf.size - sf.stream_claimed < STREAM_BATCH:
+                        if in_flight.value == STREAM_PARALLEL:
+                            break  # nothing to claim and nothing in flight
+                        await wake.wait()  # a write, or a send that ended
+                        continue
                     await in_flight.acquire()
                     async with sf.lock:
                         if sf.stream_dead or sf.ended or sf.unlinked:
@@ -301,6 +313,8 @@ class Mutations:
             await session.send_file(str(sf.spool_path), sf.fd, start, end)
         finally:
             in_flight.release()
+            if sf.stream_wake is not None:
+                sf.stream_wake.set()
 
     def _break_stream(self, sf: StagedFile) -> None:
         session, running = sf.break_stream()

@@ -2,10 +2,12 @@
 
 natsfs relies on a few things nats-py does not offer as API: the socket read size (a module global),
 a hook into its message dispatch (to pace a subscription whose consumer falls behind), the server's
-INFO as sent (its limits), a subscription's id, and the queue of publishes waiting for a flush (a
-closed client never answers them). Each is reached only through a function here, and
-`check()` verifies that the installed nats-py still has them before anything connects, so an
-incompatible upgrade fails the mount at start with one sentence instead of misbehaving later.
+INFO as sent (its limits), a subscription's id, the queue of publishes waiting for a flush (a
+closed client never answers them), and its transport and queue of bytes for the server (large
+payloads are queued, or written by the upload worker, without being copied into their frames). Each
+is reached only through a function here, and `check()` verifies that the installed nats-py still has
+them before anything connects, so an incompatible upgrade fails the mount at start with one sentence
+instead of misbehaving later.
 `pyproject.toml` pins nats-py below the first version not checked against this module.
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 
 import nats.aio.client
 import nats.aio.subscription
+import nats.errors
 
 from .errors import NatsFSError
 
@@ -62,6 +65,11 @@ def check() -> None:
         missing.append("Client._server_info")
     if not hasattr(client, "_flush_queue"):
         missing.append("Client._flush_queue")
+    if not (hasattr(client, "_transport") and isinstance(getattr(client, "_pending", None), list)
+            and isinstance(getattr(client, "_pending_data_size", None), int)
+            and isinstance(getattr(client, "_max_pending_size", None), int)
+            and inspect.iscoroutinefunction(getattr(client, "_flush_pending", None))):
+        missing.append("Client._transport, _pending, _pending_data_size, _max_pending_size, _flush_pending")
     if not isinstance(getattr(nats.aio.subscription.Subscription(None), "_id", None), int):
         missing.append("Subscription._id")
     if missing:
@@ -101,3 +109,51 @@ def hook_messages(nc: Any, after: Callable[[int], Awaitable[None] | None]) -> No
             await waiting
 
     nc._process_msg = process_msg
+
+
+async def raw_transport(nc: Any, timeout: float) -> Any | None:
+    """The transport nats-py writes `nc`'s protocol to, for frames the caller builds itself (the upload
+    worker's chunk publishes: nats-py would copy each payload three times, joining it with its header
+    and then with every other pending frame). Whatever nats-py still holds for the server (a
+    subscription, a pong) is flushed first, so nothing the caller writes can overtake it; nats-py's own
+    writes are whole frames too, so frames never interleave. None for a transport without
+    `write`/`drain` (websocket): then publish through nats-py."""
+    transport = nc._transport
+    if transport is None or not hasattr(transport, "write") or not hasattr(transport, "drain"):
+        return None
+    if nc._pending_data_size:
+        await nc.flush(timeout)
+    return transport
+
+
+# Payloads from this size on are queued without being joined to their frame (`publish`).
+_LARGE_PAYLOAD = 64 * 1024
+
+
+async def publish(nc: Any, subject: str, payload: bytes, *, reply: str, headers: dict[str, str] | None) -> None:
+    """`nc.publish`, but a large payload is not copied into a new frame: nats-py's `publish` joins the
+    frame's header, payload and CRLF into new bytes (two copies of the payload). Here the three parts
+    are queued as they are, together (no await in between, so no other frame can come between them),
+    for nats-py's flusher, which writes them with everything else pending. Same errors as `publish`
+    (nats-py's own validation is skipped: our subjects and headers are our own)."""
+    if len(payload) < _LARGE_PAYLOAD or not isinstance(nc, nats.aio.client.Client):
+        await nc.publish(subject, payload, reply=reply, headers=headers)
+        return
+    if nc.is_closed:
+        raise nats.errors.ConnectionClosedError
+    if nc.is_draining_pubs:
+        raise nats.errors.ConnectionDrainingError
+    if len(payload) > nc.max_payload:
+        raise nats.errors.MaxPayloadError
+    if headers:
+        header = b"NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode() + b"\r\n"
+        line = b"HPUB %s %s %d %d\r\n%s" % (subject.encode(), reply.encode(), len(header), len(header) + len(payload),
+                                              header)
+    else:
+        line = b"PUB %s %s %d\r\n" % (subject.encode(), reply.encode(), len(payload))
+    nc._pending += (line, payload, b"\r\n")
+    nc._pending_data_size += len(line) + len(payload) + 2
+    if nc._max_pending_size > 0 and nc._pending_data_size > nc._max_pending_size:
+        await nc._flush_pending(force_flush=True)
+    elif nc._flush_queue is not None and nc._flush_queue.empty():
+        await nc._flush_pending()

@@ -294,6 +294,7 @@ class StagedFile:
         self.stream: PutSession | None = None
         self.stream_claimed = 0  # bytes [0, claimed) have been read for sending
         self.stream_running: trio.Event | None = None
+        self.stream_wake: trio.Event | None = None  # set by writes and ended sends while streaming runs
         self.stream_dead = False  # content below `claimed` changed: no streaming until the next upload
         # Extended attributes set or removed (None) on a file that has no stored object yet, stored
         # with its first upload.
@@ -466,6 +467,7 @@ class StagedFile:
         return self.stream, start, end
 
     def streaming_ended(self) -> None:
+        self.stream_wake = None
         running, self.stream_running = self.stream_running, None
         if running is not None:
             running.set()

@@ -275,6 +275,61 @@ async def publish_object(nc: Any, bucket: str, spec: ObjSpec, local_dir: Path, w
     spec.published = True
 
 
+async def raw_publish(url: str, bucket: str, data: bytes, *, window: int, connections: int = 1,
+                      chunk: int = CHUNK) -> float:
+    """The server's ingest ceiling as Python can reach it: `data` as 128 KiB chunk messages into the
+    bucket's stream (each with its `Nats-Msg-Id`, as a put sends them), plain publishes whose acks come
+    back to one reply inbox per connection, at most `window` unacknowledged per connection, the chunks
+    split evenly over `connections`. No hashing, no meta. Returns the seconds from the first publish to
+    the last ack; the chunks are purged afterwards."""
+    from nats.nuid import NUID
+
+    nuid = NUID().next().decode()
+    subject = f"$O.{bucket}.C.{nuid}"
+    view = memoryview(data)
+    pieces = [view[i:i + chunk] for i in range(0, len(data), chunk)]
+    conns = [await _connect(url) for _ in range(connections)]
+
+    async def one(nc: Any, first: int) -> None:
+        mine = range(first, len(pieces), connections)
+        acked = 0
+        errors: list[bytes] = []
+        wake = asyncio.Event()
+
+        async def on_ack(msg: Any) -> None:
+            nonlocal acked
+            acked += 1
+            if b'"error"' in msg.data[:16] or not msg.data:
+                errors.append(bytes(msg.data[:200]))
+            wake.set()
+
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox + ".*", cb=on_ack)
+        await nc.flush()
+        for sent, i in enumerate(mine):
+            while sent - acked >= window:
+                wake.clear()
+                await wake.wait()
+            await nc.publish(subject, bytes(pieces[i]), reply=f"{inbox}.{i}", headers={"Nats-Msg-Id": f"{nuid}.{i}"})
+        while acked < len(mine):
+            wake.clear()
+            await wake.wait()
+        if errors:
+            raise RuntimeError(f"raw publish: {len(errors)} refused, e.g. {errors[0]!r}")
+
+    try:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(nc, i) for i, nc in enumerate(conns)))
+        secs = time.perf_counter() - t0
+        await conns[0].request(f"$JS.API.STREAM.PURGE.OBJ_{bucket}", json.dumps({"filter": subject}).encode(),
+                               timeout=30)
+        return secs
+    finally:
+        for nc in conns:
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+
 async def raw_direct_get(nc: Any, bucket: str, nuid: str, *, batch: int = 64, chunk: int = CHUNK,
                          timeout: float = 30.0) -> tuple[int, int, int, float]:
     """Read every chunk of `nuid` with batched direct gets to one reply inbox.

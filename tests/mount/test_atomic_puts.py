@@ -1,6 +1,7 @@
 """Atomic puts on a real server (nats-server >= 2.12): natsfs-created buckets allow atomic batches (and keep
-the flag when sealed), and a put of a few hundred chunks cut off by `kill -9` of the daemon at several
-points leaves the old version or the new one, never a mix, and never orphans once the mount is back."""
+the flag when sealed), a file closed before the streaming threshold is one batch, and a put of a few
+hundred chunks (streamed while written) cut off by `kill -9` of the daemon at several points leaves the
+old version or the new one, never a mix, and never orphans once the mount is back."""
 
 from __future__ import annotations
 
@@ -59,10 +60,10 @@ def test_natsfs_buckets_allow_atomic_batches_and_keep_the_flag(nats_url, bucket_
     assert not stream_config(nats_url, plain).allow_atomic
 
 
-def test_a_mount_puts_a_file_as_one_batch(nats_url, bucket_name, mounter):
+def test_a_mount_puts_a_small_file_as_one_batch(nats_url, bucket_name, mounter):
     create_bucket(nats_url, bucket_name)
     m = mounter(nats_url)
-    data = random.Random(7).randbytes(24 * MiB)  # 192 chunks: not streamed while written, one batch at close
+    data = random.Random(7).randbytes(3 * MiB)  # 24 chunks, under the 4 MiB streaming threshold: one batch
     (m.path / bucket_name / "f.bin").write_bytes(data)
     assert nats_py_get(nats_url, bucket_name, "f.bin") == data
 
@@ -78,7 +79,7 @@ def test_a_mount_puts_a_file_as_one_batch(nats_url, bucket_name, mounter):
     last_chunk, meta = with_nats(nats_url, batch_headers)
     # The server stores the batch headers with the messages: the last chunk and the meta were one batch.
     assert last_chunk["Nats-Batch-Id"] == meta["Nats-Batch-Id"]
-    assert last_chunk["Nats-Batch-Sequence"] == "192" and meta["Nats-Batch-Sequence"] == "193"
+    assert last_chunk["Nats-Batch-Sequence"] == "24" and meta["Nats-Batch-Sequence"] == "25"
     assert meta["Nats-Batch-Commit"] == "1"
     assert "ERROR" not in m.log()
 

@@ -1,6 +1,7 @@
 """Atomic puts through natsfs.fs.Operations over MemoryStreams: in a bucket that allows atomic batches a
-closed file is one batch (not streamed while written), a batch cut off stores nothing and leaves no
-journal record, a lost commit ack is read back, and a file too big for one batch is streamed as before."""
+file closed before the streaming threshold is one batch, a batch cut off stores nothing and leaves no
+journal record, a lost commit ack is read back, and a bigger file is streamed while it is written (no
+meta before its close) and committed in the nats.go order."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from test_ops_puts import Ctx, all_chunk_msgs, err, stored
 from natsfs.adr20 import ObjectStore
 from natsfs.errors import OutcomeUnknown, Unavailable
 from natsfs.memstreams import MemoryStreams
+from natsfs.mutations import STREAM_BATCH
 
 CHUNK = 8192
 
@@ -36,9 +38,9 @@ async def write(env: Env, name: str, data: bytes, *, existing: bool = False) -> 
     return fi.fh
 
 
-def test_a_closed_file_is_one_batch_and_was_not_streamed(ops_env):
+def test_a_file_closed_before_the_streaming_threshold_is_one_batch(ops_env):
     async def body(env: Env):
-        data = os.urandom(990 * CHUNK)  # 7.7 MiB at 8 KiB chunks: past the 4 MiB streaming threshold
+        data = os.urandom(STREAM_BATCH - CHUNK)  # 511 chunks of 8 KiB: just under the streaming threshold
         fh = await write(env, "f", data)
         await env.settle()
         assert all_chunk_msgs(env) == 1  # only old.txt's: nothing streamed
@@ -94,6 +96,24 @@ def test_a_commit_that_never_answers_leaves_the_put_to_the_journal(ops_env):
         await env.ops.release(fh)
         assert len(env.fs.mut.journal.pending) == 1  # settled once the server answers again
         assert all_chunk_msgs(env) == 1
+
+    ops_env(body, setup=atomic_bucket, chunk_size=CHUNK)
+
+
+def test_a_file_past_the_streaming_threshold_is_streamed_while_open_and_committed_at_close(ops_env):
+    async def body(env: Env):
+        data = os.urandom(990 * CHUNK)  # 7.7 MiB at 8 KiB chunks: would fit one batch
+        fh = await write(env, "f", data)
+        await env.settle()
+        assert all_chunk_msgs(env) > 1  # chunks sent while the file is open
+        assert env.fs.mut.journal.active  # journalled until its meta is stored
+        assert await env.store.get_info("b", "f") is None  # no meta before the close
+        await env.ops.flush(fh)
+        await env.ops.release(fh)
+        assert env.streams.calls["publish_batch"] == 0
+        assert await stored(env, "f") == data
+        assert all_chunk_msgs(env) == 1 + 990
+        assert not env.fs.mut.journal.pending and not env.fs.mut.journal.active
 
     ops_env(body, setup=atomic_bucket, chunk_size=CHUNK)
 

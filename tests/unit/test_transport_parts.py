@@ -122,6 +122,54 @@ async def _no_reconnect(since: float) -> None:
     return None
 
 
+class _AckingClient:
+    """A stand-in nats-py client that stores every publish and acknowledges it a moment later, counting
+    the publishes sent and not acknowledged yet."""
+
+    is_closed = False
+
+    def __init__(self, link: _Link):
+        self.link = link
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.subjects: list[str] = []
+        self.payloads: list[bytes] = []
+        self.acks: set[asyncio.Future[None]] = set()
+
+    async def publish(self, subject: str, payload: bytes, *, reply: str, headers: dict[str, str] | None) -> None:
+        self.subjects.append(subject)
+        self.payloads.append(bytes(payload))
+        seq = len(self.payloads)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        asyncio.get_running_loop().call_later(0.0005 * (seq % 3), self._ack, reply, seq)
+
+    def _ack(self, reply: str, seq: int) -> None:
+        self.in_flight -= 1
+        data = f'{{"stream":"OBJ_b","seq":{seq}}}'.encode()
+        ack = asyncio.ensure_future(self.link._on_reply(SimpleNamespace(subject=reply, reply="", headers=None,
+                                                                        data=data)))
+        self.acks.add(ack)
+        ack.add_done_callback(self.acks.discard)
+
+
+def test_publish_many_keeps_at_most_its_window_unacknowledged_and_sends_in_order():
+    size = 1000
+
+    async def main() -> None:
+        link = _Link(["nats://127.0.0.1:1"], name="t", connect_timeout=1)
+        client = _AckingClient(link)
+        link.nc, link.prefix = client, "_INBOX.a"
+        msgs = [(f"$O.b.C.n{i}", bytes([i]) * size, {"Nats-Msg-Id": f"n.{i}"}) for i in range(200)]
+        results = await link.js_publish_many(msgs, 8, timeout=5)
+        assert [r["seq"] for r in results] == list(range(1, 201))  # type: ignore[index]
+        assert client.subjects == [m[0] for m in msgs] and client.payloads == [m[1] for m in msgs]
+        assert client.most_in_flight == 8  # pipelined up to the window, never past it
+        assert not link.waiters
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(("err_code", "expected"), [
     (10071, Conflict), (10164, Conflict), (10109, ReadOnly), (10077, NoSpace), (10002, NoSpace),
     (10023, NoSpace), (10047, NoSpace), (10028, NoSpace), (10054, TooBig), (10097, TooBig),
@@ -156,3 +204,23 @@ def test_natscompat_names_what_is_missing(monkeypatch):
     monkeypatch.delattr(nats.aio.client.Client, "_process_msg")
     with pytest.raises(natscompat.IncompatibleNatsPy, match="_process_msg"):
         natscompat.check()
+
+
+@pytest.mark.parametrize("headers", [None, {"Nats-Msg-Id": "nuid.7", "Nats-Expected-Last-Subject-Sequence": "3"}])
+def test_a_large_payload_is_queued_as_the_frame_nats_py_would_send(headers):
+    import nats.aio.client
+    from nats.protocol.command import hpub_cmd, pub_cmd
+
+    async def main() -> None:
+        payload = bytes(range(256)) * 1024  # 256 KiB: queued in parts, not joined
+        nc = nats.aio.client.Client()
+        await natscompat.publish(nc, "$O.b.C.x", payload, reply="_INBOX.a.1", headers=headers)
+        assert any(part is payload for part in nc._pending)  # not copied
+        if headers is None:
+            expected = pub_cmd("$O.b.C.x", "_INBOX.a.1", payload)
+        else:
+            hdr = b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n"
+            expected = hpub_cmd("$O.b.C.x", "_INBOX.a.1", hdr, payload)
+        assert b"".join(nc._pending) == expected and nc._pending_data_size == len(expected)
+
+    asyncio.run(main())
