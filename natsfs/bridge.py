@@ -225,9 +225,9 @@ class _Link:
         short (its final flush): a client found closed is taken as lost here too."""
         while not self._closing:
             await asyncio.sleep(_WATCH_INTERVAL)
-            nc = self.nc
-            if nc is not None and nc.is_closed:
-                self._lost(nc)
+            # (no local kept across the sleep: it would keep a replaced client alive until the next look)
+            if self.nc is not None and self.nc.is_closed:
+                self._lost(self.nc)
 
     async def _connect(self, server: str) -> None:
         if self.lean:
