@@ -117,7 +117,6 @@ def hook_messages(nc: Any, after: Callable[[int], Awaitable[None] | None]) -> No
     nc._process_msg = process_msg
 
 
-
 def guard_close(nc: Any) -> None:
     """Keep nats-py's closing of this client from ending in an exception nobody retrieves.
 
