@@ -80,6 +80,8 @@ _PING_INTERVAL = 30
 # How often the current client is checked for having been closed without telling (see `_Link._watch`).
 _WATCH_INTERVAL = 0.25
 _CHUNK_GUESS = 128 * 1024  # the largest reply assumed before one is seen
+# A replaced nats-py client gets this long to finish closing by itself before `_Link._bury` ends the rest.
+_BURY_GRACE = 2.0
 
 
 @dataclass(slots=True)
@@ -203,6 +205,8 @@ class _Link:
         self._closing = False
         self._next_token = 0
         self._next_server = 0
+        # Replaced nats-py clients being ended (`_bury`): kept here until every task of theirs has ended.
+        self.burials: set[asyncio.Task[None]] = set()
 
     # ---- connecting
     async def open(self) -> None:
@@ -223,9 +227,9 @@ class _Link:
         short (its final flush): a client found closed is taken as lost here too."""
         while not self._closing:
             await asyncio.sleep(_WATCH_INTERVAL)
-            nc = self.nc
-            if nc is not None and nc.is_closed:
-                self._lost(nc)
+            # (no local kept across the sleep: it would keep a replaced client alive until the next look)
+            if self.nc is not None and self.nc.is_closed:
+                self._lost(self.nc)
 
     async def _connect(self, server: str) -> None:
         if self.lean:
@@ -260,6 +264,7 @@ class _Link:
             shown = redact_url(server)
             raise Unavailable(f"cannot connect to NATS at {shown}: {reason or type(reason).__name__}") from None
         client.append(nc)
+        natscompat.guard_close(nc)
         try:
             prefix = nc.new_inbox()
             await nc.subscribe(prefix + ".*", cb=self._on_reply, pending_bytes_limit=0, pending_msgs_limit=0)
@@ -272,6 +277,7 @@ class _Link:
         except BaseException as e:
             with contextlib.suppress(Exception):
                 await nc.close()
+            self._start_burial(nc)
             if isinstance(e, nats.errors.Error | OSError):
                 shown = redact_url(server)
                 raise Unavailable(f"connection to NATS at {shown} failed while it was set up: {e}") from None
@@ -307,8 +313,32 @@ class _Link:
         log.log(self._log_level, "lost the connection to NATS (%s); reconnecting", reason)
         self._reconnecting = asyncio.ensure_future(self._reconnect(time.monotonic()))
         self._on_lost(reason)  # before the waiters fail: it may look at what was in flight
-        natscompat.release_flushes(nc)
+        if not self.lean:  # (a lean connection has no task of its own; its socket is closed when lost)
+            natscompat.release_flushes(nc)
+            self._start_burial(nc)
         self._fail_all(reason)
+
+    def _start_burial(self, nc: Any) -> None:
+        burial = asyncio.ensure_future(self._bury(nc))
+        self.burials.add(burial)
+        burial.add_done_callback(self.burials.discard)
+
+    async def _bury(self, nc: Any) -> None:
+        """End a replaced nats-py client for good: nats-py's close can stop half-way (its last flush to
+        the dead socket fails) and leave its subscriptions' tasks waiting forever, with its socket and
+        unsent publishes, until the garbage collector destroys them pending. It gets `_BURY_GRACE` to
+        finish by itself; then whatever still runs is cancelled and awaited here."""
+        closing = natscompat.closing_task(nc)
+        if closing is not None:
+            await asyncio.wait([closing], timeout=_BURY_GRACE)
+        ended = natscompat.end_client(nc)
+        if ended:
+            done, pending = await asyncio.wait(ended, timeout=_BURY_GRACE)
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # retrieved: the client is gone, whatever its tasks ended with
+            if pending:
+                log.debug("%d tasks of a replaced NATS client did not end when cancelled", len(pending))
 
     def _fail_all(self, reason: str) -> None:
         waiters, self.waiters = self.waiters, {}
@@ -366,6 +396,10 @@ class _Link:
                 await asyncio.wait_for(nc.drain(), 2.0)
             with contextlib.suppress(Exception):
                 await nc.close()
+            if not self.lean:
+                self._start_burial(nc)
+        if self.burials:
+            await asyncio.wait(self.burials, timeout=2 * _BURY_GRACE)
 
     # ---- replies
     def token(self) -> str:

@@ -3,16 +3,19 @@
 natsfs relies on a few things nats-py does not offer as API: the socket read size (a module global),
 a hook into its message dispatch (to pace a subscription whose consumer falls behind), the server's
 INFO as sent (its limits), a subscription's id, the queue of publishes waiting for a flush (a
-closed client never answers them), and its transport and queue of bytes for the server (large
-payloads are queued, or written by the upload worker, without being copied into their frames). Each
-is reached only through a function here, and `check()` verifies that the installed nats-py still has
-them before anything connects, so an incompatible upgrade fails the mount at start with one sentence
-instead of misbehaving later.
+closed client never answers them), its transport and queue of bytes for the server (large
+payloads are queued, or written by the upload worker, without being copied into their frames), and a
+closed client's tasks and socket (its own close can stop half-way, see `end_client`). Each is reached
+only through a function here, and `check()` verifies that the installed nats-py still has them before
+anything connects, so an incompatible upgrade fails the mount at start with one sentence instead of
+misbehaving later.
 `pyproject.toml` pins nats-py below the first version not checked against this module.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.metadata
 import inspect
 from collections.abc import Awaitable, Callable
@@ -33,6 +36,8 @@ SUPPORTED = ((2, 9), (2, 17))
 READ_BUFFER = 1024 * 1024
 
 _PROCESS_MSG_PARAMS = ["self", "sid", "subject", "reply", "data", "headers"]
+# A client's own tasks: the socket reader, the flusher, the pinger, and nats-py's reconnecting.
+_CLIENT_TASKS = ("_reading_task", "_flusher_task", "_ping_interval_task", "_reconnection_task")
 
 
 class IncompatibleNatsPy(NatsFSError):
@@ -70,8 +75,17 @@ def check() -> None:
             and isinstance(getattr(client, "_max_pending_size", None), int)
             and inspect.iscoroutinefunction(getattr(client, "_flush_pending", None))):
         missing.append("Client._transport, _pending, _pending_data_size, _max_pending_size, _flush_pending")
-    if not isinstance(getattr(nats.aio.subscription.Subscription(None), "_id", None), int):
+    for name in (*_CLIENT_TASKS, "_subs", "_error_cb"):
+        if not hasattr(client, name):
+            missing.append(f"Client.{name}")
+    if not inspect.iscoroutinefunction(getattr(nats.aio.client.Client, "_close", None)):
+        missing.append("Client._close")
+    sub = nats.aio.subscription.Subscription(None)
+    if not isinstance(getattr(sub, "_id", None), int):
         missing.append("Subscription._id")
+    for name in ("_wait_for_msgs_task", "_message_iterator", "_pending_next_msgs_calls"):
+        if not hasattr(sub, name):
+            missing.append(f"Subscription.{name}")
     if missing:
         raise IncompatibleNatsPy(f"{wanted}: the installed nats-py lacks {', '.join(missing)}")
     nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, READ_BUFFER)
@@ -157,3 +171,64 @@ async def publish(nc: Any, subject: str, payload: bytes, *, reply: str, headers:
         await nc._flush_pending(force_flush=True)
     elif nc._flush_queue is not None and nc._flush_queue.empty():
         await nc._flush_pending()
+
+
+def guard_close(nc: Any) -> None:
+    """Keep nats-py's closing of this client from ending in an exception nobody retrieves.
+
+    nats-py closes a client in `_close`, run in its socket reader (after a read error) or in a task of
+    its own that nothing keeps (after `-ERR`). Its last flush to a socket the server already reset
+    raises there, and the exception ends the task: asyncio reports it when the task is collected. Such
+    a close stopped half-way is finished by `end_client`."""
+    close = nc._close
+
+    async def close_guarded(status: int, do_cbs: bool = True) -> None:
+        try:
+            await close(status, do_cbs)
+        except Exception as e:  # (OSError, mostly) the client is closed either way
+            with contextlib.suppress(Exception):
+                await nc._error_cb(e)
+
+    nc._close = close_guarded
+
+
+def closing_task(nc: Any) -> asyncio.Task[Any] | None:
+    """The task in which nats-py may still be closing this client (its socket reader), unless done."""
+    task = nc._reading_task
+    return task if task is not None and not task.done() else None
+
+
+def end_client(nc: Any) -> list[asyncio.Future[Any]]:
+    """End whatever of a closed client still runs, which nats-py's close leaves when it stopped half-way
+    (its final flush failed or waits on a dead socket): cancel its tasks, its subscriptions' message
+    tasks, iterators and `next_msg` waits, drop its subscriptions and its unsent publishes, abort its
+    socket. Returns every task and future of the client, for the caller to await (so none is destroyed
+    pending, and exceptions they ended with count as retrieved)."""
+    ended: list[asyncio.Future[Any]] = []
+    for name in _CLIENT_TASKS:
+        task = getattr(nc, name, None)
+        if task is not None:
+            task.cancel()
+            ended.append(task)
+    for sub in list(nc._subs.values()):
+        if sub._wait_for_msgs_task is not None:
+            sub._wait_for_msgs_task.cancel()
+            ended.append(sub._wait_for_msgs_task)
+        if sub._message_iterator is not None:
+            sub._message_iterator._cancel()
+        for waiting in list((sub._pending_next_msgs_calls or {}).values()):
+            waiting.cancel()
+            ended.append(waiting)
+        if sub._pending_next_msgs_calls:
+            sub._pending_next_msgs_calls.clear()
+    nc._subs.clear()
+    nc._pending, nc._pending_data_size = [], 0
+    transport = nc._transport
+    writer = getattr(transport, "_io_writer", None)
+    with contextlib.suppress(Exception):
+        if writer is not None:
+            writer.transport.abort()
+        elif transport is not None:
+            transport.close()
+    release_flushes(nc)
+    return ended
