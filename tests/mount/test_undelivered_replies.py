@@ -38,6 +38,21 @@ def _served(mountpoint: Path, op: str) -> int:
     return int(stats["ops"].get(op, 0))
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP `pid` and wait until every thread of it has stopped (until the thread the kernel picked
+    runs and starts the group stop, the others go on serving)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        return all(state in "tT" for state in states)
+
+    assert wait_for(stopped, timeout=10, interval=0.005)
+
+
 def _unmount_while_served(server: Any, m: Mount, path: Path, op: str,
                           before_stop: Callable[[], None] = lambda: None) -> None:
     """A child holds `path` open (`before_stop` runs then); with the server stopped, the child reads
@@ -52,8 +67,8 @@ def _unmount_while_served(server: Any, m: Mount, path: Path, op: str,
         assert holder.stdout.readline() == "opened\n"
         before_stop()
         before = _served(m.path, op)
-        os.kill(server.proc.pid, signal.SIGSTOP)
         try:
+            _stop(server.proc.pid)
             holder.stdin.write("\n")
             holder.stdin.flush()
             if op == "read":
@@ -93,7 +108,7 @@ def test_read_in_flight_at_unmount_is_no_error(private_server, mounter):
     create_bucket(url, "slow")
     data = os.urandom(3 * 1024 * 1024 + 17)
     nats_py_put(url, "slow", "f", data, create=False)
-    m = mounter(url)
+    m = mounter(url, "--request-timeout", "60")  # the held request must not time out under load
     path = m.path / "slow" / "f"
     assert path.stat().st_size == len(data)
     _unmount_while_served(private_server, m, path, "read")
@@ -113,7 +128,7 @@ def test_release_in_flight_at_unmount_still_does_its_work(private_server, mounte
     kept = os.urandom(100_000)
     nats_py_put(url, "rel", "doomed", doomed, create=False)
     nats_py_put(url, "rel", "kept", kept, create=False)
-    m = mounter(url)
+    m = mounter(url, "--request-timeout", "60")  # the held request must not time out under load
     path = m.path / "rel" / "doomed"
     assert path.stat().st_size == len(doomed)
     _unmount_while_served(private_server, m, path, "release", before_stop=path.unlink)
