@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import io
 import json
 import logging
 import logging.handlers
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -256,6 +258,32 @@ def private_log_dir(directory: Path) -> None:
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
+class UndeliveredReplies(logging.Filter):
+    """pyfuse3 logs an ERROR when writing a reply to /dev/fuse fails. With ENOENT that only means the
+    kernel no longer waits for that reply: the connection ended (the filesystem was unmounted, or
+    aborted) while the daemon served a request no caller waits for (a readahead read, the release
+    after a close). The daemon still did the request's work, so this is one DEBUG line. (A caller
+    interrupted by a signal does not cause it: the kernel waits for the answer of a request the daemon
+    has read, even for SIGKILL.) Any other errno stays an ERROR."""
+
+    _FAILED = re.compile(r"(?P<op>fuse_\w+\(\)): fuse_reply_\* failed with %s")
+    _ENOENT = os.strerror(errno.ENOENT)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.ERROR or record.args != (self._ENOENT,):
+            return True
+        failed = self._FAILED.fullmatch(str(record.msg))
+        if failed is None:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        record.msg = "%s: the kernel no longer waits for this reply (%s: the connection ended meanwhile)"
+        record.args = (failed["op"], self._ENOENT)
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+UNDELIVERED_REPLIES = UndeliveredReplies()
+
+
 def _setup_logging(level: str, log_file: Path | None) -> None:
     handler: logging.Handler
     if log_file is not None:
@@ -268,6 +296,7 @@ def _setup_logging(level: str, log_file: Path | None) -> None:
     root.handlers[:] = [handler, status.RecentProblems()]
     root.setLevel(getattr(logging, level.upper()))
     logging.getLogger("nats").setLevel(logging.WARNING)
+    logging.getLogger("pyfuse3").addFilter(UNDELIVERED_REPLIES)
 
 
 def cmd_mount(a: argparse.Namespace) -> int:
