@@ -9,6 +9,7 @@ import errno
 import os
 
 import pytest
+import trio
 from gowriters import put_object
 from opskit import Env
 from test_ops_puts import Ctx, all_chunk_msgs, err, stored
@@ -104,8 +105,11 @@ def test_a_file_past_the_streaming_threshold_is_streamed_while_open_and_committe
     async def body(env: Env):
         data = os.urandom(990 * CHUNK)  # 7.7 MiB at 8 KiB chunks: would fit one batch
         fh = await write(env, "f", data)
-        await env.settle()
-        assert all_chunk_msgs(env) > 1  # chunks sent while the file is open
+        # The streamer reads the spool file on a worker thread, which `settle` does not wait for.
+        with trio.fail_after(30):
+            while all_chunk_msgs(env) <= 1:
+                await trio.sleep(0.01)
+        await env.settle()  # chunks sent while the file is open
         assert env.fs.mut.journal.active  # journalled until its meta is stored
         assert await env.store.get_info("b", "f") is None  # no meta before the close
         await env.ops.flush(fh)
