@@ -22,9 +22,11 @@ progress file that `natsfs umount` prints.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import os
+import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,11 @@ PROGRESS_FILE = "writeback.progress"
 INLINE_BYTES = 64 * 1024
 # Uploads running at once (each waits for the server most of its time).
 UPLOADS_AT_ONCE = 8
+# A burst of closes (tar -x, git checkout) is not slowed by uploads competing with it for the daemon's
+# thread: uploads start once no close has come for this long, or once this many files wait (each holds
+# a spool descriptor; at most a quarter of the descriptor limit), or once the spool is half full.
+BURST_QUIET_S = 0.05
+BURST_BACKLOG_FILES = 4096
 
 
 class _Synced:
@@ -64,8 +71,15 @@ class WriteBack:
         self.delay = delay
         self.progress_path = progress_dir / PROGRESS_FILE
         # Staged files waiting for their upload, by journal id, in order of their latest close, with the
-        # trio time their next attempt may start.
-        self._queue: dict[str, tuple[StagedFile, float]] = {}
+        # trio time their next attempt may start; `_due` orders them by that time (entries replaced by a
+        # newer close stay in it until popped: their sequence number no longer matches).
+        self._queue: dict[str, tuple[StagedFile, float, int]] = {}
+        self._due: list[tuple[float, int, str]] = []
+        self._blocked: list[tuple[float, int, str]] = []  # due, but their name is being uploaded
+        self._seq = 0
+        self._last_close = -math.inf
+        self._draining = False
+        self._burst_backlog = min(BURST_BACKLOG_FILES, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
         self._attempts: dict[str, int] = {}
         self._running: dict[str, StagedFile] = {}  # uploads in progress, by journal id
         self._journal_lock = trio.Lock()  # held for `done` records (and compactions they start)
@@ -99,6 +113,7 @@ class WriteBack:
                     self.counters["spool_fsyncs"] += 1
                     entry = sf.journal_entry()
         await self._record(entry)
+        self._last_close = trio.current_time()
         self.schedule(sf, self.delay)
 
     async def _record(self, entry: dict[str, Any]) -> None:
@@ -133,7 +148,10 @@ class WriteBack:
 
     def schedule(self, sf: StagedFile, delay: float) -> None:
         self._queue.pop(sf.entry_id, None)  # a newer close takes the place of a queued one
-        self._queue[sf.entry_id] = (sf, trio.current_time() + delay)
+        self._seq += 1
+        due = trio.current_time() + delay
+        self._queue[sf.entry_id] = (sf, due, self._seq)
+        heapq.heappush(self._due, (due, self._seq, sf.entry_id))
         self._wake.set()
 
     def queued(self, sf: StagedFile) -> bool:
@@ -142,7 +160,7 @@ class WriteBack:
     @property
     def pending(self) -> list[StagedFile]:
         running = [sf for key, sf in self._running.items() if key not in self._queue]
-        return [*(sf for sf, _ in self._queue.values()), *running]
+        return [*(sf for sf, _, _ in self._queue.values()), *running]
 
     # ------------------------------------------------------------------ replay
     def resume(self) -> None:
@@ -177,15 +195,19 @@ class WriteBack:
 
     # ------------------------------------------------------------------ the uploader
     async def run(self) -> None:
-        """Upload queued files, each once its time has come, up to `UPLOADS_AT_ONCE` at a time."""
+        """Upload queued files, each once its time has come and no burst of closes is under way, up to
+        `UPLOADS_AT_ONCE` at a time."""
         async with trio.open_nursery() as nursery:
             while True:
-                ready = self._next_ready(trio.current_time()) if len(self._running) < UPLOADS_AT_ONCE else None
+                now = trio.current_time()
+                quiet_at = self._burst_ends_at(now)
+                free = len(self._running) < UPLOADS_AT_ONCE
+                ready = self._next_ready(now) if free and quiet_at <= now else None
                 if ready is None:
                     # (a file due now but blocked by a running upload waits for that one to end: `_wake`)
-                    now = trio.current_time()
-                    later = [due for _, due in self._queue.values() if due > now]
-                    next_due = min(later, default=math.inf) if len(self._running) < UPLOADS_AT_ONCE else math.inf
+                    next_due = self._due[0][0] if self._due and free else math.inf
+                    if quiet_at > now:
+                        next_due = max(next_due, quiet_at)
                     self._wake = trio.Event()
                     with trio.move_on_at(next_due):
                         await self._wake.wait()
@@ -194,13 +216,29 @@ class WriteBack:
                 self._running[ready.entry_id] = ready
                 nursery.start_soon(self._run_one, ready)
 
+    def _burst_ends_at(self, now: float) -> float:
+        """When uploads may start: at once, or once the closes coming in have paused (see
+        `BURST_QUIET_S`); never later than the backlog or the spool allows."""
+        if (self._draining or len(self._queue) >= self._burst_backlog
+                or self.fs.staging.spool.used * 2 >= self.fs.staging.spool.limit):
+            return now
+        return self._last_close + BURST_QUIET_S
+
     def _next_ready(self, now: float) -> StagedFile | None:
         """The queued file to upload next: due, not being uploaded, and no upload of its name running
-        (two versions of one name are stored in the order of their closes)."""
+        (two versions of one name are stored in the order of their closes). Due files set aside because
+        their name was busy go back in line when an upload ends (`_run_one`)."""
         busy = {(sf.bucket, sf.name) for sf in self._running.values()}
-        for key, (sf, due) in self._queue.items():
-            if due <= now and key not in self._running and (sf.bucket, sf.name) not in busy:
-                return sf
+        while self._due and self._due[0][0] <= now:
+            entry = heapq.heappop(self._due)
+            queued = self._queue.get(entry[2])
+            if queued is None or queued[2] != entry[1]:
+                continue  # replaced by a newer close, or started already
+            sf = queued[0]
+            if entry[2] in self._running or (sf.bucket, sf.name) in busy:
+                self._blocked.append(entry)
+                continue
+            return sf
         return None
 
     async def _run_one(self, sf: StagedFile) -> None:
@@ -208,6 +246,9 @@ class WriteBack:
             await self._upload(sf)
         finally:
             del self._running[sf.entry_id]
+            for entry in self._blocked:
+                heapq.heappush(self._due, entry)
+            self._blocked.clear()
             self.counters["uploads"] += 1
             self._wake.set()
             self._changed.set()
@@ -262,7 +303,8 @@ class WriteBack:
                 except OSError as e:
                     log.error("%s/%s: could not make the staged bytes durable at unmount: %s", sf.bucket,
                               sf.name, e)
-        for sf, _ in list(self._queue.values()):
+        self._draining = True  # no more waiting for a burst to end
+        for sf, _, _ in list(self._queue.values()):
             self.schedule(sf, 0.0)  # no more waiting for --write-back's delay
         total = len(self.pending)
         if total:
