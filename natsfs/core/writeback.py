@@ -53,6 +53,12 @@ UPLOADS_AT_ONCE = 8
 # thread: uploads start once no close has come for this long, or once this many files wait (each holds
 # a spool descriptor; at most a quarter of the descriptor limit), or once the spool is half full.
 BURST_QUIET_S = 0.05
+# A journal sync runs on the trio thread itself while syncs are quick (a worker thread's round trip, with
+# the handover of the GIL both ways, costs several times the sync of a few KiB written in place); after
+# one that took longer than SYNC_SLOW_S, syncs go to a worker thread for SYNC_SLOW_HOLD_S, so a slow
+# disk holds up the loop for at most one sync a second.
+SYNC_SLOW_S = 0.01
+SYNC_SLOW_HOLD_S = 1.0
 BURST_BACKLOG_FILES = 4096
 
 
@@ -87,10 +93,12 @@ class WriteBack:
         # the error that sync raised (None: durable).
         self._to_sync: list[tuple[dict[str, Any], _Synced]] = []
         self._syncing = False
+        self._threaded_syncs_until = -math.inf  # see SYNC_SLOW_S
         self._wake = trio.Event()
         self._changed = trio.Event()  # set whenever an upload ends (drain waits on it)
         # fsyncs of spool files and of the journal, journal records written, uploads done (for the stats).
-        self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0}
+        self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0,
+                         "slow_syncs": 0}
 
     # ------------------------------------------------------------------ closes
     async def closed(self, sf: StagedFile) -> None:
@@ -132,7 +140,7 @@ class WriteBack:
                         error: OSError | None = None
                         try:
                             async with self._journal_lock:
-                                await trio.to_thread.run_sync(self.journal.record_many, [e for e, _ in batch])
+                                await self._sync_records([e for e, _ in batch])
                         except OSError as e:
                             error = e
                         self.counters["records"] += len(batch)
@@ -145,6 +153,17 @@ class WriteBack:
         await synced.event.wait()
         if synced.error is not None:
             raise synced.error
+
+    async def _sync_records(self, entries: list[dict[str, Any]]) -> None:
+        start = trio.current_time()
+        if start < self._threaded_syncs_until:
+            await trio.to_thread.run_sync(self.journal.record_many, entries)
+            return
+        self.journal.record_many(entries)
+        end = trio.current_time()
+        if end - start > SYNC_SLOW_S:
+            self._threaded_syncs_until = end + SYNC_SLOW_HOLD_S
+            self.counters["slow_syncs"] += 1
 
     def schedule(self, sf: StagedFile, delay: float) -> None:
         self._queue.pop(sf.entry_id, None)  # a newer close takes the place of a queued one
