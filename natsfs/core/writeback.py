@@ -6,14 +6,15 @@ are copied in completely; a small file's bytes go into its journal record itself
 spool file is fsynced first; then the record is appended and fsynced. Records of closes that arrive
 while a sync runs are written and synced together by the next one (group commit: the first close to
 find no sync running leads, the others wait for its result), so N concurrent closes cost far fewer
-than N syncs. The file joins the queue. `run` starts queued uploads in the order of their latest close,
-up to `UPLOADS_AT_ONCE` at a time (never two of one name at once), through the core's ordinary upload
-(same conflict check, same put journal): a newer close of a file that is still queued replaces its
-place (one upload for both). A replayed record whose object the run that died had already stored
-(its `done` record lost) is recognised by the core (same size and digest) and closed, not taken for
-a conflict. A server that does not answer
-postpones the file with exponential backoff; a conflict with another client's newer version keeps the
-bytes in lost+found (the core logs it); any other refusal (a full bucket, a sealed or missing bucket,
+than N syncs (a sync runs on the trio thread while syncs are quick: `SYNC_SLOW_S`). The file joins the
+queue. `run` starts queued uploads in the order of their latest close, once a burst of closes has
+paused (`BURST_QUIET_S`; or its backlog is full), up to `UPLOADS_AT_ONCE` at a time (never two of one
+name at once), through the core's ordinary upload (same conflict check, same put journal): a newer
+close of a file that is still queued replaces its place (one upload for both). A replayed record whose
+object the run that died had already stored (its `done` record lost) is recognised by the core (same
+size and digest) and closed, not taken for a conflict. A server that does not answer postpones the
+file with exponential backoff; a conflict with another client's newer version keeps the bytes in
+lost+found (the core logs it); any other refusal (a full bucket, a sealed or missing bucket,
 a name the bucket refuses) keeps the bytes in lost+found with one log line. Either way the journal
 record is closed (`done`). `resume` turns the records an earlier run left into queued staged files
 before the mount serves; `drain` is the wait of an unmount, with progress in the log and in a small
