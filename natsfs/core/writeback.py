@@ -59,6 +59,9 @@ BURST_QUIET_S = 0.05
 # one that took longer than SYNC_SLOW_S, syncs go to a worker thread for SYNC_SLOW_HOLD_S, so a slow
 # disk holds up the loop for at most one sync a second.
 SYNC_SLOW_S = 0.01
+# Empty spool files kept created ahead on a worker thread, so the creates of a burst do not wait for the
+# filesystem (refilled when half are used).
+SPOOL_AHEAD = 64
 SYNC_SLOW_HOLD_S = 1.0
 BURST_BACKLOG_FILES = 4096
 
@@ -96,6 +99,7 @@ class WriteBack:
         self._syncing = False
         self._threaded_syncs_until = -math.inf  # see SYNC_SLOW_S
         self._wake = trio.Event()
+        self._spool_used = trio.Event()  # set by closes: `_spool_ahead` checks its stock
         self._changed = trio.Event()  # set whenever an upload ends (drain waits on it)
         # fsyncs of spool files and of the journal, journal records written, uploads done (for the stats).
         self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0,
@@ -123,6 +127,7 @@ class WriteBack:
                     entry = sf.journal_entry()
         await self._record(entry)
         self._last_close = trio.current_time()
+        self._spool_used.set()
         self.schedule(sf, self.delay)
 
     async def _record(self, entry: dict[str, Any]) -> None:
@@ -218,6 +223,7 @@ class WriteBack:
         """Upload queued files, each once its time has come and no burst of closes is under way, up to
         `UPLOADS_AT_ONCE` at a time."""
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._spool_ahead)
             while True:
                 now = trio.current_time()
                 quiet_at = self._burst_ends_at(now)
@@ -235,6 +241,22 @@ class WriteBack:
                 del self._queue[ready.entry_id]
                 self._running[ready.entry_id] = ready
                 nursery.start_soon(self._run_one, ready)
+
+    async def _spool_ahead(self) -> None:
+        """Keep `SPOOL_AHEAD` empty spool files ready while files are being closed (see `Spool.create_ahead`)."""
+        spool = self.fs.staging.spool
+        while True:
+            await self._spool_used.wait()
+            self._spool_used = trio.Event()
+            if spool.ready < SPOOL_AHEAD // 2 and not self._draining:
+                try:
+                    made = await trio.to_thread.run_sync(spool.create_ahead, SPOOL_AHEAD - spool.ready)
+                except OSError as e:  # creates fall back to making their own (and report it themselves)
+                    log.debug("spool files not created ahead: %s", e)
+                    continue
+                spool.add_ready(made)
+                if self._draining:
+                    spool.drop_ready()
 
     def _burst_ends_at(self, now: float) -> float:
         """When uploads may start: at once, or once the closes coming in have paused (see
@@ -324,6 +346,7 @@ class WriteBack:
                     log.error("%s/%s: could not make the staged bytes durable at unmount: %s", sf.bucket,
                               sf.name, e)
         self._draining = True  # no more waiting for a burst to end
+        self.fs.staging.spool.drop_ready()
         for sf, _, _ in list(self._queue.values()):
             self.schedule(sf, 0.0)  # no more waiting for --write-back's delay
         total = len(self.pending)

@@ -327,3 +327,16 @@ def test_a_lone_close_is_uploaded_without_waiting_for_the_unmount(ops_env):
         assert await stored(env, "lone.txt") == b"just one"
 
     ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)
+
+
+def test_unmount_leaves_no_spool_file_created_ahead(ops_env, tmp_path):
+    async def body(env: Env):
+        for i in range(3):
+            await write_file(env, ROOT, f"s{i}.txt", b"spooled")
+        await env.fs.shutdown(30)
+        assert env.fs.staging.spool.ready == 0
+        assert list(env.fs.staging.spool.dir.iterdir()) == []
+        for i in range(3):
+            assert await stored(env, f"s{i}.txt") == b"spooled"
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)

@@ -1,7 +1,9 @@
-"""`Staging` finds staged files by path and by directory through its index, also after renames."""
+"""`Staging` finds staged files by path and by directory through its index, also after renames; the
+spool hands out files created ahead and removes those left unused."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from natsfs.adr20 import PosixAttrs
@@ -43,3 +45,17 @@ def test_lookups_by_path_and_directory_follow_adds_moves_and_removes(tmp_path: P
         staging.remove(sf)
     assert len(staging) == 0
     assert staging.at_path(("b", "e", "a2")) is None and staging.children(("b",)) == []
+
+
+def test_spool_files_created_ahead_are_used_first_and_the_unused_removed(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, 1 << 20)
+    spool.add_ready(spool.create_ahead(3))
+    made = sorted(p.name for p in spool.dir.iterdir())
+    assert spool.ready == 3 and len(made) == 3
+    sf = staged(spool, 2, ("b", "f"))
+    assert sf.spool_path.name in made and spool.ready == 2
+    spool.drop_ready()
+    assert spool.ready == 0 and [p.name for p in spool.dir.iterdir()] == [sf.spool_path.name]
+    fd, path = spool.create()  # none ready: made on the spot
+    assert path.is_file() and path.name not in made
+    os.close(fd)
