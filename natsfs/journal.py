@@ -157,9 +157,10 @@ class WriteBackJournal:
         when this returns."""
         self.record_many([entry])
 
-    def record_many(self, entries: list[dict[str, Any]]) -> None:
-        """`record` of several files with one write and one sync (group commit)."""
-        self._append([{**entry, "op": "put"} for entry in entries], sync=True)
+    def record_many(self, entries: list[dict[str, Any]], *, compact: bool = True) -> None:
+        """`record` of several files with one write and one sync (group commit). With `compact` False
+        the caller compacts (on a worker thread) once `wants_compaction` says so."""
+        self._append([{**entry, "op": "put"} for entry in entries], sync=True, compact=compact)
 
     def done(self, entry_id: str, *, compact: bool = True) -> None:
         """The file was stored (or kept in lost+found): nothing to replay for it. Not synced here: one

@@ -54,16 +54,16 @@ UPLOADS_AT_ONCE = 8
 # thread: uploads start once no close has come for this long, or once this many files wait (each holds
 # a spool descriptor; at most a quarter of the descriptor limit), or once the spool is half full.
 BURST_QUIET_S = 0.05
+BURST_BACKLOG_FILES = 4096
 # A journal sync runs on the trio thread itself while syncs are quick (a worker thread's round trip, with
 # the handover of the GIL both ways, costs several times the sync of a few KiB written in place); after
 # one that took longer than SYNC_SLOW_S, syncs go to a worker thread for SYNC_SLOW_HOLD_S, so a slow
 # disk holds up the loop for at most one sync a second.
 SYNC_SLOW_S = 0.01
+SYNC_SLOW_HOLD_S = 1.0
 # Empty spool files kept created ahead on a worker thread, so the creates of a burst do not wait for the
 # filesystem (refilled when half are used).
 SPOOL_AHEAD = 64
-SYNC_SLOW_HOLD_S = 1.0
-BURST_BACKLOG_FILES = 4096
 
 
 class _Synced:
@@ -161,15 +161,19 @@ class WriteBack:
             raise synced.error
 
     async def _sync_records(self, entries: list[dict[str, Any]]) -> None:
+        """`record_many`, on the trio thread while syncs are quick (see `SYNC_SLOW_S`); a compaction it
+        calls for runs on a worker thread either way."""
         start = trio.current_time()
         if start < self._threaded_syncs_until:
             await trio.to_thread.run_sync(self.journal.record_many, entries)
             return
-        self.journal.record_many(entries)
+        self.journal.record_many(entries, compact=False)
         end = trio.current_time()
         if end - start > SYNC_SLOW_S:
             self._threaded_syncs_until = end + SYNC_SLOW_HOLD_S
             self.counters["slow_syncs"] += 1
+        if self.journal.wants_compaction:
+            await trio.to_thread.run_sync(self.journal.compact)
 
     def schedule(self, sf: StagedFile, delay: float) -> None:
         self._queue.pop(sf.entry_id, None)  # a newer close takes the place of a queued one

@@ -182,3 +182,19 @@ def test_the_file_grows_ahead_in_zeros_and_a_record_torn_in_them_is_found(tmp_pa
     path.write_bytes(data[: end - 5] + bytes(len(data) - end + 5))
     torn = WriteBackJournal(path)
     assert list(torn.pending) == ["a", "b"] and torn.torn_at is not None
+
+
+def test_a_record_written_without_compaction_leaves_it_to_the_caller(tmp_path: Path) -> None:
+    path = tmp_path / "wb.journal"
+    j = WriteBackJournal(path)
+    for i in range(100):
+        j.record_many([entry(f"t{i}", f"tmp{i}")], compact=False)
+        j.done(f"t{i}", compact=False)
+    j.record_many([entry("live", "kept")], compact=False)
+    assert j.wants_compaction
+    assert len(read_records(path.read_bytes())[0]) == 201  # nothing rewritten yet
+    j.compact()
+    assert not j.wants_compaction
+    assert [r["id"] for r in read_records(path.read_bytes())[0]] == ["live"]
+    j.close()
+    assert list(WriteBackJournal(path).pending) == ["live"]
