@@ -170,6 +170,8 @@ class Spool:
         self.lost_found = Path(root) / "lost+found"
         self.limit = limit
         self.used = 0
+        # Empty spool files created ahead on a worker thread (write-back mode, see `create_ahead`).
+        self._ready: list[tuple[int, Path]] = []
         self.dir.mkdir(parents=True, exist_ok=True)
         self.journal = PutJournal(Path(root) / "puts.journal")
 
@@ -192,9 +194,35 @@ class Spool:
         return kept
 
     def create(self) -> tuple[int, Path]:
+        if self._ready:
+            return self._ready.pop()
+        return self._create()
+
+    def _create(self) -> tuple[int, Path]:
         path = self.dir / secrets.token_hex(12)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         return fd, path
+
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def create_ahead(self, count: int) -> list[tuple[int, Path]]:
+        """`count` empty spool files for `add_ready` (blocking: a worker thread's job). Creating a file
+        costs a burst of small files (`tar -x` in write-back mode) about as much as its journal sync."""
+        return [self._create() for _ in range(count)]
+
+    def add_ready(self, made: list[tuple[int, Path]]) -> None:
+        self._ready.extend(made)
+
+    def drop_ready(self) -> None:
+        """Remove the spool files created ahead and not used (unmounting). Any a crash leaves are empty,
+        and `rescue_leftovers` removes empty files."""
+        for fd, path in self._ready:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            path.unlink(missing_ok=True)
+        self._ready.clear()
 
     def charge(self, old_size: int, new_size: int) -> None:
         delta = new_size - old_size
@@ -571,33 +599,60 @@ class StagedFile:
 
 
 class Staging:
-    """Which files are staged, by inode and by path."""
+    """Which files are staged, by inode and by path (indexed both ways: a write-back burst leaves
+    thousands staged, and every lookup and create asks by path)."""
 
     def __init__(self, spool: Spool):
         self.spool = spool
         self._by_ino: dict[int, StagedFile] = {}
+        self._by_path: dict[tuple[str, ...], dict[int, StagedFile]] = {}
+        self._by_parent: dict[tuple[str, ...], dict[int, StagedFile]] = {}
 
     def get(self, ino: int) -> StagedFile | None:
         return self._by_ino.get(ino)
 
     def add(self, staged: StagedFile) -> None:
+        old = self._by_ino.get(staged.ino)
+        if old is not None:
+            self._unindex(old)
         self._by_ino[staged.ino] = staged
+        self._index(staged)
 
     def remove(self, staged: StagedFile) -> None:
         if self._by_ino.get(staged.ino) is staged:
             del self._by_ino[staged.ino]
+            self._unindex(staged)
+
+    def move(self, staged: StagedFile, path: tuple[str, ...], name: str, renamed: ObjectInfo | None) -> None:
+        """`StagedFile.move`, keeping the path index right."""
+        indexed = self._by_ino.get(staged.ino) is staged
+        if indexed:
+            self._unindex(staged)
+        staged.move(path, name, renamed)
+        if indexed:
+            self._index(staged)
+
+    def _index(self, staged: StagedFile) -> None:
+        self._by_path.setdefault(staged.path, {})[staged.ino] = staged
+        self._by_parent.setdefault(staged.path[:-1], {})[staged.ino] = staged
+
+    def _unindex(self, staged: StagedFile) -> None:
+        for table, key in ((self._by_path, staged.path), (self._by_parent, staged.path[:-1])):
+            group = table.get(key)
+            if group is not None and group.get(staged.ino) is staged:
+                del group[staged.ino]
+                if not group:
+                    del table[key]
 
     def at_path(self, path: tuple[str, ...]) -> StagedFile | None:
-        for sf in self._by_ino.values():
-            if sf.path == path and sf.shadows_index:
+        for sf in self._by_path.get(path, {}).values():
+            if sf.shadows_index:
                 return sf
         return None
 
     def children(self, path: tuple[str, ...]) -> list[StagedFile]:
         """Staged files directly in directory `path` that the index does not show yet."""
-        n = len(path)
-        return [sf for sf in self._by_ino.values()
-                if len(sf.path) == n + 1 and sf.path[:n] == path and sf.shadows_index]
+        return [sf for sf in self._by_parent.get(path, {}).values() if sf.shadows_index]
 
     def all(self) -> list[StagedFile]:
         return list(self._by_ino.values())

@@ -1200,7 +1200,7 @@ class Filesystem:
             name = "/".join(self.ns.split(path)[1])
             moved = index.objects.get(name) if index is not None and sf.base is not None else None
             same = moved is not None and sf.base is not None and moved.nuid == sf.base.nuid
-            sf.move(path, name, moved if same else None)
+            self.staging.move(sf, path, name, moved if same else None)
             moved_files.append(sf)
         return moved_files
 

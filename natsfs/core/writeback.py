@@ -6,14 +6,15 @@ are copied in completely; a small file's bytes go into its journal record itself
 spool file is fsynced first; then the record is appended and fsynced. Records of closes that arrive
 while a sync runs are written and synced together by the next one (group commit: the first close to
 find no sync running leads, the others wait for its result), so N concurrent closes cost far fewer
-than N syncs. The file joins the queue. `run` starts queued uploads in the order of their latest close,
-up to `UPLOADS_AT_ONCE` at a time (never two of one name at once), through the core's ordinary upload
-(same conflict check, same put journal): a newer close of a file that is still queued replaces its
-place (one upload for both). A replayed record whose object the run that died had already stored
-(its `done` record lost) is recognised by the core (same size and digest) and closed, not taken for
-a conflict. A server that does not answer
-postpones the file with exponential backoff; a conflict with another client's newer version keeps the
-bytes in lost+found (the core logs it); any other refusal (a full bucket, a sealed or missing bucket,
+than N syncs (a sync runs on the trio thread while syncs are quick: `SYNC_SLOW_S`). The file joins the
+queue. `run` starts queued uploads in the order of their latest close, once a burst of closes has
+paused (`BURST_QUIET_S`; or its backlog is full), up to `UPLOADS_AT_ONCE` at a time (never two of one
+name at once), through the core's ordinary upload (same conflict check, same put journal): a newer
+close of a file that is still queued replaces its place (one upload for both). A replayed record whose
+object the run that died had already stored (its `done` record lost) is recognised by the core (same
+size and digest) and closed, not taken for a conflict. A server that does not answer postpones the
+file with exponential backoff; a conflict with another client's newer version keeps the bytes in
+lost+found (the core logs it); any other refusal (a full bucket, a sealed or missing bucket,
 a name the bucket refuses) keeps the bytes in lost+found with one log line. Either way the journal
 record is closed (`done`). `resume` turns the records an earlier run left into queued staged files
 before the mount serves; `drain` is the wait of an unmount, with progress in the log and in a small
@@ -22,9 +23,11 @@ progress file that `natsfs umount` prints.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import os
+import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +50,20 @@ PROGRESS_FILE = "writeback.progress"
 INLINE_BYTES = 64 * 1024
 # Uploads running at once (each waits for the server most of its time).
 UPLOADS_AT_ONCE = 8
+# A burst of closes (tar -x, git checkout) is not slowed by uploads competing with it for the daemon's
+# thread: uploads start once no close has come for this long, or once this many files wait (each holds
+# a spool descriptor; at most a quarter of the descriptor limit), or once the spool is half full.
+BURST_QUIET_S = 0.05
+BURST_BACKLOG_FILES = 4096
+# A journal sync runs on the trio thread itself while syncs are quick (a worker thread's round trip, with
+# the handover of the GIL both ways, costs several times the sync of a few KiB written in place); after
+# one that took longer than SYNC_SLOW_S, syncs go to a worker thread for SYNC_SLOW_HOLD_S, so a slow
+# disk holds up the loop for at most one sync a second.
+SYNC_SLOW_S = 0.01
+SYNC_SLOW_HOLD_S = 1.0
+# Empty spool files kept created ahead on a worker thread, so the creates of a burst do not wait for the
+# filesystem (refilled when half are used).
+SPOOL_AHEAD = 64
 
 
 class _Synced:
@@ -64,8 +81,15 @@ class WriteBack:
         self.delay = delay
         self.progress_path = progress_dir / PROGRESS_FILE
         # Staged files waiting for their upload, by journal id, in order of their latest close, with the
-        # trio time their next attempt may start.
-        self._queue: dict[str, tuple[StagedFile, float]] = {}
+        # trio time their next attempt may start; `_due` orders them by that time (entries replaced by a
+        # newer close stay in it until popped: their sequence number no longer matches).
+        self._queue: dict[str, tuple[StagedFile, float, int]] = {}
+        self._due: list[tuple[float, int, str]] = []
+        self._blocked: list[tuple[float, int, str]] = []  # due, but their name is being uploaded
+        self._seq = 0
+        self._last_close = -math.inf
+        self._draining = False
+        self._burst_backlog = min(BURST_BACKLOG_FILES, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
         self._attempts: dict[str, int] = {}
         self._running: dict[str, StagedFile] = {}  # uploads in progress, by journal id
         self._journal_lock = trio.Lock()  # held for `done` records (and compactions they start)
@@ -73,10 +97,13 @@ class WriteBack:
         # the error that sync raised (None: durable).
         self._to_sync: list[tuple[dict[str, Any], _Synced]] = []
         self._syncing = False
+        self._threaded_syncs_until = -math.inf  # see SYNC_SLOW_S
         self._wake = trio.Event()
+        self._spool_used = trio.Event()  # set by closes: `_spool_ahead` checks its stock
         self._changed = trio.Event()  # set whenever an upload ends (drain waits on it)
         # fsyncs of spool files and of the journal, journal records written, uploads done (for the stats).
-        self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0}
+        self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0,
+                         "slow_syncs": 0}
 
     # ------------------------------------------------------------------ closes
     async def closed(self, sf: StagedFile) -> None:
@@ -99,6 +126,8 @@ class WriteBack:
                     self.counters["spool_fsyncs"] += 1
                     entry = sf.journal_entry()
         await self._record(entry)
+        self._last_close = trio.current_time()
+        self._spool_used.set()
         self.schedule(sf, self.delay)
 
     async def _record(self, entry: dict[str, Any]) -> None:
@@ -117,7 +146,7 @@ class WriteBack:
                         error: OSError | None = None
                         try:
                             async with self._journal_lock:
-                                await trio.to_thread.run_sync(self.journal.record_many, [e for e, _ in batch])
+                                await self._sync_records([e for e, _ in batch])
                         except OSError as e:
                             error = e
                         self.counters["records"] += len(batch)
@@ -131,9 +160,27 @@ class WriteBack:
         if synced.error is not None:
             raise synced.error
 
+    async def _sync_records(self, entries: list[dict[str, Any]]) -> None:
+        """`record_many`, on the trio thread while syncs are quick (see `SYNC_SLOW_S`); a compaction it
+        calls for runs on a worker thread either way."""
+        start = trio.current_time()
+        if start < self._threaded_syncs_until:
+            await trio.to_thread.run_sync(self.journal.record_many, entries)
+            return
+        self.journal.record_many(entries, compact=False)
+        end = trio.current_time()
+        if end - start > SYNC_SLOW_S:
+            self._threaded_syncs_until = end + SYNC_SLOW_HOLD_S
+            self.counters["slow_syncs"] += 1
+        if self.journal.wants_compaction:
+            await trio.to_thread.run_sync(self.journal.compact)
+
     def schedule(self, sf: StagedFile, delay: float) -> None:
         self._queue.pop(sf.entry_id, None)  # a newer close takes the place of a queued one
-        self._queue[sf.entry_id] = (sf, trio.current_time() + delay)
+        self._seq += 1
+        due = trio.current_time() + delay
+        self._queue[sf.entry_id] = (sf, due, self._seq)
+        heapq.heappush(self._due, (due, self._seq, sf.entry_id))
         self._wake.set()
 
     def queued(self, sf: StagedFile) -> bool:
@@ -142,7 +189,7 @@ class WriteBack:
     @property
     def pending(self) -> list[StagedFile]:
         running = [sf for key, sf in self._running.items() if key not in self._queue]
-        return [*(sf for sf, _ in self._queue.values()), *running]
+        return [*(sf for sf, _, _ in self._queue.values()), *running]
 
     # ------------------------------------------------------------------ replay
     def resume(self) -> None:
@@ -177,15 +224,20 @@ class WriteBack:
 
     # ------------------------------------------------------------------ the uploader
     async def run(self) -> None:
-        """Upload queued files, each once its time has come, up to `UPLOADS_AT_ONCE` at a time."""
+        """Upload queued files, each once its time has come and no burst of closes is under way, up to
+        `UPLOADS_AT_ONCE` at a time."""
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._spool_ahead)
             while True:
-                ready = self._next_ready(trio.current_time()) if len(self._running) < UPLOADS_AT_ONCE else None
+                now = trio.current_time()
+                quiet_at = self._burst_ends_at(now)
+                free = len(self._running) < UPLOADS_AT_ONCE
+                ready = self._next_ready(now) if free and quiet_at <= now else None
                 if ready is None:
                     # (a file due now but blocked by a running upload waits for that one to end: `_wake`)
-                    now = trio.current_time()
-                    later = [due for _, due in self._queue.values() if due > now]
-                    next_due = min(later, default=math.inf) if len(self._running) < UPLOADS_AT_ONCE else math.inf
+                    next_due = self._due[0][0] if self._due and free else math.inf
+                    if quiet_at > now:
+                        next_due = max(next_due, quiet_at)
                     self._wake = trio.Event()
                     with trio.move_on_at(next_due):
                         await self._wake.wait()
@@ -194,13 +246,45 @@ class WriteBack:
                 self._running[ready.entry_id] = ready
                 nursery.start_soon(self._run_one, ready)
 
+    async def _spool_ahead(self) -> None:
+        """Keep `SPOOL_AHEAD` empty spool files ready while files are being closed (see `Spool.create_ahead`)."""
+        spool = self.fs.staging.spool
+        while True:
+            await self._spool_used.wait()
+            self._spool_used = trio.Event()
+            if spool.ready < SPOOL_AHEAD // 2 and not self._draining:
+                try:
+                    made = await trio.to_thread.run_sync(spool.create_ahead, SPOOL_AHEAD - spool.ready)
+                except OSError as e:  # creates fall back to making their own (and report it themselves)
+                    log.debug("spool files not created ahead: %s", e)
+                    continue
+                spool.add_ready(made)
+                if self._draining:
+                    spool.drop_ready()
+
+    def _burst_ends_at(self, now: float) -> float:
+        """When uploads may start: at once, or once the closes coming in have paused (see
+        `BURST_QUIET_S`); never later than the backlog or the spool allows."""
+        if (self._draining or len(self._queue) >= self._burst_backlog
+                or self.fs.staging.spool.used * 2 >= self.fs.staging.spool.limit):
+            return now
+        return self._last_close + BURST_QUIET_S
+
     def _next_ready(self, now: float) -> StagedFile | None:
         """The queued file to upload next: due, not being uploaded, and no upload of its name running
-        (two versions of one name are stored in the order of their closes)."""
+        (two versions of one name are stored in the order of their closes). Due files set aside because
+        their name was busy go back in line when an upload ends (`_run_one`)."""
         busy = {(sf.bucket, sf.name) for sf in self._running.values()}
-        for key, (sf, due) in self._queue.items():
-            if due <= now and key not in self._running and (sf.bucket, sf.name) not in busy:
-                return sf
+        while self._due and self._due[0][0] <= now:
+            entry = heapq.heappop(self._due)
+            queued = self._queue.get(entry[2])
+            if queued is None or queued[2] != entry[1]:
+                continue  # replaced by a newer close, or started already
+            sf = queued[0]
+            if entry[2] in self._running or (sf.bucket, sf.name) in busy:
+                self._blocked.append(entry)
+                continue
+            return sf
         return None
 
     async def _run_one(self, sf: StagedFile) -> None:
@@ -208,6 +292,9 @@ class WriteBack:
             await self._upload(sf)
         finally:
             del self._running[sf.entry_id]
+            for entry in self._blocked:
+                heapq.heappush(self._due, entry)
+            self._blocked.clear()
             self.counters["uploads"] += 1
             self._wake.set()
             self._changed.set()
@@ -262,7 +349,9 @@ class WriteBack:
                 except OSError as e:
                     log.error("%s/%s: could not make the staged bytes durable at unmount: %s", sf.bucket,
                               sf.name, e)
-        for sf, _ in list(self._queue.values()):
+        self._draining = True  # no more waiting for a burst to end
+        self.fs.staging.spool.drop_ready()
+        for sf, _, _ in list(self._queue.values()):
             self.schedule(sf, 0.0)  # no more waiting for --write-back's delay
         total = len(self.pending)
         if total:

@@ -10,10 +10,11 @@ from pathlib import Path
 import trio
 from gowriters import put_object
 from opskit import ROOT, Env
-from test_ops_write import write_file
+from test_ops_write import stored, write_file
 
 from natsfs.adr20 import ObjectStore
 from natsfs.compose import WRITE_BACK_JOURNAL, spool_root
+from natsfs.core import writeback
 from natsfs.errors import Unavailable
 from natsfs.journal import WriteBackJournal
 from natsfs.memstreams import MemoryStreams
@@ -275,3 +276,67 @@ def test_without_write_back_a_small_files_record_restores_its_bytes_for_lost_fou
     ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
     ops_env(second, bucket="b", streams=ms)
     assert [p.read_bytes() for p in (root / "lost+found" / "leftover").iterdir()] == [b"closed, never uploaded"]
+
+
+def test_uploads_wait_for_a_burst_of_closes_to_pause_and_unmount_stores_them_all(ops_env, monkeypatch):
+    monkeypatch.setattr(writeback, "BURST_QUIET_S", LATER)  # the burst never pauses within the test
+
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        for i in range(20):
+            await write_file(env, ROOT, f"t{i:02d}.txt", f"tar member {i}".encode())
+        await trio.sleep(0.3)  # the uploader had every chance to start (its delay is 0)
+        assert env.fs.writeback.counters["uploads"] == 0
+        assert await env.store.get_info("b", "t00.txt") is None
+        assert len(journal_of(env).pending) == 20
+        assert await env.cat("t07.txt") == b"tar member 7"  # the pending files serve their local bytes
+        await env.fs.shutdown(30)  # unmount does not wait for a pause
+        assert env.fs.writeback.counters["uploads"] == 20 and journal_of(env).pending == {}
+        for i in range(20):
+            assert await stored(env, f"t{i:02d}.txt") == f"tar member {i}".encode()
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)
+
+
+def test_a_long_burst_uploads_once_its_backlog_is_full(ops_env, monkeypatch):
+    monkeypatch.setattr(writeback, "BURST_QUIET_S", LATER)
+    monkeypatch.setattr(writeback, "BURST_BACKLOG_FILES", 5)
+
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        for i in range(12):
+            await write_file(env, ROOT, f"b{i:02d}.txt", f"burst {i}".encode())
+        with trio.fail_after(30):  # a liveness bound, not a speed target
+            while len(journal_of(env).pending) > 5:
+                await trio.sleep(0.01)
+        # The oldest closes went first (the order of the closes), and another client sees them.
+        assert await stored(env, "b00.txt") == b"burst 0"
+        assert {r["name"] for r in journal_of(env).pending.values()} <= {f"b{i:02d}.txt" for i in range(7, 12)}
+        await env.fs.shutdown(30)
+        assert journal_of(env).pending == {}
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)
+
+
+def test_a_lone_close_is_uploaded_without_waiting_for_the_unmount(ops_env):
+    async def body(env: Env):
+        await write_file(env, ROOT, "lone.txt", b"just one")
+        with trio.fail_after(30):  # a liveness bound, not a speed target
+            while await env.store.get_info("b", "lone.txt") is None:
+                await trio.sleep(0.01)
+        assert await stored(env, "lone.txt") == b"just one"
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)
+
+
+def test_unmount_leaves_no_spool_file_created_ahead(ops_env, tmp_path):
+    async def body(env: Env):
+        for i in range(3):
+            await write_file(env, ROOT, f"s{i}.txt", b"spooled")
+        await env.fs.shutdown(30)
+        assert env.fs.staging.spool.ready == 0
+        assert list(env.fs.staging.spool.dir.iterdir()) == []
+        for i in range(3):
+            assert await stored(env, f"s{i}.txt") == b"spooled"
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)

@@ -9,7 +9,7 @@ import zlib
 from pathlib import Path
 
 from natsfs.adr20 import ObjectInfo, PosixAttrs
-from natsfs.journal import WriteBackJournal, frame, read_records
+from natsfs.journal import GROW_BYTES, WriteBackJournal, frame, read_records
 from natsfs.staging import Spool, StagedFile, WriteState
 
 
@@ -54,11 +54,12 @@ def test_torn_tail_skips_only_the_torn_record(tmp_path: Path) -> None:
         j.record(entry(f"id{i}", f"file{i}"))
     j.close()
     data = path.read_bytes()
+    end = read_records(data)[1]
     last = len(frame(json.dumps({**entry("id2", "file2"), "op": "put"}, separators=(",", ":")).encode()))
-    path.write_bytes(data[: len(data) - last // 2])  # cut mid-record
+    path.write_bytes(data[: end - last // 2])  # cut mid-record
     again = WriteBackJournal(path)
     assert [r["name"] for r in again.pending.values()] == ["file0", "file1"]
-    assert again.torn_at == len(data) - last
+    assert again.torn_at == end - last
     # The torn bytes are gone: new records after it are readable by the next run.
     again.record(entry("id3", "file3"))
     again.close()
@@ -72,7 +73,7 @@ def test_a_flipped_byte_fails_the_crc(tmp_path: Path) -> None:
     j.record(entry("b", "two"))
     j.close()
     data = bytearray(path.read_bytes())
-    data[-3] ^= 0xFF
+    data[read_records(bytes(data))[1] - 3] ^= 0xFF
     path.write_bytes(bytes(data))
     assert [r["name"] for r in WriteBackJournal(path).pending.values()] == ["one"]
 
@@ -92,7 +93,7 @@ def test_compaction_keeps_live_records_only(tmp_path: Path) -> None:
     for i in range(200):
         j.record(entry(f"t{i}", f"tmp{i}"))
         j.done(f"t{i}")
-    size = path.stat().st_size
+    size = read_records(path.read_bytes())[1]
     assert size < 40 * len(frame(json.dumps(entry("t0", "tmp0")).encode()))  # rewritten, not 401 records
     j.record(entry("last", "after"))
     j.close()
@@ -158,3 +159,42 @@ def test_a_small_files_record_carries_its_bytes_and_resume_restores_them(tmp_pat
     (rec,) = WriteBackJournal(tmp_path / "wb.journal").pending.values()
     again = StagedFile.resume(spool, rec, ino=5, path=("b", "f"))
     assert (again.size, again.read_all(), again.resumed) == (12, b"closed bytes", True)
+
+
+def test_the_file_grows_ahead_in_zeros_and_a_record_torn_in_them_is_found(tmp_path: Path) -> None:
+    path = tmp_path / "wb.journal"
+    j = WriteBackJournal(path)
+    j.record(entry("a", "one"))
+    j.record(entry("b", "two"))
+    j.close()
+    data = path.read_bytes()
+    records, end = read_records(data)
+    assert [r["id"] for r in records] == ["a", "b"]
+    assert len(data) >= GROW_BYTES > end and data[end:] == bytes(len(data) - end)
+    again = WriteBackJournal(path)  # zeros after the records are no torn tail
+    assert (list(again.pending), again.torn_at) == (["a", "b"], None)
+    again.record(entry("c", "three"))  # written over the zeros, in place
+    again.close()
+    assert path.stat().st_size == len(data)
+    data = path.read_bytes()
+    end = read_records(data)[1]
+    # A crash in the middle of writing the last record: its tail never reached the disk (still zeros).
+    path.write_bytes(data[: end - 5] + bytes(len(data) - end + 5))
+    torn = WriteBackJournal(path)
+    assert list(torn.pending) == ["a", "b"] and torn.torn_at is not None
+
+
+def test_a_record_written_without_compaction_leaves_it_to_the_caller(tmp_path: Path) -> None:
+    path = tmp_path / "wb.journal"
+    j = WriteBackJournal(path)
+    for i in range(100):
+        j.record_many([entry(f"t{i}", f"tmp{i}")], compact=False)
+        j.done(f"t{i}", compact=False)
+    j.record_many([entry("live", "kept")], compact=False)
+    assert j.wants_compaction
+    assert len(read_records(path.read_bytes())[0]) == 201  # nothing rewritten yet
+    j.compact()
+    assert not j.wants_compaction
+    assert [r["id"] for r in read_records(path.read_bytes())[0]] == ["live"]
+    j.close()
+    assert list(WriteBackJournal(path).pending) == ["live"]
