@@ -55,12 +55,6 @@ UPLOADS_AT_ONCE = 8
 # a spool descriptor; at most a quarter of the descriptor limit), or once the spool is half full.
 BURST_QUIET_S = 0.05
 BURST_BACKLOG_FILES = 4096
-# A journal sync runs on the trio thread itself while syncs are quick (a worker thread's round trip, with
-# the handover of the GIL both ways, costs several times the sync of a few KiB written in place); after
-# one that took longer than SYNC_SLOW_S, syncs go to a worker thread for SYNC_SLOW_HOLD_S, so a slow
-# disk holds up the loop for at most one sync a second.
-SYNC_SLOW_S = 0.01
-SYNC_SLOW_HOLD_S = 1.0
 # Empty spool files kept created ahead on a worker thread, so the creates of a burst do not wait for the
 # filesystem (refilled when half are used).
 SPOOL_AHEAD = 64
@@ -97,13 +91,11 @@ class WriteBack:
         # the error that sync raised (None: durable).
         self._to_sync: list[tuple[dict[str, Any], _Synced]] = []
         self._syncing = False
-        self._threaded_syncs_until = -math.inf  # see SYNC_SLOW_S
         self._wake = trio.Event()
         self._spool_used = trio.Event()  # set by closes: `_spool_ahead` checks its stock
         self._changed = trio.Event()  # set whenever an upload ends (drain waits on it)
         # fsyncs of spool files and of the journal, journal records written, uploads done (for the stats).
-        self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0,
-                         "slow_syncs": 0}
+        self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0}
 
     # ------------------------------------------------------------------ closes
     async def closed(self, sf: StagedFile) -> None:
@@ -161,19 +153,10 @@ class WriteBack:
             raise synced.error
 
     async def _sync_records(self, entries: list[dict[str, Any]]) -> None:
-        """`record_many`, on the trio thread while syncs are quick (see `SYNC_SLOW_S`); a compaction it
-        calls for runs on a worker thread either way."""
-        start = trio.current_time()
-        if start < self._threaded_syncs_until:
-            await trio.to_thread.run_sync(self.journal.record_many, entries)
-            return
-        self.journal.record_many(entries, compact=False)
-        end = trio.current_time()
-        if end - start > SYNC_SLOW_S:
-            self._threaded_syncs_until = end + SYNC_SLOW_HOLD_S
-            self.counters["slow_syncs"] += 1
-        if self.journal.wants_compaction:
-            await trio.to_thread.run_sync(self.journal.compact)
+        """`record_many` on a worker thread: the trio loop never waits for the disk, however slow it is
+        (a sync of a few KiB written in place usually takes a fraction of a millisecond; the thread's
+        round trip costs about as much again)."""
+        await trio.to_thread.run_sync(self.journal.record_many, entries)
 
     def schedule(self, sf: StagedFile, delay: float) -> None:
         self._queue.pop(sf.entry_id, None)  # a newer close takes the place of a queued one
