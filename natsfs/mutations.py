@@ -23,6 +23,7 @@ import trio
 
 from .adr20 import (
     ATTR_MTIME,
+    SMALL_PUT_MAX,
     BytesSource,
     ObjectInfo,
     ObjectStore,
@@ -310,7 +311,7 @@ class Mutations:
     async def _send_range(self, sf: StagedFile, session: PutSession, start: int, end: int,
                           in_flight: trio.Semaphore) -> None:
         try:
-            await session.send_file(str(sf.spool_path), sf.fd, start, end)
+            await session.send_file(sf.file_path(), sf.fd, start, end)
         finally:
             in_flight.release()
             if sf.stream_wake is not None:
@@ -328,8 +329,10 @@ class Mutations:
             await session.abort()
 
     async def _put_whole(self, sf: StagedFile, chunk_size: int, common: dict[str, Any]) -> ObjectInfo:
-        return await self.store.put_file(sf.bucket, sf.name, str(sf.spool_path), sf.fd, sf.size,
-                                         chunk_size=chunk_size, **common)
+        # (a file up to one small put is read through its descriptor: one in memory keeps no spool file)
+        small = sf.size <= min(chunk_size, SMALL_PUT_MAX)
+        return await self.store.put_file(sf.bucket, sf.name, str(sf.spool_path) if small else sf.file_path(),
+                                         sf.fd, sf.size, chunk_size=chunk_size, **common)
 
     def discard_stream(self, sf: StagedFile) -> None:
         """Chunks streamed for a version that will never be committed are purged."""
@@ -401,7 +404,7 @@ class Mutations:
             if session is not None and not sf.stream_dead and session.chunk_size == chunk_size:
                 # The front was streamed while it was written: send the rest, then the meta.
                 try:
-                    await session.send_file(str(sf.spool_path), sf.fd, sf.stream_claimed, sf.size)
+                    await session.send_file(sf.file_path(), sf.fd, sf.stream_claimed, sf.size)
                     digest = await session.digest()
                 except Unavailable:
                     if not session.remote:

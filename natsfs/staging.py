@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 
 # Writes up to this size go straight to the page cache from the trio thread; bigger ones use a thread.
 _INLINE_IO = 1024 * 1024
+# Small staged files whose bytes a write-back journal record holds may live in anonymous memory files
+# instead of spool files (`StagedFile.to_memory`), up to this many bytes in all.
+MEMORY_STAGED_MAX = 64 * 1024 * 1024
+_PAGE = 4096
 _FILL_PIECE = 1024 * 1024
 # The journal is rewritten with only its open records once this many lines were appended.
 _JOURNAL_COMPACT = 4096
@@ -170,6 +174,8 @@ class Spool:
         self.lost_found = Path(root) / "lost+found"
         self.limit = limit
         self.used = 0
+        # Bytes (in whole pages) of staged files kept in memory files (see `StagedFile.to_memory`).
+        self.memory_used = 0
         # Empty spool files created ahead on a worker thread (write-back mode, see `create_ahead`).
         self._ready: list[tuple[int, Path]] = []
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -242,6 +248,19 @@ class Spool:
         os.replace(spool_path, dest)
         return dest
 
+    def keep_data(self, data: bytes, bucket: str, name: str) -> Path:
+        """`keep` of bytes held in memory (a staged file moved to memory)."""
+        dest = self._lost_path(bucket, name)
+        restore_file(dest, data)
+        return dest
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    pos = 0
+    while pos < len(view):
+        pos += os.pwrite(fd, view[pos:], pos)
+
 
 def restore_file(path: Path, data: bytes) -> None:
     """Write `data` as the whole content of `path` (a spool file restored from a journal record)."""
@@ -300,6 +319,10 @@ class StagedFile:
         self.name = name
         self.base = base  # the version this content started from (None: a new name)
         self.base_revision = base.revision if base is not None else 0
+        # In memory (`to_memory`): `fd` is an anonymous memory file and `spool_path` may no longer exist.
+        self.in_memory = False
+        self._memory_charge = 0
+        self._memory_limit = 0
         if spool_file is None:
             self.fd, self.spool_path = spool.create()
             self.size = 0
@@ -332,8 +355,77 @@ class StagedFile:
 
     @property
     def entry_id(self) -> str:
-        """Its key in the write-back journal: the spool file's name (unique in the spool)."""
+        """Its key in the write-back journal: the spool file's name (unique in the spool; kept while the
+        bytes are in memory, and the name a spool file for them takes again)."""
         return self.spool_path.name
+
+    # ------------------------------------------------------------------ memory or spool file
+    def to_memory(self, limit: int) -> bool:
+        """Move the bytes of a small file into an anonymous memory file, so that it holds no spool file
+        (a file system slows down with many live files: a burst of small closes in write-back mode).
+        Only for bytes a synced journal record also holds; the caller removes the spool file (see
+        `drop_spool_file`). False if the memory budget (`MEMORY_STAGED_MAX`) is spent or it moved already."""
+        charge = -(-self.size // _PAGE) * _PAGE
+        if self.in_memory or self.ended or self.spool.memory_used + charge > MEMORY_STAGED_MAX or self.size > limit:
+            return False
+        data = self.read_all()
+        mfd = os.memfd_create("natsfs-staged", os.MFD_CLOEXEC)
+        try:
+            _write_all(mfd, data)
+        except OSError:
+            os.close(mfd)
+            return False
+        os.close(self.fd)
+        self.fd = mfd
+        self.in_memory = True
+        self._memory_charge = charge
+        self._memory_limit = limit
+        self.spool.memory_used += charge
+        return True
+
+    def drop_spool_file(self) -> None:
+        """Remove the spool file a file in memory no longer uses (left while its journal record was the
+        last one, the only one a crash can tear)."""
+        if self.in_memory:
+            self.spool_path.unlink(missing_ok=True)
+
+    def file_path(self) -> str:
+        """The path of a spool file holding every staged byte (for the upload worker, which opens it):
+        a file in memory goes back to its spool file first."""
+        self._to_spool_file()
+        return str(self.spool_path)
+
+    def _to_spool_file(self) -> None:
+        """Back into a spool file (of the same name) before it grows past what memory holds, or when a
+        path is needed."""
+        if not self.in_memory:
+            return
+        data = self.read_all()
+        fd = os.open(self.spool_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            _write_all(fd, data)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise NoSpace(f"local spool disk is full: {e}") from None
+            raise NatsFSError(f"spool write failed: {e}") from None
+        os.close(self.fd)
+        self.fd = fd
+        self._leave_memory()
+
+    def _leave_memory(self) -> None:
+        self.in_memory = False
+        self.spool.memory_used -= self._memory_charge
+        self._memory_charge = 0
+
+    def _fits_memory(self, size: int) -> bool:
+        return size <= self._memory_limit
+
+    def _recharge_memory(self) -> None:
+        if self.in_memory:
+            charge = -(-self.size // _PAGE) * _PAGE
+            self.spool.memory_used += charge - self._memory_charge
+            self._memory_charge = charge
 
     def journal_entry(self, data: bytes | None = None) -> dict[str, Any]:
         """What the write-back journal keeps of it: all an upload after a crash needs (plain data);
@@ -521,6 +613,7 @@ class StagedFile:
         if self.copied:
             return
         assert self.base is not None
+        self._to_spool_file()
         total = self.base.size if upto is None else min(upto, self.base.size)
         self.spool.charge(self.size, max(self.size, total))
         pos = 0
@@ -535,6 +628,8 @@ class StagedFile:
 
     async def write(self, offset: int, data: bytes) -> int:
         end = offset + len(data)
+        if self.in_memory and not self._fits_memory(end):
+            self._to_spool_file()
         self.spool.charge(self.size, max(self.size, end))
         try:
             if len(data) <= _INLINE_IO:
@@ -547,6 +642,7 @@ class StagedFile:
                 raise NoSpace(f"local spool disk is full: {e}") from None
             raise NatsFSError(f"spool write failed: {e}") from None
         self.size = max(self.size, offset + written)
+        self._recharge_memory()
         self.touch()
         return written
 
@@ -563,9 +659,12 @@ class StagedFile:
         return data
 
     async def truncate(self, size: int) -> None:
+        if self.in_memory and not self._fits_memory(size):
+            self._to_spool_file()
         self.spool.charge(self.size, size)
         await trio.to_thread.run_sync(os.ftruncate, self.fd, size)
         self.size = size
+        self._recharge_memory()
         self.touch()
 
     def touch(self) -> None:
@@ -587,9 +686,21 @@ class StagedFile:
             os.close(self.fd)
         self.spool_path.unlink(missing_ok=True)
         self.spool.charge(self.size, 0)
+        if self.in_memory:
+            self._leave_memory()
 
     def keep(self) -> Path:
         """Move the staged bytes to lost+found (an upload that could not be stored) and return where."""
+        if self.in_memory:
+            data = self.read_all()
+            self._to(WriteState.KEPT)
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.spool.charge(self.size, 0)
+            self._leave_memory()
+            kept = self.spool.keep_data(data, self.bucket, self.name)
+            self.spool_path.unlink(missing_ok=True)
+            return kept
         self._to(WriteState.KEPT)
         with contextlib.suppress(OSError):
             os.ftruncate(self.fd, self.size)

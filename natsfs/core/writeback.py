@@ -96,6 +96,8 @@ class WriteBack:
         self._changed = trio.Event()  # set whenever an upload ends (drain waits on it)
         # fsyncs of spool files and of the journal, journal records written, uploads done (for the stats).
         self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0}
+        # The last file moved to memory, whose spool file goes at the next close (`_to_memory`).
+        self._spool_file_to_drop: StagedFile | None = None
 
     # ------------------------------------------------------------------ closes
     async def closed(self, sf: StagedFile) -> None:
@@ -118,9 +120,26 @@ class WriteBack:
                     self.counters["spool_fsyncs"] += 1
                     entry = sf.journal_entry()
         await self._record(entry)
+        if "data" in entry:
+            self._to_memory(sf)
         self._last_close = trio.current_time()
         self._spool_used.set()
         self.schedule(sf, self.delay)
+
+    def _to_memory(self, sf: StagedFile) -> None:
+        """A small file's synced record holds its bytes: its spool file goes (see `StagedFile.to_memory`),
+        one close later (the last record is the only one a crash can tear, and then its spool file is
+        what `rescue_leftovers` keeps). Skipped while an upload or a write holds the file."""
+        if sf.state is WriteState.UPLOADING or sf.lock.locked():
+            return
+        previous, self._spool_file_to_drop = self._spool_file_to_drop, None
+        if previous is not None:
+            previous.drop_spool_file()
+        try:
+            if sf.to_memory(INLINE_BYTES):
+                self._spool_file_to_drop = sf
+        except OSError as e:  # (no memory file: it stays in its spool file)
+            log.debug("%s/%s: staged bytes not moved to memory: %s", sf.bucket, sf.name, e)
 
     async def _record(self, entry: dict[str, Any]) -> None:
         """Append `entry` to the journal and return once it is synced (group commit, see the module
