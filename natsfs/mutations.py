@@ -60,6 +60,7 @@ Path = tuple[str, ...]
 # A growing file's chunks are streamed to the server in batches of this many bytes.
 STREAM_BATCH = 4 * 1024 * 1024
 STREAM_PARALLEL = 3
+RENAME_DIR_PARALLEL = 8  # objects of a directory renamed at once
 
 
 def _digest_of_file(fd: int, size: int) -> bytes:
@@ -634,10 +635,34 @@ class Mutations:
         for info in moves:  # every new name is checked before anything moves
             if info.name.startswith(old_prefix):
                 self.store.check_name(bucket, new_prefix + info.name[len(old_prefix):])
+        movable = []
         for info in moves:
-            if not info.name.startswith(old_prefix):
+            if info.name.startswith(old_prefix):
+                movable.append(info)
+            else:
                 log.warning("rename: %s/%r is shown under %s but named otherwise; left in place", bucket,
                             info.name, old_prefix)
-                continue
-            await self.rename_object(bucket, info, new_prefix + info.name[len(old_prefix):], None)
+        marker = movable.pop() if movable and movable[-1].name == old_prefix else None
+        await self._rename_each(bucket, movable, old_prefix, new_prefix)
+        if marker is not None:
+            await self.rename_object(bucket, marker, new_prefix, None)
+
+    async def _rename_each(self, bucket: str, moves: list[ObjectInfo], old_prefix: str, new_prefix: str) -> None:
+        """Rename objects of a directory, `RENAME_DIR_PARALLEL` at a time (each is two round trips, and a
+        Spark task commit renames a directory of several files). The first failure stops the rest."""
+        limiter = trio.CapacityLimiter(RENAME_DIR_PARALLEL)
+
+        async def move(info: ObjectInfo) -> None:
+            async with limiter:
+                await self.rename_object(bucket, info, new_prefix + info.name[len(old_prefix):], None)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for info in moves:
+                    nursery.start_soon(move, info)
+        except BaseExceptionGroup as group:
+            error = single_error(group)
+            if error is group:
+                raise
+            raise error from None
 

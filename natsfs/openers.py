@@ -8,6 +8,16 @@ process's table before it sends FLUSH, so a flush while the opener's thread grou
 descriptor open for writing on the inode came from someone else (or from a second descriptor the opener still holds)
 and stores nothing; the opener's own last close, its exit, `fsync` and the last release store.
 
+A process with hundreds of descriptors (a JVM) costs a millisecond or more to scan, and Spark
+closes each of its files several times (once per `chmod` child it spawns). So a scan remembers which
+descriptors of the thread group held the inode for writing, and later checks of that (process, inode)
+read only those descriptors' fdinfo: one still naming the inode, writable, means it is held; none
+means it is not, without another scan. The first check
+after a writable open usually needs no scan either: the descriptor is expected in the lowest slot
+that was free when the open was answered (`opened`). The shortcut can only err towards "not held" (the opener
+`dup`ed its descriptor and closed the original, or opened the inode twice for writing): that close
+then stores, as a close without this check would.
+
 Everything here reads procfs only (never the mountpoint itself: `/proc/PID/fdinfo/N` names the inode
 and mount without a FUSE request). When the answer cannot be read (the process is gone, another pid
 namespace, no permission), the flush stores, as before.
@@ -15,14 +25,22 @@ namespace, no permission), the flush stores, as before.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+KNOWN_KEPT = 4096  # (process, inode) pairs whose holding descriptors are remembered
+SLOTS_GUESSED = 8  # free descriptor slots noted at a writable open (see `ProcOpeners.opened`)
 
 
 class Openers(Protocol):
     def thread_group(self, pid: int) -> int | None:
         """The thread group (process) of thread `pid`, None if unknown."""
+
+    def opened(self, tgid: int, ino: int) -> None:
+        """Process `tgid` is being given a descriptor for writing on inode `ino`."""
 
     def still_holds(self, tgid: int, ino: int, max_fds: int | None = None) -> bool | None:
         """Whether process `tgid` still has a descriptor open for writing on inode `ino` of this mount;
@@ -54,6 +72,10 @@ class ProcOpeners:
         # Resolved now, before the mount exists: never a request to ourselves later.
         self._root = str(mountpoint.resolve())
         self._own_ns = _readlink(f"{proc}/self/ns/mnt")
+        # (thread group, inode) -> the descriptors the last look found holding it for writing.
+        self._known: dict[tuple[int, int], list[str]] = {}
+        # (thread group, inode) -> where the descriptor of a writable open is expected (see `opened`).
+        self._expected: dict[tuple[int, int], list[str]] = {}
 
     def thread_group(self, pid: int) -> int | None:
         if pid <= 0:  # a process in another pid namespace shows as 0
@@ -71,30 +93,63 @@ class ProcOpeners:
         if self._mnt_id is None:
             self._mnt_id = _mount_id(self._mountpoint)
         fdinfo = f"{self._proc}/{tgid}/fdinfo/"  # (plain strings: this runs at every close of a writer)
+        key = (tgid, ino)
+        known = self._known.pop(key, None)
+        if known is None:
+            guesses = self._expected.pop(key, None)
+            if guesses is not None:
+                found = next((fd for fd in guesses if self._writes_to(fdinfo + fd, ino)), None)
+                if found is not None:
+                    self._remember(key, [found])
+                    return True
+        if known is not None:
+            held = [fd for fd in known if self._writes_to(fdinfo + fd, ino)]
+            if held:
+                self._remember(key, held)
+            return bool(held)
         try:
             fds = os.listdir(fdinfo)
         except OSError:
             return False
         if max_fds is not None and len(fds) > max_fds:
             return None
-        for fd in self._in_this_mount(tgid, fds):
-            try:
-                with open(fdinfo + fd, "rb") as f:
-                    text = f.read(4096)
-            except OSError:
-                continue  # closed meanwhile
-            fields = dict(line.split(b":", 1) for line in text.splitlines() if b":" in line)
-            try:
-                if int(fields.get(b"ino", b"-1")) != ino:
-                    continue
-                if self._mnt_id is not None and int(fields.get(b"mnt_id", b"-1")) != self._mnt_id:
-                    continue
-                if int(fields.get(b"flags", b"0"), 8) & os.O_ACCMODE == os.O_RDONLY:
-                    continue  # a reader's close never stores, so it never waits for one
-            except ValueError:
-                continue
-            return True
-        return False
+        held = [fd for fd in self._in_this_mount(tgid, fds) if self._writes_to(fdinfo + fd, ino)]
+        if held:
+            self._remember(key, held)
+        return bool(held)
+
+    def opened(self, tgid: int, ino: int) -> None:
+        """Note the lowest free descriptor numbers of `tgid`: the kernel reserves the lowest free slot
+        for an open before it asks us and installs the descriptor there once we answer, so the first
+        check will most likely find it among them (a few fdinfo reads instead of a scan; a slot below
+        ours may be reserved by another thread's open in flight). A miss falls back to the scan."""
+        try:
+            used = {int(fd) for fd in os.listdir(f"{self._proc}/{tgid}/fd")}
+        except (OSError, ValueError):
+            return
+        free = (str(n) for n in itertools.count() if n not in used)
+        _bounded_put(self._expected, (tgid, ino), list(itertools.islice(free, SLOTS_GUESSED)))
+
+    def _remember(self, key: tuple[int, int], fds: list[str]) -> None:
+        _bounded_put(self._known, key, fds)
+
+    def _writes_to(self, fdinfo_path: str, ino: int) -> bool:
+        """Whether the descriptor of this fdinfo file is open for writing on inode `ino` of this mount."""
+        try:
+            with open(fdinfo_path, "rb") as f:
+                text = f.read(4096)
+        except OSError:
+            return False  # closed meanwhile
+        fields = dict(line.split(b":", 1) for line in text.splitlines() if b":" in line)
+        try:
+            if int(fields.get(b"ino", b"-1")) != ino:
+                return False
+            if self._mnt_id is not None and int(fields.get(b"mnt_id", b"-1")) != self._mnt_id:
+                return False
+            # A reader's close never stores, so it never waits for one.
+            return int(fields.get(b"flags", b"0"), 8) & os.O_ACCMODE != os.O_RDONLY
+        except ValueError:
+            return False
 
     def _in_this_mount(self, tgid: int, fds: list[str]) -> list[str]:
         """The descriptors of `tgid` whose path lies in this mount: a JVM holds hundreds of descriptors
@@ -110,6 +165,13 @@ class ProcOpeners:
             if target is not None and (target == self._root or target.startswith(prefix)):
                 found.append(fd)
         return found
+
+
+def _bounded_put(table: dict[tuple[int, int], Any], key: tuple[int, int], value: Any) -> None:
+    table[key] = value
+    if len(table) > KNOWN_KEPT:  # (checks also run on worker threads: never raise here)
+        with contextlib.suppress(StopIteration, RuntimeError):
+            table.pop(next(iter(table)), None)
 
 
 def _readlink(path: str) -> str | None:

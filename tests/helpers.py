@@ -192,6 +192,40 @@ def nats_py_get(url: str, bucket: str, name: str) -> bytes:
     return with_nats(url, fn)
 
 
+def stored_layout(url: str, bucket: str, name: str) -> dict[str, Any]:
+    """What the stream holds for `name`, read message by message (no consumer): the meta's chunk count,
+    size and digest, the sequences of the messages on its chunk subject and whether their bytes, in
+    order, match the digest. Used to tell a stored object that is wrong from a client that read it wrong."""
+    import base64
+    import hashlib
+    import json
+
+    async def fn(nc: Any, js: Any) -> dict[str, Any]:
+        stream = f"OBJ_{bucket}"
+        key = base64.urlsafe_b64encode(name.encode()).decode()
+        meta = json.loads((await js.get_msg(stream, subject=f"$O.{bucket}.M.{key}")).data)
+        subject = f"$O.{bucket}.C.{meta['nuid']}"
+        seqs: list[int] = []
+        hasher = hashlib.sha256()
+        size = 0
+        seq = 1
+        while True:
+            try:
+                msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+            except Exception:
+                break
+            seqs.append(msg.seq)
+            hasher.update(msg.data or b"")
+            size += len(msg.data or b"")
+            seq = msg.seq + 1
+        digest = "SHA-256=" + base64.urlsafe_b64encode(hasher.digest()).decode()
+        return {"chunks": meta.get("chunks"), "size": meta.get("size"), "digest": meta.get("digest"),
+                "stored_chunks": len(seqs), "stored_size": size, "stored_digest_ok": digest == meta.get("digest"),
+                "seqs": seqs}
+
+    return with_nats(url, fn)
+
+
 def raw_put(url: str, bucket: str, name: str, chunks: list[bytes], *, nuid: str | None = None,
             meta_extra: dict[str, Any] | None = None) -> None:
     """Publish an object by hand with exactly these chunks (uneven sizes allowed), as nats.go would."""

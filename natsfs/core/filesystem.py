@@ -607,6 +607,8 @@ class Filesystem:
         info = node.info
         assert info is not None
         opener = self.openers.thread_group(caller.pid) if writing and caller is not None else None
+        if opener is not None:
+            self.openers.opened(opener, inode)
         fh = self.handles.add(FileHandle(inode, info, writable=writing, opener=opener))
         self.files.opened(inode, writing=writing)
         if self.staging.get(inode) is not None:

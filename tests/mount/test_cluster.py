@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import nats_py_get, nats_py_put, wait_for, with_nats
+from helpers import nats_py_get, nats_py_put, stored_layout, wait_for, with_nats
 from pipeline import local_summary, require_spark, run_pipeline
 
 from natsfs.server import NatsCluster
@@ -104,6 +104,9 @@ def test_reads_and_writes_go_on_while_each_node_is_killed_and_restarted(cluster,
         assert not errors, f"round {round_no} (node {victim} killed): {errors!r}"
         assert read_back[f"r{round_no}"] == sources[f"r{round_no}"]
     for name, data in written.items():
+        # What the stream holds, message by message, then what another client reads through a consumer.
+        layout = stored_layout(cluster.urls[round_no % 3], bucket_name, name)
+        assert layout["stored_chunks"] == layout["chunks"] and layout["stored_digest_ok"], layout
         assert nats_py_get(cluster.urls[round_no % 3], bucket_name, name) == data  # a fresh client
         assert (b / name).read_bytes() == data
     clean_log(m)

@@ -62,6 +62,34 @@ def test_children_closing_an_inherited_descriptor_store_nothing(nats_url, bucket
     assert " ERROR " not in m.log()
 
 
+def test_an_opener_with_hundreds_of_descriptors_stores_once_at_its_own_close(nats_url, bucket_name, pb):
+    """A JVM's case: the opener holds hundreds of descriptors (looked at on a worker thread, then only
+    the one remembered), two `chmod` children close the inherited descriptor, then the opener."""
+    m, b = pb
+    rng = random.Random(13)
+    before = fs_stats(m)
+    padding = [os.open("/dev/null", os.O_RDONLY) for _ in range(300)]
+    try:
+        path = b / "jvm-part"
+        first, second = rng.randbytes(200_000), rng.randbytes(100_000)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, first)
+            subprocess.run(["chmod", "0640", str(path)], check=True, close_fds=False)
+            os.write(fd, second)
+            subprocess.run(["true"], check=True, close_fds=False)
+        finally:
+            os.close(fd)
+    finally:
+        for p in padding:
+            os.close(p)
+    after = fs_stats(m)
+    assert after["uploads"] - before["uploads"] == 1
+    assert after["flushes_deferred"] - before["flushes_deferred"] == 2
+    assert nats_py_get(nats_url, bucket_name, "jvm-part") == first + second
+    assert " ERROR " not in m.log()
+
+
 def test_a_child_outliving_the_opener_stores_at_the_last_close(nats_url, bucket_name, pb):
     """The opener closes first (its close stores); a child that still holds the descriptor writes more
     and closes: that last close stores the rest, since the opener holds it no more."""

@@ -14,7 +14,7 @@ import trio
 from gowriters import put_object
 from opskit import ROOT, Env, errno_of
 
-from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, stream_name
+from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_subject, stream_name
 from natsfs.errors import NoSpace, Unavailable
 from natsfs.memstreams import MemoryStreams
 from natsfs.mutations import STREAM_BATCH
@@ -176,6 +176,38 @@ def test_rename_crash_between_steps_never_loses_the_object(ops_env):
     ops_env(body, setup=one_bucket)
 
 
+@pytest.mark.expect_log(r"the meta publish got no answer \(gone\)")
+def test_a_directory_of_many_files_is_renamed_whole_and_a_failure_loses_nothing(ops_env):
+    """Its objects are renamed several at a time: all arrive with their bytes, none stays behind, the
+    marker moves last; a failing server midway is EIO, and every object is under one name or both."""
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        src = (await env.ops.mkdir(b, b"src", 0o755, Ctx())).st_ino
+        sub = (await env.ops.mkdir(src, b"sub", 0o755, Ctx())).st_ino
+        files = {f"src/f{i:02d}": bytes([i]) * (100 + i) for i in range(20)}
+        files |= {f"src/sub/g{i}": bytes([100 + i]) * 50 for i in range(5)}
+        for name, data in files.items():
+            await write_file(env, sub if "/sub/" in name else src, name.rsplit("/", 1)[1], data)
+        await env.ops.rename(b, b"src", b, b"dst", 0, Ctx())
+        for name, data in files.items():
+            assert await env.store.get_info("b", name) is None
+            assert await stored(env, "dst/" + name[4:]) == data
+        assert await env.store.get_info("b", "src/") is None
+        # Again, with the server failing after a few renames.
+        env.store.settle_timeout = 0.3
+        env.streams.fail_next("publish", Unavailable("gone"), times=1000,
+                              subject=meta_subject("b", "moved/f07"))
+        assert await err(env.ops.rename(b, b"dst", b, b"moved", 0, Ctx())) == errno.EIO
+        env.streams._faults.clear()
+        for name, data in files.items():
+            rest = name[4:]
+            old, new = await env.store.get_info("b", "dst/" + rest), await env.store.get_info("b", "moved/" + rest)
+            assert old is not None or new is not None, rest
+            assert await stored(env, ("dst/" if old is not None else "moved/") + rest) == data
+
+    ops_env(body, setup=one_bucket)
+
+
 def test_unlink_of_a_file_still_being_written_drops_it(ops_env):
     async def body(env: Env):
         b = (await env.lookup("b")).st_ino
@@ -328,6 +360,9 @@ class FakeOpeners:
 
     def thread_group(self, pid: int) -> int | None:
         return pid + 1000  # a thread of process pid+1000
+
+    def opened(self, tgid: int, ino: int) -> None:
+        pass
 
     def still_holds(self, tgid: int, ino: int, max_fds: int | None = None) -> bool | None:
         return tgid in self.holding
