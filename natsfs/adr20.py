@@ -52,7 +52,7 @@ import os
 import re
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -471,6 +471,8 @@ class ObjectStore:
         self._atomic: dict[str, bool] = {}
         # Metas this store stored itself: meta subject -> (revision, payload), most recent last.
         self._own_metas: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
+        # (bucket, old name) -> renames of it under way here (see `renaming_away`).
+        self._renaming: Counter[tuple[str, str]] = Counter()
 
     @property
     def max_payload(self) -> int:
@@ -1076,11 +1078,23 @@ class ObjectStore:
         moved = dict(doc, name=new, mtime=ZERO_TIME)
         if change is not None:
             change(moved)
-        # (Not read back for its timestamp: a renamed file keeps its mtime in natsfs.mtime_ns, and a
-        # directory marker's or link's new time is now, as this machine's clock has it.)
-        new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=False)
-        await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
+        key = (bucket, old)
+        self._renaming[key] += 1
+        try:
+            # (Not read back for its timestamp: a renamed file keeps its mtime in natsfs.mtime_ns, and a
+            # directory marker's or link's new time is now, as this machine's clock has it.)
+            new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=False)
+            await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
+        finally:
+            self._renaming[key] -= 1
+            if not self._renaming[key]:
+                del self._renaming[key]
         return new_info, revision
+
+    def renaming_away(self, bucket: str, name: str) -> bool:
+        """Whether this store is renaming `name` away right now (its new meta may already be in the
+        watch; the caller drops the old name itself once the rename is done)."""
+        return (bucket, name) in self._renaming
 
     async def purge_tombstone(self, bucket: str, name: str, revision: int) -> None:
         """Remove a tombstone (and anything older) from `name`'s meta subject; a newer meta stays."""

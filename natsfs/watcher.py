@@ -262,6 +262,8 @@ class BucketWatcher:
         """`name` shares its nuid with a meta that just arrived: it may have been renamed away."""
         if name in self._confirming or self._nursery is None:
             return
+        if self.store.renaming_away(self.bucket, name):
+            return  # our own rename: it drops the old name itself once the old meta is purged
         held = self._current().objects.get(name)
         if held is None:
             return

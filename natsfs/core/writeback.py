@@ -93,6 +93,7 @@ class WriteBack:
         self._syncing = False
         self._wake = trio.Event()
         self._spool_used = trio.Event()  # set by closes: `_spool_ahead` checks its stock
+        self._creating_ahead = trio.Lock()  # held while spool files are created ahead (unmount waits)
         self._changed = trio.Event()  # set whenever an upload ends (drain waits on it)
         # fsyncs of spool files and of the journal, journal records written, uploads done (for the stats).
         self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0}
@@ -255,14 +256,15 @@ class WriteBack:
             await self._spool_used.wait()
             self._spool_used = trio.Event()
             if spool.ready < SPOOL_AHEAD // 2 and not self._draining:
-                try:
-                    made = await trio.to_thread.run_sync(spool.create_ahead, SPOOL_AHEAD - spool.ready)
-                except OSError as e:  # creates fall back to making their own (and report it themselves)
-                    log.debug("spool files not created ahead: %s", e)
-                    continue
-                spool.add_ready(made)
-                if self._draining:
-                    spool.drop_ready()
+                async with self._creating_ahead:
+                    try:
+                        made = await trio.to_thread.run_sync(spool.create_ahead, SPOOL_AHEAD - spool.ready)
+                    except OSError as e:  # creates fall back to making their own (and report it themselves)
+                        log.debug("spool files not created ahead: %s", e)
+                        continue
+                    spool.add_ready(made)
+                    if self._draining:
+                        spool.drop_ready()
 
     def _burst_ends_at(self, now: float) -> float:
         """When uploads may start: at once, or once the closes coming in have paused (see
@@ -352,7 +354,8 @@ class WriteBack:
                     log.error("%s/%s: could not make the staged bytes durable at unmount: %s", sf.bucket,
                               sf.name, e)
         self._draining = True  # no more waiting for a burst to end
-        self.fs.staging.spool.drop_ready()
+        async with self._creating_ahead:  # a batch being created ahead lands first, then goes
+            self.fs.staging.spool.drop_ready()
         for sf, _, _ in list(self._queue.values()):
             self.schedule(sf, 0.0)  # no more waiting for --write-back's delay
         total = len(self.pending)
