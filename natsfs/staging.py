@@ -178,6 +178,7 @@ class Spool:
         self.memory_used = 0
         # Empty spool files created ahead on a worker thread (write-back mode, see `create_ahead`).
         self._ready: list[tuple[int, Path]] = []
+        self.taken = 0  # spool files handed out (`create`): none, and none need making ahead
         self.dir.mkdir(parents=True, exist_ok=True)
         self.journal = PutJournal(Path(root) / "puts.journal")
 
@@ -200,6 +201,7 @@ class Spool:
         return kept
 
     def create(self) -> tuple[int, Path]:
+        self.taken += 1
         if self._ready:
             return self._ready.pop()
         return self._create()
@@ -208,6 +210,12 @@ class Spool:
         path = self.dir / secrets.token_hex(12)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         return fd, path
+
+    def create_in_memory(self) -> tuple[int, Path]:
+        """An anonymous memory file and the spool path it would take (not created): creating a file
+        costs the local file system far more than a memory file (0.75 ms of CPU against 8 us on the
+        test machine's ext4), and a small file closed in write-back mode never needs one."""
+        return os.memfd_create("natsfs-staged", os.MFD_CLOEXEC), self.dir / secrets.token_hex(12)
 
     @property
     def ready(self) -> int:
@@ -311,7 +319,7 @@ class StagedFile:
 
     def __init__(self, spool: Spool, *, ino: int, path: tuple[str, ...], bucket: str, name: str,
                  base: ObjectInfo | None, attrs: PosixAttrs, new: bool = False, unlinked: bool = False,
-                 spool_file: Path | None = None):
+                 spool_file: Path | None = None, memory_limit: int = 0):
         self.spool = spool
         self.ino = ino
         self.path = path
@@ -323,7 +331,14 @@ class StagedFile:
         self.in_memory = False
         self._memory_charge = 0
         self._memory_limit = 0
-        if spool_file is None:
+        if spool_file is None and memory_limit and spool.memory_used + _PAGE <= MEMORY_STAGED_MAX:
+            # Born in memory (a new file in write-back mode, see `Spool.create_in_memory`): a spool
+            # file of this name is made only if it grows past `memory_limit` or a path is needed.
+            self.fd, self.spool_path = spool.create_in_memory()
+            self.size = 0
+            self.in_memory = True
+            self._memory_limit = memory_limit
+        elif spool_file is None:
             self.fd, self.spool_path = spool.create()
             self.size = 0
         else:  # resumed from the write-back journal
@@ -419,7 +434,8 @@ class StagedFile:
         self._memory_charge = 0
 
     def _fits_memory(self, size: int) -> bool:
-        return size <= self._memory_limit
+        charge = -(-size // _PAGE) * _PAGE
+        return size <= self._memory_limit and self.spool.memory_used - self._memory_charge + charge <= MEMORY_STAGED_MAX
 
     def _recharge_memory(self) -> None:
         if self.in_memory:

@@ -62,7 +62,7 @@ from ..staging import StagedFile, Staging
 from ..status import recent_problems
 from ..streams import Payload
 from .openfiles import OpenFileTable
-from .writeback import WriteBack
+from .writeback import INLINE_BYTES, WriteBack
 
 WRITTEN_MTIMES_MAX = 10_000
 OPENER_FDS_INLINE = 64  # an opener with at most this many descriptors is checked without a worker thread
@@ -664,8 +664,11 @@ class Filesystem:
         if parent.kind not in (ROOT, BUCKET, DIR):
             raise NotADirectory("/".join(path[:-1]))
         ino = self.inodes.lookup(path)
+        # In write-back mode a new file starts in memory: closed at up to INLINE_BYTES, its journal
+        # record holds its bytes and it never needs a spool file (see core/writeback.py).
         sf = StagedFile(self.staging.spool, ino=ino, path=path, bucket=bucket, name="/".join(rel), base=None,
-                        attrs=PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None), new=True)
+                        attrs=PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None), new=True,
+                        memory_limit=INLINE_BYTES if self.writeback is not None else 0)
         self.staging.add(sf)
         self._entries_changed(path[:-1])
         node = self._staged_node(sf)

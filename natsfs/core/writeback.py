@@ -255,7 +255,8 @@ class WriteBack:
         while True:
             await self._spool_used.wait()
             self._spool_used = trio.Event()
-            if spool.ready < SPOOL_AHEAD // 2 and not self._draining:
+            # (Only once spool files are used: new small files are born in memory and need none.)
+            if spool.taken and spool.ready < SPOOL_AHEAD // 2 and not self._draining:
                 async with self._creating_ahead:
                     try:
                         made = await trio.to_thread.run_sync(spool.create_ahead, SPOOL_AHEAD - spool.ready)
