@@ -74,7 +74,7 @@ from .errors import (
     OutcomeUnknown,
     TooBig,
     Unavailable,
-    single_error,
+    single_errors,
 )
 from .retry import Backoff
 from .streams import (
@@ -999,7 +999,7 @@ class ObjectStore:
 
     async def _send_all(self, session: PutSession, source: ChunkSource, window: int) -> None:
         """Read the next batch while the previous one is being published."""
-        try:
+        with single_errors():
             async with trio.open_nursery() as nursery:
                 send, receive = trio.open_memory_channel[list[bytes]](2)
 
@@ -1012,11 +1012,6 @@ class ObjectStore:
                 async with receive:
                     async for batch in receive:
                         await session.send(batch)
-        except BaseExceptionGroup as group:
-            error = single_error(group)
-            if error is group:
-                raise
-            raise error from None
 
     async def publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
                                 replace_tombstone: bool, msg_id: str = "", *, timestamp: bool = True) -> ObjectInfo:

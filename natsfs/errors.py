@@ -6,8 +6,10 @@ the errno next to the cause means the boundary never has to guess what went wron
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
 import logging
+from collections.abc import Iterator
 
 
 class NatsFSError(Exception):
@@ -153,6 +155,19 @@ def single_error(exc: BaseException) -> BaseException:
         if isinstance(found, NatsFSError):
             return found
     return single_error(exc.exceptions[0]) if len(exc.exceptions) == 1 else exc
+
+
+@contextlib.contextmanager
+def single_errors() -> Iterator[None]:
+    """Around a nursery: its failure surfaces as the exception `single_error` finds in the group (the
+    group itself when no one exception explains it)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        error = single_error(group)
+        if error is group:
+            raise
+        raise error from None
 
 
 # JetStream err_codes the daemon reacts to (nats-server's server/errors.json). Errors are classified by

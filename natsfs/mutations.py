@@ -49,6 +49,7 @@ from .errors import (
     TooBig,
     Unavailable,
     single_error,
+    single_errors,
 )
 from .index import BucketIndex, Dir
 from .namespace import Namespace
@@ -656,13 +657,8 @@ class Mutations:
             async with limiter:
                 await self.rename_object(bucket, info, new_prefix + info.name[len(old_prefix):], None)
 
-        try:
+        with single_errors():
             async with trio.open_nursery() as nursery:
                 for info in moves:
                     nursery.start_soon(move, info)
-        except BaseExceptionGroup as group:
-            error = single_error(group)
-            if error is group:
-                raise
-            raise error from None
 
