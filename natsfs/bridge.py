@@ -44,7 +44,7 @@ import nats
 import nats.errors
 import trio
 
-from . import natscompat, wire
+from . import memory, natscompat, wire
 from .auth import Connection
 from .errors import JetStreamAPIError, NatsFSError, NotFound, OutcomeUnknown, Unavailable
 from .futures import wait_future
@@ -1421,6 +1421,7 @@ def _read_worker_connection(fd: int) -> Connection:
 
 def _main() -> None:
     if sys.argv[1:] == ["upload-worker"]:
+        memory.keep_freed_buffers()
         asyncio.run(_worker_main(_read_worker_connection(sys.stdin.fileno())))
     else:
         raise SystemExit("usage: python -I -m natsfs.bridge upload-worker  (stdin: the connection as JSON first)")

@@ -76,6 +76,9 @@ log = logging.getLogger(__name__)
 
 ChunkKey = tuple[str, str, int]  # (bucket, nuid, stream sequence of the chunk)
 
+# Chunks a sequential reader has gone past, kept for the kernel reading them again (see `ChunkLRU`).
+PASSED_BYTES = 8 * 1024 * 1024
+
 # One worker hashes every version's chunks, in submission order, off the trio thread (hashlib drops
 # the GIL on large buffers, so hashing overlaps with serving requests).
 _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="natsfs-sha256")
@@ -106,49 +109,83 @@ class _Unproven(Exception):
 
 
 class ChunkLRU:
-    """Chunk bytes by key, bounded in bytes, the least recently used leaving first. A chunk a sequential
-    reader has gone past is `demote`d to the front of the queue (the kernel's page cache holds its bytes
-    now), so readahead that nobody has read yet outlives it instead of being evicted and fetched again."""
+    """Chunk bytes by key, bounded in bytes, the least recently used leaving first.
 
-    def __init__(self, limit: int) -> None:
+    A chunk a sequential reader has gone past is `demote`d: the kernel's page cache holds its bytes now,
+    so keeping it too would cache the stream twice. Passed chunks wait in a small tier of their own
+    (`passed_limit` bytes, oldest leaving first, and first to go when room is needed), which covers the
+    kernel reading a page again that it just dropped; the rest of the cache stays for readahead nobody
+    has read yet and for random reads. Freeing passed chunks early also lets the allocator hand their
+    memory to the next chunks received, instead of faulting in fresh pages for every chunk."""
+
+    def __init__(self, limit: int, passed_limit: int | None = None) -> None:
         self.limit = limit
+        self.passed_limit = min(limit, PASSED_BYTES if passed_limit is None else passed_limit)
         self.size = 0
+        self.passed_size = 0
         self._items: OrderedDict[ChunkKey, Payload] = OrderedDict()
+        self._passed: OrderedDict[ChunkKey, Payload] = OrderedDict()
 
     def __contains__(self, key: ChunkKey) -> bool:
-        return key in self._items
+        return key in self._items or key in self._passed
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + len(self._passed)
 
     def get(self, key: ChunkKey) -> Payload | None:
         data = self._items.get(key)
         if data is not None:
             self._items.move_to_end(key)
+            return data
+        data = self._passed.pop(key, None)
+        if data is not None:  # read again: recently used after all
+            self.passed_size -= len(data)
+            self._items[key] = data
         return data
 
     def peek(self, key: ChunkKey) -> Payload | None:
         """The chunk, if cached, without making it recently used."""
-        return self._items.get(key)
+        data = self._items.get(key)
+        return data if data is not None else self._passed.get(key)
 
     def put(self, key: ChunkKey, data: Payload) -> bool:
-        """Keep `data` (evicting the least recently used); False for a chunk larger than the whole cache."""
+        """Keep `data` (evicting passed chunks first, then the least recently used); False for a chunk
+        larger than the whole cache."""
         size = len(data)
         if size > self.limit:
             return False
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.size -= len(old)
+        self._forget(key)
         self._items[key] = data
         self.size += size
-        while self.size > self.limit:
-            _, gone = self._items.popitem(last=False)
-            self.size -= len(gone)
+        self._evict()
         return True
 
     def demote(self, key: ChunkKey) -> None:
-        if key in self._items:
-            self._items.move_to_end(key, last=False)
+        data = self._items.pop(key, None)
+        if data is None:
+            return
+        self._passed[key] = data
+        self.passed_size += len(data)
+        while self.passed_size > self.passed_limit:
+            self._drop_oldest(self._passed)
+
+    def _forget(self, key: ChunkKey) -> None:
+        for tier in (self._items, self._passed):
+            old = tier.pop(key, None)
+            if old is not None:
+                self.size -= len(old)
+                if tier is self._passed:
+                    self.passed_size -= len(old)
+
+    def _drop_oldest(self, tier: OrderedDict[ChunkKey, Payload]) -> None:
+        _, gone = tier.popitem(last=False)
+        self.size -= len(gone)
+        if tier is self._passed:
+            self.passed_size -= len(gone)
+
+    def _evict(self) -> None:
+        while self.size > self.limit:
+            self._drop_oldest(self._passed if self._passed else self._items)
 
 
 class Layout:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from . import sdnotify
+from . import memory, sdnotify
 from .bridge import Bridge
 from .compose import build_filesystem
 from .config import Config
@@ -67,6 +67,7 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
     # The FUSE (trio) thread and the NATS (asyncio) thread hand the GIL back and forth all the
     # time; the default 5 ms switch interval makes each FUSE request wait behind a NATS burst.
     sys.setswitchinterval(SWITCH_INTERVAL)
+    memory.keep_freed_buffers()
     embedded: EmbeddedServer | None = None
     servers = list(config.servers)
     if not servers:

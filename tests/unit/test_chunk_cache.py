@@ -981,3 +981,44 @@ def test_a_second_sequential_read_of_a_version_gets_readahead_again():
         assert requests.peak[info.nuid] >= 2
 
     run(body, cache_bytes=1 << 20, batch_bytes=256 * KiB, delay=0.001)
+
+
+# ---------------------------------------------------------------------------------------------- ChunkLRU
+def test_lru_passed_chunks_are_bounded_and_leave_first() -> None:
+    from natsfs.chunk_cache import ChunkLRU
+
+    lru = ChunkLRU(10 * KiB, passed_limit=3 * KiB)
+    keys = [("b", "n", seq) for seq in range(8)]
+    for k in keys[:6]:
+        assert lru.put(k, bytes(KiB))
+    for k in keys[:5]:  # a sequential reader went past five of them: at most three are kept
+        lru.demote(k)
+    assert [k in lru for k in keys[:6]] == [False, False, True, True, True, True]
+    assert (lru.size, lru.passed_size, len(lru)) == (4 * KiB, 3 * KiB, 4)
+    # Room is made from the passed chunks first: the unread readahead (seq 5) outlives them.
+    for k in keys[6:]:
+        lru.put(k, bytes(3 * KiB))
+    assert keys[5] in lru and lru.size <= lru.limit
+    assert lru.passed_size == lru.size - sum(len(lru.peek(k) or b"") for k in (keys[5], keys[6], keys[7]))
+
+
+def test_lru_a_passed_chunk_read_again_is_recently_used() -> None:
+    from natsfs.chunk_cache import ChunkLRU
+
+    lru = ChunkLRU(4 * KiB, passed_limit=2 * KiB)
+    a, b, c = ("b", "n", 1), ("b", "n", 2), ("b", "n", 3)
+    lru.put(a, b"a" * KiB)
+    lru.put(b, b"b" * KiB)
+    lru.demote(a)
+    assert lru.get(a) == b"a" * KiB  # back among the recently used ...
+    assert lru.passed_size == 0
+    lru.demote(b)
+    lru.put(c, b"c" * (2 * KiB) + b"!")  # ... so the passed one goes when room is needed
+    assert a in lru and b not in lru and c in lru
+    assert lru.size == KiB + 2 * KiB + 1
+
+
+def test_allocator_keeps_chunk_buffers_on_the_heap() -> None:
+    from natsfs.memory import keep_freed_buffers
+
+    assert keep_freed_buffers() is True  # glibc (the supported platform) takes both settings
