@@ -28,11 +28,16 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
 KNOWN_KEPT = 4096  # (process, inode) pairs whose holding descriptors are remembered
 SLOTS_GUESSED = 8  # free descriptor slots noted at a writable open (see `ProcOpeners.opened`)
+# A thread's thread group is remembered this long: `tar -x` opens thousands of files from one thread, and
+# /proc/PID/status costs tens of microseconds under load. A pid reused within it (the pid space would
+# have to wrap in a second) can only make the check look at the wrong process: a flush that stores.
+THREAD_GROUP_KEPT_S = 1.0
 
 
 class Openers(Protocol):
@@ -76,15 +81,23 @@ class ProcOpeners:
         self._known: dict[tuple[int, int], list[str]] = {}
         # (thread group, inode) -> where the descriptor of a writable open is expected (see `opened`).
         self._expected: dict[tuple[int, int], list[str]] = {}
+        self._thread_groups: dict[int, tuple[int, float]] = {}  # thread -> (its thread group, when read)
 
     def thread_group(self, pid: int) -> int | None:
         if pid <= 0:  # a process in another pid namespace shows as 0
             return None
+        now = time.monotonic()
+        known = self._thread_groups.get(pid)
+        if known is not None and now - known[1] < THREAD_GROUP_KEPT_S:
+            return known[0]
         try:
-            with open(self._proc / str(pid) / "status", "rb") as f:
+            with open(f"{self._proc}/{pid}/status", "rb") as f:
                 for line in f:
                     if line.startswith(b"Tgid:"):
-                        return int(line.split()[1])
+                        tgid = int(line.split()[1])
+                        self._thread_groups.pop(pid, None)
+                        _bounded_put(self._thread_groups, pid, (tgid, now))
+                        return tgid
         except (OSError, ValueError, IndexError):
             return None
         return None
@@ -167,7 +180,7 @@ class ProcOpeners:
         return found
 
 
-def _bounded_put(table: dict[tuple[int, int], Any], key: tuple[int, int], value: Any) -> None:
+def _bounded_put(table: dict[Any, Any], key: Any, value: Any) -> None:
     table[key] = value
     if len(table) > KNOWN_KEPT:  # (checks also run on worker threads: never raise here)
         with contextlib.suppress(StopIteration, RuntimeError):

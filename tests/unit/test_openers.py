@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from natsfs.openers import ProcOpeners
 
@@ -95,3 +96,40 @@ def test_the_descriptor_of_a_noted_open_is_found_without_a_scan(tmp_path: Path) 
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_thread_group_is_read_once_and_read_again_after_a_while(tmp_path: Path, monkeypatch: Any) -> None:
+    import threading
+
+    import natsfs.openers as openers_module
+
+    openers = ProcOpeners(tmp_path)
+    tids: list[int] = []
+    started, done = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (tids.append(threading.get_native_id()), started.set(), done.wait(10)))
+    worker.start()
+    started.wait(10)
+    try:
+        assert tids[0] != os.getpid() and openers.thread_group(tids[0]) == os.getpid()  # a thread: its process
+    finally:
+        done.set()
+        worker.join()
+    assert openers.thread_group(os.getpid()) == os.getpid()
+    reads: list[str] = []
+    real_open = open
+
+    def counting_open(path: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    assert openers.thread_group(os.getpid()) == os.getpid()
+    assert reads == []  # remembered
+    clock = [0.0]
+    monkeypatch.setattr(openers_module.time, "monotonic", lambda: clock[0])
+    openers._thread_groups.clear()
+    assert openers.thread_group(os.getpid()) == os.getpid()
+    clock[0] += openers_module.THREAD_GROUP_KEPT_S + 0.1
+    assert openers.thread_group(os.getpid()) == os.getpid()
+    assert len(reads) == 2  # read again once it is older than THREAD_GROUP_KEPT_S
+    assert openers.thread_group(0) is None  # another pid namespace
