@@ -24,8 +24,9 @@ acknowledged as a duplicate, while the ids of a refused or abandoned batch are n
 unacknowledged commit is read back and, if not stored, the same batch (same ids) is sent again: stored
 at most once. Other puts keep the nats.go order (`PutSession`).
 
-Small puts: a file of at most one chunk (and `SMALL_PUT_MAX`) is put with two plain publishes (the
-chunk, then, once it is acknowledged, the meta), even where atomic batches are allowed (`_put_small`):
+Small puts: a file of at most one chunk (and `SMALL_PUT_MAX`) is put with two plain publishes, the
+chunk and the meta in one round trip, the meta stored only right after the chunk (`_publish_after`),
+even where atomic batches are allowed (`_put_small`):
 on a file-backed stream the server stages an atomic batch on disk and syncs it, which costs several
 milliseconds per batch against a fraction of one per publish. The put journal covers it like any other put.
 
@@ -74,11 +75,13 @@ from .errors import (
     OutcomeUnknown,
     TooBig,
     Unavailable,
+    WrongLastMsgId,
     single_errors,
 )
 from .retry import Backoff
 from .streams import (
     BATCH_MAX_MSGS,
+    EXPECTED_LAST_MSG_ID,
     EXPECTED_LAST_SUBJECT_SEQ,
     MSG_ID,
     ROLLUP,
@@ -90,6 +93,9 @@ from .streams import (
 )
 
 log = logging.getLogger(__name__)
+
+# A chunk message as published: (subject, payload, headers with its `Nats-Msg-Id`).
+ChunkMsg = tuple[str, bytes, dict[str, str]]
 
 STREAM_PREFIX = "OBJ_"
 DEFAULT_CHUNK_SIZE = 128 * 1024
@@ -454,6 +460,10 @@ def bucket_status(bucket: str, st: StreamState) -> BucketStatus:
     )
 
 
+class _ChunkUnsettled(Unavailable):
+    """(`ObjectStore._publish_after`) Neither the chunk's nor the meta's ack came back."""
+
+
 class ObjectStore:
     """The ADR-20 operations the filesystem uses, over any `Streams`."""
 
@@ -635,10 +645,11 @@ class ObjectStore:
 
     # ---------------------------------------------------------------- writes
     async def publish_meta(self, bucket: str, doc: dict[str, Any], *, expected_revision: int | None = None,
-                           msg_id: str = "", timestamp: bool = True) -> ObjectInfo:
+                           msg_id: str = "", timestamp: bool = True, after: ChunkMsg | None = None) -> ObjectInfo:
         """Publish a meta with `Nats-Rollup: sub` and `Nats-Msg-Id` (`msg_id`, or a fresh one); with
         `expected_revision`, only if the name's meta subject still ends at that sequence (0: never
-        written), else `Conflict`. An ambiguous outcome is settled (see `_publish_settled`)."""
+        written), else `Conflict`. An ambiguous outcome is settled (see `_publish_settled`). With
+        `after`, the version's one chunk goes in the same round trip, right before it (`_publish_after`)."""
         subject = self._meta_subject(bucket, doc["name"])
         data = meta_json(doc)
         self.check_meta_payload(bucket, doc, data)
@@ -646,12 +657,13 @@ class ObjectStore:
         if expected_revision is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_revision)
         return parse_meta(bucket, await self._publish_settled(bucket, subject, data, headers, expected_revision,
-                                                              timestamp=timestamp))
+                                                              timestamp=timestamp, after=after))
 
     async def _publish_settled(self, bucket: str, subject: str, data: bytes, headers: dict[str, str],
-                               expected_revision: int | None, *, timestamp: bool = True) -> StoredMsg:
+                               expected_revision: int | None, *, timestamp: bool = True,
+                               after: ChunkMsg | None = None) -> StoredMsg:
         stored = await self._publish_settled_once(bucket, subject, data, headers, expected_revision,
-                                                  timestamp=timestamp)
+                                                  timestamp=timestamp, after=after)
         self._remember_meta(subject, stored.seq, data)
         return stored
 
@@ -683,19 +695,40 @@ class ObjectStore:
         return await self.get_meta_doc(bucket, name)
 
     async def _publish_settled_once(self, bucket: str, subject: str, data: bytes, headers: dict[str, str],
-                                    expected_revision: int | None, *, timestamp: bool = True) -> StoredMsg:
+                                    expected_revision: int | None, *, timestamp: bool = True,
+                                    after: ChunkMsg | None = None) -> StoredMsg:
         """Publish a meta and know whether it was stored.
 
         No ack (`Unavailable`, `OutcomeUnknown`): the name's meta is read back; our document there is
         success, anything else means "not stored" and the same message (same id) is sent again, until
         `settle_timeout` passes (`OutcomeUnknown`). A `Conflict` after such an attempt is settled the
-        same way: the message in the way may be our own earlier attempt."""
+        same way: the message in the way may be our own earlier attempt. With `after` (the version's
+        one chunk), the first attempt is `_publish_after`; the meta is only ever sent again once the
+        chunk is acknowledged."""
         deadline = trio.current_time() + self.settle_timeout
         backoff = Backoff(timeout=self.settle_timeout)
         ambiguous: NatsFSError | None = None
+        chunk = after
         while True:
             try:
-                seq = await self.streams.publish(subject, data, headers)
+                if after is not None:
+                    after = None
+                    assert chunk is not None
+                    seq = await self._publish_after(chunk, subject, data, headers)
+                else:
+                    seq = await self.streams.publish(subject, data, headers)
+            except WrongLastMsgId:
+                continue  # not stored, and its chunk is acknowledged: the plain publish follows
+            except _ChunkUnsettled as e:
+                # Neither ack came. The chunk is sent again (same id: stored once) before anything else;
+                # if that fails too, its error goes up with the meta's outcome unknown.
+                assert chunk is not None
+                await self.streams.publish_many([chunk], 1)
+                ambiguous = e
+                mine = await self._read_back(bucket, subject, data, expected_revision, deadline, e)
+                if mine is not None:
+                    return mine
+                continue
             except Conflict:
                 if ambiguous is None:
                     raise
@@ -723,6 +756,29 @@ class ObjectStore:
             if stored is not None and stored.seq == seq:
                 return stored
             return StoredMsg(seq, subject, headers, data, time.time_ns())
+
+    async def _publish_after(self, chunk: ChunkMsg, subject: str, data: bytes, headers: dict[str, str]) -> int:
+        """A one-chunk put's meta sent right behind its chunk, both in flight at once: one round trip, as
+        nats.go sends a put's meta without waiting for its chunks' acks. Unlike nats.go's, the meta
+        expects the chunk to be the stream's last message (`Nats-Expected-Last-Msg-Id`: the chunk's id,
+        fresh with its nuid), so the server stores it only right after the chunk: never a meta without
+        its chunk, whatever happens to the chunk. Returns the meta's sequence (stored: so is the chunk);
+        raises the chunk's refusal (then the meta is not stored either), `WrongLastMsgId` (another
+        message came between them; the chunk is acknowledged), `_ChunkUnsettled` (neither ack came),
+        or the meta's own error (the chunk is acknowledged)."""
+        expecting = dict(headers)
+        expecting[EXPECTED_LAST_MSG_ID] = chunk[2][MSG_ID]
+        try:
+            chunk_outcome, meta_outcome = await self.streams.publish_each([chunk, (subject, data, expecting)])
+        except NatsFSError as e:  # (no connection to send on: nothing is known of either)
+            raise _ChunkUnsettled(f"{chunk[0]}: not sent ({e})") from None
+        if isinstance(meta_outcome, int):
+            return meta_outcome
+        if isinstance(chunk_outcome, Unavailable | NotFound):
+            raise _ChunkUnsettled(f"{chunk[0]}: no ack ({chunk_outcome})")
+        if isinstance(chunk_outcome, NatsFSError):
+            raise chunk_outcome
+        raise meta_outcome
 
     async def _read_back(self, bucket: str, subject: str, data: bytes, expected_revision: int | None,
                          deadline: float, cause: NatsFSError) -> StoredMsg | None:
@@ -829,7 +885,8 @@ class ObjectStore:
         session.remote = False
         session.hasher.update(data)
         try:
-            await session.send([data] if data else [])
+            if data:
+                return await session.send_and_commit(data, name, session.hasher.digest(), **commit)
             return await session.commit(name, session.hasher.digest(), **commit)
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -1014,7 +1071,8 @@ class ObjectStore:
                         await session.send(batch)
 
     async def publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
-                                replace_tombstone: bool, msg_id: str = "", *, timestamp: bool = True) -> ObjectInfo:
+                                replace_tombstone: bool, msg_id: str = "", *, timestamp: bool = True,
+                                after: ChunkMsg | None = None) -> ObjectInfo:
         """`publish_meta`; with `replace_tombstone`, a name whose current meta is a tombstone (a deleted
         object) counts as free (`expected_revision` 0) and is replaced at the tombstone's revision
         (expected at once when this store wrote that tombstone itself, else read back after a refusal)."""
@@ -1022,7 +1080,7 @@ class ObjectStore:
         own_tombstone = self._own_tombstone(bucket, doc["name"]) if replace_tombstone and expected_revision == 0 else 0
         try:
             return await self.publish_meta(bucket, doc, expected_revision=own_tombstone or expected_revision,
-                                           msg_id=msg_id, timestamp=timestamp)
+                                           msg_id=msg_id, timestamp=timestamp, after=after)
         except Conflict:
             if not (replace_tombstone and expected_revision == 0):
                 raise
@@ -1273,6 +1331,16 @@ class PutSession:
         await self.store.streams.publish_many(
             [(self.subject, c, {MSG_ID: f"{self.nuid}.{first + i}"}) for i, c in enumerate(batch)], self.window)
 
+    async def send_and_commit(self, data: bytes, name: str, digest: bytes, **commit: Any) -> ObjectInfo:
+        """The last (for a small file: the only) chunk and the meta in one round trip: see
+        `ObjectStore._publish_after`, which never lets the meta be stored without it."""
+        self._log_started()
+        chunk_id = f"{self.nuid}.{self._next_index}"
+        self._next_index += 1
+        self.chunks += 1
+        self.size += len(data)
+        return await self.commit(name, digest, after=(self.subject, bytes(data), {MSG_ID: chunk_id}), **commit)
+
     async def send_file(self, path: str, fd: int, start: int, end: int) -> None:
         """Send bytes [start, end) of a local file as chunks (start is on a chunk boundary)."""
         if end <= start:
@@ -1308,7 +1376,8 @@ class PutSession:
     async def commit(self, name: str, digest: bytes, *, base: dict[str, Any] | None = None,
                      expected_revision: int | None = None, old_nuid: str = "",
                      extra: Callable[[dict[str, Any]], None] | None = None,
-                     replace_tombstone: bool = False, timestamp: bool = True) -> ObjectInfo:
+                     replace_tombstone: bool = False, timestamp: bool = True,
+                     after: ChunkMsg | None = None) -> ObjectInfo:
         self.name = name
         doc = meta_doc(name=name, bucket=self.bucket, nuid=self.nuid, size=self.size, chunks=self.chunks,
                        digest=format_digest(digest), base=base, chunk_size=self.chunk_size)
@@ -1318,7 +1387,8 @@ class PutSession:
         noted = self.store.note_replacing(self.bucket, old_nuid, self.nuid, name)
         try:
             info = await self.store.publish_replacing(self.bucket, doc, expected_revision, replace_tombstone,
-                                                       msg_id=f"{self.nuid}.meta", timestamp=timestamp)
+                                                       msg_id=f"{self.nuid}.meta", timestamp=timestamp,
+                                                       after=after)
         except BaseException as e:
             if isinstance(e, NatsFSError) and not isinstance(e, Unavailable):
                 self.meta_state = _META_REFUSED  # the server said no (or nothing was sent): not stored

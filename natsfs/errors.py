@@ -102,6 +102,14 @@ class OutcomeUnknown(Unavailable):
     connection): the message may or may not be stored. Callers settle it by reading back."""
 
 
+class WrongLastMsgId(NatsFSError):
+    """A publish that expected the stream's last message to be a given one (`Nats-Expected-Last-Msg-Id`)
+    found another there, and was not stored. Internal: the ADR-20 layer then publishes it the plain way."""
+
+    errno = _errno.EAGAIN
+    log_level = logging.DEBUG
+
+
 class NameTooLong(NatsFSError):
     """A path component over 255 bytes, or a meta subject over what the server accepts."""
 
@@ -185,6 +193,7 @@ ERR_ATOMIC_DISABLED = 10174
 # A batch refused because a message id in it was seen within the stream's duplicate window.
 ERR_BATCH_DUPLICATE_ID = 10201
 ERR_WRONG_LAST_SEQUENCE = 10071
+ERR_WRONG_LAST_MSG_ID = 10070  # Nats-Expected-Last-Msg-Id did not match the stream's last message
 ERR_STORE_FAILED = 10077  # the stream refused to store: maximum messages/bytes (per subject) exceeded
 ERR_HEADER_TOO_BIG = 10097
 ERR_STREAM_SEALED = 10109

@@ -32,6 +32,7 @@ from .errors import (
     ERR_STORE_FAILED,
     ERR_STREAM_NOT_FOUND,
     ERR_STREAM_SEALED,
+    ERR_WRONG_LAST_MSG_ID,
     ERR_WRONG_LAST_SEQUENCE,
     ERR_WRONG_LAST_SEQUENCE_CONSTANT,
     Conflict,
@@ -44,6 +45,7 @@ from .errors import (
     ReadOnly,
     TooBig,
     Unavailable,
+    WrongLastMsgId,
 )
 from .retry import Backoff
 from .streams import (
@@ -107,6 +109,8 @@ def map_publish_error(e: JetStreamAPIError, subject: str) -> NatsFSError:
     code = e.err_code
     if code in (ERR_WRONG_LAST_SEQUENCE, ERR_WRONG_LAST_SEQUENCE_CONSTANT):
         return Conflict(f"{subject}: changed by another client ({e.description})")
+    if code == ERR_WRONG_LAST_MSG_ID:
+        return WrongLastMsgId(f"{subject}: not stored, another message came before it ({e.description})")
     if code == ERR_STREAM_SEALED:
         return ReadOnly(f"{subject}: bucket is sealed")
     if code in _NO_SPACE:
@@ -334,6 +338,21 @@ class JetStreams:
             self._observe(r)
             seqs.append(int(r["seq"]))
         return seqs
+
+    async def publish_each(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]]
+                           ) -> list[int | NatsFSError]:
+        """See `Streams.publish_each`: one pipelined send over the connection, in order."""
+        self.calls["publish_each"] += 1
+        outcomes: list[int | NatsFSError] = []
+        for (subject, _, _), r in zip(msgs, await self.bridge.js_publish_many(msgs, len(msgs)), strict=True):
+            if isinstance(r, JetStreamAPIError):
+                outcomes.append(map_publish_error(r, subject))
+            elif isinstance(r, NatsFSError):
+                outcomes.append(r)
+            else:
+                self._observe(r)
+                outcomes.append(int(r["seq"]))
+        return outcomes
 
     async def publish_batch(self, batch_id: str,
                             messages: Callable[[], AsyncIterable[tuple[str, bytes, dict[str, str]]]]) -> int:

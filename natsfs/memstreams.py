@@ -36,14 +36,17 @@ from .errors import (
     Conflict,
     InvalidArgument,
     JetStreamAPIError,
+    NatsFSError,
     NoSpace,
     NotFound,
     OutcomeUnknown,
     ReadOnly,
     Unavailable,
+    WrongLastMsgId,
 )
 from .streams import (
     BATCH_MAX_MSGS,
+    EXPECTED_LAST_MSG_ID,
     EXPECTED_LAST_SUBJECT_SEQ,
     EXPECTED_STREAM,
     MSG_ID,
@@ -114,8 +117,8 @@ def _normalize(config: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Stream:
-    __slots__ = ("by_subject", "bytes", "changed", "config", "created_ns", "deleted", "last_seq", "last_ts",
-                 "msg_ids", "msgs", "name", "watches")
+    __slots__ = ("by_subject", "bytes", "changed", "config", "created_ns", "deleted", "last_msg_id", "last_seq",
+                 "last_ts", "msg_ids", "msgs", "name", "watches")
 
     def __init__(self, config: dict[str, Any], created_ns: int):
         self.name: str = config["name"]
@@ -130,6 +133,7 @@ class _Stream:
         self.changed = trio.Event()
         self.watches: set[MemoryWatch] = set()
         self.msg_ids: dict[str, tuple[int, int]] = {}  # Nats-Msg-Id -> (seq, time stored)
+        self.last_msg_id = ""  # the id of the last message stored ("" for one without), as the server keeps it
 
     def wake(self) -> None:
         changed, self.changed = self.changed, trio.Event()
@@ -306,6 +310,17 @@ class MemoryStreams:
         await self._enter("publish_many")
         return [self._acked(subject, self._publish(subject, bytes(data), headers)) for subject, data, headers in msgs]
 
+    async def publish_each(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]]
+                           ) -> list[int | NatsFSError]:
+        await self._enter("publish_each")
+        outcomes: list[int | NatsFSError] = []
+        for subject, data, headers in msgs:
+            try:
+                outcomes.append(self._acked(subject, self._publish(subject, bytes(data), headers)))
+            except NatsFSError as e:
+                outcomes.append(e)
+        return outcomes
+
     async def publish_batch(self, batch_id: str,
                             messages: Callable[[], AsyncIterable[tuple[str, bytes, dict[str, str]]]]) -> int:
         """An atomic batch as nats-server 2.12+ stores it: nothing is visible before the commit, and the
@@ -349,13 +364,13 @@ class MemoryStreams:
             raise JetStreamAPIError("atomic publish batch contains duplicate message id", code=400,
                                     err_code=ERR_BATCH_DUPLICATE_ID)
         saved = (dict(st.msgs), {k: list(v) for k, v in st.by_subject.items()}, st.last_seq, st.last_ts, st.bytes,
-                 dict(st.msg_ids))
+                 dict(st.msg_ids), st.last_msg_id)
         seq = 0
         try:
             for subj, data, headers in received:
                 seq = self._publish(subj, data, headers)
         except BaseException:
-            st.msgs, st.by_subject, st.last_seq, st.last_ts, st.bytes, st.msg_ids = saved
+            st.msgs, st.by_subject, st.last_seq, st.last_ts, st.bytes, st.msg_ids, st.last_msg_id = saved
             raise
         return self._acked(subject, seq)
 
@@ -381,6 +396,8 @@ class MemoryStreams:
             last = seqs[-1] if seqs else 0
             if int(h[EXPECTED_LAST_SUBJECT_SEQ]) != last:
                 raise Conflict(f"{subject}: wrong last sequence: {last}")
+        if EXPECTED_LAST_MSG_ID in h and h[EXPECTED_LAST_MSG_ID] != st.last_msg_id:
+            raise WrongLastMsgId(f"{subject}: wrong last msg ID: {st.last_msg_id}")
         msg_id = h.get(MSG_ID)
         window = int(cfg.get("duplicate_window", 120 * 10**9))
         if msg_id:
@@ -412,6 +429,7 @@ class MemoryStreams:
         st.msgs[seq] = StoredMsg(seq, subject, headers, data, st.last_ts)
         st.by_subject.setdefault(subject, []).append(seq)
         st.bytes += size
+        st.last_msg_id = msg_id or ""
         if msg_id:
             st.msg_ids[msg_id] = (seq, st.last_ts)
             while st.msg_ids:  # forget ids past the window (the oldest come first)

@@ -14,10 +14,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
+from .errors import NatsFSError
+
 # Header names used on the wire.
 ROLLUP = "Nats-Rollup"
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 EXPECTED_STREAM = "Nats-Expected-Stream"
+# Stored only if the stream's last message carries this `Nats-Msg-Id` (any message stored without an id
+# clears it; a duplicate leaves it as it was). Verified on nats-server 2.15: checked after the
+# expected-subject-sequence header, refused with err_code 10070.
+EXPECTED_LAST_MSG_ID = "Nats-Expected-Last-Msg-Id"
 # JetStream de-duplication: a message whose id the stream saw within its duplicate window is not stored
 # again (the ack says `duplicate`). Checked after the expected-sequence headers.
 MSG_ID = "Nats-Msg-Id"
@@ -128,6 +134,11 @@ class Streams(Protocol):
 
     async def publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]],
                            window: int = 32) -> list[int]: ...
+
+    async def publish_each(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]]
+                           ) -> list[int | NatsFSError]:
+        """Publish `msgs` in this order, all in flight at once, and return each one's outcome (its
+        sequence, or the error it got: `Unavailable` when no ack came) without sending any again."""
 
     async def purge_subject(self, stream: str, subject: str, *, before_seq: int = 0) -> None:
         """Remove the messages on `subject` (a filter); with `before_seq`, only those below that sequence."""

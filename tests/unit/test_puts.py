@@ -3,18 +3,20 @@ and bounded purges, over MemoryStreams."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 
 import pytest
 import trio
 from gowriters import put_object
 
-from natsfs.adr20 import BytesSource, ObjectInfo, ObjectStore, chunk_subject, meta_subject, stream_name
-from natsfs.errors import BadName, Conflict, NameTooLong, OutcomeUnknown, TooBig, Unavailable
+from natsfs.adr20 import BytesSource, ObjectInfo, ObjectStore, chunk_subject, format_digest, meta_subject, stream_name
+from natsfs.errors import BadName, Conflict, NameTooLong, NoSpace, OutcomeUnknown, TooBig, Unavailable
 from natsfs.index import BucketIndex
 from natsfs.memstreams import MemoryStreams
 from natsfs.staging import PutJournal
-from natsfs.streams import MSG_ID
+from natsfs.streams import EXPECTED_LAST_MSG_ID, MSG_ID
 
 
 def info(name: str, nuid: str, revision: int, *, deleted: bool = False) -> ObjectInfo:
@@ -163,5 +165,112 @@ def test_names_are_checked_before_anything_is_sent():
             await store.update_meta("b", (await put_object(ms, "b", "m", b"x")).name,
                                     lambda doc: doc.update(description="d" * 900))
         assert json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "m"))).data).get("description") is None
+
+    run(body)
+
+
+# ---------------------------------------------------------------- one-chunk puts in one round trip
+async def _put_small_file(store: ObjectStore, tmp_path, name: str, data: bytes, **kw) -> ObjectInfo:  # type: ignore[no-untyped-def]
+    path = tmp_path / f"spool-{name}"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return await store.put_file("b", name, str(path), fd, len(data), chunk_size=1024, **kw)
+    finally:
+        os.close(fd)
+
+
+def _layout(ms: MemoryStreams) -> list[tuple[str, str]]:
+    return [(m.subject, (m.headers or {}).get(MSG_ID, "")) for m in ms.messages(stream_name("b"))]
+
+
+async def _stored(ms: MemoryStreams, store: ObjectStore, name: str) -> bytes:
+    """The object's bytes from its chunks, checked against its meta (size, count, digest)."""
+    info = await store.get_info("b", name)
+    assert info is not None
+    chunks = [m.data for m in ms.messages(stream_name("b")) if m.subject == chunk_subject("b", info.nuid)]
+    data = b"".join(chunks)
+    assert (len(chunks), len(data)) == (info.chunks, info.size)
+    assert info.digest == format_digest(hashlib.sha256(data).digest())
+    return data
+
+
+def test_a_one_chunk_put_sends_its_meta_with_its_chunk_expecting_it(tmp_path):
+    async def body(ms: MemoryStreams, store: ObjectStore) -> None:
+        got = await _put_small_file(store, tmp_path, "f", b"small file", expected_revision=0)
+        assert ms.calls["publish_each"] == 1 and ms.calls["publish"] == ms.calls["publish_many"] == 0
+        msgs = ms.messages(stream_name("b"))
+        assert [m.subject for m in msgs] == [chunk_subject("b", got.nuid), meta_subject("b", "f")]
+        assert msgs[1].headers[EXPECTED_LAST_MSG_ID] == msgs[0].headers[MSG_ID] == f"{got.nuid}.0"
+        assert await _stored(ms, store, "f") == b"small file"
+
+    run(body)
+
+
+def test_another_message_between_chunk_and_meta_refuses_the_meta_which_follows_plainly(tmp_path):
+    async def body(ms: MemoryStreams, store: ObjectStore) -> None:
+        real = ms._publish
+
+        def foreign_first(subject, data, headers):  # type: ignore[no-untyped-def]
+            if headers and EXPECTED_LAST_MSG_ID in headers:  # another client's publish lands in between
+                real("$O.b.C.someone-else", b"theirs", {MSG_ID: "x.0"})
+            return real(subject, data, headers)
+
+        ms._publish = foreign_first  # type: ignore[method-assign]
+        got = await _put_small_file(store, tmp_path, "f", b"mine", expected_revision=0)
+        ms._publish = real  # type: ignore[method-assign]
+        assert ms.calls["publish_each"] == 1 and ms.calls["publish"] == 1
+        subjects = [s for s, _ in _layout(ms)]
+        assert subjects == [chunk_subject("b", got.nuid), "$O.b.C.someone-else", meta_subject("b", "f")]
+        assert await _stored(ms, store, "f") == b"mine"
+
+    run(body)
+
+
+def test_a_refused_chunk_leaves_no_meta(tmp_path):
+    async def body(ms: MemoryStreams, store: ObjectStore) -> None:
+        ms.fail_next("publish", NoSpace("full"), subject="$O.b.C.>")
+        with pytest.raises(NoSpace):
+            await _put_small_file(store, tmp_path, "f", b"no room", expected_revision=0)
+        assert _layout(ms) == []  # neither the chunk nor the meta that expected it
+        assert (ms.calls["publish_each"], ms.calls["publish"], ms.calls["publish_many"]) == (1, 0, 0)
+        assert await store.get_info("b", "f") is None
+
+    run(body)
+
+
+def test_both_acks_lost_sends_the_chunk_again_and_reads_the_meta_back(tmp_path):
+    async def body(ms: MemoryStreams, store: ObjectStore) -> None:
+        ms.lose_next_ack(times=2)  # both stored, neither acknowledged
+        got = await _put_small_file(store, tmp_path, "f", b"twice asked", expected_revision=0)
+        assert _layout(ms) == [(chunk_subject("b", got.nuid), f"{got.nuid}.0"),
+                               (meta_subject("b", "f"), f"{got.nuid}.meta")]  # each stored once
+        assert await _stored(ms, store, "f") == b"twice asked"
+        # The chunk sent again (a duplicate), then the meta read back: ours, not sent again.
+        assert (ms.calls["publish_each"], ms.calls["publish_many"], ms.calls["publish"]) == (1, 1, 0)
+        assert ms.calls["last_msg"] >= 1
+
+    run(body)
+
+
+def test_a_chunk_lost_on_the_way_is_sent_again_before_any_meta(tmp_path):
+    async def body(ms: MemoryStreams, store: ObjectStore) -> None:
+        ms.fail_next("publish", OutcomeUnknown("cut off"), subject="$O.b.C.>")  # not stored, no ack
+        got = await _put_small_file(store, tmp_path, "f", b"late chunk", expected_revision=0)
+        assert _layout(ms) == [(chunk_subject("b", got.nuid), f"{got.nuid}.0"),
+                               (meta_subject("b", "f"), f"{got.nuid}.meta")]
+        assert await _stored(ms, store, "f") == b"late chunk"
+        assert (ms.calls["publish_each"], ms.calls["publish_many"], ms.calls["publish"]) == (1, 1, 1)
+
+    run(body)
+
+
+def test_no_server_at_all_leaves_the_meta_unknown_and_never_sends_it_alone(tmp_path):
+    async def body(ms: MemoryStreams, store: ObjectStore) -> None:
+        ms.fail_next("publish", OutcomeUnknown("away"), times=1000)
+        ms.fail_next("last_msg", Unavailable("away"), times=1000)
+        with pytest.raises(Unavailable):
+            await _put_small_file(store, tmp_path, "f", b"nowhere", expected_revision=0)
+        assert _layout(ms) == []
 
     run(body)
