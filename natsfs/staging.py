@@ -346,12 +346,14 @@ class StagedFile:
         self.in_memory = False
         self._memory_charge = 0
         self._memory_limit = 0
+        self._spool_file_made = True  # False while a file born in memory has never had one
         if spool_file is None and memory_limit and spool.memory_used + _PAGE <= MEMORY_STAGED_MAX:
             # Born in memory (a new file in write-back mode, see `Spool.create_in_memory`): a spool
             # file of this name is made only if it grows past `memory_limit` or a path is needed.
             self.fd, self.spool_path = spool.create_in_memory()
             self.size = 0
             self.in_memory = True
+            self._spool_file_made = False
             self._memory_limit = memory_limit
         elif spool_file is None:
             self.fd, self.spool_path = spool.create()
@@ -433,6 +435,7 @@ class StagedFile:
         data = self.read_all()
         try:
             fd = os.open(self.spool_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            self._spool_file_made = True
         except OSError as e:  # (a full or read-only local disk: the bytes stay in memory)
             raise _spool_write_error(e) from None
         try:
@@ -714,7 +717,8 @@ class StagedFile:
         self._to(WriteState.DISCARDED)
         with contextlib.suppress(OSError):
             os.close(self.fd)
-        self.spool_path.unlink(missing_ok=True)
+        if self._spool_file_made:
+            self.spool_path.unlink(missing_ok=True)
         self.spool.charge(self.size, 0)
         if self.in_memory:
             self._leave_memory()

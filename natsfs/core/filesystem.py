@@ -664,11 +664,13 @@ class Filesystem:
         if parent.kind not in (ROOT, BUCKET, DIR):
             raise NotADirectory("/".join(path[:-1]))
         ino = self.inodes.lookup(path)
-        # In write-back mode a new file starts in memory: closed at up to INLINE_BYTES, its journal
-        # record holds its bytes and it never needs a spool file (see core/writeback.py).
+        # A new file starts in memory and needs a spool file only if it grows past INLINE_BYTES: closed
+        # before that, it is put from memory (or, in write-back mode, its journal record holds its
+        # bytes, see core/writeback.py). Creating a spool file, and removing it after the upload, was
+        # about a tenth of each file of `tar -x` without write-back.
         sf = StagedFile(self.staging.spool, ino=ino, path=path, bucket=bucket, name="/".join(rel), base=None,
                         attrs=PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None), new=True,
-                        memory_limit=INLINE_BYTES if self.writeback is not None else 0)
+                        memory_limit=INLINE_BYTES)
         self.staging.add(sf)
         self._entries_changed(path[:-1])
         node = self._staged_node(sf)
