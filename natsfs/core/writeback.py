@@ -6,7 +6,7 @@ are copied in completely; a small file's bytes go into its journal record itself
 spool file is fsynced first; then the record is appended and fsynced. Records of closes that arrive
 while a sync runs are written and synced together by the next one (group commit: the first close to
 find no sync running leads, the others wait for its result), so N concurrent closes cost far fewer
-than N syncs (a sync runs on the trio thread while syncs are quick: `SYNC_SLOW_S`). The file joins the
+than N syncs (each sync runs on a worker thread: the trio thread never waits for the disk). The file joins the
 queue. `run` starts queued uploads in the order of their latest close, once a burst of closes has
 paused (`BURST_QUIET_S`; or its backlog is full), up to `UPLOADS_AT_ONCE` at a time (never two of one
 name at once), through the core's ordinary upload (same conflict check, same put journal): a newer
