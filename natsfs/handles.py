@@ -29,6 +29,7 @@ class FileHandle:
     info: ObjectInfo
     writable: bool = False
     opener: int | None = None  # the thread group that opened it for writing, if known (openers.py)
+    opener_located: bool = False  # its descriptor looked for at the first write (`Openers.located`)
     next_offset: int = 0
     readahead: int = 0
 

@@ -12,11 +12,12 @@ A process with hundreds of descriptors (a JVM) costs a millisecond or more to sc
 closes each of its files several times (once per `chmod` child it spawns). So a scan remembers which
 descriptors of the thread group held the inode for writing, and later checks of that (process, inode)
 read only those descriptors' fdinfo: one still naming the inode, writable, means it is held; none
-means it is not, without another scan. The first check
-after a writable open usually needs no scan either: the descriptor is expected in the lowest slot
-that was free when the open was answered (`opened`). The shortcut can only err towards "not held" (the opener
-`dup`ed its descriptor and closed the original, or opened the inode twice for writing): that close
-then stores, as a close without this check would.
+means it is not, without another scan. The first check after a writable open usually needs no
+scan either: the descriptor is expected in the lowest slot that was free when the open was answered
+(`opened`), and the first write through it finds it there (`located`), so even the opener's own
+close, which finds it gone, costs one fdinfo read. The shortcut can only err towards "not held" (the
+opener `dup`ed its descriptor and closed the original, or opened the inode twice for writing): that
+close then stores, as a close without this check would.
 
 Everything here reads procfs only (never the mountpoint itself: `/proc/PID/fdinfo/N` names the inode
 and mount without a FUSE request). When the answer cannot be read (the process is gone, another pid
@@ -46,6 +47,10 @@ class Openers(Protocol):
 
     def opened(self, tgid: int, ino: int) -> None:
         """Process `tgid` is being given a descriptor for writing on inode `ino`."""
+
+    def located(self, tgid: int, ino: int) -> None:
+        """A write through a descriptor of `tgid`'s open of inode `ino` is being served (the descriptor
+        is surely installed now): remember where it is, if that is cheap to find."""
 
     def still_holds(self, tgid: int, ino: int, max_fds: int | None = None) -> bool | None:
         """Whether process `tgid` still has a descriptor open for writing on inode `ino` of this mount;
@@ -142,6 +147,23 @@ class ProcOpeners:
             return
         free = (str(n) for n in itertools.count() if n not in used)
         _bounded_put(self._expected, (tgid, ino), list(itertools.islice(free, SLOTS_GUESSED)))
+
+    def located(self, tgid: int, ino: int) -> None:
+        """At the first write through a writable open, its descriptor is in one of the slots `opened`
+        noted (no scan here: a miss leaves the guesses for the first check). Remembered where it is,
+        the opener's own close (whose descriptor the kernel removed before the flush) then costs one
+        fdinfo read instead of the guesses and a scan."""
+        key = (tgid, ino)
+        guesses = self._expected.get(key)
+        if guesses is None or key in self._known:
+            return
+        fdinfo = f"{self._proc}/{tgid}/fdinfo/"
+        if self._mnt_id is None:
+            self._mnt_id = _mount_id(self._mountpoint)
+        found = next((fd for fd in guesses if self._writes_to(fdinfo + fd, ino)), None)
+        if found is not None:
+            del self._expected[key]
+            self._remember(key, [found])
 
     def _remember(self, key: tuple[int, int], fds: list[str]) -> None:
         _bounded_put(self._known, key, fds)

@@ -695,6 +695,9 @@ class Filesystem:
         handle = self._file_handle(fh)
         if not handle.writable:
             raise NatsFSError("file not open for writing", errno=errno.EBADF)
+        if handle.opener is not None and not handle.opener_located:
+            handle.opener_located = True
+            self.openers.located(handle.opener, handle.ino)
         sf = self.staging.get(handle.ino)
         if sf is None or sf.ended:
             sf = self._stage(handle.ino, await self._version_of(handle))

@@ -390,6 +390,9 @@ class FakeOpeners:
     def opened(self, tgid: int, ino: int) -> None:
         pass
 
+    def located(self, tgid: int, ino: int) -> None:
+        pass
+
     def still_holds(self, tgid: int, ino: int, max_fds: int | None = None) -> bool | None:
         return tgid in self.holding
 

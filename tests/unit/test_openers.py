@@ -84,6 +84,14 @@ def test_the_descriptor_of_a_noted_open_is_found_without_a_scan(tmp_path: Path) 
         assert openers.still_holds(child.pid, ino, max_fds=64) is True
         ask(f"close {fd}")
         assert openers.still_holds(child.pid, ino, max_fds=64) is False
+        # Located at its first write: the close that removed it is then told by one fdinfo read (with
+        # max_fds=64 a scan of the child's 100+ descriptors would answer None).
+        openers.opened(child.pid, ino)
+        fd = ask(f"open {path}")
+        openers.located(child.pid, ino)
+        assert openers._known[(child.pid, ino)] == [fd]
+        ask(f"close {fd}")
+        assert openers.still_holds(child.pid, ino, max_fds=64) is False
         # Not where noted (the slots were taken meanwhile): the scan decides.
         openers.opened(child.pid, ino)
         squatters = [ask("open /dev/null") for _ in range(10)]
