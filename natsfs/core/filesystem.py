@@ -831,6 +831,7 @@ class Filesystem:
         finally:
             with trio.move_on_after(DIR_TIME_MAX_S):
                 await self._store_pending_dir_times()
+            self.mut.journal.flush()
 
     async def _store_pending_dir_times(self) -> None:
         for directory in list(self._dir_times_pending):

@@ -204,6 +204,7 @@ def test_puts_left_by_a_killed_daemon_are_cleaned_at_the_next_mount(ops_env, tmp
         assert chunk_msgs(env, "orphanNUID") == 0
         assert await stored(env, "done") == DATA
         assert not env.fs.mut.journal.pending
+        env.fs.mut.journal.flush()  # (closing lines wait for the next record, or the unmount)
         assert PutJournal(journal_path).pending == {}
 
     journal_path.parent.mkdir(parents=True)

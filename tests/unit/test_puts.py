@@ -48,6 +48,45 @@ def test_journal_keeps_open_records_across_runs_and_ignores_a_torn_line(tmp_path
     assert PutJournal(path).pending == {}
 
 
+def test_journal_writes_a_closing_line_with_the_next_record(tmp_path, monkeypatch):
+    import natsfs.staging as staging_module
+
+    writes: list[bytes] = []
+    real_write = os.write
+
+    def counting_write(fd: int, data: bytes) -> int:
+        writes.append(bytes(data))
+        return real_write(fd, data)
+
+    j = PutJournal(tmp_path / "puts.journal")
+    monkeypatch.setattr(staging_module.os, "write", counting_write)
+    j.started("b", "N1", "one")
+    j.finished("b", "N1")  # held back ...
+    assert len(writes) == 1
+    j.started("b", "N2", "two")  # ... and written with the next record: one write for both
+    assert len(writes) == 2 and writes[1].count(b"\n") == 2
+    j.finished("b", "N2")
+
+    def open_in_file() -> set[str]:  # (what a run after a killed daemon would find open)
+        opened: set[str] = set()
+        for line in (tmp_path / "puts.journal").read_text().splitlines():
+            rec = json.loads(line)
+            (opened.add if rec["op"] == "+" else opened.discard)(rec["n"])
+        return opened
+
+    # A killed daemon loses the held-back line: the next run only checks that put again.
+    assert open_in_file() == {"N2"}
+    j.flush()  # (unmounting)
+    assert open_in_file() == set()
+    for i in range(staging_module._CLOSES_HELD):
+        j.started("b", f"M{i}", "m")
+    before = len(writes)
+    for i in range(staging_module._CLOSES_HELD):
+        j.finished("b", f"M{i}")
+    assert len(writes) == before + 1  # never more than _CLOSES_HELD wait
+    assert open_in_file() == set()
+
+
 def test_journal_compacts_while_running(tmp_path, monkeypatch):
     import natsfs.staging as staging
 
