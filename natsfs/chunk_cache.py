@@ -453,14 +453,17 @@ class ChunkCache:
                 await _finished(self._hash_last)
         if readahead > 0 and end < layout.read_end - readahead:
             layout.read_end = 0  # a sequential reader far behind the furthest one: another one, or it started over
-        if readahead > 0 and end >= layout.read_end:
-            # A sequential reader is past these chunks: they are the first to go (see `ChunkLRU`). (A read
-            # a little behind the furthest one, such as the kernel reading a page again that it dropped,
-            # changes nothing: the readahead beyond it is under way already.)
-            layout.read_end = end
+        if readahead > 0:
+            # A sequential reader is past these chunks (the kernel's page cache holds them now): they are
+            # the first to go (see `ChunkLRU`), also when the kernel's requests come a little out of
+            # order and this one is behind the furthest (its chunks stayed cached for good before).
             for idx in range(first, last + 1 if layout.ends[last] <= end else last):
                 self._data.demote(self._key(info, layout, idx))
-            self._prefetch(info, layout, last + 1, min(end + readahead, info.size))
+            if end >= layout.read_end:
+                # (A read a little behind the furthest one, such as the kernel reading a page again that
+                # it dropped, changes nothing else: the readahead beyond it is under way already.)
+                layout.read_end = end
+                self._prefetch(info, layout, last + 1, min(end + readahead, info.size))
         if end == info.size and layout.verdict is None:
             await self._verify(info, layout)
         base = layout.start_of(first)
