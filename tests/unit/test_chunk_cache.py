@@ -1022,3 +1022,33 @@ def test_allocator_keeps_chunk_buffers_on_the_heap() -> None:
     from natsfs.memory import keep_freed_buffers
 
     assert keep_freed_buffers() is True  # glibc (the supported platform) takes both settings
+
+
+@pytest.mark.expect_log("digest mismatch: meta says SHA-256=")
+def test_a_streamed_read_with_requests_out_of_order_keeps_little_and_still_checks_the_digest(monkeypatch):
+    """The kernel's readahead requests come a little out of order: every chunk a sequential reader has
+    had goes to the small passed tier (also those of a request behind the furthest one), and the chunks
+    still pass through the digest check in order."""
+    import natsfs.chunk_cache as chunk_cache_module
+
+    monkeypatch.setattr(chunk_cache_module, "PASSED_BYTES", 256 * KiB)
+    sizes = [64 * KiB] * 32
+    data = blob(sum(sizes))
+    step = 128 * KiB
+
+    async def body(ms, store, cache):
+        for name, digest in (("good", None), ("bad", digest_of(b"x"))):
+            info = await put_object(ms, "b", name, data, chunk_sizes=sizes, digest=digest)
+            offsets = list(range(0, len(data), step))
+            for i in range(0, len(offsets) - 1, 2):  # each pair of requests swapped
+                offsets[i], offsets[i + 1] = offsets[i + 1], offsets[i]
+            last = offsets.pop(offsets.index(len(data) - step))  # the end last: it settles the check
+            for off in [*offsets, last]:
+                if name == "bad" and off == last:
+                    with pytest.raises(Corrupt):
+                        await cache.read(info, off, step, readahead=512 * KiB)
+                else:
+                    assert await cache.read(info, off, step, readahead=512 * KiB) == data[off : off + step]
+                assert cache.cached_bytes <= 256 * KiB + 512 * KiB + 2 * step  # passed tier + readahead
+
+    run(body, batch_bytes=128 * KiB)
