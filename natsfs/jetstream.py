@@ -330,29 +330,28 @@ class JetStreams:
             for i, r in zip(again, retried, strict=True):
                 results[i] = r
         seqs: list[int] = []
-        for subject_data, r in zip(msgs, results, strict=True):
-            if isinstance(r, JetStreamAPIError):
-                raise map_publish_error(r, subject_data[0])
-            if isinstance(r, NatsFSError):
-                raise r
-            self._observe(r)
-            seqs.append(int(r["seq"]))
+        for (subject, _, _), r in zip(msgs, results, strict=True):
+            outcome = self._outcome(subject, r)
+            if isinstance(outcome, NatsFSError):
+                raise outcome
+            seqs.append(outcome)
         return seqs
+
+    def _outcome(self, subject: str, result: dict[str, Any] | NatsFSError) -> int | NatsFSError:
+        """A publish's sequence (its ack noted), or the domain error it got."""
+        if isinstance(result, JetStreamAPIError):
+            return map_publish_error(result, subject)
+        if isinstance(result, NatsFSError):
+            return result
+        self._observe(result)
+        return int(result["seq"])
 
     async def publish_each(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]]
                            ) -> list[int | NatsFSError]:
         """See `Streams.publish_each`: one pipelined send over the connection, in order."""
         self.calls["publish_each"] += 1
-        outcomes: list[int | NatsFSError] = []
-        for (subject, _, _), r in zip(msgs, await self.bridge.js_publish_many(msgs, len(msgs)), strict=True):
-            if isinstance(r, JetStreamAPIError):
-                outcomes.append(map_publish_error(r, subject))
-            elif isinstance(r, NatsFSError):
-                outcomes.append(r)
-            else:
-                self._observe(r)
-                outcomes.append(int(r["seq"]))
-        return outcomes
+        results = await self.bridge.js_publish_many(msgs, len(msgs))
+        return [self._outcome(subject, r) for (subject, _, _), r in zip(msgs, results, strict=True)]
 
     async def publish_batch(self, batch_id: str,
                             messages: Callable[[], AsyncIterable[tuple[str, bytes, dict[str, str]]]]) -> int:

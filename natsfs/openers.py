@@ -108,33 +108,44 @@ class ProcOpeners:
         return None
 
     def still_holds(self, tgid: int, ino: int, max_fds: int | None = None) -> bool | None:
-        if self._mnt_id is None:
-            self._mnt_id = _mount_id(self._mountpoint)
-        fdinfo = f"{self._proc}/{tgid}/fdinfo/"  # (plain strings: this runs at every close of a writer)
         key = (tgid, ino)
         known = self._known.pop(key, None)
         if known is None:
             guesses = self._expected.pop(key, None)
             if guesses is not None:
-                found = next((fd for fd in guesses if self._writes_to(fdinfo + fd, ino)), None)
-                if found is not None:
-                    self._remember(key, [found])
+                found = self._holding(tgid, ino, guesses, first_only=True)
+                if found:
+                    self._remember(key, found)
                     return True
         if known is not None:
-            held = [fd for fd in known if self._writes_to(fdinfo + fd, ino)]
+            held = self._holding(tgid, ino, known)
             if held:
                 self._remember(key, held)
             return bool(held)
         try:
-            fds = os.listdir(fdinfo)
+            fds = os.listdir(f"{self._proc}/{tgid}/fdinfo/")
         except OSError:
             return False
         if max_fds is not None and len(fds) > max_fds:
             return None
-        held = [fd for fd in self._in_this_mount(tgid, fds) if self._writes_to(fdinfo + fd, ino)]
+        held = self._holding(tgid, ino, self._in_this_mount(tgid, fds))
         if held:
             self._remember(key, held)
         return bool(held)
+
+    def _holding(self, tgid: int, ino: int, fds: list[str], *, first_only: bool = False) -> list[str]:
+        """Those of `fds` (descriptor numbers of `tgid`) open for writing on inode `ino` of this mount;
+        with `first_only`, at most the first one found."""
+        if self._mnt_id is None:
+            self._mnt_id = _mount_id(self._mountpoint)
+        fdinfo = f"{self._proc}/{tgid}/fdinfo/"  # (plain strings: this runs at every close of a writer)
+        held = []
+        for fd in fds:
+            if self._writes_to(fdinfo + fd, ino):
+                held.append(fd)
+                if first_only:
+                    break
+        return held
 
     def opened(self, tgid: int, ino: int) -> None:
         """Note the lowest free descriptor numbers of `tgid`: the kernel reserves the lowest free slot
@@ -157,13 +168,10 @@ class ProcOpeners:
         guesses = self._expected.get(key)
         if guesses is None or key in self._known:
             return
-        fdinfo = f"{self._proc}/{tgid}/fdinfo/"
-        if self._mnt_id is None:
-            self._mnt_id = _mount_id(self._mountpoint)
-        found = next((fd for fd in guesses if self._writes_to(fdinfo + fd, ino)), None)
-        if found is not None:
+        found = self._holding(tgid, ino, guesses, first_only=True)
+        if found:
             del self._expected[key]
-            self._remember(key, [found])
+            self._remember(key, found)
 
     def _remember(self, key: tuple[int, int], fds: list[str]) -> None:
         _bounded_put(self._known, key, fds)
