@@ -17,7 +17,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from . import memory, sdnotify
+from . import affinity, memory, sdnotify
 from .bridge import Bridge
 from .compose import build_filesystem
 from .config import Config
@@ -68,6 +68,8 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
     # time; the default 5 ms switch interval makes each FUSE request wait behind a NATS burst.
     sys.setswitchinterval(SWITCH_INTERVAL)
     memory.keep_freed_buffers()
+    if config.cpus == "one":
+        affinity.share_one_cpu()
     embedded: EmbeddedServer | None = None
     servers = list(config.servers)
     if not servers:

@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from . import affinity
 from .errors import Unavailable
 from .secrecy import child_environment
 
@@ -84,6 +85,7 @@ class NatsServer:
         with open(self.log_file, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, close_fds=True, env=child_environment())
+        affinity.release(self.proc.pid)
         deadline = time.monotonic() + timeout
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
         while time.monotonic() < deadline:

@@ -23,6 +23,7 @@ from typing import Any
 
 import trio
 
+from . import affinity
 from .auth import Connection
 from .errors import JetStreamAPIError, NatsFSError, OutcomeUnknown, Unavailable
 from .jetstream import map_publish_error
@@ -45,6 +46,7 @@ class UploadWorker:
             self._proc = await trio.lowlevel.open_process(
                 [sys.executable, "-I", "-m", "natsfs.bridge", "upload-worker"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=child_environment())
+            affinity.release(self._proc.pid)  # it hashes beside the daemon, on the other CPUs
             assert self._proc.stdin is not None
             await self._proc.stdin.send_all(self.connection.to_json().encode() + b"\n")
         except (OSError, trio.BrokenResourceError) as e:

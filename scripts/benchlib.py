@@ -380,6 +380,25 @@ async def raw_direct_get(nc: Any, bucket: str, nuid: str, *, batch: int = 64, ch
     return state["bytes"], state["n"], requests, elapsed
 
 
+async def raw_single_gets(nc: Any, bucket: str, nuid: str, chunk_indexes: Sequence[int],
+                          timeout: float = 30.0) -> list[float]:
+    """One direct get per chunk index, one at a time (what a random read costs any client): the
+    latency of each in ms. The chunks' sequences are taken as consecutive from the first one (as
+    `publish_object` lays them out); each reply's subject is checked."""
+    api = f"$JS.API.DIRECT.GET.OBJ_{bucket}"
+    subject = f"$O.{bucket}.C.{nuid}"
+    first = await nc.request(api, json.dumps({"seq": 1, "next_by_subj": subject}).encode(), timeout=timeout)
+    base = int(first.headers["Nats-Sequence"])
+    lat = []
+    for index in chunk_indexes:
+        t0 = time.perf_counter()
+        msg = await nc.request(api, json.dumps({"seq": base + index}).encode(), timeout=timeout)
+        lat.append((time.perf_counter() - t0) * 1000)
+        if (msg.headers or {}).get("Nats-Subject") != subject:
+            raise RuntimeError(f"chunk {index} is not at sequence {base + index}")
+    return lat
+
+
 # ---------------------------------------------------------------------------------------------- other clients
 class Publisher:
     """Another client that stays connected: a nats-py connection on its own asyncio thread, so changes

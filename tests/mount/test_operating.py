@@ -214,3 +214,46 @@ def test_type_notify_ready_only_once_mounted_and_stopping_on_sigterm(private_ser
     assert "received SIGTERM: unmounting" in stderr and " ERROR " not in stderr
     assert not _daemons(mp) or wait_for(lambda: not _daemons(mp), 20)
     assert nats_py_get(url, "b1", "f.txt") == b"stored before the stop"
+
+
+def _allowed_cpus(status_path: str) -> str:
+    with open(status_path) as f:
+        return next(line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list:"))
+
+
+def _children(pid: int) -> dict[str, int]:
+    """The daemon's child processes by role (upload worker, kernel notifier)."""
+    found = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as g:
+                    cmdline = g.read()
+                role = "worker" if b"upload-worker" in cmdline else "notifier" if b"natsfs.notifier" in cmdline else ""
+                if role:
+                    found[role] = int(child)
+    return found
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_daemon_threads_share_one_cpu_and_the_upload_worker_keeps_all(private_server, mounter):
+    """--cpus one (the default): every thread of the daemon and its notifier child on one CPU, the
+    upload worker on all of the daemon's original CPUs; --cpus any leaves every thread on all."""
+    everything = _allowed_cpus("/proc/self/status")
+    create_bucket(private_server.url, "cpu")
+    for args, expect_one in (((), True), (("--cpus", "any"), False)):
+        m = mounter(private_server.url, *args)
+        (m / "cpu" / "f.bin").write_bytes(b"x" * 300_000)  # starts the helper threads too
+        assert nats_py_get(private_server.url, "cpu", "f.bin") == b"x" * 300_000
+        assert m.proc is not None
+        pid = m.proc.pid
+        threads = {_allowed_cpus(f"/proc/{pid}/task/{t}/status") for t in os.listdir(f"/proc/{pid}/task")}
+        children = _children(pid)
+        assert set(children) == {"worker", "notifier"}, children
+        if expect_one:
+            assert len(threads) == 1 and threads.pop().isdigit(), threads
+            assert _allowed_cpus(f"/proc/{children['notifier']}/status").isdigit()
+        else:
+            assert threads == {everything}
+        assert _allowed_cpus(f"/proc/{children['worker']}/status") == everything
+        m.stop()
