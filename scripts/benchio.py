@@ -18,7 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchlib import CpuMeter, KiB, MiB, RssSampler, Table, Target, drop_page_cache, log, mib_per_s, safe_ratio
+from benchlib import (
+    CpuMeter,
+    KiB,
+    MiB,
+    RssSampler,
+    Table,
+    Target,
+    drop_page_cache,
+    log,
+    mib_per_s,
+    raw_direct_get,
+    run_nats,
+    safe_ratio,
+)
 
 BUCKET = "bench"
 
@@ -73,6 +86,15 @@ def parallel_readers(ctx: Any, t: Table) -> None:
     total = sum(s.size for s in specs)
     chunks = sum(s.chunks for s in specs)
     cache = "64MiB"
+    # As for the raw baseline (read just before it is timed), the server has these objects' message
+    # blocks in memory: one raw pass over each first. A block loaded from disk costs the server about
+    # twice the CPU per MiB, whoever reads it.
+    with t.step("raw pass over the parallel objects"):
+        t0 = time.perf_counter()
+        for s in specs:
+            run_nats(ctx.env.url, lambda nc, s=s: raw_direct_get(nc, BUCKET, s.nuid, batch=64),
+                     timeout=ctx.timeout_for(s.size))
+        warm_rate = mib_per_s(total, time.perf_counter() - t0)
     with t.step(f"{len(specs)} parallel readers"), ctx.env.mounted("parallel", ["--cache-size", cache]) as m, \
             ctx.env.watchdog(m, ctx.timeout_for(total), "parallel cats"):
         health = Health(ctx.env.tmp / "logs" / "nats-server.log", m.log_file)
@@ -97,7 +119,8 @@ def parallel_readers(ctx: Any, t: Table) -> None:
         single = ctx.env.results.get("cold")
         t.add(f"{len(specs)} parallel cold readers, {each} MiB each, cache {cache}: aggregate", rate, "MiB/s",
               ratio=safe_ratio(rate, ctx.env.results.get("raw")), target=Target(">=", 0.8),
-              reference=f"ratio: aggregate / raw batched direct get; {secs:.1f} s"
+              reference=f"ratio: aggregate / raw batched direct get; {secs:.1f} s; the server's blocks loaded "
+                        f"by one raw pass over each object first ({warm_rate:.0f} MiB/s, one after the other)"
                         + (f"; {safe_ratio(rate, single) or 0:.2f}x the single cold reader" if single else ""))
         fetched = after["chunks_fetched"] - before["chunks_fetched"]
         t.add("  chunks fetched per chunk read", fetched / chunks if chunks else 0, "ratio",
