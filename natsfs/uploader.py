@@ -46,7 +46,7 @@ class UploadWorker:
             self._proc = await trio.lowlevel.open_process(
                 [sys.executable, "-I", "-m", "natsfs.bridge", "upload-worker"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=child_environment())
-            affinity.release(self._proc.pid)  # it hashes beside the daemon, on the other CPUs
+            affinity.next_cpu(self._proc.pid)  # it hashes beside the daemon, not on its CPU
             assert self._proc.stdin is not None
             await self._proc.stdin.send_all(self.connection.to_json().encode() + b"\n")
         except (OSError, trio.BrokenResourceError) as e:

@@ -236,9 +236,9 @@ def _children(pid: int) -> dict[str, int]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-def test_daemon_threads_share_one_cpu_and_the_upload_worker_keeps_all(private_server, mounter):
+def test_daemon_threads_share_one_cpu_and_the_upload_worker_has_another(private_server, mounter):
     """--cpus one (the default): every thread of the daemon and its notifier child on one CPU, the
-    upload worker on all of the daemon's original CPUs; --cpus any leaves every thread on all."""
+    upload worker on one other CPU; --cpus any leaves every thread and the worker on all."""
     everything = _allowed_cpus("/proc/self/status")
     create_bucket(private_server.url, "cpu")
     for args, expect_one in (((), True), (("--cpus", "any"), False)):
@@ -250,10 +250,11 @@ def test_daemon_threads_share_one_cpu_and_the_upload_worker_keeps_all(private_se
         threads = {_allowed_cpus(f"/proc/{pid}/task/{t}/status") for t in os.listdir(f"/proc/{pid}/task")}
         children = _children(pid)
         assert set(children) == {"worker", "notifier"}, children
+        worker = _allowed_cpus(f"/proc/{children['worker']}/status")
         if expect_one:
-            assert len(threads) == 1 and threads.pop().isdigit(), threads
-            assert _allowed_cpus(f"/proc/{children['notifier']}/status").isdigit()
+            assert len(threads) == 1 and threads == {_allowed_cpus(f"/proc/{children['notifier']}/status")}
+            daemon_cpu = threads.pop()
+            assert daemon_cpu.isdigit() and worker.isdigit() and worker != daemon_cpu
         else:
-            assert threads == {everything}
-        assert _allowed_cpus(f"/proc/{children['worker']}/status") == everything
+            assert threads == {everything} and worker == everything
         m.stop()
