@@ -12,11 +12,13 @@ from 391 to 408-427 files/s, and cold `cat` did not get slower (318 -> 368-397 M
 worker (hashing, its own GIL) gets one CPU of its own, the next one: its two threads hand chunks to
 each other just as often (`cp` 401-415 MiB/s with it on any CPU, 434-463 on the next one, 364-375 on
 the daemon's). An embedded nats-server gets the daemon's original CPUs back. The daemon's CPU is the
-one it starts on; `--cpus any` leaves placement to the kernel.
+one it starts on, unless other mounts are kept there and another CPU has fewer (mounts started
+together at boot would otherwise all share one); `--cpus any` leaves placement to the kernel.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import os
@@ -37,9 +39,44 @@ def _current_cpu(allowed: set[int]) -> int:
     return cpu if cpu in allowed else min(allowed)
 
 
+def mounts_per_cpu(proc: str = "/proc") -> collections.Counter[int]:
+    """How many other natsfs daemons are kept on each CPU, told by their kernel notifier children (one
+    per mount, on its daemon's CPU)."""
+    counts: collections.Counter[int] = collections.Counter()
+    try:
+        pids = [p for p in os.listdir(proc) if p.isdigit()]
+    except OSError:
+        return counts
+    for pid in pids:
+        try:
+            with open(f"{proc}/{pid}/cmdline", "rb") as f:
+                if b"natsfs.notifier" not in f.read():
+                    continue
+            with open(f"{proc}/{pid}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Cpus_allowed_list:"):
+                        allowed = line.split(b":", 1)[1].strip()
+                        if allowed.isdigit():
+                            counts[int(allowed)] += 1
+                        break
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return counts
+
+
+def _pick(allowed: set[int], current: int, taken: collections.Counter[int]) -> int:
+    """The CPU the daemon runs on, unless other mounts are kept there and a CPU with fewer is free:
+    several mounts started from one shell (or by systemd at boot) must not all share one CPU."""
+    fewest = min(taken[c] for c in allowed)
+    if taken[current] == fewest:
+        return current
+    return min(c for c in allowed if taken[c] == fewest)
+
+
 def share_one_cpu() -> int | None:
-    """Keep the calling thread, and every thread and process it starts from now on, on the CPU it runs
-    on (see the design note); the CPU, or None where there is nothing to narrow or it is refused."""
+    """Keep the calling thread, and every thread and process it starts from now on, on one CPU: the
+    one it runs on, or the one with the fewest other mounts (see `_pick` and the design note). The
+    CPU, or None where there is nothing to narrow or it is refused."""
     global _original, _chosen
     try:
         allowed = os.sched_getaffinity(0)
@@ -47,7 +84,7 @@ def share_one_cpu() -> int | None:
         return None
     if len(allowed) < 2:
         return None
-    cpu = _current_cpu(allowed)
+    cpu = _pick(allowed, _current_cpu(allowed), mounts_per_cpu())
     try:
         # pid 0 is the calling thread only: threads already running keep their CPUs.
         os.sched_setaffinity(0, {cpu})

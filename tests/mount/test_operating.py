@@ -258,3 +258,16 @@ def test_daemon_threads_share_one_cpu_and_the_upload_worker_has_another(private_
         else:
             assert threads == {everything} and worker == everything
         m.stop()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_mounts_started_together_spread_over_the_cpus(private_server, mounter):
+    """A second mount started while the first is live goes to another CPU, whichever it starts on."""
+    create_bucket(private_server.url, "spread")
+    first = mounter(private_server.url)
+    assert wait_for(lambda: "notifier" in _children(first.proc.pid))
+    second = mounter(private_server.url)
+    cpus = [_allowed_cpus(f"/proc/{m.proc.pid}/status") for m in (first, second)]
+    assert all(c.isdigit() for c in cpus) and cpus[0] != cpus[1], cpus
+    (second / "spread" / "g.bin").write_bytes(b"y" * 1000)
+    assert (first / "spread" / "g.bin").read_bytes() == b"y" * 1000
