@@ -105,7 +105,6 @@ def release(pid: int) -> None:
         log.debug("could not widen the CPUs of process %d (%s)", pid, e)
 
 
-
 def next_cpu(pid: int) -> None:
     """Keep a child's threads together on one CPU other than the daemon's (the next one it had): the
     upload worker, whose sending and hashing threads hand chunks to each other all the time."""

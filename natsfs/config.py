@@ -163,8 +163,9 @@ class Config:
                                       "--cache-dir if the daemon dies", parse=parse_duration, optional="0s",
                                       shown="off")
     # One CPU for the FUSE and NATS threads (natsfs/affinity.py), or wherever the kernel puts them.
-    cpus: str = option("one", help="run the daemon's FUSE and NATS threads on one CPU, the one it starts on "
-                       "(a hand-off between them then wakes no other CPU), or on any", choices=("one", "any"))
+    cpus: str = option("one", help="run the daemon's FUSE and NATS threads on one CPU (the one it starts on, or "
+                       "one with fewer natsfs mounts; a hand-off between them then wakes no other CPU), or on any",
+                       choices=("one", "any"))
     # Publish written files from a helper process (its own connection, its own GIL).
     upload_worker: bool = True
     # Owner, group and permission bits (0o666/0o777 less `umask`) of objects without stored attributes.
