@@ -128,7 +128,8 @@ def parallel_readers(ctx: Any, t: Table) -> None:
               reference=f"{fetched} fetched for {chunks}; readahead peak "
                         f"{after.get('readahead_peak', 0) / MiB:.0f} MiB per reader; "
                         f"{after['fetch_requests'] - before['fetch_requests']} requests; "
-                        f"{after.get('waits', 0) - before.get('waits', 0)} waits for chunks on their way")
+                        f"{after.get('waits', 0) - before.get('waits', 0)} waits for chunks on their way; "
+                        f"{after['reads'] - before['reads']} reads from the kernel")
         t.add("  CPU during those reads: mount daemon", cpu.pct("daemon"), "% core",
               reference=f"{cpu.describe('nats-server')}; daemon {1000 * cpu.used['daemon'] / (total / MiB):.1f} ms "
                         f"CPU per MiB; {cpu.describe_threads()}")
