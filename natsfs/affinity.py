@@ -1,4 +1,4 @@
-"""Which CPUs the daemon's threads and children run on (`share_one_cpu`, `next_cpu`, `release`).
+"""Which CPUs the daemon's threads and children run on (`share_one_cpu`, `next_cpu`, `release`, `Rebalancer`).
 
 Design note. Every FUSE request that needs the server crosses threads twice: the trio (FUSE) thread
 hands it to the asyncio (NATS) thread, and the reply comes back the same way. Each hand-off wakes the
@@ -13,12 +13,15 @@ worker (hashing, its own GIL) gets one CPU of its own, the next one: its two thr
 each other just as often (`cp` 401-415 MiB/s with it on any CPU, 434-463 on the next one, 364-375 on
 the daemon's). An embedded nats-server gets the daemon's original CPUs back. The daemon's CPU is the
 one it starts on, unless other mounts are kept there and another CPU has fewer (mounts started
-together at boot would otherwise all share one); `--cpus any` leaves placement to the kernel.
+together at boot would otherwise all share one). The kernel cannot move pinned threads away from a
+CPU that other work takes over, so `Rebalancer` checks every few seconds and moves them itself.
+`--cpus any` leaves placement to the kernel.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
 import os
@@ -118,3 +121,105 @@ def next_cpu(pid: int) -> None:
         os.sched_setaffinity(pid, {cpu})
     except OSError as e:  # the child is gone already, or the set changed: it keeps the daemon's CPU
         log.debug("could not move process %d to CPU %d (%s)", pid, cpu, e)
+
+
+# Moving off a busy CPU: how often the daemon's CPU is checked, how much of it other work must take
+# (in CPUs, averaged over the check) before the threads move, and by how much less busy the CPU they
+# move to must be.
+CHECK_S = 2.0
+HOGGED = 0.5
+MARGIN = 0.25
+
+
+def cpu_ticks(stat_text: str) -> dict[int, tuple[int, int]]:
+    """(busy, total) clock ticks of each CPU so far, from the text of /proc/stat."""
+    ticks = {}
+    for line in stat_text.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or not name[3:].isdigit():
+            continue
+        values = [int(v) for v in rest.split()]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        total = sum(values[:8])  # (guest time is counted in user time already)
+        ticks[int(name[3:])] = (total - idle, total)
+    return ticks
+
+
+def better_cpu(busy: dict[int, float], ours: int, own: float) -> int | None:
+    """Where the daemon's threads should go: None to stay. `busy` is each allowed CPU's use over the
+    last check (0-1), `own` the daemon's own share of it. They move only when other work takes at
+    least `HOGGED` of their CPU and another CPU is clearly less busy than that (by `MARGIN`)."""
+    others_here = busy.get(ours, 0.0) - own
+    if others_here < HOGGED:
+        return None
+    best = min((c for c in busy if c != ours), key=lambda c: (busy[c], c), default=None)
+    if best is None or busy[best] > others_here - MARGIN:
+        return None
+    return best
+
+
+class Rebalancer:
+    """Moves the daemon's threads (and the children kept with them) off their CPU when other work
+    takes it over: a pinned thread cannot be moved by the kernel, and a CPU-bound job on the same CPU
+    would otherwise halve every request's speed for as long as it runs. Call `check` every `CHECK_S`;
+    it never raises."""
+
+    def __init__(self, proc: str = "/proc"):
+        self._proc = proc
+        self._last: tuple[dict[int, tuple[int, int]], float] | None = None
+        self.moves = 0
+
+    def check(self) -> int | None:
+        """Sample the CPUs; move if `better_cpu` says so. The CPU moved to, or None."""
+        if _original is None or _chosen is None:
+            return None
+        try:
+            with open(f"{self._proc}/stat") as f:
+                ticks = cpu_ticks(f.read())
+            own = sum(os.times()[:2])
+        except (OSError, ValueError, IndexError):
+            return None
+        last, self._last = self._last, (ticks, own)
+        if last is None:
+            return None
+        before, own_before = last
+        busy: dict[int, float] = {}
+        span = 0
+        for cpu in _original:
+            if cpu in ticks and cpu in before:
+                total = ticks[cpu][1] - before[cpu][1]
+                if total > 0:
+                    busy[cpu] = (ticks[cpu][0] - before[cpu][0]) / total
+                    span = max(span, total)
+        if _chosen not in busy or span == 0:
+            return None
+        own_share = (own - own_before) * os.sysconf("SC_CLK_TCK") / span
+        target = better_cpu(busy, _chosen, own_share)
+        if target is None:
+            return None
+        old = _chosen
+        self._move(old, target)
+        self.moves += 1
+        log.info("moved the daemon's threads from CPU %d (%.0f%% taken by other work) to CPU %d (%.0f%% busy)",
+                 old, 100 * (busy[old] - own_share), target, 100 * busy[target])
+        return target
+
+    def _move(self, old: int, new: int) -> None:
+        global _chosen
+        _chosen = new
+        task = f"{self._proc}/self/task"
+        children: list[int] = []
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(task):
+                with contextlib.suppress(OSError, ValueError):
+                    if os.sched_getaffinity(int(tid)) == {old}:
+                        os.sched_setaffinity(int(tid), {new})
+                with contextlib.suppress(OSError, ValueError), open(f"{task}/{tid}/children") as f:
+                    children += [int(pid) for pid in f.read().split()]
+        for pid in children:  # the notifier goes along; a child on the new CPU (the upload worker) swaps
+            with contextlib.suppress(OSError):
+                mask = os.sched_getaffinity(pid)
+                if mask == {old}:
+                    os.sched_setaffinity(pid, {new})
+                elif mask == {new}:
+                    os.sched_setaffinity(pid, {old})

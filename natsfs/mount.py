@@ -85,6 +85,15 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
             await trio.to_thread.run_sync(embedded.stop)
 
 
+async def _keep_cpu_free() -> None:
+    """Move the daemon's threads off their CPU when other work takes it over (`affinity.Rebalancer`;
+    two procfs reads every few seconds, done here)."""
+    rebalancer = affinity.Rebalancer()
+    while True:
+        await trio.sleep(affinity.CHECK_S)
+        rebalancer.check()
+
+
 async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready: Callable[[], None]) -> None:
     bridge = Bridge(servers, request_timeout=config.request_timeout, auth=config.credentials)
     try:
@@ -120,6 +129,8 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             readahead = KernelReadahead(mountpoint, config.kernel_readahead_kb)
             built.ops.before_first_open = readahead.apply
             nursery.start_soon(readahead.apply_soon, built.ops)
+            if config.cpus == "one":
+                nursery.start_soon(_keep_cpu_free)
             fuse = _FuseLoop()
             try:
                 nursery.start_soon(fuse.terminate_on_signal)

@@ -271,3 +271,31 @@ def test_mounts_started_together_spread_over_the_cpus(private_server, mounter):
     assert all(c.isdigit() for c in cpus) and cpus[0] != cpus[1], cpus
     (second / "spread" / "g.bin").write_bytes(b"y" * 1000)
     assert (first / "spread" / "g.bin").read_bytes() == b"y" * 1000
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_threads_move_off_a_cpu_that_other_work_takes(private_server, mounter):
+    """A CPU-bound process pinned to the daemon's CPU: within a few checks the daemon's threads and its
+    notifier move to another CPU (the upload worker swaps with them), and the mount keeps working."""
+    create_bucket(private_server.url, "hogged")
+    m = mounter(private_server.url)
+    assert m.proc is not None
+    pid = m.proc.pid
+    assert wait_for(lambda: set(_children(pid)) == {"worker", "notifier"})
+    before = _allowed_cpus(f"/proc/{pid}/status")
+    worker_before = _allowed_cpus(f"/proc/{_children(pid)['worker']}/status")
+    hog = subprocess.Popen(["taskset", "-c", before, sys.executable, "-I", "-c", "while True: pass"])
+    try:
+        assert wait_for(lambda: _allowed_cpus(f"/proc/{pid}/status") != before, timeout=20), m.log()
+    finally:
+        hog.kill()
+        hog.wait()
+    after = _allowed_cpus(f"/proc/{pid}/status")
+    threads = {_allowed_cpus(f"/proc/{pid}/task/{t}/status") for t in os.listdir(f"/proc/{pid}/task")}
+    children = _children(pid)
+    assert threads == {after} and _allowed_cpus(f"/proc/{children['notifier']}/status") == after
+    if worker_before == after:  # (two CPUs: the worker had the one the threads moved to)
+        assert _allowed_cpus(f"/proc/{children['worker']}/status") == before
+    assert f"moved the daemon's threads from CPU {before}" in m.log()
+    (m / "hogged" / "h.bin").write_bytes(b"z" * 5000)
+    assert nats_py_get(private_server.url, "hogged", "h.bin") == b"z" * 5000
