@@ -623,6 +623,48 @@ def timed_cmd(cmd: Sequence[str], timeout: float) -> float:
     return elapsed
 
 
+_FRESH_MEMORY_PROBE = """
+import json, mmap, sys, time
+size, parts, block = int(sys.argv[1]), int(sys.argv[2]), bytes(1 << 20)
+def write_once():
+    m = mmap.mmap(-1, size)
+    times, t0 = [], time.perf_counter()
+    for off in range(0, size, len(block)):
+        m[off:off + len(block)] = block
+        if (off + len(block)) % (size // parts) == 0:
+            times.append(time.perf_counter() - t0)
+    m.close()
+    return [b - a for a, b in zip([0.0, *times], times)]
+print(json.dumps([write_once(), write_once()]))
+"""
+
+
+def fresh_memory_rates(nbytes: int, parts: int) -> tuple[list[float], float]:
+    """MiB/s of a first write to `nbytes` of memory the kernel had free, for each of `parts` equal
+    parts in order, then of a write to memory freed just before (the first mapping's pages, given back
+    and handed out again), in a child process: the first figures pay whatever the machine charges for
+    memory it took back (a VM's host backing a page again), the last does not."""
+    out = subprocess.run([sys.executable, "-I", "-c", _FRESH_MEMORY_PROBE, str(nbytes), str(parts)],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    first, again = json.loads(out)
+    return [mib_per_s(nbytes // parts, secs) for secs in first], mib_per_s(nbytes, sum(again))
+
+
+def free_page_reporting() -> str:
+    """Whether the kernel reports free memory to a hypervisor that takes it back (virtio-balloon free
+    page reporting), as a phrase; "" where it does not."""
+    params = Path("/sys/module/page_reporting/parameters")
+    try:
+        order = int((params / "page_reporting_order").read_text())
+        reported = int((params / "reported_kib").read_text())
+    except (OSError, ValueError):
+        return ""
+    if reported <= 0:
+        return ""
+    return (f"free page reporting on: free blocks of {4 << order >> 10} MiB go back to the host "
+            f"({reported / (1 << 20):.0f} GiB so far)")
+
+
 def drop_page_cache() -> bool:
     """Drop the kernel's clean page cache (root only); False when not allowed."""
     try:
