@@ -18,6 +18,7 @@ from natsfs.wire import (
     _connect_options,
     parse_headers,
     parse_server,
+    payload_buffer,
     unsupported,
 )
 
@@ -158,6 +159,25 @@ def test_huge_payloads_arrive_whole_in_their_own_buffer():
         delivered = [d for _, _, d in h.msgs]
         assert delivered == [big, other, big], step
         assert all(isinstance(d, bytearray) for d in delivered)  # handed over as received: no copy to bytes
+
+
+def test_payload_buffers_are_not_zero_filled_and_never_handed_over_half_received():
+    # The buffer comes from memory just freed: it would show stale bytes wherever the socket did not write.
+    for _ in range(3):
+        stale = bytearray(b"\xab" * (256 * 1024))
+        del stale
+        buf = payload_buffer(200 * 1024)
+        assert type(buf) is bytearray and len(buf) == 200 * 1024
+    big = os.urandom(3 * CONTROL_BUFFER)
+    whole = hmsg("_INBOX.x.9", CHUNK_HEADERS, big)
+    h = Harness()
+    h.feed(whole[: len(whole) - 1000], 4096)  # the connection is lost inside the payload
+    assert h.msgs == []
+    h.protocol.connection_lost(ConnectionResetError("reset"))
+    assert h.msgs == [] and h.closed == 1
+    h = Harness()
+    h.feed(whole, 4096)
+    assert h.msgs == [("_INBOX.x.9", parse_headers(CHUNK_HEADERS), big)]
 
 
 def test_a_control_line_longer_than_the_buffer():
