@@ -161,8 +161,9 @@ def test_huge_payloads_arrive_whole_in_their_own_buffer():
         assert all(isinstance(d, bytearray) for d in delivered)  # handed over as received: no copy to bytes
 
 
-def test_payload_buffers_are_not_zero_filled_and_never_handed_over_half_received():
-    # The buffer comes from memory just freed: it would show stale bytes wherever the socket did not write.
+def test_payload_buffers_are_filled_by_the_socket_alone_and_never_handed_over_half_received():
+    # Payload buffers are not zero-filled: one made from memory just freed would show stale bytes
+    # wherever the socket did not write, so only a whole payload may be handed over.
     for _ in range(3):
         stale = bytearray(b"\xab" * (256 * 1024))
         del stale
