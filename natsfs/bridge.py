@@ -15,9 +15,13 @@ earlier client are dropped, so none can complete a request of a later one.
 
 Replies of batched direct gets are bounded by one byte budget (`REPLY_BUDGET`): the server drops a
 client whose unread bytes pass its `max_pending`, so the bytes asked for and not yet taken by trio
-must stay well under it. They travel over a second `_Link` whose client is the lean connection of
-`natsfs.wire` (payloads received straight into their own buffers, replies handed to their waiters as
-they are parsed) when the servers and credentials allow it, and over the main link otherwise.
+must stay well under it. They travel over a second connection, the lean one of `natsfs.wire`
+(payloads received straight into their own buffers, replies handed to their waiters as they are
+parsed), when the servers and credentials allow it, and over the main link otherwise. Where the server
+does not want TLS, the trio thread drives that connection itself (`_TrioReads`): a read's request and
+its replies cross no thread, which took 0.1-0.13 ms off each request's round trip on the test machine
+(random 4 KiB reads 0.77-0.83 -> 0.61-0.71 ms p50) and 5-10 % off the daemon's CPU per MiB of a cold
+read. Otherwise a `_Link` on the asyncio thread drives it.
 
 Nothing outside this module (and `natsfs.wire`, which only it imports) imports asyncio or nats; nats
 exceptions become `natsfs.errors`, and nats-py internals are reached only through `natsfs.natscompat`.
@@ -514,6 +518,173 @@ class _Link:
         return results
 
 
+class _TrioCollector:
+    """`_Collector` for `_TrioReads`: the replies of one batched request, gathered in trio."""
+
+    __slots__ = ("done", "error", "msgs", "subject")
+
+    def __init__(self, subject: str) -> None:
+        self.subject = subject
+        self.msgs: list[Msg] = []
+        self.done = trio.Event()
+        self.error: Unavailable | None = None
+
+    def deliver_in_trio(self, msg: Msg) -> bool:
+        if self.done.is_set():
+            return True
+        if _ends_batch(msg):
+            if msg.status != "204":
+                self.msgs.append(msg)
+            self.done.set()
+            return True
+        self.msgs.append(msg)
+        return False
+
+    def fail_in_trio(self, reason: str) -> None:
+        if not self.done.is_set():
+            self.error = Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})")
+            self.done.set()
+
+
+class _TrioReads:
+    """The lean connection for batched direct gets, driven by the trio thread itself
+    (`wire.TrioWireConnection`): a read's request is written, and its replies parsed and handed to
+    their collector or subscription, without crossing to the asyncio thread and back. Like `_Link`
+    it keeps one connection at a time and replaces a lost one (quietly: the main connection reports
+    a server going away), failing what waited on it at once. Its task is a trio system task, ended by
+    `close`."""
+
+    def __init__(self, bridge: Bridge, servers: Sequence[str], *, name: str, auth: Connection | None,
+                 connect_timeout: float):
+        self._bridge = bridge
+        self.servers = list(servers)
+        self.name = name
+        self.auth = auth
+        self.connect_timeout = connect_timeout
+        self.nc: wire.TrioWireConnection | None = None
+        self.prefix = ""
+        self.waiters: dict[str, _TrioCollector | Subscription] = {}
+        self._next_token = 0
+        self._next_server = 0
+        self._closing = False
+        self._cancel = trio.CancelScope()
+        self._ended = trio.Event()
+        self._fault_logged = False
+
+    async def open(self) -> None:
+        """The first connection (each server once), then the task that serves and replaces it;
+        `Unavailable` if no server takes it."""
+        error: Exception | None = None
+        for _ in self.servers:
+            try:
+                await self._connect()
+                break
+            except (Unavailable, wire.WireError) as e:
+                error = error or e
+        else:
+            raise Unavailable(str(error) if error else "no NATS server given")
+        trio.lowlevel.spawn_system_task(self._serve, name="natsfs-reads")
+
+    async def _connect(self) -> None:
+        server = self.servers[self._next_server % len(self.servers)]
+        self._next_server += 1
+        try:
+            conn = await wire.connect_trio(server, name=self.name, auth=self.auth, timeout=self.connect_timeout,
+                                           on_msg=self._on_msg, on_closed=self._on_closed)
+        except (TimeoutError, trio.TooSlowError, OSError) as e:
+            raise Unavailable(f"cannot connect to NATS at {redact_url(server)}: {e or type(e).__name__}") from None
+        self.nc, self.prefix = conn, conn.inbox
+
+    async def _serve(self) -> None:
+        try:
+            with self._cancel:
+                backoff = Backoff(*_RECONNECT_WAIT, clock=trio.current_time)
+                while not self._closing:
+                    conn = self.nc
+                    if conn is not None:
+                        backoff.reset()
+                        try:
+                            await conn.run()
+                        except Exception:  # a fault of ours: the connection ends, reads go on without it
+                            log.exception("reading from NATS failed unexpectedly")
+                            conn.close()
+                        self._on_closed(conn)
+                        continue
+                    await trio.sleep(backoff.next_pause())
+                    try:
+                        await self._connect()
+                    except (Unavailable, wire.WireError) as e:
+                        log.debug("lean connection to NATS: %s", e)
+                    except Exception:  # a fault of ours: reads go over the main connection meanwhile
+                        if not self._fault_logged:
+                            self._fault_logged = True
+                            log.exception("connecting the lean connection to NATS failed unexpectedly")
+        finally:
+            self._ended.set()
+
+    def _on_closed(self, conn: wire.TrioWireConnection) -> None:
+        if conn is not self.nc:
+            return
+        reason = conn.last_error or "connection closed"
+        self.nc, self.prefix = None, ""
+        log.debug("lost the lean connection to NATS (%s)", reason)
+        self._bridge._shrink_budget(self._bridge._budget.used)
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        waiters, self.waiters = self.waiters, {}
+        for waiter in waiters.values():
+            waiter.fail_in_trio(reason)
+
+    def _on_msg(self, subject: str, headers: dict[str, str] | None, data: bytes | bytearray) -> None:
+        prefix = self.prefix
+        if not prefix or not subject.startswith(prefix) or subject[len(prefix) : len(prefix) + 1] != ".":
+            return  # addressed to an earlier connection's inbox
+        token = subject[len(prefix) + 1 :]
+        waiter = self.waiters.get(token)
+        if waiter is not None and waiter.deliver_in_trio(Msg(subject, "", headers, data)):
+            self.waiters.pop(token, None)
+
+    def send(self, subject: str, payload: bytes, waiter: _TrioCollector | Subscription) -> str:
+        """Send a request whose replies go to `waiter`; `Unavailable` if it certainly was not sent."""
+        conn = self.nc
+        if conn is None or conn.is_closed:
+            raise Unavailable(f"{subject}: not sent, the lean connection to NATS is being replaced")
+        self._next_token += 1
+        token = str(self._next_token)
+        self.waiters[token] = waiter
+        try:
+            conn.publish(subject, payload, reply=f"{self.prefix}.{token}")
+        except wire.WireError as e:
+            self.waiters.pop(token, None)
+            raise Unavailable(f"{subject}: not sent ({e})") from None
+        return token
+
+    async def request_many(self, subject: str, payload: bytes, timeout: float) -> list[Msg]:
+        collector = _TrioCollector(subject)
+        token = self.send(subject, payload, collector)
+        try:
+            with trio.move_on_after(timeout):
+                await collector.done.wait()
+        finally:
+            self.waiters.pop(token, None)
+        if collector.error is not None:
+            raise collector.error
+        if not collector.done.is_set():
+            raise Unavailable(f"request on {subject} timed out after {timeout:g}s")
+        return collector.msgs
+
+    async def close(self) -> None:
+        self._closing = True
+        self._fail_all("closing")
+        conn, self.nc = self.nc, None
+        if conn is not None:
+            conn.close()
+        self._cancel.cancel()
+        with trio.move_on_after(2.0):
+            await self._ended.wait()
+
+
 def _parse_ack(m: Msg, subject: str) -> dict[str, Any]:
     if not m.data:
         raise Unavailable(f"publish to {subject}: status {m.status}")
@@ -590,7 +761,7 @@ class Subscription:
         self._lock = threading.Lock()
         self.nats_sub: Any = None  # nats-py's subscription (set by the bridge)
         self.stream_token: str | None = None  # a request_stream's reply token
-        self.stream_link: _Link | None = None  # and the link it was sent on
+        self.stream_link: _Link | _TrioReads | None = None  # and the link it was sent on
         self._interrupted = False
         self._error: NatsFSError | None = None
         self.reserved = 0  # budget bytes held for replies not yet taken (set by the bridge)
@@ -635,6 +806,18 @@ class Subscription:
         self._bridge.call_in_trio(self._set_wake)
 
     # ---- trio side
+    def deliver_in_trio(self, msg: Msg) -> bool:
+        """`deliver` for a reply read by the trio thread itself (`_TrioReads`): no hand-off."""
+        self._bridge.note_reply_size(len(msg.data))
+        with self._lock:
+            self._queue.append(msg)
+        self._wake.set()
+        return _ends_batch(msg)
+
+    def fail_in_trio(self, reason: str) -> None:
+        self._error = Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})")
+        self.interrupt()
+
     def _set_wake(self) -> None:
         with self._lock:
             self._wake_scheduled = False
@@ -753,6 +936,7 @@ class Bridge:
         auth: Connection | None = None,
         reply_budget: int = REPLY_BUDGET,
         lean_reads: bool = True,
+        trio_reads: bool = True,
     ):
         self.servers = list(servers)
         self.name = name
@@ -767,7 +951,9 @@ class Bridge:
         # Batched direct gets (the bytes of reads) go over a second, lean connection (`wire`) when the
         # servers and credentials allow it; None: over `_link`.
         self._lean_reads = lean_reads
-        self._reads: _Link | None = None
+        # ... and, where the servers allow it (no TLS), that connection is driven by the trio thread.
+        self._trio_reads = trio_reads
+        self._reads: _Link | _TrioReads | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._subs: set[Subscription] = set()  # restored on every new connection
         self._paced: dict[int, Subscription] = {}  # by nats-py subscription id
@@ -813,6 +999,16 @@ class Bridge:
         if why_not is not None:
             log.debug("reads go through nats-py (lean connection: %s)", why_not)
             return
+        if self._trio_reads:
+            in_trio = _TrioReads(self, self.servers, name=self.name, auth=self.auth,
+                                 connect_timeout=self.connect_timeout)
+            try:
+                await in_trio.open()
+            except Unavailable as e:  # TLS, or a server that refuses it: the asyncio one may do
+                log.debug("reads do not go over a connection of the trio thread: %s", e)
+            else:
+                self._reads = in_trio
+                return
         reads = _Link(self.servers, name=self.name, connect_timeout=self.connect_timeout, auth=self.auth,
                       on_lost=self._reads_lost, quiet=True, lean=True)
         try:
@@ -827,12 +1023,19 @@ class Bridge:
         """Whether batched direct gets use the lean connection."""
         return self._reads is not None
 
+    @property
+    def reads_in_trio(self) -> bool:
+        """Whether that connection is driven by the trio thread (`_TrioReads`)."""
+        return isinstance(self._reads, _TrioReads)
+
     async def close(self) -> None:
         loop = self._loop
         if loop is None:
             return
         for link in (self._reads, self._link):
-            if link is not None:
+            if isinstance(link, _TrioReads):
+                await link.close()
+            elif link is not None:
                 with contextlib.suppress(Exception):
                     await self.run_on_loop(link.close())
         loop.call_soon_threadsafe(loop.stop)
@@ -931,9 +1134,12 @@ class Bridge:
         """Give back reply budget a subscription held for replies it has now handed over."""
         self._budget.release(n)
 
-    def drop_stream_waiter(self, link: _Link, token: str) -> None:
+    def drop_stream_waiter(self, link: _Link | _TrioReads, token: str) -> None:
         """A `request_stream` subscription closed: its replies are no longer routed to it."""
-        self.call_on_loop(lambda: link.waiters.pop(token, None))
+        if isinstance(link, _TrioReads):
+            link.waiters.pop(token, None)
+        else:
+            self.call_on_loop(lambda: link.waiters.pop(token, None))
 
     def forget_subscription(self, sub: Subscription) -> None:
         """A `subscribe` subscription closed: it is not restored on the next connection or paced."""
@@ -946,7 +1152,7 @@ class Bridge:
             raise Unavailable("not connected to NATS")
         return self._link
 
-    def _bulk_link(self) -> _Link:
+    def _bulk_link(self) -> _Link | _TrioReads:
         """The link for requests answered in bulk (batched direct gets): the lean one while it has a
         connection; while it is being replaced, the main one (reads never wait for the lean one alone)."""
         reads = self._reads
@@ -975,7 +1181,11 @@ class Bridge:
         link = self._bulk_link()
         held = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
         try:
-            msgs = await self.run_on_loop(self._request_many(link, subject, payload, timeout or self.request_timeout))
+            if isinstance(link, _TrioReads):
+                msgs = await link.request_many(subject, payload, timeout or self.request_timeout)
+            else:
+                msgs = await self.run_on_loop(self._request_many(link, subject, payload,
+                                                                 timeout or self.request_timeout))
         finally:
             self._budget.release(held)
         for m in msgs:
@@ -1005,8 +1215,11 @@ class Bridge:
         sub.reserved = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
         sub.stream_link = link
         try:
-            sub.stream_token = await self.run_on_loop(link.send(subject, payload, None, sub,
-                                                                timeout=self.request_timeout))
+            if isinstance(link, _TrioReads):
+                sub.stream_token = link.send(subject, payload, sub)
+            else:
+                sub.stream_token = await self.run_on_loop(link.send(subject, payload, None, sub,
+                                                                    timeout=self.request_timeout))
         except BaseException:
             self._budget.release(sub.reserved)
             sub.reserved = 0

@@ -1,6 +1,8 @@
 """Batched direct gets over the bridge's lean connection (natsfs.wire), against real nats-servers:
 the same messages as through nats-py, every credential the mount supports, and connection loss
-(kicks, `-ERR`, server restarts) failing what is in flight at once and replacing the connection."""
+(kicks, `-ERR`, server restarts) failing what is in flight at once and replacing the connection.
+The lean connection is driven by the trio thread (`_TrioReads`) where the server does not want TLS,
+else by the asyncio thread (`_Link`); both are tested."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from test_auth import METHODS, SECRET, _env, _options_dict, _setup
 from test_transport import KICKABLE, kick, own_server
 
 from natsfs.auth import Connection, resolve
-from natsfs.bridge import Bridge, _Link
+from natsfs.bridge import Bridge, _Link, _TrioReads
 from natsfs.errors import Unavailable
 from natsfs.jetstream import JetStreams
 from natsfs.server import NatsServer
@@ -70,16 +72,17 @@ def test_batched_gets_over_the_lean_connection_match_nats_py(private_server):
 
     async def main() -> None:
         seen = {}
-        for lean in (True, False):
-            bridge = Bridge([url], lean_reads=lean)
+        for lean, in_trio in ((True, True), (True, False), (False, False)):
+            bridge = Bridge([url], lean_reads=lean, trio_reads=in_trio)
             await bridge.connect()
             try:
-                assert bridge.lean_reads == lean
-                seen[lean] = await read_both_ways(JetStreams(bridge), "lean")
+                assert bridge.lean_reads == lean and bridge.reads_in_trio == in_trio
+                seen[lean, in_trio] = await read_both_ways(JetStreams(bridge), "lean")
             finally:
                 await bridge.close()
-        whole, streamed = seen[True]
-        assert whole == streamed == seen[False][0] == seen[False][1]
+        whole, streamed = seen[True, True]
+        assert whole == streamed == seen[True, False][0] == seen[True, False][1]
+        assert whole == seen[False, False][0] == seen[False, False][1]
         assert [bytes(d) for *_, d in whole] == chunks
         assert [p for _, _, p, _ in whole] == list(range(len(chunks) - 1, -1, -1))
         assert all(isinstance(d, bytearray) for *_, d in whole if d)  # received in place, not copied to bytes
@@ -88,7 +91,8 @@ def test_batched_gets_over_the_lean_connection_match_nats_py(private_server):
 
 
 @pytest.mark.expect_log("nats: encountered error")  # the test's responder, when the server restarts
-def test_a_lost_lean_connection_fails_what_is_in_flight_at_once_and_is_replaced(tmp_path, caplog):
+@pytest.mark.parametrize("in_trio", [True, False], ids=["trio", "asyncio"])
+def test_a_lost_lean_connection_fails_what_is_in_flight_at_once_and_is_replaced(tmp_path, caplog, in_trio):
     """A request waiting on the lean connection when the server kicks it fails with Unavailable at once
     (not after the request timeout); a new lean connection serves the next reads; so it does after a
     server restart. The loss is logged once (by the main connection), not once per connection."""
@@ -129,11 +133,11 @@ def test_a_lost_lean_connection_fails_what_is_in_flight_at_once_and_is_replaced(
         assert [bytes(d) for *_, d in whole] == chunks
 
     async def main() -> None:
-        bridge = Bridge([url], request_timeout=30)
+        bridge = Bridge([url], request_timeout=30, trio_reads=in_trio)
         await bridge.connect()
         js = JetStreams(bridge)
         try:
-            assert bridge.lean_reads
+            assert bridge.lean_reads and bridge.reads_in_trio == in_trio
             caplog.clear()
             failed: list[float] = []
 
@@ -173,14 +177,15 @@ def test_a_lost_lean_connection_fails_what_is_in_flight_at_once_and_is_replaced(
         server.stop()
 
 
-def test_err_on_the_lean_connection_leaves_the_main_one_alone(private_server):
+@pytest.mark.parametrize("in_trio", [True, False], ids=["trio", "asyncio"])
+def test_err_on_the_lean_connection_leaves_the_main_one_alone(private_server, in_trio):
     """`-ERR` (a subject over the server's control-line limit) ends only the lean connection: the
     request fails at once, the main connection is not replaced, and reads go on over a new lean one."""
     url = private_server.url
-    chunks = put_object(url, "err")
+    chunks = put_object(url, f"err{int(in_trio)}")
 
     async def main() -> None:
-        bridge = Bridge([url], request_timeout=20)
+        bridge = Bridge([url], request_timeout=20, trio_reads=in_trio)
         await bridge.connect()
         js = JetStreams(bridge)
         try:
@@ -191,7 +196,8 @@ def test_err_on_the_lean_connection_leaves_the_main_one_alone(private_server):
             with trio.fail_after(10):
                 while bridge._reads.nc in (None, first):
                     await trio.sleep(0.02)
-            _, streamed = await read_both_ways(js, "err")  # over the new lean connection
+            assert bridge.reads_in_trio == in_trio
+            _, streamed = await read_both_ways(js, f"err{int(in_trio)}")  # over the new lean connection
             assert [bytes(d) for *_, d in streamed] == chunks
             assert bridge.connected and bridge.reconnects == 0
             assert "limits" in await bridge.api("INFO")
@@ -221,6 +227,7 @@ def test_reads_take_the_lean_connection_with_each_method(tmp_path, method):
             await bridge.connect()
             try:
                 assert bridge.lean_reads
+                assert bridge.reads_in_trio == (method != "tls")  # (the trio one does not speak TLS)
                 await bridge.api("STREAM.CREATE.OBJ_a", {"name": "OBJ_a", "subjects": ["$O.a.C.>"],
                                                          "allow_direct": True, "storage": "memory"})
                 chunks = [os.urandom(n) for n in (CHUNK, 5, CHUNK)]
@@ -256,8 +263,19 @@ def test_a_refused_lean_connection_names_no_secret(tmp_path):
                     await link.close()
                 raise AssertionError("connected with a wrong password")
 
-            text = asyncio.run(main())
-            assert "Authorization Violation" in text and SECRET not in text, text
+            async def in_trio(servers: list[str] = servers, auth: Connection | None = auth) -> str:
+                bridge = Bridge(servers, auth=auth)  # (only the lean connection is opened here)
+                link = _TrioReads(bridge, servers, name="natsfs", auth=auth, connect_timeout=5)
+                try:
+                    await link.open()
+                except Unavailable as e:
+                    return str(e)
+                finally:
+                    await link.close()
+                raise AssertionError("connected with a wrong password")
+
+            for text in (asyncio.run(main()), trio.run(in_trio)):
+                assert "Authorization Violation" in text and SECRET not in text, text
     finally:
         server.stop()
 

@@ -287,3 +287,44 @@ def test_an_nkey_signs_the_servers_nonce(tmp_path):
                                Connection(creds_file=str(creds)), "natsfs")
     assert options["jwt"] == "JWT.PART.X" and "nkey" not in options
     assert pair.verify(b"n2", base64.b64decode(options["sig"]))
+
+
+def test_the_trio_driver_reads_sends_what_the_socket_did_not_take_and_ends_once():
+    """`TrioWireConnection` over a socket pair: replies reach `on_msg`, a request larger than the
+    socket's buffer goes out whole (the rest by the sender task), and the peer closing ends `run`
+    with `on_closed` called once."""
+    import socket
+
+    import trio
+
+    from natsfs.wire import TrioWireConnection
+
+    ours, peer = socket.socketpair()
+    ours.setblocking(False)
+    msgs: list[tuple[str, bytes]] = []
+    closed: list[object] = []
+    protocol = WireProtocol(lambda s, h, d: msgs.append((s, bytes(d))), closed.append)
+    conn = TrioWireConnection(ours, protocol, "_INBOX.t")
+    big = os.urandom(8 << 20)
+
+    async def main() -> None:
+        peer_stream = trio.socket.from_stdlib_socket(peer)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.run)
+            await peer_stream.send(msg("_INBOX.t.1", b"hello"))
+            conn.publish("svc.big", big, reply="_INBOX.t.2")
+            assert conn._transport.pending  # (the socket took only part of it)
+            want = f"PUB svc.big _INBOX.t.2 {len(big)}\r\n".encode() + big + b"\r\n"
+            got = bytearray()
+            with trio.fail_after(10):
+                while len(got) < len(want):
+                    got += await peer_stream.recv(1 << 20)
+            assert got == want
+            with trio.fail_after(5):
+                while not msgs:
+                    await trio.sleep(0.01)
+            peer_stream.close()
+        assert msgs == [("_INBOX.t.1", b"hello")]
+        assert len(closed) == 1 and conn.is_closed
+
+    trio.run(main)
