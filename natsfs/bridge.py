@@ -110,6 +110,17 @@ def _ends_batch(msg: Msg) -> bool:
     return msg.status is not None and not msg.data
 
 
+def _gather(msgs: list[Msg], msg: Msg) -> bool:
+    """Add a reply of a batched request to `msgs`; True when it ends the batch: 204 EOB ends it (and is
+    dropped), 404/408/other statuses end it too (kept for the caller)."""
+    if _ends_batch(msg):
+        if msg.status != "204":
+            msgs.append(msg)
+        return True
+    msgs.append(msg)
+    return False
+
+
 # ---------------------------------------------------------------------------------------------- the link
 class _Reply:
     """The one reply of a request or publish on the reply inbox (asyncio side)."""
@@ -156,13 +167,9 @@ class _Collector:
     def deliver(self, msg: Msg) -> bool:
         if self.done.done():
             return True
-        if _ends_batch(msg):
-            # 204 EOB ends a batch; 404/408/other statuses end it too (kept for the caller).
-            if msg.status != "204":
-                self.msgs.append(msg)
+        if _gather(self.msgs, msg):
             self.done.set_result(None)
             return True
-        self.msgs.append(msg)
         return False
 
     def fail(self, reason: str) -> None:
@@ -532,12 +539,9 @@ class _TrioCollector:
     def deliver_in_trio(self, msg: Msg) -> bool:
         if self.done.is_set():
             return True
-        if _ends_batch(msg):
-            if msg.status != "204":
-                self.msgs.append(msg)
+        if _gather(self.msgs, msg):
             self.done.set()
             return True
-        self.msgs.append(msg)
         return False
 
     def fail_in_trio(self, reason: str) -> None:

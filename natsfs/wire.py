@@ -36,7 +36,7 @@ import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import trio
@@ -419,13 +419,10 @@ class WireProtocol(asyncio.BufferedProtocol):
         self._ping_timer = asyncio.get_running_loop().call_later(PING_INTERVAL, self._ping)
 
 
-class WireConnection:
-    """One connected client: requests out, replies (on its inbox) to `on_msg`. The bridge's `_Link`
-    drives it through the same few calls it makes of a nats-py client."""
+class _ConnectionState:
+    """What the bridge reads of either kind of connection."""
 
-    def __init__(self, protocol: WireProtocol, inbox: str):
-        self._protocol = protocol
-        self.inbox = inbox  # replies come to `<inbox>.<token>`
+    _protocol: WireProtocol
 
     @property
     def is_closed(self) -> bool:
@@ -438,6 +435,15 @@ class WireConnection:
     @property
     def server_info(self) -> dict[str, Any]:
         return dict(self._protocol.info)
+
+
+class WireConnection(_ConnectionState):
+    """One connected client: requests out, replies (on its inbox) to `on_msg`. The bridge's `_Link`
+    drives it through the same few calls it makes of a nats-py client."""
+
+    def __init__(self, protocol: WireProtocol, inbox: str):
+        self._protocol = protocol
+        self.inbox = inbox  # replies come to `<inbox>.<token>`
 
     async def publish(self, subject: str, payload: bytes = b"", reply: str = "",
                       headers: dict[str, str] | None = None) -> None:
@@ -506,6 +512,21 @@ def _read_creds(path: str) -> tuple[str, bytearray]:
     return jwt, seed
 
 
+_C = TypeVar("_C")
+
+
+def _protocol_reporting_to(on_msg: OnMsg, on_closed: Callable[[_C], None]) -> tuple[WireProtocol, list[_C]]:
+    """A protocol whose end calls `on_closed` with the connection the caller puts into the list (once
+    it is made: a handshake that fails reports nothing)."""
+    made: list[_C] = []
+
+    def closed(_: WireProtocol) -> None:
+        if made:
+            on_closed(made[0])
+
+    return WireProtocol(on_msg, closed), made
+
+
 async def connect(url: str, *, name: str, auth: Connection | None, timeout: float, on_msg: OnMsg,
                   on_closed: Callable[[WireConnection], None]) -> WireConnection:
     """Connect to one server, authenticate, subscribe the reply inbox, and check with a ping that the
@@ -513,13 +534,7 @@ async def connect(url: str, *, name: str, auth: Connection | None, timeout: floa
     endpoint = parse_server(url)
     loop = asyncio.get_running_loop()
     inbox = f"_INBOX.{os.urandom(11).hex()}"
-    connection: list[WireConnection] = []
-
-    def closed(_: WireProtocol) -> None:
-        if connection:
-            on_closed(connection[0])
-
-    protocol = WireProtocol(on_msg, closed)
+    protocol, connection = _protocol_reporting_to(on_msg, on_closed)
     transport: asyncio.Transport | None = None
     try:
         async with asyncio.timeout(timeout):
@@ -593,7 +608,7 @@ class _TrioTransport(asyncio.Transport):
     close = abort
 
 
-class TrioWireConnection:
+class TrioWireConnection(_ConnectionState):
     """`WireProtocol` driven by the trio thread itself: replies are parsed and handed to `on_msg` in
     the task that reads the socket, and requests are written from the calling task, so a read crosses
     no thread (the asyncio one costs two hand-offs per request, about 0.1 ms each way on the test
@@ -610,18 +625,6 @@ class TrioWireConnection:
         self._closed_sock = False
         self._stop = trio.Event()
         self._unyielded = 0  # bytes read since the reader last let other tasks run
-
-    @property
-    def is_closed(self) -> bool:
-        return self._protocol.closed
-
-    @property
-    def last_error(self) -> str | None:
-        return self._protocol.last_error
-
-    @property
-    def server_info(self) -> dict[str, Any]:
-        return dict(self._protocol.info)
 
     def publish(self, subject: str, payload: bytes = b"", reply: str = "",
                 headers: dict[str, str] | None = None) -> None:
@@ -735,13 +738,7 @@ async def connect_trio(url: str, *, name: str, auth: Connection | None, timeout:
     if endpoint.scheme == "tls":
         raise WireError("TLS is not spoken by the trio connection")
     inbox = f"_INBOX.{os.urandom(11).hex()}"
-    connection: list[TrioWireConnection] = []
-
-    def closed(_: WireProtocol) -> None:
-        if connection:
-            on_closed(connection[0])
-
-    protocol = WireProtocol(on_msg, closed)
+    protocol, connection = _protocol_reporting_to(on_msg, on_closed)
     sock: socket.socket | None = None
     conn: TrioWireConnection | None = None
     try:

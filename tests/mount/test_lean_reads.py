@@ -252,29 +252,22 @@ def test_a_refused_lean_connection_names_no_secret(tmp_path):
             ([f"nats://u1:{SECRET}-wrong@{server.host}:{server.port}"], None),
             ([f"nats://{SECRET}@{server.host}:{server.port}"], None),
         ]
+        async def refused(link: Any) -> str:  # (runs on asyncio and on trio alike)
+            try:
+                await link.open()
+            except Unavailable as e:
+                return str(e)
+            finally:
+                await link.close()
+            raise AssertionError("connected with a wrong password")
+
+        async def in_trio(servers: list[str], auth: Connection | None) -> str:
+            bridge = Bridge(servers, auth=auth)  # (only the lean connection is opened here)
+            return await refused(_TrioReads(bridge, servers, name="natsfs", auth=auth, connect_timeout=5))
+
         for servers, auth in attempts:
-            async def main(servers: list[str] = servers, auth: Connection | None = auth) -> str:
-                link = _Link(servers, name="natsfs", connect_timeout=5, auth=auth, lean=True)
-                try:
-                    await link.open()
-                except Unavailable as e:
-                    return str(e)
-                finally:
-                    await link.close()
-                raise AssertionError("connected with a wrong password")
-
-            async def in_trio(servers: list[str] = servers, auth: Connection | None = auth) -> str:
-                bridge = Bridge(servers, auth=auth)  # (only the lean connection is opened here)
-                link = _TrioReads(bridge, servers, name="natsfs", auth=auth, connect_timeout=5)
-                try:
-                    await link.open()
-                except Unavailable as e:
-                    return str(e)
-                finally:
-                    await link.close()
-                raise AssertionError("connected with a wrong password")
-
-            for text in (asyncio.run(main()), trio.run(in_trio)):
+            on_asyncio = asyncio.run(refused(_Link(servers, name="natsfs", connect_timeout=5, auth=auth, lean=True)))
+            for text in (on_asyncio, trio.run(in_trio, servers, auth)):
                 assert "Authorization Violation" in text and SECRET not in text, text
     finally:
         server.stop()
