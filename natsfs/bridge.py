@@ -632,7 +632,7 @@ class _TrioReads:
         reason = conn.last_error or "connection closed"
         self.nc, self.prefix = None, ""
         log.debug("lost the lean connection to NATS (%s)", reason)
-        self._bridge._shrink_budget(self._bridge._budget.used)
+        self._bridge.reads_lost_in_trio()
         self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
@@ -1063,6 +1063,10 @@ class Bridge:
         reported by the main connection); a slow-consumer kick shrinks the reply budget."""
         in_flight = self._budget.used
         self.call_in_trio(lambda: self._shrink_budget(in_flight))
+
+    def reads_lost_in_trio(self) -> None:
+        """`_reads_lost` for the lean connection of the trio thread (`_TrioReads`), called there."""
+        self._shrink_budget(self._budget.used)
 
     def _lost_in_trio(self, in_flight: int) -> None:
         self.connected = False
