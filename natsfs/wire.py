@@ -19,8 +19,8 @@ closes the connection, as nats-py does. No message raised or kept here contains 
 `connect_trio` and `TrioWireConnection` drive the same `WireProtocol` from the trio thread instead
 (the bridge's `_TrioReads`): a non-blocking socket read by one task, with requests written from the
 calling task, so a read's request and replies never cross to the asyncio thread. The handshake and
-the CONNECT fields are the same; a server that wants TLS is refused there (the asyncio connection
-speaks it).
+the CONNECT fields and TLS are the same (TLS through an `ssl.SSLObject` over memory buffers, which
+decrypts straight into the buffers the protocol offers).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
 import trio
@@ -575,9 +575,25 @@ class _TrioTransport(asyncio.Transport):
         self.want_send = trio.Event()
         self.closing = False
         self._on_abort = on_abort
+        # After a TLS handshake: what is written goes through `tls`, whose records leave by `outgoing`.
+        self.tls: ssl.SSLObject | None = None
+        self.outgoing: ssl.MemoryBIO | None = None
 
     def write(self, data: Any) -> None:
         if self.closing:
+            return
+        if self.tls is not None and self.outgoing is not None:
+            try:
+                self.tls.write(data)
+            except ssl.SSLError as e:
+                self.abort_with(f"TLS: {e}")
+                return
+            data = self.outgoing.read()
+        self.send_raw(data)
+
+    def send_raw(self, data: Any) -> None:
+        """Send bytes as they are (TLS records, or the plain protocol)."""
+        if self.closing or not data:
             return
         if not self.pending:
             try:
@@ -613,8 +629,8 @@ class TrioWireConnection(_ConnectionState):
     the task that reads the socket, and requests are written from the calling task, so a read crosses
     no thread (the asyncio one costs two hand-offs per request, about 0.1 ms each way on the test
     machine). `run` reads, sends what the socket did not take at once, and pings, until the
-    connection ends; then `on_closed` is called once, as for `WireConnection`. Plain TCP only: a
-    server that wants TLS is refused here (the bridge then uses `connect`)."""
+    connection ends; then `on_closed` is called once, as for `WireConnection`. TLS, when the server
+    asks for it, goes through an `ssl.SSLObject` (`start_tls`)."""
 
     def __init__(self, sock: socket.socket, protocol: WireProtocol, inbox: str):
         self._sock = sock
@@ -625,6 +641,7 @@ class TrioWireConnection(_ConnectionState):
         self._closed_sock = False
         self._stop = trio.Event()
         self._unyielded = 0  # bytes read since the reader last let other tasks run
+        self._incoming: ssl.MemoryBIO | None = None  # (TLS: what the socket brought, not yet decrypted)
 
     def publish(self, subject: str, payload: bytes = b"", reply: str = "",
                 headers: dict[str, str] | None = None) -> None:
@@ -655,6 +672,8 @@ class TrioWireConnection(_ConnectionState):
     async def _receive_once(self) -> bool:
         """Read what the socket has (or wait until it has something) and parse it; False once the
         connection ended."""
+        if self._transport.tls is not None:
+            return await self._receive_tls()
         protocol = self._protocol
         try:
             try:
@@ -680,6 +699,72 @@ class TrioWireConnection(_ConnectionState):
         except (OSError, trio.ClosedResourceError) as e:
             self._end(e if isinstance(e, OSError) else None)
             return False
+
+    async def _receive_tls(self) -> bool:
+        """`_receive_once` through TLS: the socket's bytes go into the TLS object, which decrypts them
+        straight into the buffers the protocol offers."""
+        protocol, transport = self._protocol, self._transport
+        assert transport.tls is not None and self._incoming is not None
+        try:
+            try:
+                raw = self._sock.recv(CONTROL_BUFFER)
+            except BlockingIOError:
+                self._unyielded = 0
+                await trio.lowlevel.wait_readable(self._sock)
+                return True
+            if not raw:
+                protocol.eof_received()
+                self._end(None)
+                return False
+            self._incoming.write(raw)
+            while True:
+                buf = protocol.get_buffer(-1)
+                try:
+                    # (with a buffer, `read` returns the count: typeshed says bytes)
+                    n = cast(int, transport.tls.read(len(buf), buf))
+                except ssl.SSLWantReadError:
+                    break
+                if n == 0:  # (the server ended the TLS session)
+                    protocol.eof_received()
+                    self._end(None)
+                    return False
+                protocol.buffer_updated(n)
+                if protocol.closed or self._closed_sock:
+                    return False
+                self._unyielded += n
+            if transport.outgoing is not None and transport.outgoing.pending:
+                transport.send_raw(transport.outgoing.read())  # (what TLS itself had to answer)
+            if self._unyielded >= YIELD_EVERY:
+                self._unyielded = 0
+                await trio.lowlevel.checkpoint()
+            return True
+        except ssl.SSLError as e:
+            protocol.last_error = protocol.last_error or f"TLS: {e}"
+            self._end(None)
+            return False
+        except (OSError, trio.ClosedResourceError) as e:
+            self._end(e if isinstance(e, OSError) else None)
+            return False
+
+    async def start_tls(self, context: ssl.SSLContext, hostname: str) -> None:
+        """The TLS handshake, after the server's INFO asked for it; from then on everything goes
+        through it. `ssl.SSLError` or `OSError` if it fails."""
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = context.wrap_bio(incoming, outgoing, server_hostname=hostname)
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                pass
+            await _send_all(self._sock, outgoing.read())
+            raw = await _receive_some(self._sock)
+            if not raw:
+                raise WireError("the server closed the connection during the TLS handshake")
+            incoming.write(raw)
+        await _send_all(self._sock, outgoing.read())
+        self._incoming = incoming
+        self._transport.tls, self._transport.outgoing = tls, outgoing
 
     def _end(self, exc: OSError | None) -> None:
         if not self._closed_sock:
@@ -729,14 +814,29 @@ class TrioWireConnection(_ConnectionState):
             self._end(None)
 
 
+async def _send_all(sock: socket.socket, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view):]
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+
+
+async def _receive_some(sock: socket.socket) -> bytes:
+    while True:
+        try:
+            return sock.recv(CONTROL_BUFFER)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(sock)
+
+
 async def connect_trio(url: str, *, name: str, auth: Connection | None, timeout: float, on_msg: OnMsg,
                        on_closed: Callable[[TrioWireConnection], None]) -> TrioWireConnection:
     """`connect` for the trio thread: the same handshake (CONNECT as nats-py sends it, the reply inbox,
-    a ping to check the server took it), over plain TCP. `WireError` (or `OSError`, `TimeoutError`) if
-    that fails, also when the server asks for TLS (`tls://` URLs are refused before connecting)."""
+    TLS when the server's INFO requires it, a ping to check the server took it). `WireError` (or
+    `OSError`, `ssl.SSLError`, `TimeoutError`) if that fails."""
     endpoint = parse_server(url)
-    if endpoint.scheme == "tls":
-        raise WireError("TLS is not spoken by the trio connection")
     inbox = f"_INBOX.{os.urandom(11).hex()}"
     protocol, connection = _protocol_reporting_to(on_msg, on_closed)
     sock: socket.socket | None = None
@@ -762,7 +862,9 @@ async def connect_trio(url: str, *, name: str, auth: Connection | None, timeout:
             if not protocol.info:
                 raise WireError(protocol.last_error or "the server closed the connection")
             if protocol.info.get("tls_required"):
-                raise WireError("the server wants TLS, which the trio connection does not speak")
+                wants_files = auth is not None and (auth.tls_ca or auth.tls_cert)
+                context = auth.ssl_context() if auth is not None and wants_files else ssl.create_default_context()
+                await conn.start_tls(context, endpoint.host)
             options = _connect_options(protocol.info, endpoint, auth, name)
             conn._transport.write(b"CONNECT " + json.dumps(options).encode() + b"\r\nSUB " + inbox.encode()
                                   + b".* 1\r\nPING\r\n")

@@ -210,7 +210,7 @@ def test_err_on_the_lean_connection_leaves_the_main_one_alone(private_server, in
 @pytest.mark.parametrize("method", METHODS)
 def test_reads_take_the_lean_connection_with_each_method(tmp_path, method):
     """Each credential the mount supports opens the lean connection too (no quiet fall back to nats-py),
-    and chunks read over it are byte-exact."""
+    on the trio thread (TLS included), and chunks read over it are byte-exact."""
     config, options, extra_env, scheme, _secret = _setup(method, tmp_path)
     server = NatsServer(tmp_path / "nats", config=config)
     server.start()
@@ -227,10 +227,10 @@ def test_reads_take_the_lean_connection_with_each_method(tmp_path, method):
             await bridge.connect()
             try:
                 assert bridge.lean_reads
-                assert bridge.reads_in_trio == (method != "tls")  # (the trio one does not speak TLS)
+                assert bridge.reads_in_trio
                 await bridge.api("STREAM.CREATE.OBJ_a", {"name": "OBJ_a", "subjects": ["$O.a.C.>"],
                                                          "allow_direct": True, "storage": "memory"})
-                chunks = [os.urandom(n) for n in (CHUNK, 5, CHUNK)]
+                chunks = [os.urandom(n) for n in (CHUNK, 5, *[CHUNK] * 30, 1000 * 1024, CHUNK)]  # (many TLS records)
                 for c in chunks:
                     await bridge.js_publish(f"$O.a.C.{NUID}", c)
                 whole, streamed = await read_both_ways(JetStreams(bridge), "a")
