@@ -672,79 +672,70 @@ class TrioWireConnection(_ConnectionState):
     async def _receive_once(self) -> bool:
         """Read what the socket has (or wait until it has something) and parse it; False once the
         connection ended."""
-        if self._transport.tls is not None:
-            return await self._receive_tls()
+        read = self._read_plain if self._transport.tls is None else self._read_tls
         protocol = self._protocol
         try:
             try:
-                n = self._sock.recv_into(protocol.get_buffer(-1))
+                handed = read()
             except BlockingIOError:
                 self._unyielded = 0
                 await trio.lowlevel.wait_readable(self._sock)
                 return True
-            if n == 0:
+            if handed is None:
                 protocol.eof_received()
                 self._end(None)
                 return False
-            protocol.buffer_updated(n)  # (replies go to `on_msg` from here, synchronously)
             if protocol.closed or self._closed_sock:
                 return False
-            self._unyielded += n
+            self._unyielded += handed
             if self._unyielded >= YIELD_EVERY:
                 # Let the replies handed over be served (a checkpoint is a pass of trio's scheduler
                 # and a poll: once per read would cost more than the read).
                 self._unyielded = 0
                 await trio.lowlevel.checkpoint()
             return True
-        except (OSError, trio.ClosedResourceError) as e:
-            self._end(e if isinstance(e, OSError) else None)
-            return False
-
-    async def _receive_tls(self) -> bool:
-        """`_receive_once` through TLS: the socket's bytes go into the TLS object, which decrypts them
-        straight into the buffers the protocol offers."""
-        protocol, transport = self._protocol, self._transport
-        assert transport.tls is not None and self._incoming is not None
-        try:
-            try:
-                raw = self._sock.recv(CONTROL_BUFFER)
-            except BlockingIOError:
-                self._unyielded = 0
-                await trio.lowlevel.wait_readable(self._sock)
-                return True
-            if not raw:
-                protocol.eof_received()
-                self._end(None)
-                return False
-            self._incoming.write(raw)
-            while True:
-                buf = protocol.get_buffer(-1)
-                try:
-                    # (with a buffer, `read` returns the count: typeshed says bytes)
-                    n = cast(int, transport.tls.read(len(buf), buf))
-                except ssl.SSLWantReadError:
-                    break
-                if n == 0:  # (the server ended the TLS session)
-                    protocol.eof_received()
-                    self._end(None)
-                    return False
-                protocol.buffer_updated(n)
-                if protocol.closed or self._closed_sock:
-                    return False
-                self._unyielded += n
-            if transport.outgoing is not None and transport.outgoing.pending:
-                transport.send_raw(transport.outgoing.read())  # (what TLS itself had to answer)
-            if self._unyielded >= YIELD_EVERY:
-                self._unyielded = 0
-                await trio.lowlevel.checkpoint()
-            return True
-        except ssl.SSLError as e:
+        except ssl.SSLError as e:  # (before OSError, which it is too)
             protocol.last_error = protocol.last_error or f"TLS: {e}"
             self._end(None)
             return False
         except (OSError, trio.ClosedResourceError) as e:
             self._end(e if isinstance(e, OSError) else None)
             return False
+
+    def _read_plain(self) -> int | None:
+        """Hand the protocol what the socket has, received straight into its buffers (replies go to
+        `on_msg` from here, synchronously): the bytes handed over, None at the end of the stream,
+        `BlockingIOError` when there is nothing."""
+        n = self._sock.recv_into(self._protocol.get_buffer(-1))
+        if n == 0:
+            return None
+        self._protocol.buffer_updated(n)
+        return n
+
+    def _read_tls(self) -> int | None:
+        """`_read_plain` through TLS: the socket's bytes go into the TLS object, which decrypts them
+        straight into the buffers the protocol offers."""
+        protocol, tls, outgoing = self._protocol, self._transport.tls, self._transport.outgoing
+        assert tls is not None and outgoing is not None and self._incoming is not None
+        raw = self._sock.recv(CONTROL_BUFFER)
+        if not raw:
+            return None
+        self._incoming.write(raw)
+        handed = 0
+        while not protocol.closed and not self._closed_sock:
+            buf = protocol.get_buffer(-1)
+            try:
+                # (with a buffer, `read` returns the count: typeshed says bytes)
+                n = cast(int, tls.read(len(buf), buf))
+            except ssl.SSLWantReadError:
+                break
+            if n == 0:  # (the server ended the TLS session)
+                return None
+            protocol.buffer_updated(n)
+            handed += n
+        if outgoing.pending:
+            self._transport.send_raw(outgoing.read())  # (what TLS itself had to answer)
+        return handed
 
     async def start_tls(self, context: ssl.SSLContext, hostname: str) -> None:
         """The TLS handshake, after the server's INFO asked for it; from then on everything goes
