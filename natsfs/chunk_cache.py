@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-import contextlib
 import hashlib
 import logging
 from array import array
@@ -69,7 +68,7 @@ import trio
 
 from .adr20 import ObjectInfo, ObjectStore, chunk_subject, format_digest, parse_digest
 from .errors import Corrupt, NatsFSError, Stale, Unavailable
-from .futures import wait_future
+from .futures import wait_done, wait_future
 from .streams import Payload, StoredMsg
 
 log = logging.getLogger(__name__)
@@ -450,7 +449,7 @@ class ChunkCache:
         if layout.intact and layout.hash_pos <= last:
             self._hash_forward(info, layout, pieces, first)
             if self._hash_submitted - self._hash_done > HASH_BACKLOG and self._hash_last is not None:
-                await _finished(self._hash_last)
+                await wait_done(self._hash_last)  # (not cancelled with us: it is part of a digest)
         if readahead > 0 and end < layout.read_end - readahead:
             layout.read_end = 0  # a sequential reader far behind the furthest one: another one, or it started over
         if readahead > 0:
@@ -1019,20 +1018,6 @@ class ChunkCache:
             log.exception("readahead of %s/%s failed unexpectedly", info.bucket, info.name)
         finally:
             layout.runs -= 1
-
-
-async def _finished(fut: concurrent.futures.Future[None]) -> None:
-    """Wait until `fut` has run, without cancelling it if this waiter is cancelled (it is part of a
-    version's digest: skipping it would fail a good version)."""
-    done = trio.Event()
-    token = trio.lowlevel.current_trio_token()
-
-    def wake(_: object) -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(done.set)
-
-    fut.add_done_callback(wake)
-    await done.wait()
 
 
 def _unanswered(error: NatsFSError) -> bool:
