@@ -19,6 +19,7 @@ import os
 import resource
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -210,17 +211,19 @@ def encode_name(name: str) -> str:
     return base64.urlsafe_b64encode(name.encode()).decode()
 
 
-async def _connect(url: str) -> Any:
+async def _connect(url: str, tls: ssl.SSLContext | None = None) -> Any:
     import nats
 
-    return await nats.connect(url, pending_size=64 * MiB, max_reconnect_attempts=0, connect_timeout=5)
+    return await nats.connect(url, pending_size=64 * MiB, max_reconnect_attempts=0, connect_timeout=5,
+                              **({"tls": tls} if tls is not None else {}))
 
 
-def run_nats(url: str, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
+def run_nats(url: str, fn: Callable[[Any], Any], timeout: float | None = None,
+             tls: ssl.SSLContext | None = None) -> Any:
     """Run `await fn(nc)` with a fresh nats-py connection on a fresh asyncio loop."""
 
     async def main() -> Any:
-        nc = await _connect(url)
+        nc = await _connect(url, tls)
         try:
             coro = fn(nc)
             return await (asyncio.wait_for(coro, timeout) if timeout else coro)
@@ -238,8 +241,10 @@ async def create_bucket(nc: Any, bucket: str) -> None:
     await js.create_object_store(bucket, config=ObjectStoreConfig(bucket=bucket))
 
 
-async def publish_object(nc: Any, bucket: str, spec: ObjSpec, local_dir: Path, window: int = 256) -> None:
-    """Publish `spec` as nats.go would (chunks, then meta with rollup), fast: acks pipelined."""
+async def publish_object(nc: Any, bucket: str, spec: ObjSpec, local_dir: Path, window: int = 256,
+                         source: Path | None = None) -> None:
+    """Publish `spec` as nats.go would (chunks, then meta with rollup), fast: acks pipelined; its bytes
+    are random, or those of the file `source`."""
     from nats.nuid import NUID
 
     js = nc.jetstream(publish_async_max_pending=window)
@@ -251,10 +256,13 @@ async def publish_object(nc: Any, bucket: str, spec: ObjSpec, local_dir: Path, w
         spec.local_path = local_dir / spec.name
         local = open(spec.local_path, "wb")  # noqa: SIM115 - closed below
     futures: list[asyncio.Future[Any]] = []
+    src = open(source, "rb") if source is not None else None  # noqa: SIM115 - closed below
     try:
         left, n = spec.size, 0
         while left > 0:
-            data = os.urandom(min(spec.chunk, left))
+            data = src.read(min(spec.chunk, left)) if src is not None else os.urandom(min(spec.chunk, left))
+            if not data:
+                raise RuntimeError(f"{source} is shorter than {spec.size} bytes")
             sha.update(data)
             if local is not None:
                 local.write(data)
@@ -268,6 +276,8 @@ async def publish_object(nc: Any, bucket: str, spec: ObjSpec, local_dir: Path, w
     finally:
         if local is not None:
             local.close()
+        if src is not None:
+            src.close()
     spec.chunks = n
     spec.digest = "SHA-256=" + base64.urlsafe_b64encode(sha.digest()).decode()
     meta = meta_json(bucket, spec.name, spec.nuid, spec.size, n, spec.digest, chunk_size=spec.chunk)
@@ -679,7 +689,7 @@ def drop_page_cache() -> bool:
 class Mount:
     """`python -m natsfs mount MNT --foreground` in a child process."""
 
-    def __init__(self, env: Env, label: str, args: Sequence[str]):
+    def __init__(self, env: Env, label: str, args: Sequence[str], server: str | None = None):
         env.mount_count += 1
         self.env = env
         self.label = label
@@ -689,6 +699,7 @@ class Mount:
         self.log_file = env.tmp / "logs" / f"mount-{tag}.log"
         self.cache_dir = env.tmp / "cache" / tag
         self.args = list(args)
+        self.server = server or env.url
         self.proc: subprocess.Popen[bytes] | None = None
         self.live = False
 
@@ -702,7 +713,7 @@ class Mount:
             raise RuntimeError(f"{self.path} is still a mount point")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "natsfs", "mount", str(self.path), "--foreground",
-               "--server", self.env.url, "--cache-dir", str(self.cache_dir), "--log-file", str(self.log_file),
+               "--server", self.server, "--cache-dir", str(self.cache_dir), "--log-file", str(self.log_file),
                "--log-level", self.env.log_level, *self.args]
         out = open(self.env.tmp / "logs" / f"{self.log_file.stem}.out", "wb")  # noqa: SIM115
         try:
@@ -773,6 +784,16 @@ class Mount:
 
 
 # ---------------------------------------------------------------------------------------------- environment
+@dataclass
+class TlsServer:
+    """A nats-server that requires TLS (`Env.tls_server`)."""
+
+    url: str  # tls://127.0.0.1:PORT
+    ca: Path  # the CA that signed its certificate (`--tls-ca`)
+    context: ssl.SSLContext  # for nats-py clients
+    pid: int
+
+
 class Env:
     """A temp dir, a fresh nats-server, buckets/objects, and mounts; `close()` undoes all of it."""
 
@@ -812,6 +833,32 @@ class Env:
             self.server_version = out.stdout.strip().split()[-1]
         log(f"nats-server {self.server_version} at {self.url} (store {self.tmp / 'server'})")
 
+    @contextlib.contextmanager
+    def tls_server(self) -> Iterator[TlsServer]:
+        """A second nats-server, with a store of its own, that requires TLS (a certificate for 127.0.0.1
+        from a CA made here with `trustme`), for the duration of the block."""
+        import trustme
+
+        from natsfs.server import NatsServer
+
+        ca = trustme.CA()
+        cert = ca.issue_cert("127.0.0.1")
+        d = self.tmp / "tls"
+        d.mkdir(exist_ok=True)
+        paths = {name: d / name for name in ("ca.pem", "server.pem", "server.key")}
+        paths["ca.pem"].write_bytes(ca.cert_pem.bytes())
+        paths["server.pem"].write_bytes(b"".join(p.bytes() for p in cert.cert_chain_pems))
+        paths["server.key"].write_bytes(cert.private_key_pem.bytes())
+        config = f'tls {{ cert_file: "{paths["server.pem"]}", key_file: "{paths["server.key"]}" }}\n'
+        server = NatsServer(self.tmp / "tls-server", config=config, log_file=self.tmp / "logs" / "nats-server-tls.log")
+        url = server.start()
+        try:
+            context = ssl.create_default_context(cafile=str(paths["ca.pem"]))
+            yield TlsServer(url=url.replace("nats://", "tls://", 1), ca=paths["ca.pem"], context=context,
+                            pid=server.proc.pid if server.proc is not None else -1)
+        finally:
+            server.stop()
+
     def ensure_objects(self, bucket: str, specs: Sequence[ObjSpec]) -> None:
         """Create the bucket and publish whichever of `specs` are not published yet."""
         todo = [s for s in specs if not s.published]
@@ -834,9 +881,10 @@ class Env:
 
     # ---- mounts
     @contextlib.contextmanager
-    def mounted(self, label: str, args: Sequence[str] = ()) -> Iterator[Mount]:
-        """A fresh mount (empty chunk cache, empty page cache) for the duration of the block."""
-        m = Mount(self, label, args)
+    def mounted(self, label: str, args: Sequence[str] = (), server: str | None = None) -> Iterator[Mount]:
+        """A fresh mount (empty chunk cache, empty page cache) for the duration of the block; of the
+        bench's server unless `server` names another."""
+        m = Mount(self, label, args, server)
         try:
             t0 = time.perf_counter()
             m.start()
