@@ -942,7 +942,7 @@ class Env:
             return
         if self.failed:
             # Keep the logs for a post-mortem, drop the bulky data.
-            for sub in ("server/jetstream", "local", "cache"):
+            for sub in ("server/jetstream", "tls-server/jetstream", "local", "cache"):
                 shutil.rmtree(self.tmp / sub, ignore_errors=True)
             log(f"logs kept in {self.tmp / 'logs'}")
             return
