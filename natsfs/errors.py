@@ -51,6 +51,11 @@ class InvalidArgument(NatsFSError):
     log_level = logging.INFO
 
 
+class PermissionDenied(NatsFSError):
+    errno = _errno.EACCES
+    log_level = logging.WARNING
+
+
 class ReadOnly(NatsFSError):
     errno = _errno.EROFS
     log_level = logging.INFO

@@ -27,15 +27,23 @@ link's computed target if the object is also a link, else as `nats-object:?/outs
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import hmac
+import logging
 import os
 import secrets
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from .adr20 import Link, valid_bucket_name
+from .errors import NatsFSError, PermissionDenied
 from .names import placement
+
+log = logging.getLogger(__name__)
 
 FOREIGN_PREFIX = "nats-object:"
 INVALID_TARGET = FOREIGN_PREFIX + "?/invalid-link"
@@ -101,25 +109,95 @@ def stays_in_mount(text: str, link_path: tuple[str, ...], mountpoint: str) -> bo
 
 
 class SymlinkSigner:
-    """Signs symlink texts this user writes, with a key kept in the cache dir (created 0600)."""
+    """Signs symlink texts this user writes, with a key kept in the cache dir.
+
+    The key decides which texts may lead out of the mount, so a key file is used only when it is this
+    user's own regular file (opened without following a symlink), private (0600 at most), in a
+    directory this user owns, and exactly `KEY_BYTES` long. A new key is written whole to a temporary
+    file, synced, and linked into place, so no reader ever sees a partial key (a disk that fills up
+    mid-write leaves no key at all). A key file of this user that is short, long or readable by others
+    is replaced (its old signatures stop counting); any other failing check refuses to sign (`EACCES`)
+    and verifies nothing, with one log line."""
+
+    KEY_BYTES = 32
 
     def __init__(self, key_path: Path):
         self._key_path = key_path
         self._key: bytes | None = None
+        self._refused: str | None = None
 
     def _load(self) -> bytes:
         if self._key is None:
-            self._key_path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                fd = os.open(self._key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                self._key = self._key_path.read_bytes()
-            else:
-                key = secrets.token_bytes(32)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(key)
-                self._key = key
+            if self._refused is None:
+                try:
+                    self._key = self._read_or_create()
+                    return self._key
+                except OSError as e:  # a full or failing disk: worth trying again later
+                    raise NatsFSError(f"cannot write the symlink signing key {self._key_path}: {e.strerror}",
+                                      errno=e.errno or errno.EIO, log_level=logging.WARNING) from None
+                except PermissionDenied as e:
+                    self._refused = str(e)
+                    log.warning("%s", e)
+            # Said once above; each refused request after that only gets its errno.
+            raise PermissionDenied(self._refused, log_level=logging.DEBUG)
         return self._key
+
+    def _read_or_create(self) -> bytes:
+        directory = self._key_path.parent
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(directory)
+        if st.st_uid != os.geteuid():
+            raise PermissionDenied(f"symlinks leading out of the mount are refused: {directory} (which holds "
+                                   f"their signing key) belongs to another user")
+        for _ in range(3):
+            key = self._read()
+            if key is not None:
+                return key
+            if self._create():
+                key = self._read()
+                if key is not None:
+                    return key
+        raise PermissionDenied(f"symlinks leading out of the mount are refused: no usable key at {self._key_path}")
+
+    def _read(self) -> bytes | None:
+        """The key, None where there is none (a bad one of this user's is removed first)."""
+        try:
+            fd = os.open(self._key_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise PermissionDenied(f"symlinks leading out of the mount are refused: cannot open their "
+                                   f"signing key {self._key_path} ({e.strerror})") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise PermissionDenied(f"symlinks leading out of the mount are refused: their signing key "
+                                       f"{self._key_path} is not this user's own file")
+            key = f.read(self.KEY_BYTES + 1)
+        if len(key) == self.KEY_BYTES and not st.st_mode & 0o077:
+            return key
+        log.warning("replacing the symlink signing key %s (%s): symlinks this user made that lead out of "
+                    "the mount read as %s until made again", self._key_path,
+                    "readable by others" if st.st_mode & 0o077 else f"{len(key)} bytes", OUTSIDE_TARGET)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._key_path)
+        return None
+
+    def _create(self) -> bool:
+        """Write a new key into place; False when another process put one there first."""
+        fd, temp = tempfile.mkstemp(prefix=".symlink.key.", dir=self._key_path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(self.KEY_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(temp, self._key_path)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            os.unlink(temp)
 
     def sign(self, bucket: str, text: str) -> str:
         msg = bucket.encode() + b"\0" + text.encode("utf-8", "surrogatepass")
@@ -130,5 +208,5 @@ class SymlinkSigner:
             return False
         try:
             return hmac.compare_digest(self.sign(bucket, text), signature)
-        except OSError:
+        except (OSError, NatsFSError):
             return False

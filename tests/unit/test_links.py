@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -63,3 +66,90 @@ def test_no_link_target_leaves_the_mount(bucket, name, link_path, single):
     if target.outside is not None:
         # Not inside: a dangling name in the link's own directory, never climbing out of it.
         assert target.text.startswith("nats-object:") and ".." not in target.text.split("/")
+
+
+# ------------------------------------------------------------------------------------------- the signing key
+def _signer(tmp_path):
+    from natsfs.links import SymlinkSigner
+
+    return SymlinkSigner(tmp_path / "cache" / "symlink.key")
+
+
+def test_signing_key_is_made_whole_and_private(tmp_path):
+    signer = _signer(tmp_path)
+    signature = signer.sign("b", "/usr/bin/python3")
+    key = tmp_path / "cache" / "symlink.key"
+    assert len(key.read_bytes()) == 32 and key.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in key.parent.iterdir()] == ["symlink.key"]  # no temporary file left
+    assert _signer(tmp_path).verify("b", "/usr/bin/python3", signature)
+    assert not _signer(tmp_path).verify("b", "/usr/bin/python", signature)
+    assert not _signer(tmp_path).verify("c", "/usr/bin/python3", signature)
+
+
+@pytest.mark.parametrize("content, mode", [(b"", 0o600), (b"k" * 31, 0o600), (b"k" * 33, 0o600),
+                                           (b"k" * 32, 0o644)])
+def test_a_short_long_or_shared_key_of_this_user_is_replaced(tmp_path, content, mode, caplog):
+    import hashlib
+    import hmac
+
+    key = tmp_path / "cache" / "symlink.key"
+    key.parent.mkdir()
+    key.write_bytes(content)
+    key.chmod(mode)
+    forged = hmac.new(content, b"b\0/etc/shadow", hashlib.sha256).hexdigest()
+    signer = _signer(tmp_path)
+    assert not signer.verify("b", "/etc/shadow", forged)
+    new_key = key.read_bytes()
+    assert len(new_key) == 32 and new_key != content and key.stat().st_mode & 0o777 == 0o600
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+
+
+def _refused(signer, caplog) -> None:
+    from natsfs.errors import NatsFSError
+
+    for _ in range(3):
+        with pytest.raises(NatsFSError) as raised:
+            signer.sign("b", "/etc/shadow")
+        assert raised.value.errno == errno.EACCES
+        assert not signer.verify("b", "/etc/shadow", "00" * 32)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]  # one line, however often it is asked
+
+
+def test_a_key_that_is_a_symlink_is_refused(tmp_path, caplog):
+    key = tmp_path / "cache" / "symlink.key"
+    key.parent.mkdir()
+    key.symlink_to("/dev/null")
+    _refused(_signer(tmp_path), caplog)
+    assert key.is_symlink()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file away")
+def test_a_key_or_cache_dir_of_another_user_is_refused(tmp_path, caplog):
+    key = tmp_path / "cache" / "symlink.key"
+    key.parent.mkdir()
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    os.chown(key, 65534, 65534)
+    _refused(_signer(tmp_path), caplog)
+    caplog.clear()
+    key.unlink()
+    os.chown(key.parent, 65534, 65534)
+    _refused(_signer(tmp_path), caplog)
+    assert not key.exists()
+
+
+def test_a_full_disk_leaves_no_key_and_says_why(tmp_path, monkeypatch):
+    from natsfs import links
+    from natsfs.errors import NatsFSError
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    signer = _signer(tmp_path)
+    monkeypatch.setattr(links.os, "fsync", full)
+    with pytest.raises(NatsFSError) as raised:
+        signer.sign("b", "/usr/bin/python3")
+    assert raised.value.errno == errno.ENOSPC
+    assert list((tmp_path / "cache").iterdir()) == []
+    monkeypatch.undo()
+    assert len(signer.sign("b", "/usr/bin/python3")) == 64  # the next try, with room, makes the key
