@@ -433,11 +433,12 @@ class Filesystem:
         return await self.ns.resolve(path)
 
     async def _check_new_entry(self, path: tuple[str, ...]) -> None:
-        """`path` is free for a new object, in a bucket or directory."""
+        """`path` is free for a new object, in a bucket or directory (the root of a `--bucket` mount is
+        its bucket; `_in_bucket` has refused the root of an all-buckets mount already)."""
         if await self._maybe_node(path) is not None:
             raise AlreadyExists("/".join(path))
         parent = await self._path_node(path[:-1])
-        if parent.kind not in (BUCKET, DIR):
+        if parent.kind not in (ROOT, BUCKET, DIR):
             raise NotADirectory("/".join(path[:-1]))
 
     async def _maybe_node(self, path: tuple[str, ...]) -> Node | None:

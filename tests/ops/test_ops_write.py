@@ -429,6 +429,21 @@ def test_flush_stores_only_at_the_openers_last_close(ops_env):
     ops_env(body, setup=one_bucket)
 
 
+def test_symlink_and_mknod_at_the_root_of_a_bucket_mount(ops_env):
+    """The root of a `--bucket` mount is the bucket: new entries of every kind land there."""
+    async def body(env: Env):
+        link = await env.ops.symlink(ROOT, b"l", b"old.txt", Ctx())
+        assert await env.ops.readlink(link.st_ino, Ctx()) == b"old.txt"
+        fifo = await env.ops.mknod(ROOT, b"fifo", stat.S_IFIFO | 0o644, 0, Ctx())
+        assert stat.S_IFMT(fifo.st_mode) == stat.S_IFIFO
+        doc, _ = await env.store.get_meta_doc("b", "l")
+        assert doc["options"] == {"link": {"bucket": "b", "name": "old.txt"}}
+        assert (await env.store.get_meta_doc("b", "fifo"))[0]["metadata"]["natsfs.type"] == "fifo"
+        assert await err(env.ops.symlink(ROOT, b"l", b"x", Ctx())) == errno.EEXIST
+
+    ops_env(body, setup=one_bucket, bucket="b")
+
+
 def test_mknod_stores_an_empty_object_with_its_type_and_rdev(ops_env):
     async def body(env: Env):
         b = (await env.lookup("b")).st_ino
