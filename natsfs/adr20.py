@@ -104,6 +104,8 @@ DEFAULT_CHUNK_SIZE = 128 * 1024
 DEFAULT_MAX_SUBJECT = 4096 - 256
 # Room the headers of a meta publish take next to the JSON (rollup, expected sequence, message id).
 _META_HEADER_ROOM = 256
+# Room the headers of a chunk publish take next to its bytes (message id, atomic batch id and sequence).
+_CHUNK_HEADER_ROOM = 256
 # How long an ambiguous meta publish is retried and read back: well inside the 120 s duplicate window.
 SETTLE_S = 60.0
 # The most chunks a put sent as one atomic batch can have: a batch holds at most 1000 messages, the
@@ -262,6 +264,14 @@ def last_meta_request_subject(bucket: str, name: str) -> str:
 
 def meta_filter(bucket: str) -> str:
     return f"$O.{bucket}.M.>"
+
+
+def chunk_size_within(chunk_size: int, max_payload: int) -> int:
+    """`chunk_size`, or less where a chunk and its headers would be over the server's max payload: the
+    largest multiple of 4 KiB that fits (a server that takes less than 8 KiB gets 4 KiB chunks and
+    refuses them, with its own error)."""
+    fits = (max_payload - _CHUNK_HEADER_ROOM) // 4096 * 4096
+    return chunk_size if chunk_size <= fits else max(fits, 4096)
 
 
 def chunk_subject(bucket: str, nuid: str) -> str:

@@ -18,6 +18,7 @@ import pyfuse3
 import trio
 
 from . import affinity, memory, sdnotify
+from .adr20 import chunk_size_within
 from .bridge import Bridge
 from .compose import build_filesystem
 from .config import Config
@@ -100,6 +101,11 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
         await bridge.connect()
     except NatsFSError as e:
         raise MountError(str(e)) from None
+    chunk_size = chunk_size_within(config.chunk_size, bridge.max_payload)
+    if chunk_size != config.chunk_size:
+        log.warning("writing objects in chunks of %d bytes, not %d: the server takes messages of at most %d "
+                    "bytes (max_payload)", chunk_size, config.chunk_size, bridge.max_payload)
+        config = dataclasses.replace(config, chunk_size=chunk_size)
     try:
         worker = UploadWorker(dataclasses.replace(config.credentials, servers=tuple(servers)))
         built = build_filesystem(config, JetStreams(bridge), file_sender=worker)

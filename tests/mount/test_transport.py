@@ -363,6 +363,24 @@ def test_oversize_subject_never_kills_the_mount(private_server, mounter, tmp_pat
     assert "failed unexpectedly" not in m.log()
 
 
+def test_chunks_fit_a_server_with_a_small_max_payload(tmp_path, mounter):
+    """A server that takes messages of at most 64 KiB: the mount writes smaller chunks (one WARNING),
+    so files larger than that store and read back, for the mount and for another client."""
+    server = own_server(tmp_path, "max_payload: 65536")
+    try:
+        create_bucket(server.url, "small")
+        m = mounter(server.url)
+        data = os.urandom(5 * 65536 + 123)
+        (m.path / "small" / "big.bin").write_bytes(data)
+        assert fresh_get(server.url, "small", "big.bin") == data
+        meta = json.loads(os.getxattr(m.path / "small" / "big.bin", "user.nats.chunk_size"))
+        assert meta == 61440  # the largest multiple of 4 KiB that fits with the headers' room
+        assert (m.path / "small" / "big.bin").read_bytes() == data
+        assert m.log().count("writing objects in chunks of 61440 bytes, not 131072") == 1
+    finally:
+        server.stop()
+
+
 @pytest.mark.expect_log(
     "(read|flush): .*connection to NATS",
     "kick/w/[0-9]+.bin: closed without a successful upload",
