@@ -39,7 +39,7 @@ from . import auth, sdnotify, status
 from . import config as cfg
 from .config import Config, default_flush_timeout
 from .errors import NatsFSError, single_error
-from .secrecy import child_environment
+from .secrecy import child_environment, private_dir
 
 log = logging.getLogger("natsfs")
 
@@ -253,9 +253,6 @@ class PrivateLogFile(logging.handlers.WatchedFileHandler):
         return open(fd, "a", encoding=self.encoding, errors=self.errors)
 
 
-def private_log_dir(directory: Path) -> None:
-    """Create the log directory (and missing parents) 0700; an existing directory is left as it is."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 class UndeliveredReplies(logging.Filter):
@@ -287,7 +284,7 @@ UNDELIVERED_REPLIES = UndeliveredReplies()
 def _setup_logging(level: str, log_file: Path | None) -> None:
     handler: logging.Handler
     if log_file is not None:
-        private_log_dir(log_file.parent)
+        private_dir(log_file.parent)
         handler = PrivateLogFile(log_file)
     else:
         handler = logging.StreamHandler(sys.stderr)
@@ -364,7 +361,7 @@ def _spawn_daemon(a: argparse.Namespace, config: Config) -> int:
     log_dir = config.data_dir / "logs"
     log_file = a.log_file or (log_dir / (str(config.mountpoint.resolve()).strip("/").replace("/", "_") + ".log"))
     if log_file != Path("-"):
-        private_log_dir(log_file.parent)
+        private_dir(log_file.parent)
     if a.log_file is None:
         log_dir.chmod(0o700)  # ours: made 0755 by versions before this one
     r, w = os.pipe()

@@ -42,6 +42,7 @@ from pathlib import Path
 from .adr20 import Link, valid_bucket_name
 from .errors import NatsFSError, PermissionDenied
 from .names import placement
+from .secrecy import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class SymlinkSigner:
 
     def _read_or_create(self) -> bytes:
         directory = self._key_path.parent
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(directory)
         st = os.stat(directory)
         if st.st_uid != os.geteuid():
             raise PermissionDenied(f"symlinks leading out of the mount are refused: {directory} (which holds "

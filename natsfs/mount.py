@@ -19,6 +19,7 @@ import trio
 
 from . import affinity, memory, sdnotify
 from .adr20 import chunk_size_within
+from .auth import Connection
 from .bridge import Bridge
 from .compose import build_filesystem
 from .config import Config
@@ -79,6 +80,10 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
             servers = [await trio.to_thread.run_sync(embedded.start)]
         except NatsFSError as e:
             raise MountError(f"could not start the embedded nats-server: {e}") from None
+        assert embedded.auth is not None
+        user, password = embedded.auth
+        # The embedded server takes only its own credentials; nothing else configured applies to it.
+        config = dataclasses.replace(config, credentials=Connection(user=user, password=password))
     try:
         await _serve(config, mountpoint, servers, on_ready)
     finally:

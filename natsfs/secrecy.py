@@ -8,8 +8,10 @@ drops `$NATS_URL` and the other `$NATS_*` connection variables (they do not read
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 REDACTED = "***"
 
@@ -45,3 +47,18 @@ def child_environment(environ: Mapping[str, str] | None = None) -> dict[str, str
     """The environment for a child process: ours without the `$NATS_*` connection settings (servers and
     credentials come through a pipe)."""
     return {k: v for k, v in (os.environ if environ is None else environ).items() if k not in CONNECTION_ENV}
+
+
+def private_dir(directory: Path) -> Path:
+    """Create `directory` and every missing parent readable by this user only (0700); directories that
+    exist already are left as they are (the user may have chosen to share them). `Path.mkdir` gives
+    missing parents the default mode, which would show others the names of logs, buckets and files."""
+    missing = []
+    for d in (directory, *directory.parents):
+        if d.exists():
+            break
+        missing.append(d)
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another process
+            d.mkdir(mode=0o700)
+    return directory

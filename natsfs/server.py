@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from . import affinity
 from .errors import Unavailable
-from .secrecy import child_environment
+from .secrecy import child_environment, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +75,16 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 15.0) -> str:
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.store_dir)
         ports_dir = self.store_dir / "ports"
-        ports_dir.mkdir(exist_ok=True)
+        ports_dir.mkdir(mode=0o700, exist_ok=True)
         for old in ports_dir.glob("*.ports"):
             old.unlink(missing_ok=True)
         cmd = [find_nats_server(), "-js", "-a", self.host, "-p", str(self.port or -1),
                "-sd", str(self.store_dir / "jetstream"), "--ports_file_dir", str(ports_dir),
                *self._auth_args(), *self.extra_args]
-        with open(self.log_file, "ab") as logf:
+        log_fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        with open(log_fd, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, close_fds=True, env=child_environment())
         affinity.release(self.proc.pid)
@@ -146,29 +148,36 @@ class NatsServer:
 class EmbeddedServer:
     """The mount's own server when none is configured: shared by mounts using the same data dir.
 
-    The first mount starts it and records `server.json` (pid, url); later mounts reuse it. The mount
-    that started it stops it when it unmounts.
+    The first mount starts it and records `server.json` (pid, url, and the user and password the
+    server requires; the file is 0600): the server listens on loopback, where every local user could
+    reach it, so it takes only this user's clients. Later mounts of this user, and `natsfs bucket` and
+    `fsck`, reuse it with those credentials. The mount that started it stops it when it unmounts.
     """
+
+    USER = "natsfs"
 
     def __init__(self, data_dir: Path):
         self.data_dir = Path(data_dir)
         self.owned: NatsServer | None = None
         self.url = ""
+        self.auth: tuple[str, str] | None = None
 
     def start(self) -> str:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)
         record = self.data_dir / "server.json"
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            info = json.loads(record.read_text())
-            host, port = info["url"].removeprefix("nats://").rsplit(":", 1)
-            if _pid_alive(int(info["pid"])) and _port_open(host, int(port)):
-                self.url = info["url"]
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            url, auth, pid = read_record(record)
+            host, port = url.removeprefix("nats://").rsplit(":", 1)
+            if auth is not None and _pid_alive(pid) and _port_open(host, int(port)):
+                self.url, self.auth = url, auth
                 log.info("using the running embedded nats-server at %s", self.url)
                 return self.url
-        server = NatsServer(self.data_dir)
+        self.auth = (self.USER, secrets.token_urlsafe(24))
+        server = NatsServer(self.data_dir, auth=self.auth)
         self.url = server.start()
         assert server.proc is not None
-        record.write_text(json.dumps({"pid": server.proc.pid, "url": self.url}))
+        _write_private(record, json.dumps({"pid": server.proc.pid, "url": self.url, "user": self.auth[0],
+                                           "password": self.auth[1]}))
         self.owned = server
         log.info("started embedded nats-server at %s (store %s)", self.url, self.data_dir / "jetstream")
         return self.url
@@ -178,6 +187,23 @@ class EmbeddedServer:
             self.owned.stop()
             self.owned = None
             (self.data_dir / "server.json").unlink(missing_ok=True)
+
+
+def read_record(record: Path) -> tuple[str, tuple[str, str] | None, int]:
+    """(url, (user, password) or None, pid) of the embedded server `record` (`server.json`) describes."""
+    info = json.loads(record.read_text())
+    user, password = info.get("user"), info.get("password")
+    auth = (user, password) if isinstance(user, str) and isinstance(password, str) else None
+    return str(info["url"]), auth, int(info["pid"])
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace `path` with `text`, readable by this user only, never half written."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with open(fd, "w") as f:
+        f.write(text)
+    os.replace(temp, path)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

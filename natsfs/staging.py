@@ -53,6 +53,7 @@ from . import xattrs
 from .adr20 import ObjectInfo, PosixAttrs, PutSession
 from .errors import NatsFSError, NoSpace
 from .names import escape
+from .secrecy import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,11 @@ class PutJournal:
         tmp = self.path.with_suffix(".new")
         lines = [{"op": "+", "b": b, "n": n, "name": name} for (b, n), name in self.active.items()]
         lines += [{"op": "+", "b": b, "n": n, "name": p.name} for (b, n), p in self.pending.items()]
-        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+        # 0600: the records name buckets and files.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)  # one an older version left
+        with open(fd, "w") as f:
+            f.write("".join(json.dumps(rec) + "\n" for rec in lines))
         os.replace(tmp, self.path)
         if self._fd >= 0:
             os.close(self._fd)
@@ -206,7 +211,7 @@ class Spool:
         # Empty spool files created ahead on a worker thread (write-back mode, see `create_ahead`).
         self._ready: list[tuple[int, Path]] = []
         self.taken = 0  # spool files handed out (`create`): none, and none need making ahead
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         self.journal = PutJournal(Path(root) / "puts.journal")
 
     def rescue_leftovers(self, replayed: frozenset[str] = frozenset()) -> list[Path]:
@@ -274,8 +279,7 @@ class Spool:
         self.used += delta
 
     def _lost_path(self, bucket: str, name: str) -> Path:
-        d = self.lost_found / bucket
-        d.mkdir(parents=True, exist_ok=True)
+        d = private_dir(self.lost_found / bucket)
         stamp = time.strftime("%Y%m%dT%H%M%S")
         return d / f"{escape(name)[:200]}.{stamp}.{secrets.token_hex(3)}"
 

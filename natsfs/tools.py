@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,6 +15,7 @@ from .compose import open_store
 from .config import default_data_dir, parse_duration, parse_size
 from .errors import NotEmpty, Unavailable
 from .jetstream import JetStreams
+from .server import read_record
 
 
 def resolve_connection(a: argparse.Namespace) -> Connection:
@@ -26,12 +25,13 @@ def resolve_connection(a: argparse.Namespace) -> Connection:
     connection.check_files()
     if connection.servers:
         return connection
-    record = default_data_dir() / "server.json"
     try:
-        return dataclasses.replace(connection, servers=(json.loads(record.read_text())["url"],))
-    except (OSError, ValueError, KeyError):
+        url, auth, _ = read_record(default_data_dir() / "server.json")
+    except (OSError, ValueError, KeyError, TypeError):
         raise Unavailable("no server given: use --server, set NATS_URL, or mount first "
                           "(which starts the embedded server)") from None
+    user, password = auth if auth is not None else (None, None)
+    return Connection(servers=(url,), user=user, password=password)
 
 
 @asynccontextmanager

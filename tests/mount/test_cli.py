@@ -7,7 +7,9 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import pytest
 from helpers import create_bucket, nats_py_put, wait_for
 
 NATSFS = [sys.executable, "-m", "natsfs"]
@@ -90,22 +92,36 @@ def test_foreground_mount_stops_cleanly_on_sigterm(nats_url, tmp_path):
 
 
 def test_embedded_server_when_nothing_is_configured(tmp_path):
-    """No --server and no NATS_URL: the mount runs its own nats-server and stops it at unmount."""
+    """No --server and no NATS_URL: the mount runs its own nats-server, which takes only this user's
+    clients (a password in server.json, 0600), and stops it at unmount; `natsfs bucket` finds it."""
+    import json
+
     mp = tmp_path / "mnt"
     mp.mkdir()
-    data = tmp_path / "data"
-    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+    home = tmp_path / "home"
+    data = home / ".local" / "share" / "natsfs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")} | {"HOME": str(home)}
     try:
-        r = run("mount", str(mp), "--data-dir", str(data), env=env)
+        r = run("mount", str(mp), env=env)
         assert r.returncode == 0, r.stderr
-        url = __import__("json").loads((data / "server.json").read_text())["url"]
-        create_bucket(url, "embedded")
-        nats_py_put(url, "embedded", "e.txt", b"embedded\n", create=False)
+        record = json.loads((data / "server.json").read_text())
+        assert (data / "server.json").stat().st_mode & 0o777 == 0o600
+        assert data.stat().st_mode & 0o777 == 0o700
+        url, password = record["url"], record["password"]
+        assert len(password) >= 32
+        assert password not in Path(f"/proc/{record['pid']}/cmdline").read_text()  # a 0600 config has it
+        with pytest.raises(Exception, match=r"[Aa]uthorization"):
+            create_bucket(url, "embedded")  # another local user knows the port, not the password
+        own = url.replace("nats://", f"nats://{record['user']}:{password}@")
+        create_bucket(own, "embedded")
+        nats_py_put(own, "embedded", "e.txt", b"embedded\n", create=False)
         assert wait_for(lambda: (mp / "embedded").exists(), 10)
         assert (mp / "embedded" / "e.txt").read_bytes() == b"embedded\n"
-        server_pid = __import__("json").loads((data / "server.json").read_text())["pid"]
+        listed = run("bucket", "ls", env=env)
+        assert listed.returncode == 0 and listed.stdout.startswith("embedded\t"), listed.stderr
+        assert password not in (data / "nats-server.log").read_text()
         assert run("umount", str(mp)).returncode == 0
-        assert wait_for(lambda: not os.path.exists(f"/proc/{server_pid}") or _zombie(server_pid), 20)
+        assert wait_for(lambda: not os.path.exists(f"/proc/{record['pid']}") or _zombie(record["pid"]), 20)
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
         time.sleep(0.1)

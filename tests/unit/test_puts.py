@@ -313,3 +313,17 @@ def test_no_server_at_all_leaves_the_meta_unknown_and_never_sends_it_alone(tmp_p
         assert _layout(ms) == []
 
     run(body)
+
+
+def test_spool_journal_and_lost_found_are_private(tmp_path):
+    """Their names are bucket and file names: only this user may list or read them."""
+    from natsfs.staging import Spool
+
+    root = tmp_path / "cache" / "mnt%2Fx"
+    spool = Spool(root, limit=1 << 20)
+    spool.journal.started("b", "nuid1", "secret-project/salaries.xlsx")
+    kept = spool.keep_data(b"bytes", "b", "secret-project/salaries.xlsx")
+    for d in (tmp_path / "cache", root, spool.dir, spool.lost_found, kept.parent):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+    assert spool.journal.path.stat().st_mode & 0o777 == 0o600
+    assert kept.stat().st_mode & 0o077 == 0
