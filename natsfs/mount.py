@@ -80,9 +80,8 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
             servers = [await trio.to_thread.run_sync(embedded.start)]
         except NatsFSError as e:
             raise MountError(f"could not start the embedded nats-server: {e}") from None
-        assert embedded.auth is not None
-        user, password = embedded.auth
         # The embedded server takes only its own credentials; nothing else configured applies to it.
+        user, password = embedded.auth or (None, None)
         config = dataclasses.replace(config, credentials=Connection(user=user, password=password))
     try:
         await _serve(config, mountpoint, servers, on_ready)

@@ -168,9 +168,13 @@ class EmbeddedServer:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             url, auth, pid = read_record(record)
             host, port = url.removeprefix("nats://").rsplit(":", 1)
-            if auth is not None and _pid_alive(pid) and _port_open(host, int(port)):
+            if _pid_alive(pid) and _port_open(host, int(port)):
                 self.url, self.auth = url, auth
                 log.info("using the running embedded nats-server at %s", self.url)
+                if auth is None:  # a second server on the same store would fight over it
+                    log.warning("the running embedded nats-server was started by an older natsfs and takes "
+                                "any local user's clients; it gets a password once every mount using it "
+                                "has ended")
                 return self.url
         self.auth = (self.USER, secrets.token_urlsafe(24))
         server = NatsServer(self.data_dir, auth=self.auth)
