@@ -174,9 +174,10 @@ class Config:
     gid: int = option(0, help="group of objects without stored attributes", parse=int, shown="yours")
     umask: int = option(0o022, help="permission bits masked off objects without stored attributes (octal)",
                         parse=parse_octal, shown="022")
-    # Show setuid, setgid and sticky bits stored in `natsfs.mode` metadata (any client can write
-    # them, so they are masked off unless the mount is asked for them).
-    allow_setuid: bool = option(False, help="show setuid, setgid and sticky bits stored in object metadata "
+    # Show setuid and setgid bits stored in `natsfs.mode` metadata (any client can write them, so they
+    # are masked off unless the mount is asked for them; the sticky bit only takes rights away and
+    # always shows).
+    allow_setuid: bool = option(False, help="show setuid and setgid bits stored in object metadata "
                                 "(masked off by default)")
     # Bucket defaults for mkdir at the root (issue 4)
     storage: str = option("file", help="storage of new buckets", choices=("file", "memory"))

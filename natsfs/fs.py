@@ -278,7 +278,7 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
                       ) -> pyfuse3.EntryAttributes:
-        return entry_attributes(await self.fs.symlink(InodeNo(parent_inode), name, target))
+        return entry_attributes(await self.fs.symlink(InodeNo(parent_inode), name, target, _caller(ctx)))
 
     # ------------------------------------------------------------------ filesystem
     @_boundary

@@ -30,7 +30,15 @@ from typing import Any
 import trio
 
 from .. import xattrs
-from ..adr20 import ATTR_SYMLINK, ATTR_SYMLINK_SIG, SPECIAL_KINDS, ObjectInfo, PosixAttrs, valid_bucket_name
+from ..adr20 import (
+    ATTR_SYMLINK,
+    ATTR_SYMLINK_SIG,
+    SPECIAL_KINDS,
+    ObjectInfo,
+    PosixAttrs,
+    set_posix_attrs,
+    valid_bucket_name,
+)
 from ..chunk_cache import ChunkCache
 from ..config import Config
 from ..errors import (
@@ -139,15 +147,17 @@ def _owner(attrs: PosixAttrs | None, default_mode: int, default_uid: int, defaul
            ) -> tuple[int, int, int]:
     """(permission bits, uid, gid) from an object's stored metadata, else the defaults.
 
-    Setuid, setgid and sticky bits come from any client's metadata, so they show only when the
-    mount was asked to honour them (`special_bits`, `--allow-setuid`)."""
+    Setuid and setgid bits come from any client's metadata, so they show only when the mount was
+    asked to honour them (`special_bits`, `--allow-setuid`). The sticky bit always shows: it only
+    takes rights away (in a `1777` directory only an entry's owner may remove or rename it), so
+    masking it would be the unsafe direction."""
     if attrs is None:
         return default_mode, default_uid, default_gid
     uid = attrs.uid if attrs.uid is not None else default_uid
     gid = attrs.gid if attrs.gid is not None else default_gid
     if attrs.mode is None:
         return default_mode, uid, gid
-    return attrs.mode & (0o7777 if special_bits else 0o777), uid, gid
+    return attrs.mode & (0o7777 if special_bits else 0o1777), uid, gid
 
 
 def _name(raw: bytes) -> str:
@@ -348,7 +358,8 @@ class Filesystem:
             nlink = 2
         elif node.kind == LINK:
             assert node.info is not None
-            mode, uid, gid = stat.S_IFLNK | 0o777, c.uid, c.gid
+            _, uid, gid = _owner(node.info.attrs, 0, c.uid, c.gid, False)
+            mode = stat.S_IFLNK | 0o777
             size = len(os.fsencode(self._link_target(node)))
         else:
             info = node.info
@@ -1288,7 +1299,7 @@ class Filesystem:
         }
 
     # ------------------------------------------------------------------ links
-    async def symlink(self, parent_inode: InodeNo, name: bytes, target: bytes) -> Attributes:
+    async def symlink(self, parent_inode: InodeNo, name: bytes, target: bytes, caller: Caller) -> Attributes:
         """`ln -s TARGET NAME`: TARGET is stored verbatim in `natsfs.symlink` (any text, as on a local
         disk). Where it names a stored object or a bucket of this mount, the object is also an ADR-20
         link (AddLink / AddBucketLink), so other clients follow it; else an empty object."""
@@ -1304,7 +1315,11 @@ class Filesystem:
             raise NotFound("an empty symlink target")
         await self.mut.check_writable(bucket)
         await self._check_new_entry(path)
-        metadata = {ATTR_SYMLINK: text}
+        # The caller owns the link, as on a local disk: on a shared (allow_other) mount the kernel's
+        # protected_symlinks rule for sticky directories relies on who owns a link.
+        owned: dict[str, Any] = {"metadata": {ATTR_SYMLINK: text}}
+        set_posix_attrs(owned, PosixAttrs(None, caller.uid, caller.gid, None), self.mut.file_defaults)
+        metadata: dict[str, str] = owned["metadata"]
         if not stays_in_mount(text, self.ns.mount_path(bucket, rel), self._mount_root):
             metadata[ATTR_SYMLINK_SIG] = await trio.to_thread.run_sync(self.signer.sign, bucket, text)
         linked = await self._adr20_target(path[:-1], text)

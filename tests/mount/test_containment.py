@@ -148,14 +148,15 @@ def test_link_into_another_bucket_of_a_bucket_mount_stays_a_dangling_name(nats_u
     assert m.log().count(f"link 'cross' in bucket {bucket_name!r} reads as") == 1
 
 
-def test_setuid_setgid_sticky_bits_from_metadata_need_allow_setuid(nats_url, bucket_name, mounter):
+def test_setuid_setgid_bits_from_metadata_need_allow_setuid_and_sticky_always_shows(nats_url, bucket_name,
+                                                                                    mounter):
     create_bucket(nats_url, bucket_name)
     raw_put(nats_url, bucket_name, "suid", [b"#!/bin/sh\n"], meta_extra={"metadata": {"natsfs.mode": "4755"}})
     raw_put(nats_url, bucket_name, "sgid", [b"x"], meta_extra={"metadata": {"natsfs.mode": "2711"}})
     raw_put(nats_url, bucket_name, "shared/", [], meta_extra={"metadata": {"natsfs.mode": "1777"}})
     plain = mounter(nats_url, "--bucket", bucket_name)
     honouring = mounter(nats_url, "--bucket", bucket_name, "--allow-setuid")
-    expected = {"suid": (0o755, 0o4755), "sgid": (0o711, 0o2711), "shared": (0o777, 0o1777)}
+    expected = {"suid": (0o755, 0o4755), "sgid": (0o711, 0o2711), "shared": (0o1777, 0o1777)}
     with open("/proc/mounts") as f:
         options = {line.split()[1]: line.split()[3].split(",") for line in f}
     assert "nosuid" in options[str(plain.path)]  # and the kernel ignores them anyway (FUSE's default)
@@ -163,3 +164,45 @@ def test_setuid_setgid_sticky_bits_from_metadata_need_allow_setuid(nats_url, buc
         assert wait_for(lambda n=name: (plain.path / n).exists() and (honouring.path / n).exists(), 10)
         assert stat.S_IMODE(os.stat(plain.path / name).st_mode) == masked, name
         assert stat.S_IMODE(os.stat(honouring.path / name).st_mode) == honoured, name
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_sticky_directories_and_link_owners_protect_users_of_a_shared_mount(nats_url, bucket_name, mounter,
+                                                                            tmp_path):
+    """On an `allow_other` mount a `1777` directory works as /tmp does: another user cannot remove
+    the owner's file, and a symlink shows as owned by the user who made it (what the kernel's
+    protected_symlinks rule checks before root follows a link in such a directory)."""
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url, "--bucket", bucket_name, "-o", "allow_other")
+    # The other user must reach the mountpoint: let it pass through pytest's private directories.
+    ancestors = [d for d in (m.path.parent, *m.path.parent.parents) if d != Path("/") and d != Path("/tmp")]
+    modes = {d: stat.S_IMODE(d.stat().st_mode) for d in ancestors}
+    try:
+        for d in ancestors:
+            d.chmod(modes[d] | 0o001)
+        _sticky_and_link_owners(m.path)
+    finally:
+        for d, mode in modes.items():
+            d.chmod(mode)
+
+
+def _sticky_and_link_owners(root: Path) -> None:
+    import subprocess
+
+    shared = root / "shared"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    (shared / "rootfile").write_bytes(b"root's data")
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+
+    def as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd],
+                              capture_output=True, text=True, timeout=30)
+
+    removed = as_nobody("rm", "-f", str(shared / "rootfile"))
+    assert removed.returncode != 0 and "Operation not permitted" in removed.stderr
+    assert (shared / "rootfile").read_bytes() == b"root's data"
+    assert as_nobody("ln", "-s", "rootfile", str(shared / "nobodys-link")).returncode == 0
+    assert os.lstat(shared / "nobodys-link").st_uid == 65534
+    os.symlink("rootfile", shared / "roots-link")
+    assert os.lstat(shared / "roots-link").st_uid == 0

@@ -287,7 +287,9 @@ def test_symlink_rules(ops_env):
         assert stat.S_ISLNK(link.st_mode) and link.st_size == len(b"old.txt")
         doc, _ = await env.store.get_meta_doc("b", "l")
         assert doc["options"] == {"link": {"bucket": "b", "name": "old.txt"}}
-        assert doc["metadata"] == {"natsfs.symlink": "old.txt"}
+        # The caller (uid 1000, not the mount's) owns the link, as on a local disk.
+        assert doc["metadata"] == {"natsfs.symlink": "old.txt", "natsfs.uid": "1000", "natsfs.gid": "1000"}
+        assert (link.st_uid, link.st_gid) == (1000, 1000)
         for name, text in ((b"l2", b"l"), (b"l3", b"missing/later"), (b"l4", b"../../etc"),
                            (b"l5", b"/etc/passwd"), (b"l6", b"./a//b/../c")):
             attr = await env.ops.symlink(b, name, text, Ctx())
