@@ -27,6 +27,7 @@ import logging.handlers
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -247,9 +248,23 @@ class PrivateLogFile(logging.handlers.WatchedFileHandler):
     """A log file only its owner can read (0600), also each time it is reopened after logrotate."""
 
     def _open(self) -> io.TextIOWrapper:
-        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        if os.fstat(fd).st_mode & 0o077:
+        # Never through a symlink, and never another user's file: whoever can write the log directory
+        # could otherwise have the daemon append to (and chmod) a file of their choosing.
+        try:
+            fd = os.open(self.baseFilename,
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         0o600)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise OSError(e.errno, "it is a symlink", self.baseFilename) from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            raise OSError(errno.EPERM, "it is not this user's own regular file", self.baseFilename)
+        if st.st_mode & 0o077:
             os.fchmod(fd, 0o600)  # a file left by an older version, or recreated by logrotate
+        os.set_blocking(fd, True)
         return open(fd, "a", encoding=self.encoding, errors=self.errors)
 
 
@@ -309,7 +324,11 @@ def cmd_mount(a: argparse.Namespace) -> int:
         return 2
     if not a.foreground:
         return _spawn_daemon(a, config)
-    _setup_logging(a.log_level, None if a.log_file == Path("-") else a.log_file)
+    try:
+        _setup_logging(a.log_level, None if a.log_file == Path("-") else a.log_file)
+    except OSError as e:
+        print(f"natsfs: cannot open the log file {e.filename}: {e.strerror}", file=sys.stderr)
+        return 1
     from .mount import MountError, serve
 
     ready_fd = a.ready_fd
@@ -362,6 +381,11 @@ def _spawn_daemon(a: argparse.Namespace, config: Config) -> int:
     log_file = a.log_file or (log_dir / (str(config.mountpoint.resolve()).strip("/").replace("/", "_") + ".log"))
     if log_file != Path("-"):
         private_dir(log_file.parent)
+        try:  # the daemon's own check, said here where the user sees it
+            PrivateLogFile(log_file).close()
+        except OSError as e:
+            print(f"natsfs: cannot open the log file {e.filename}: {e.strerror}", file=sys.stderr)
+            return 1
     if a.log_file is None:
         log_dir.chmod(0o700)  # ours: made 0755 by versions before this one
     r, w = os.pipe()

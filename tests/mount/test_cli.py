@@ -170,3 +170,25 @@ def test_sigterm_after_a_lazy_unmount_does_not_crash(nats_url, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_log_file_is_never_a_symlink_or_another_users_file(tmp_path):
+    """Whoever can write the log directory must not get the daemon to append to, or chmod, a file of
+    their choosing: one sentence, nothing mounted, the file untouched."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    victim = tmp_path / "victim.conf"
+    victim.write_text("setting = 1\n")
+    victim.chmod(0o644)
+    (tmp_path / "link.log").symlink_to(victim)
+    err = _one_sentence(run("mount", str(mp), "--server", f"nats://127.0.0.1:{free_port()}",
+                            "--log-file", str(tmp_path / "link.log")))
+    assert "cannot open the log file" in err and "symlink" in err
+    assert victim.read_text() == "setting = 1\n" and victim.stat().st_mode & 0o777 == 0o644
+    if os.geteuid() == 0:
+        os.chown(victim, 65534, 65534)
+        err = _one_sentence(run("mount", str(mp), "--server", f"nats://127.0.0.1:{free_port()}",
+                                "--log-file", str(victim)))
+        assert "not this user's own regular file" in err
+        assert victim.read_text() == "setting = 1\n" and victim.stat().st_mode & 0o777 == 0o644
+    assert not os.path.ismount(mp)
