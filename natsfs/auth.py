@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+import nkeys  # type: ignore[import-untyped]
 
 from .errors import Unavailable
 from .secrecy import REDACTED, redact_urls
@@ -114,6 +117,35 @@ class Connection:
             if path and not os.access(path, os.R_OK):
                 flag = OPTION_FLAGS.get(name, "--" + name.replace("_", "-"))
                 raise Unavailable(f"cannot read {path} (given as {flag})")
+        if self.creds_file:
+            _check_seed(self.creds_file, "--creds", "a NATS credentials file (a user JWT and an NKey seed)",
+                        creds=True)
+        if self.nkey_file:
+            _check_seed(self.nkey_file, "--nkey", "an NKey seed file", creds=False)
+
+
+def _creds_block(title: str) -> bytes:
+    """The pattern of a creds file block (`-----BEGIN <title>-----`, its one line, `------END...`)."""
+    return rb"-{3,}[^\n]*BEGIN " + title.encode() + rb"[^\n]*\n\s*(\S+)\s*\n"
+
+
+def _check_seed(path: str, flag: str, what: str, *, creds: bool) -> None:
+    """The file holds what nats-py will sign with (and, for creds, a user JWT): a damaged file is one
+    sentence naming it now, not an unexplained failure at connect. Nothing of its content is shown."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise Unavailable(f"cannot read {path} (given as {flag}): {e.strerror}") from None
+    if creds:
+        jwt = re.search(_creds_block("NATS USER JWT"), data)
+        found = re.search(_creds_block("USER NKEY SEED"), data)
+        seed = found.group(1) if found is not None and jwt is not None else b""
+    else:
+        seed = data.strip()
+    try:
+        nkeys.from_seed(bytearray(seed)).wipe()
+    except Exception:  # nkeys raises its own error classes, and others on odd input
+        raise Unavailable(f"{path} (given as {flag}) is not {what}") from None
 
 
 def nats_config_dir(environ: Mapping[str, str]) -> Path:

@@ -115,3 +115,25 @@ def test_secret_files_and_variables(tmp_path):
                      {"HOME": str(tmp_path), "NATS_TOKEN": "tok"})
     assert c.password == "from-file" and c.token == "tok" and c.servers == ("nats://a", "nats://b")
     assert c.connect_options() == {"password": "from-file", "token": "tok"}
+
+
+@pytest.mark.parametrize("kind", ["creds", "nkey"])
+def test_a_damaged_creds_or_nkey_file_is_one_sentence_naming_it(tmp_path, kind):
+    """Found before connecting, with the file named and nothing of its content shown."""
+    import nkeys
+
+    seed = nkeys.encode_seed(b"\x07" * 32, nkeys.PREFIX_BYTE_USER).decode()
+    good = (f"-----BEGIN NATS USER JWT-----\neyJhbGciOi.e30.c2ln\n------END NATS USER JWT------\n\n"
+            f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n") if kind == "creds" \
+        else seed + "\n"
+    bad = good.replace(seed, "SU" + "X" * 56)
+    path = tmp_path / "key"
+    field = "creds_file" if kind == "creds" else "nkey_file"
+    path.write_text(good)
+    auth.Connection(**{field: str(path)}).check_files()
+    for damaged in (bad, "garbage\n", ""):
+        path.write_text(damaged)
+        with pytest.raises(auth.Unavailable) as raised:
+            auth.Connection(**{field: str(path)}).check_files()
+        message = str(raised.value)
+        assert message.startswith(f"{path} (given as --{kind}) is not ") and "SU" not in message
