@@ -40,7 +40,7 @@ from . import auth, sdnotify, status
 from . import config as cfg
 from .config import Config, default_flush_timeout
 from .errors import NatsFSError, single_error
-from .secrecy import child_environment, private_dir
+from .secrecy import child_environment, private_dir, redact_url
 
 log = logging.getLogger("natsfs")
 
@@ -110,6 +110,9 @@ def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> li
         elif key in ("password", "token"):
             parser.error(f"{key} cannot be a mount option (every user sees those in the process list): "
                          f"use {key}_file=FILE or $NATS_{key.upper()}")
+        elif key in ("server", "servers") and _has_secret(value):
+            parser.error("a server URL with a password or token cannot be a mount option (every user sees "
+                         "those in the process list): use user=NAME with password_file=FILE, or token_file=FILE")
         elif key in IGNORED_MOUNT_OPTIONS or option.startswith(IGNORED_MOUNT_PREFIXES):
             continue
         elif key in actions and actions[key].option_strings:
@@ -129,6 +132,11 @@ def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> li
             parser.error(f"unknown mount option: {key}")
     kernel_args = ["-o", ",".join(kernel)] if kernel else []
     return expanded + rest + kernel_args
+
+
+def _has_secret(servers: str) -> bool:
+    """Whether a comma list of server URLs carries a password or token in one of its userinfos."""
+    return any(redact_url(url.strip()) != url.strip() for url in servers.split(","))
 
 
 def normalize_argv(argv: list[str]) -> list[str]:

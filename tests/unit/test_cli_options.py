@@ -72,11 +72,19 @@ def test_options_are_generated_from_config():
 @pytest.mark.parametrize("bad, message", [("frobnicate", "unknown mount option: frobnicate"),
                                           ("bucket", "needs a value"), ("read_only=1", "takes no value"),
                                           ("ready_fd=3", "unknown mount option"),
-                                          ("password=pw", "use password_file=FILE")])
+                                          ("password=pw", "use password_file=FILE"),
+                                          ("server=nats://u:s3cr3t@h", "or token_file=FILE"),
+                                          ("server=nats://t0k3n@b", "or token_file=FILE")])
 def test_bad_o_options_are_refused(bad, message, capsys):
     with pytest.raises(SystemExit):
         expand_mount_options(_mount_parser(), ["/mnt", "-o", bad])
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "s3cr3t" not in err and "t0k3n" not in err
+
+
+def test_a_server_url_without_secrets_is_a_mount_option():
+    assert expand_mount_options(_mount_parser(), ["/mnt", "-o", "server=nats://h:4222"]) == \
+        ["--server", "nats://h:4222", "/mnt"]
 
 
 def test_daemon_gets_the_users_arguments_without_connection_options():
