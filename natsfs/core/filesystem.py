@@ -1436,6 +1436,10 @@ class Filesystem:
             await self.mut.change_bucket(node.bucket, lambda config: xattrs.set_bucket(config, key, value))
             return
         if node.kind not in (FILE, LINK) or node.bucket is None or node.info is None:
+            if not key.startswith(xattrs.USER):
+                # As everywhere else: tools such as `cp -a` fall back quietly only on EOPNOTSUPP.
+                raise NatsFSError(f"only user.* attributes are supported ({key})", errno=errno.EOPNOTSUPP,
+                                  log_level=logging.DEBUG)
             raise NatsFSError("extended attributes live on files, links and buckets", errno=errno.EPERM,
                               log_level=logging.INFO)
         await self.mut.check_writable(node.bucket)

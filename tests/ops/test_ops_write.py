@@ -278,6 +278,20 @@ def test_xattrs_and_the_meta_size_limit(ops_env):
     ops_env(body, setup=one_bucket, max_meta_bytes=4096)
 
 
+def test_xattrs_on_a_directory(ops_env):
+    """Names outside user.* are EOPNOTSUPP everywhere (`cp -a` then quietly falls back to chmod for
+    system.posix_acl_access); user.* on a plain directory is EPERM (its marker holds no attributes)."""
+    async def body(env: Env):
+        d = await env.ops.mkdir((await env.lookup("b")).st_ino, b"d", 0o755, Ctx())
+        acl = b"\x02\x00\x00\x00\x01\x00\x07\x00\xff\xff\xff\xff"
+        assert await err(env.ops.setxattr(d.st_ino, b"system.posix_acl_access", acl, Ctx())) == errno.EOPNOTSUPP
+        assert await err(env.ops.setxattr(d.st_ino, b"trusted.x", b"x", Ctx())) == errno.EOPNOTSUPP
+        assert await err(env.ops.removexattr(d.st_ino, b"security.x", Ctx())) == errno.EOPNOTSUPP
+        assert await err(env.ops.setxattr(d.st_ino, b"user.x", b"x", Ctx())) == errno.EPERM
+
+    ops_env(body, setup=one_bucket)
+
+
 def test_symlink_rules(ops_env):
     """Any target text is stored verbatim; one naming a stored object is also an ADR-20 link."""
     async def body(env: Env):
