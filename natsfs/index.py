@@ -305,7 +305,10 @@ class BucketIndex:
         if marker:
             if isinstance(existing, Dir):
                 existing.marker = info
-                existing.mtime_ns = max(existing.mtime_ns, info.mtime_ns)
+                if info.attrs is not None and info.attrs.mtime_ns is not None:
+                    existing.mtime_ns = info.mtime_ns  # set on purpose (utimensat, or entries changed)
+                else:
+                    existing.mtime_ns = max(existing.mtime_ns, info.mtime_ns)
                 return
             if existing is not None:
                 self._hide(existing, f"a directory {'/'.join(path)!r} has the same path")

@@ -49,6 +49,20 @@ def test_new_directory_gets_the_mtime_of_the_object_that_made_it():
     assert idx.get(("d",)).mtime_ns == 1500
 
 
+def test_a_markers_own_time_wins_over_its_entries_even_when_older():
+    """`touch -d 2010 d` on a directory made by its first entry: the marker's natsfs.mtime_ns shows,
+    here and after a remount; a marker without one shows the newer of its meta's and the entry's time."""
+    import dataclasses
+
+    from natsfs.adr20 import PosixAttrs
+
+    explicit = dataclasses.replace(obj("d/", size=0, rev=10), mtime_ns=7, attrs=PosixAttrs(None, None, None, 7))
+    idx, _ = make(obj("d/x", rev=500), explicit)
+    assert idx.get(("d",)).mtime_ns == 7
+    idx, _ = make(obj("d/x", rev=500), obj("e/y", rev=600), obj("d/", size=0, rev=20))
+    assert idx.get(("d",)).mtime_ns == 1500
+
+
 def test_hostile_names_are_escaped_flat_at_the_top():
     names = ["../escape.txt", "/abs/path.txt", "a//double.txt", ".", "..", "d/./e.txt", "dir-marker/"]
     idx, _ = make(*(obj(n) for n in names))
