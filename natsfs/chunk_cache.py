@@ -3,8 +3,13 @@ fetches, readahead, digest checks.
 
 Chunks are cached under `(bucket, nuid, stream sequence)`: a reply can only ever fill the slot of its own
 sequence, and a nuid is fresh on every put, so a replaced object is never served from its predecessor's
-chunks. The cache is an LRU bounded in bytes (`ChunkLRU`) in which a sequential reader's passed chunks
-go first. Concurrent misses on one chunk share one fetch (an in-flight table of trio Events).
+chunks. Layouts and digest verdicts are kept per claim of a meta (`layout_key`: nuid, size, chunks and
+digest), not per nuid: any client may write a meta naming another object's nuid with other claims (a
+wrong digest, more or fewer chunks), and each meta's claims are checked on their own, so such a copy
+fails its own checks without making the good object unreadable, and is never served on the strength of
+a layout or a digest that another meta's claims proved. Chunk bytes are still shared between them.
+The cache is an LRU bounded in bytes (`ChunkLRU`) in which a sequential reader's passed chunks go
+first. Concurrent misses on one chunk share one fetch (an in-flight table of trio Events).
 
 Where chunks live (`Layout`: stream sequence and end offset of each chunk) is learned lazily and never
 assumed: chunk sizes may differ anywhere, so no offset is computed from a chunk size. A read from the
@@ -74,6 +79,9 @@ from .streams import Payload, StoredMsg
 log = logging.getLogger(__name__)
 
 ChunkKey = tuple[str, str, int]  # (bucket, nuid, stream sequence of the chunk)
+# What a meta claims about its version: (bucket, nuid, size, chunks, digest). A layout and a digest
+# verdict are proven for these claims; another meta naming the same nuid with other claims gets its own.
+LayoutKey = tuple[str, str, int, int, str]
 
 # Chunks a sequential reader has gone past, kept for the kernel reading them again (see `ChunkLRU`).
 PASSED_BYTES = 8 * 1024 * 1024
@@ -418,7 +426,7 @@ class ChunkCache:
         self.parallelism = max(1, parallelism)
         self.readahead_budget = max(0, min(readahead_budget, cache_bytes // 2))
         self._data = ChunkLRU(cache_bytes)
-        self._layouts: cachetools.LRUCache[tuple[str, str], Layout] = cachetools.LRUCache(4096)
+        self._layouts: cachetools.LRUCache[LayoutKey, Layout] = cachetools.LRUCache(4096)
         self._inflight: dict[ChunkKey, trio.Event] = {}
         self._streams: set[Layout] = set()  # versions read sequentially of late (see `_readahead`)
         self._nursery: trio.Nursery | None = None
@@ -532,7 +540,7 @@ class ChunkCache:
         return (info.bucket, info.nuid, layout.seqs[idx])
 
     def _layout_of(self, info: ObjectInfo) -> Layout:
-        key = (info.bucket, info.nuid)
+        key = layout_key(info)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = Layout()
@@ -1033,6 +1041,14 @@ class ChunkCache:
             log.exception("readahead of %s/%s failed unexpectedly", info.bucket, info.name)
         finally:
             layout.runs -= 1
+
+
+def layout_key(info: ObjectInfo) -> LayoutKey:
+    """The claims of `info`'s meta that a layout and a digest verdict are proven for. (Not the meta's
+    revision: a rename or chmod rewrites the meta with the same claims, and must not cost a new walk and
+    digest check. A copy with the same claims as the original claims the same bytes, which the shared
+    layout and verdict prove.)"""
+    return (info.bucket, info.nuid, info.size, info.chunks, info.digest)
 
 
 def _unanswered(error: NatsFSError) -> bool:

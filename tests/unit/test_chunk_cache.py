@@ -14,7 +14,7 @@ import trio.testing
 from gowriters import put_object
 
 from natsfs.adr20 import ObjectInfo, ObjectStore, chunk_subject, digest_of, stream_name
-from natsfs.chunk_cache import ChunkCache
+from natsfs.chunk_cache import ChunkCache, layout_key
 from natsfs.errors import Corrupt, Stale, Unavailable
 from natsfs.handles import FileHandle
 from natsfs.inodes import InodeNo
@@ -243,7 +243,8 @@ def _with(info: ObjectInfo, **changes: Any) -> ObjectInfo:
     return ObjectInfo(**{**{f: getattr(info, f) for f in info.__slots__}, **changes})
 
 
-@pytest.mark.expect_log("the meta says 1500 bytes in 3; 700 of 1500 bytes cannot be read")
+@pytest.mark.expect_log("the meta says 1500 bytes in 3; 700 of 1500 bytes cannot be read",
+                        "the meta says 1500 bytes in 4; .*1500 of 1500 bytes cannot be read")
 @pytest.mark.parametrize("background", [True, False])
 def test_meta_claiming_more_than_the_chunks_hold_is_corrupt(background):
     data = blob(1000)
@@ -434,7 +435,7 @@ def test_chunk_gone_after_the_layout_was_proven_fails_alone():
         assert await cache.read(info, 0, len(data)) == data  # layout proven, digest checked
         await ms.delete_msg(stream_name("b"), chunk_seqs(ms, info)[3])
         small = ChunkCache(store, cache_bytes=CHUNK, batch_bytes=128 * KiB)
-        small._layouts[("b", info.nuid)] = cache._layouts[("b", info.nuid)]  # the same proven layout
+        small._layouts[layout_key(info)] = cache._layouts[layout_key(info)]  # the same proven layout
         got = await read_each_chunk(small, info, data, [7, 3, 0, 4, 2, 6, 1, 5])
         assert got == {k: "EIO" if k == 3 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(8)}
 
@@ -535,6 +536,38 @@ def test_a_chunk_deleted_where_its_only_gap_has_room_is_placed():
         assert got == {k: "EIO" if k == 0 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(4)}
 
     run(body)
+
+
+@pytest.mark.expect_log("object b/wrong-digest .*digest mismatch", "object b/bigger .*the meta says 589824 bytes in 9",
+                        "object b/smaller .*the meta says 458752 bytes in 7")
+@pytest.mark.parametrize("order", ["copies-first", "good-first"])
+def test_metas_sharing_a_nuid_are_each_checked_on_their_own_claims(order, caplog):
+    """Other clients' metas name a good object's nuid with other claims: a wrong digest, one chunk
+    more, one chunk fewer (with the digest of the bytes those hold). Each fails its own checks (EIO,
+    one ERROR line each) and the good object reads exactly, whichever is read first: a layout or a
+    digest verdict proven for one meta's claims is never another's (explore-hostile F10)."""
+    data = blob(8 * CHUNK)
+    caplog.set_level(logging.DEBUG)
+
+    async def body(ms, store, cache):
+        good = await put_object(ms, "b", "good", data, chunk_size=CHUNK)
+        copies = [_with(good, name="wrong-digest", digest=digest_of(b"nope")),
+                  _with(good, name="bigger", size=9 * CHUNK, chunks=9),
+                  _with(good, name="smaller", size=7 * CHUNK, chunks=7, digest=digest_of(data[: 7 * CHUNK]))]
+        reads = [*copies, good, *copies, good] if order == "copies-first" else [good, *copies, good, *copies]
+        for info in reads:
+            if info is good:
+                assert await cache.read(info, 0, info.size) == data
+                assert await cache.read(info, 5 * CHUNK, 10) == data[5 * CHUNK : 5 * CHUNK + 10]
+            else:
+                with pytest.raises(Corrupt):
+                    await cache.read(info, 0, info.size)
+        return good
+
+    good = run(body)
+    records = damage_records(caplog, good)
+    assert sorted(r.getMessage().split()[1] for r in records) == ["b/bigger", "b/smaller", "b/wrong-digest"]
+    assert all(r.levelno == logging.ERROR for r in records)
 
 
 def test_extra_chunk_after_the_meta_is_ignored_with_one_warning(caplog):
@@ -747,7 +780,7 @@ def test_far_read_of_a_contiguous_version_needs_two_probes_and_no_scan():
         assert s.index_scans == 0 and s.chunks_fetched == 41
         # Every chunk has passed: the digest is checked at the end of a read from the front.
         assert await cache.read(info, 0, len(data)) == data
-        layout = cache._layouts[("b", info.nuid)]
+        layout = cache._layouts[layout_key(info)]
         assert layout.verdict is True
 
     run(body, background=False)
