@@ -3,8 +3,13 @@ fetches, readahead, digest checks.
 
 Chunks are cached under `(bucket, nuid, stream sequence)`: a reply can only ever fill the slot of its own
 sequence, and a nuid is fresh on every put, so a replaced object is never served from its predecessor's
-chunks. The cache is an LRU bounded in bytes (`ChunkLRU`) in which a sequential reader's passed chunks
-go first. Concurrent misses on one chunk share one fetch (an in-flight table of trio Events).
+chunks. Layouts and digest verdicts are kept per claim of a meta (`layout_key`: nuid, size, chunks and
+digest), not per nuid: any client may write a meta naming another object's nuid with other claims (a
+wrong digest, more or fewer chunks), and each meta's claims are checked on their own, so such a copy
+fails its own checks without making the good object unreadable, and is never served on the strength of
+a layout or a digest that another meta's claims proved. Chunk bytes are still shared between them.
+The cache is an LRU bounded in bytes (`ChunkLRU`) in which a sequential reader's passed chunks go
+first. Concurrent misses on one chunk share one fetch (an in-flight table of trio Events).
 
 Where chunks live (`Layout`: stream sequence and end offset of each chunk) is learned lazily and never
 assumed: chunk sizes may differ anywhere, so no offset is computed from a chunk size. A read from the
@@ -60,7 +65,7 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import cachetools
@@ -74,6 +79,9 @@ from .streams import Payload, StoredMsg
 log = logging.getLogger(__name__)
 
 ChunkKey = tuple[str, str, int]  # (bucket, nuid, stream sequence of the chunk)
+# What a meta claims about its version: (bucket, nuid, size, chunks, digest). A layout and a digest
+# verdict are proven for these claims; another meta naming the same nuid with other claims gets its own.
+LayoutKey = tuple[str, str, int, int, str]
 
 # Chunks a sequential reader has gone past, kept for the kernel reading them again (see `ChunkLRU`).
 PASSED_BYTES = 8 * 1024 * 1024
@@ -291,12 +299,13 @@ class Placement:
     problems: list[str]
     unreadable: int  # bytes that cannot be served
     # The sequence gaps (lo, hi), exclusive, that could hold a missing chunk, in order: showing that
-    # the first or the last is full of other messages (`full`) narrows the unproven bytes.
+    # the first or the last is full of other messages (`room` 0) narrows the unproven bytes.
     gaps: list[tuple[int, int]]
 
 
 def place_chunks(size: int, chunks: int, revision: int, prefix: Sequence[tuple[int, int]],
-                 present: Sequence[tuple[int, int]], full: Collection[tuple[int, int]] = ()) -> Placement:
+                 present: Sequence[tuple[int, int]], room: Mapping[tuple[int, int], int] | None = None
+                 ) -> Placement:
     """Where each chunk of a version is, from every chunk message of its nuid (`present`, (seq, size) in
     stream order, from a complete scan) and the meta's `size`, `chunks` and `revision` (the meta's
     stream sequence, 0 if not known). `prefix` are the first chunks, already proven by a walk.
@@ -306,13 +315,16 @@ def place_chunks(size: int, chunks: int, revision: int, prefix: Sequence[tuple[i
     - chunks after the meta's sequence are not part of the version (ignored);
     - if the rest are exactly `chunks` chunks holding exactly `size` bytes, every offset is proven;
     - if k chunks are missing, a missing chunk was stored between the sequences of its present
-      neighbours, so only gaps in the sequences can hold one, and not a gap known to be `full` (every
-      sequence in it holds another message). Chunks before the first such gap are where they seem,
-      chunks after the last one are at `size` minus the bytes after them; the bytes in between are
-      unproven. With the other chunks stored contiguously (one writer) that is exactly the missing
-      chunks' bytes;
-    - anything else (more chunks than the meta says, or sizes that do not add up) leaves every byte
-      after the proven prefix unproven: no chunk's place can be shown.
+      neighbours and has since been deleted, so only gaps in the sequences can hold one, and only as
+      many as the gap has sequences without a message: `room` holds that count for the gaps scanned
+      (0: every sequence in it holds another message), a gap not scanned may hold up to its length.
+      Chunks before the first gap that could hold one are where they seem, chunks after the last one
+      are at `size` minus the bytes after them; the bytes in between are unproven. With the other
+      chunks stored contiguously (one writer) that is exactly the missing chunks' bytes;
+    - if the gaps cannot hold the k missing chunks (all of them full, as when the meta counts a chunk
+      that was never stored), no chunk's place can be shown: every byte after the proven prefix is
+      unproven, exactly as for anything else (more chunks than the meta says, or sizes that do not
+      add up).
     """
     slots = list(prefix)
     prefix_bytes = sum(z for _, z in prefix)
@@ -331,11 +343,18 @@ def place_chunks(size: int, chunks: int, revision: int, prefix: Sequence[tuple[i
     missing_bytes = size - prefix_bytes - sum(z for _, z in rest)
     candidates: list[int] = []
     gaps: list[tuple[int, int]] = []
+    room = room or {}
+    unplaceable = False
     if missing > 0 and missing_bytes >= missing:
         bounds = [last_prefix_seq, *(s for s, _ in rest), revision or (1 << 63)]
-        candidates = [j for j in range(len(rest) + 1)
-                      if bounds[j + 1] - bounds[j] > 1 and (bounds[j], bounds[j + 1]) not in full]
+        holes = {j: room.get((bounds[j], bounds[j + 1]), bounds[j + 1] - bounds[j] - 1) for j in range(len(rest) + 1)}
+        candidates = [j for j, n in holes.items() if n > 0]
         gaps = [(bounds[j], bounds[j + 1]) for j in candidates]
+        if sum(holes[j] for j in candidates) < missing:
+            # Not one place where the missing chunks can have been stored: the meta counts chunks that
+            # never were, and which of the present ones is which cannot be told.
+            unplaceable = True
+            candidates, gaps = [], []
     if missing == 0 and missing_bytes == 0:
         slots += rest
     elif candidates:
@@ -351,6 +370,8 @@ def place_chunks(size: int, chunks: int, revision: int, prefix: Sequence[tuple[i
         held = len(prefix) + len(rest)
         problems.append(f"the stream holds {size - missing_bytes} bytes in {held} chunks, "
                         f"the meta says {size} bytes in {chunks}")
+        if unplaceable:
+            problems.append(f"no gap in the stream sequences could have held the {missing} missing")
         if size > prefix_bytes:
             slots.append((UNPROVEN, size - prefix_bytes))
     unreadable = sum(z for s, z in slots if s == UNPROVEN) + sum(slots[i][1] for i in gone)
@@ -405,7 +426,7 @@ class ChunkCache:
         self.parallelism = max(1, parallelism)
         self.readahead_budget = max(0, min(readahead_budget, cache_bytes // 2))
         self._data = ChunkLRU(cache_bytes)
-        self._layouts: cachetools.LRUCache[tuple[str, str], Layout] = cachetools.LRUCache(4096)
+        self._layouts: cachetools.LRUCache[LayoutKey, Layout] = cachetools.LRUCache(4096)
         self._inflight: dict[ChunkKey, trio.Event] = {}
         self._streams: set[Layout] = set()  # versions read sequentially of late (see `_readahead`)
         self._nursery: trio.Nursery | None = None
@@ -519,7 +540,7 @@ class ChunkCache:
         return (info.bucket, info.nuid, layout.seqs[idx])
 
     def _layout_of(self, info: ObjectInfo) -> Layout:
-        key = (info.bucket, info.nuid)
+        key = layout_key(info)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = Layout()
@@ -788,22 +809,24 @@ class ChunkCache:
     async def _place(self, info: ObjectInfo, prefix: list[tuple[int, int]],
                      index: list[tuple[int, int]]) -> Placement:
         """`place_chunks`, narrowed while the first or last gap that could hold a missing chunk turns
-        out to be full of other messages (one headers-only scan of the stream per gap checked)."""
-        full: set[tuple[int, int]] = set()
-        checked: set[tuple[int, int]] = set()
+        out to be full of other messages, or to have fewer empty sequences than chunks are missing
+        (one headers-only scan of the stream per gap checked). A single such gap is checked too: it
+        is the only place the missing chunks can be, and if it cannot hold them, nothing is placed."""
+        room: dict[tuple[int, int], int] = {}
         while True:
-            placed = place_chunks(info.size, info.chunks, info.revision, prefix, index, full)
-            if len(placed.gaps) < 2 or len(checked) >= GAP_CHECKS:
+            placed = place_chunks(info.size, info.chunks, info.revision, prefix, index, room)
+            if not placed.gaps or len(room) >= GAP_CHECKS:
                 return placed
-            for lo, hi in (placed.gaps[0], placed.gaps[-1]):
-                if (lo, hi) in checked or hi - lo - 1 > GAP_SCAN_LIMIT:
+            scanned = False
+            for lo, hi in dict.fromkeys((placed.gaps[0], placed.gaps[-1])):
+                if (lo, hi) in room or hi - lo - 1 > GAP_SCAN_LIMIT:
                     continue
-                checked.add((lo, hi))
                 self.stats.index_scans += 1
-                if len(await self.store.stored_sequences(info.bucket, lo + 1, hi)) == hi - lo - 1:
-                    full.add((lo, hi))
-                    break
-            else:
+                room[(lo, hi)] = hi - lo - 1 - len(await self.store.stored_sequences(info.bucket, lo + 1, hi))
+                scanned = True
+                if not room[(lo, hi)]:
+                    break  # place again without it before scanning further
+            if not scanned:
                 return placed
 
     # ------------------------------------------------------------------ fetching
@@ -1018,6 +1041,14 @@ class ChunkCache:
             log.exception("readahead of %s/%s failed unexpectedly", info.bucket, info.name)
         finally:
             layout.runs -= 1
+
+
+def layout_key(info: ObjectInfo) -> LayoutKey:
+    """The claims of `info`'s meta that a layout and a digest verdict are proven for. (Not the meta's
+    revision: a rename or chmod rewrites the meta with the same claims, and must not cost a new walk and
+    digest check. A copy with the same claims as the original claims the same bytes, which the shared
+    layout and verdict prove.)"""
+    return (info.bucket, info.nuid, info.size, info.chunks, info.digest)
 
 
 def _unanswered(error: NatsFSError) -> bool:

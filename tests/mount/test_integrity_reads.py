@@ -1,7 +1,8 @@
 """Reading a damaged object through a real mount: another client deletes one chunk message.
 
 The mount must give EIO for the reads that touch the lost chunk, exact bytes for every other chunk,
-never bytes from another offset, and one log line for the version (issue 8, point 1 and 7).
+never bytes from another offset, and one log line for the version (issue 8, point 1 and 7). Also metas
+of other clients that claim chunks never stored, or name another object's nuid with other claims.
 """
 
 from __future__ import annotations
@@ -170,3 +171,79 @@ def test_real_server_replies_prove_what_the_twin_does(nats_url, bucket_name):
         assert await store.chunk_index(bucket_name, nuid) == [(m.seq, len(m.data)) for m in msgs]
 
     with_store(nats_url, fn)
+
+
+def pread_each(path: Path, chunk: int, count: int) -> dict[int, bytes | int]:
+    """Each chunk of `path` read with one pread, last first: its bytes, or the errno."""
+    out: dict[int, bytes | int] = {}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for k in reversed(range(count)):
+            try:
+                out[k] = os.pread(fd, chunk, k * chunk)
+            except OSError as e:
+                out[k] = e.errno
+    finally:
+        os.close(fd)
+    return out
+
+
+@pytest.mark.expect_log("damaged.bin .*no gap in the stream sequences could have held the 1 missing")
+def test_a_meta_counting_a_chunk_never_stored_is_eio_not_shifted(nats_url, bucket_name, mounter):
+    """explore-hostile F4: the meta counts 4 chunks, 3 were stored (AAAA, BBBB, CCCC) right after another
+    object's messages. The one gap before them holds no deleted message, so nothing can be placed: every
+    read fails, instead of AAAA served at chunk 1 and CCCC at chunk 3."""
+    from natsfs.adr20 import digest_of
+
+    create_bucket(nats_url, bucket_name)
+    raw_put(nats_url, bucket_name, "before.txt", [b"another object\n"])
+    data = b"".join(bytes([65 + k]) * CHUNK for k in range(4))
+    nuid = "neverstored" + "X" * 11
+    raw_put(nats_url, bucket_name, "damaged.bin", [data[k * CHUNK : (k + 1) * CHUNK] for k in range(3)], nuid=nuid,
+            meta_extra={"size": len(data), "chunks": 4, "digest": digest_of(data)})
+    m = mounter(nats_url)
+    p = m / bucket_name / "damaged.bin"
+    assert p.stat().st_size == len(data)
+    assert pread_each(p, CHUNK, 4) == {k: errno.EIO for k in range(4)}
+    got, err = cat(p)
+    assert (got, err) == (b"", errno.EIO)
+    assert (m / bucket_name / "before.txt").read_bytes() == b"another object\n"
+    lines = damage_lines(m.log(), nuid)
+    assert len(lines) == 1 and f"{len(data)} of {len(data)} bytes cannot be read" in lines[0], lines
+    assert m.alive
+
+
+@pytest.mark.expect_log(r"wrong-digest .*digest mismatch", r"bigger .*the meta says 1179648 bytes in 9",
+                        r"smaller .*the meta says 917504 bytes in 7")
+def test_copies_of_a_meta_with_other_claims_fail_alone(nats_url, bucket_name, mounter):
+    """explore-hostile F10: metas written by another client name a good object's nuid with a wrong
+    digest, one chunk more, one chunk fewer. On each of two mounts (copies read first, the good object
+    read first) every copy gives EIO with one ERROR line and the good object reads exactly."""
+    from natsfs.adr20 import digest_of
+
+    create_bucket(nats_url, bucket_name)
+    rnd = random.Random(10)
+    chunks = [rnd.randbytes(CHUNK) for _ in range(CHUNKS)]
+    data = b"".join(chunks)
+    nuid = "sharednuid" + "S" * 12
+    raw_put(nats_url, bucket_name, "good.bin", chunks, nuid=nuid)
+    copies = {"wrong-digest": {"digest": digest_of(b"nope")},
+              "bigger": {"size": 9 * CHUNK, "chunks": 9},
+              "smaller": {"size": 7 * CHUNK, "chunks": 7, "digest": digest_of(data[: 7 * CHUNK])}}
+    for name, claims in copies.items():
+        raw_put(nats_url, bucket_name, name, [], nuid=nuid,
+                meta_extra={"size": len(data), "chunks": CHUNKS, "digest": digest_of(data), **claims})
+    for order in (["wrong-digest", "bigger", "smaller", "good.bin"], ["good.bin", "wrong-digest", "bigger", "smaller"]):
+        m = mounter(nats_url)
+        for name in order + order:  # read twice: verdicts stick, and log once
+            p = m / bucket_name / name
+            if name == "good.bin":
+                assert p.read_bytes() == data
+            else:
+                with pytest.raises(OSError) as err:
+                    p.read_bytes()
+                assert err.value.errno == errno.EIO, name
+        lines = damage_lines(m.log(), nuid)
+        assert sorted(name for name in copies for line in lines if f"/{name} " in line) == sorted(copies), lines
+        assert len(lines) == 3, lines
+        assert m.alive

@@ -14,7 +14,7 @@ import trio.testing
 from gowriters import put_object
 
 from natsfs.adr20 import ObjectInfo, ObjectStore, chunk_subject, digest_of, stream_name
-from natsfs.chunk_cache import ChunkCache
+from natsfs.chunk_cache import ChunkCache, layout_key
 from natsfs.errors import Corrupt, Stale, Unavailable
 from natsfs.handles import FileHandle
 from natsfs.inodes import InodeNo
@@ -243,7 +243,8 @@ def _with(info: ObjectInfo, **changes: Any) -> ObjectInfo:
     return ObjectInfo(**{**{f: getattr(info, f) for f in info.__slots__}, **changes})
 
 
-@pytest.mark.expect_log("the meta says 1500 bytes in 3; 700 of 1500 bytes cannot be read")
+@pytest.mark.expect_log("the meta says 1500 bytes in 3; 700 of 1500 bytes cannot be read",
+                        "the meta says 1500 bytes in 4; .*1500 of 1500 bytes cannot be read")
 @pytest.mark.parametrize("background", [True, False])
 def test_meta_claiming_more_than_the_chunks_hold_is_corrupt(background):
     data = blob(1000)
@@ -434,7 +435,7 @@ def test_chunk_gone_after_the_layout_was_proven_fails_alone():
         assert await cache.read(info, 0, len(data)) == data  # layout proven, digest checked
         await ms.delete_msg(stream_name("b"), chunk_seqs(ms, info)[3])
         small = ChunkCache(store, cache_bytes=CHUNK, batch_bytes=128 * KiB)
-        small._layouts[("b", info.nuid)] = cache._layouts[("b", info.nuid)]  # the same proven layout
+        small._layouts[layout_key(info)] = cache._layouts[layout_key(info)]  # the same proven layout
         got = await read_each_chunk(small, info, data, [7, 3, 0, 4, 2, 6, 1, 5])
         assert got == {k: "EIO" if k == 3 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(8)}
 
@@ -467,6 +468,106 @@ def test_missing_chunk_among_interleaved_writes_is_placed_only_when_provable(oth
             assert got == {0: a[:CHUNK], 1: "EIO", 2: "EIO", 3: "EIO"}
 
     run(body)
+
+
+@pytest.mark.expect_log("no gap in the stream sequences could have held the 1 missing")
+@pytest.mark.parametrize("others", ["before", "after"])
+def test_a_chunk_never_stored_is_never_placed_by_its_only_gap(others, caplog):
+    """The meta counts 4 chunks of 64 KiB, only 3 were ever stored, and the one sequence gap the fourth
+    could seem to be in (before the first chunk, or between the last and the meta) is full of another
+    object's messages: it never held a chunk. No chunk's place can be shown, so every read fails,
+    rather than serving AAAA at chunk 1 and CCCC at chunk 3 (explore-hostile F4)."""
+    data = b"".join(bytes([65 + k]) * CHUNK for k in range(4))
+    caplog.set_level(logging.DEBUG)
+
+    async def body(ms, store, cache):
+        nuid = "F" * 22
+        if others == "before":
+            await put_object(ms, "b", "before.txt", b"another object")
+        for k in range(3):  # chunk 3 (DDDD) is never stored
+            await ms.publish(chunk_subject("b", nuid), data[k * CHUNK : (k + 1) * CHUNK])
+        if others == "after":
+            await put_object(ms, "b", "after.txt", b"another object")
+        meta = await put_object(ms, "b", "damaged.bin", b"")
+        info = _with(meta, nuid=nuid, size=len(data), chunks=4, digest=digest_of(data))
+        got = await read_each_chunk(cache, info, data, [3, 1, 2, 0])
+        assert got == {k: "EIO" for k in range(4)}
+        with pytest.raises(Corrupt):
+            await cache.read(info, 0, len(data))
+        return info
+
+    info = run(body)
+    records = damage_records(caplog, info)
+    assert len(records) == 1 and records[0].levelno == logging.ERROR, [r.getMessage() for r in records]
+    assert "262144 of 262144 bytes cannot be read" in records[0].getMessage()
+
+
+@pytest.mark.expect_log("no gap in the stream sequences could have held the 2 missing")
+def test_missing_chunks_are_not_placed_in_a_gap_too_small_to_hold_them():
+    """Two chunks missing, and the one gap that could hold them has a single empty sequence: they
+    cannot both have been there, so nothing is placed (not chunks 0-1 EIO and the rest shifted)."""
+    data = b"".join(bytes([65 + k]) * CHUNK for k in range(4))
+
+    async def body(ms, store, cache):
+        other = await put_object(ms, "b", "other", b"x")  # chunk at seq 1, meta at seq 2
+        await ms.delete_msg(stream_name("b"), chunk_seqs(ms, other)[0])
+        nuid = "G" * 22
+        for k in (2, 3):
+            await ms.publish(chunk_subject("b", nuid), data[k * CHUNK : (k + 1) * CHUNK])
+        meta = await put_object(ms, "b", "two-missing", b"")
+        info = _with(meta, nuid=nuid, size=len(data), chunks=4, digest=digest_of(data))
+        assert await read_each_chunk(cache, info, data, [2, 3, 0, 1]) == {k: "EIO" for k in range(4)}
+
+    run(body)
+
+
+@pytest.mark.expect_log("1 of 4 chunks missing")
+def test_a_chunk_deleted_where_its_only_gap_has_room_is_placed():
+    """The counterpart: chunk 0 stored and deleted, another object's messages before it purged. The one
+    gap has room, every other chunk reads exactly."""
+    data = b"".join(bytes([65 + k]) * CHUNK for k in range(4))
+
+    async def body(ms, store, cache):
+        await put_object(ms, "b", "before.txt", b"another object")
+        info = await put_object(ms, "b", "obj", data, chunk_size=CHUNK)
+        await ms.delete_msg(stream_name("b"), chunk_seqs(ms, info)[0])
+        await ms.delete_msg(stream_name("b"), 1)  # before.txt's chunk
+        got = await read_each_chunk(cache, info, data, [3, 1, 2, 0])
+        assert got == {k: "EIO" if k == 0 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(4)}
+
+    run(body)
+
+
+@pytest.mark.expect_log("object b/wrong-digest .*digest mismatch", "object b/bigger .*the meta says 589824 bytes in 9",
+                        "object b/smaller .*the meta says 458752 bytes in 7")
+@pytest.mark.parametrize("order", ["copies-first", "good-first"])
+def test_metas_sharing_a_nuid_are_each_checked_on_their_own_claims(order, caplog):
+    """Other clients' metas name a good object's nuid with other claims: a wrong digest, one chunk
+    more, one chunk fewer (with the digest of the bytes those hold). Each fails its own checks (EIO,
+    one ERROR line each) and the good object reads exactly, whichever is read first: a layout or a
+    digest verdict proven for one meta's claims is never another's (explore-hostile F10)."""
+    data = blob(8 * CHUNK)
+    caplog.set_level(logging.DEBUG)
+
+    async def body(ms, store, cache):
+        good = await put_object(ms, "b", "good", data, chunk_size=CHUNK)
+        copies = [_with(good, name="wrong-digest", digest=digest_of(b"nope")),
+                  _with(good, name="bigger", size=9 * CHUNK, chunks=9),
+                  _with(good, name="smaller", size=7 * CHUNK, chunks=7, digest=digest_of(data[: 7 * CHUNK]))]
+        reads = [*copies, good, *copies, good] if order == "copies-first" else [good, *copies, good, *copies]
+        for info in reads:
+            if info is good:
+                assert await cache.read(info, 0, info.size) == data
+                assert await cache.read(info, 5 * CHUNK, 10) == data[5 * CHUNK : 5 * CHUNK + 10]
+            else:
+                with pytest.raises(Corrupt):
+                    await cache.read(info, 0, info.size)
+        return good
+
+    good = run(body)
+    records = damage_records(caplog, good)
+    assert sorted(r.getMessage().split()[1] for r in records) == ["b/bigger", "b/smaller", "b/wrong-digest"]
+    assert all(r.levelno == logging.ERROR for r in records)
 
 
 def test_extra_chunk_after_the_meta_is_ignored_with_one_warning(caplog):
@@ -679,7 +780,7 @@ def test_far_read_of_a_contiguous_version_needs_two_probes_and_no_scan():
         assert s.index_scans == 0 and s.chunks_fetched == 41
         # Every chunk has passed: the digest is checked at the end of a read from the front.
         assert await cache.read(info, 0, len(data)) == data
-        layout = cache._layouts[("b", info.nuid)]
+        layout = cache._layouts[layout_key(info)]
         assert layout.verdict is True
 
     run(body, background=False)
@@ -765,7 +866,7 @@ def test_a_chunk_deleted_after_the_layout_was_computed_is_settled_by_a_scan(capl
         await ms.delete_msg(stream_name("b"), chunk_seqs(ms, info)[3])
         got = await read_each_chunk(cache, info, data, [3, 4, 2, 5, 1, 6, 0, 7])
         assert got == {k: "EIO" if k == 3 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(8)}
-        assert cache.stats.index_scans == 1
+        assert cache.stats.index_scans == 2  # the chunk index, and the one gap that could hold chunk 3
         return info
 
     info = run(body, cache_bytes=1 << 20)
