@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 FOREIGN_PREFIX = "nats-object:"
 INVALID_TARGET = FOREIGN_PREFIX + "?/invalid-link"
 OUTSIDE_TARGET = FOREIGN_PREFIX + "?/outside-link"
+# A link whose object does not show at its own path: another entry (a real name its escaped form
+# collides with, or a directory of the same path) holds that path and would be served instead.
+HIDDEN_TARGET = FOREIGN_PREFIX + "?/hidden-link"
 PATH_MAX = 4096
 
 

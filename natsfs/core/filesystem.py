@@ -34,6 +34,7 @@ from ..adr20 import (
     ATTR_SYMLINK,
     ATTR_SYMLINK_SIG,
     SPECIAL_KINDS,
+    Link,
     ObjectInfo,
     PosixAttrs,
     set_posix_attrs,
@@ -60,9 +61,9 @@ from ..handles import DirHandle, FileHandle, HandleNo, HandleTable
 from ..inodes import ROOT_INODE, InodeNo, InodeTable
 from ..journal import WriteBackJournal
 from ..kernel import KernelNotifier
-from ..links import OUTSIDE_TARGET, SymlinkSigner, link_target, stays_in_mount
+from ..links import HIDDEN_TARGET, OUTSIDE_TARGET, LinkTarget, SymlinkSigner, link_target, stays_in_mount
 from ..mutations import Mutations, check_meta_size
-from ..names import NAME_MAX
+from ..names import NAME_MAX, placement
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from ..openers import Openers, ProcOpeners
 from ..secrecy import redact_urls
@@ -407,11 +408,25 @@ class Filesystem:
                 return OUTSIDE_TARGET
         assert info.link is not None
         target = link_target(info.link, link_path, self.ns.single_bucket)
+        if target.outside is None and self._held_by_another(info.link):
+            target = LinkTarget(HIDDEN_TARGET, f"its object {info.link.name!r} is hidden by another entry at its "
+                                               "path (see the daemon log)")
         if target.outside is not None and (node.bucket, info.nuid, info.revision) not in self._reported_links:
             self._reported_links.add((node.bucket, info.nuid, info.revision))
             log.log(logging.WARNING if target.hostile else logging.INFO, "link %r in bucket %r reads as %r: %s",
                     info.name, node.bucket, target.text, target.outside)
         return target.text
+
+    def _held_by_another(self, link: Link) -> bool:
+        """Whether the path a link's object would show at holds another entry (a real name its escaped
+        form collides with, or a directory where it is a file): following the link would reach that
+        entry instead. Only where the target's bucket is loaded; a missing object just dangles."""
+        index = self.ns.loaded_index(link.bucket)
+        if index is None or link.name is None:
+            return False
+        placed, _ = placement(link.name)
+        entry = index.get(placed) if placed is not None else None
+        return entry is not None and (not isinstance(entry, ObjectInfo) or entry.name != link.name)
 
     def _known_sealed(self, bucket: str) -> bool:
         return bool(self.mut.known_sealed(bucket))

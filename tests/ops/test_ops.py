@@ -313,6 +313,32 @@ def test_readlink_in_a_multi_bucket_mount(ops_env):
     ops_env(body, setup=with_links)
 
 
+async def links_to_hidden_names(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    await put_object(ms, "b", "x//y", b"hidden by the real name")
+    await put_object(ms, "b", "x%2F%2Fy", b"the real name")
+    await put_object(ms, "b", "clash", b"hidden by the directory")
+    await put_object(ms, "b", "clash/inner", b"inner")
+    await put_object(ms, "b", "a//b", b"shown escaped")
+    for name, target in (("to-hidden", "x//y"), ("to-real", "x%2F%2Fy"), ("to-clash", "clash"),
+                         ("to-escaped", "a//b")):
+        await put_link(ms, "b", name, "b", target, style="go")
+
+
+def test_a_link_to_a_hidden_name_never_reaches_the_entry_that_hides_it(ops_env):
+    """Following a link must reach its own object or nothing: where another entry holds the path its
+    object would show at, the link dangles."""
+    async def body(env: Env):
+        expected = {"to-hidden": "nats-object:?/hidden-link", "to-clash": "nats-object:?/hidden-link",
+                    "to-real": "x%2F%2Fy", "to-escaped": "a%2F%2Fb"}
+        for name, target in expected.items():
+            attr = await env.lookup(name)
+            assert await env.ops.readlink(attr.st_ino, None) == target.encode(), name
+        assert await env.cat("a%2F%2Fb") == b"shown escaped"
+
+    ops_env(body, setup=links_to_hidden_names, bucket="b")
+
+
 def test_readlink_in_a_single_bucket_mount(ops_env):
     async def body(env: Env):
         root = await env.ops.getattr(ROOT, None)
