@@ -1119,6 +1119,15 @@ class Filesystem:
         parent = await self._path_node(path[:-1])
         if parent.kind not in (ROOT, BUCKET, DIR):
             raise NotADirectory("/".join(path[:-1]))
+        marker_name = "/".join(rel) + "/"
+        index = self.ns.loaded_index(bucket)
+        holder = index.objects.get(marker_name) if index is not None else None
+        if holder is not None and not holder.deleted:
+            # Another client's object with bytes under the marker's name (shown escaped): a marker
+            # would replace it, so the directory cannot be made.
+            raise AlreadyExists(f"{bucket}/{marker_name}: an object with bytes holds the name a directory marker "
+                                f"needs (it shows as {'/'.join(placement(marker_name)[0] or ())!r})",
+                                log_level=logging.INFO)
         await self.mut.mkdir(bucket, rel, PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None))
         self._entries_changed(path[:-1])
         node = await self.ns.resolve(path)

@@ -278,6 +278,23 @@ def test_xattrs_and_the_meta_size_limit(ops_env):
     ops_env(body, setup=one_bucket, max_meta_bytes=4096)
 
 
+def test_mkdir_where_an_object_with_bytes_holds_the_marker_name(ops_env, caplog):
+    """Another client's `dm/` with bytes shows as the file `dm%2F`; `mkdir dm` would replace it."""
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await one_bucket(ms, store)
+        await put_object(ms, "b", "dm/", b"content under a marker's name")
+
+    async def body(env: Env):
+        caplog.set_level("INFO")
+        b = (await env.lookup("b")).st_ino
+        assert await err(env.ops.mkdir(b, b"dm", 0o755, Ctx())) == errno.EEXIST
+        assert await env.cat("b/dm%2F") == b"content under a marker's name"
+        assert [r.levelname for r in caplog.records if "holds the name a directory marker needs" in r.message] \
+            == ["INFO"]
+
+    ops_env(body, setup=setup)
+
+
 def test_xattrs_on_a_directory(ops_env):
     """Names outside user.* are EOPNOTSUPP everywhere (`cp -a` then quietly falls back to chmod for
     system.posix_acl_access); user.* on a plain directory is EPERM (its marker holds no attributes)."""
