@@ -493,6 +493,9 @@ class ObjectStore:
         self._own_metas: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
         # (bucket, old name) -> renames of it under way here (see `renaming_away`).
         self._renaming: Counter[tuple[str, str]] = Counter()
+        # (bucket, nuid, name) -> the live names other than `name` whose meta holds `nuid` (the layer
+        # that keeps the index sets it): chunks another name still uses are never purged.
+        self.nuid_users: Callable[[str, str, str], tuple[str, ...]] | None = None
 
     @property
     def max_payload(self) -> int:
@@ -1213,7 +1216,15 @@ class ObjectStore:
 
     async def purge_chunks_later_if_needed(self, bucket: str, nuid: str, name: str) -> bool:
         """Purge the chunks of a version no meta uses any more; if the server does not answer, hand
-        them to the `PutLog` (settled once it answers) instead of leaving them behind. True if purged."""
+        them to the `PutLog` (settled once it answers) instead of leaving them behind. True if purged
+        (or kept because another live name still uses them: two names on one nuid, a rename cut short
+        or a copy by another client, must never lose their bytes when one of them is replaced)."""
+        users = self.nuid_users(bucket, nuid, name) if self.nuid_users is not None else ()
+        if users:
+            shown = ", ".join(repr(n) for n in users[:3]) + (" ..." if len(users) > 3 else "")
+            log.info("bucket %s: the chunks of nuid %s (replaced or deleted under %r) stay: %s still use them",
+                     bucket, nuid, name, shown)
+            return True
         try:
             await self.purge_chunks(bucket, nuid)
             return True

@@ -95,6 +95,7 @@ class Mutations:
         # Called with (bucket, object info) after this mount changed an object itself.
         self.journal = staging.spool.journal
         store.put_log = self.journal
+        store.nuid_users = self._nuid_users
 
     # ------------------------------------------------------------------ guards
     async def check_writable(self, bucket: str) -> None:
@@ -129,6 +130,13 @@ class Mutations:
             return
         for info in infos:
             index.apply(info)
+
+    def _nuid_users(self, bucket: str, nuid: str, name: str) -> tuple[str, ...]:
+        """Live names other than `name` whose meta holds `nuid` (as far as the bucket's index knows)."""
+        index = self.ns.loaded_index(bucket)
+        if index is None or not nuid:
+            return ()
+        return index.other_names_with_nuid(nuid, name)
 
     def _shared_nuid(self, index: BucketIndex | None, info: ObjectInfo) -> bool:
         """Does another live name use the same nuid (a rename interrupted between its steps)?"""

@@ -1,0 +1,112 @@
+"""Metas other clients write that this mount must not let destroy good objects: several live names on
+one nuid, and metas under a subject that is not their name's canonical one (unpadded base64 of old
+clients, or a token that is not base64 of UTF-8)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pyfuse3
+import pytest
+from gowriters import put_object
+from opskit import Env, errno_of
+
+from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
+from natsfs.memstreams import MemoryStreams
+from natsfs.streams import ROLLUP
+
+OLD = b"shared bytes\n" * 20_000  # 260,000 bytes: 2 chunks
+
+
+class Ctx:
+    uid = 1000
+    gid = 1000
+    pid = 1
+    umask = 0o022
+
+
+class Fields:
+    """Stands in for pyfuse3.SetattrFields, whose attributes only the kernel side can set."""
+
+    def __init__(self, **set_: bool):
+        for name in ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid", "update_gid",
+                     "update_size"):
+            setattr(self, name, set_.get(name, False))
+
+
+async def err(coro: Any) -> int:
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await coro
+    return errno_of(e.value)
+
+
+async def stored(env: Env, name: str) -> bytes:
+    """The object as nats.go reads it: the canonical meta subject, then every chunk of its nuid."""
+    info = await env.store.get_info("b", name)
+    assert info is not None and not info.deleted
+    data = b"".join(m.data for m in await env.store.fetch_chunks("b", info.nuid, 1, 10_000, 1 << 30))
+    assert digest_of(data) == info.digest and len(data) == info.size
+    return data
+
+
+async def doc_of(ms: MemoryStreams, name: str) -> dict[str, Any]:
+    return json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", name))).data)
+
+
+# ---------------------------------------------------------------- names sharing one nuid
+async def three_names_one_nuid(ms: MemoryStreams, store: ObjectStore) -> None:
+    """A, B and C on one nuid: what a rename cut short (or another client's copy) leaves."""
+    await store.create_bucket("b")
+    await store.update_bucket("b", lambda config: config.update(allow_atomic=False))
+    await put_object(ms, "b", "A", OLD)
+    doc = await doc_of(ms, "A")
+    for other in ("B", "C"):
+        await ms.publish(meta_subject("b", other), meta_json(dict(doc, name=other)), {ROLLUP: "sub"})
+
+
+@pytest.mark.parametrize("how", ["overwrite", "truncate"])
+def test_replacing_one_of_several_names_on_a_nuid_keeps_the_chunks_the_others_use(ops_env, how):
+    async def body(env: Env):
+        nuid = (await env.store.get_info("b", "A")).nuid
+        f = await env.lookup("b/A")
+        if how == "overwrite":
+            fi = await env.ops.open(f.st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+            await env.ops.write(fi.fh, 0, b"new A\n")
+            await env.ops.flush(fi.fh)
+            await env.ops.release(fi.fh)
+        else:
+            attr = pyfuse3.EntryAttributes()
+            attr.st_size = 0
+            await env.ops.setattr(f.st_ino, attr, Fields(update_size=True), None, Ctx())
+        await env.settle()
+        await env.fs.mut.settle_puts()
+        new_a = b"new A\n" if how == "overwrite" else b""
+        assert await stored(env, "A") == new_a
+        assert (await env.store.get_info("b", "A")).nuid != nuid
+        # B and C still have every byte, for this mount and for every other client.
+        assert env.streams.subjects(stream_name("b")).get(chunk_subject("b", nuid)) == 2
+        for other in ("B", "C"):
+            assert await stored(env, other) == OLD
+            assert await env.cat(f"b/{other}") == OLD
+        assert await env.cat("b/A") == new_a
+
+    ops_env(body, setup=three_names_one_nuid)
+
+
+def test_replacing_the_last_name_on_a_nuid_still_purges_its_chunks(ops_env):
+    async def body(env: Env):
+        nuid = (await env.store.get_info("b", "A")).nuid
+        b = (await env.lookup("b")).st_ino
+        await env.ops.unlink(b, b"B", Ctx())
+        await env.ops.unlink(b, b"C", Ctx())
+        f = await env.lookup("b/A")
+        fi = await env.ops.open(f.st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        await env.ops.write(fi.fh, 0, b"new A\n")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        assert await stored(env, "A") == b"new A\n"
+        assert env.streams.subjects(stream_name("b")).get(chunk_subject("b", nuid)) is None
+
+    ops_env(body, setup=three_names_one_nuid)
