@@ -110,3 +110,116 @@ def test_replacing_the_last_name_on_a_nuid_still_purges_its_chunks(ops_env):
         assert env.streams.subjects(stream_name("b")).get(chunk_subject("b", nuid)) is None
 
     ops_env(body, setup=three_names_one_nuid)
+
+
+# ---------------------------------------------------------------- metas under a non-canonical subject
+UNPADDED = "unpadded"
+NOT_BASE64 = "not-base64"
+
+
+def alias_subject(name: str, kind: str) -> str:
+    if kind == UNPADDED:
+        subject = meta_subject("b", name)
+        assert subject.endswith("=")  # (the names used here have padding to strip)
+        return subject.rstrip("=")
+    return "$O.b.M.not-base64!"
+
+
+async def put_alias(ms: MemoryStreams, name: str, data: bytes, kind: str, **fields: Any) -> dict[str, Any]:
+    """What another client writes: an object whose meta sits under a subject nats.go never reads for it."""
+    info = await put_object(ms, "b", "scratch", data)
+    doc = await doc_of(ms, "scratch")
+    await ms.purge_subject(stream_name("b"), meta_subject("b", "scratch"))
+    doc = dict(doc, name=name, **fields)
+    await ms.publish(alias_subject(name, kind), meta_json(doc), {ROLLUP: "sub"})
+    assert info.nuid
+    return doc
+
+
+def watcher(env: Env):
+    return env.ns._buckets["b"]
+
+
+async def reconcile_quietly(env: Env, times: int = 3) -> None:
+    """Reconcile as the mount does every few seconds once the watch is quiet: nothing to fix, nothing fetched."""
+    w = watcher(env)
+    before = dict(w.stats)
+    for _ in range(times):
+        w._last_activity = -1e9  # quiet: every subject the index does not account for would be fetched
+        assert await w.reconcile() == 0
+    assert (w.stats["fetched"], w.stats["purged"]) == (before["fetched"], before["purged"])
+
+
+@pytest.mark.parametrize("kind", [UNPADDED, NOT_BASE64])
+def test_an_alias_of_a_name_never_overrides_its_canonical_meta(ops_env, kind, caplog):
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        await put_object(ms, "b", "doc.txt", b"GOOD\n")
+        await put_alias(ms, "doc.txt", b"EVIL\n", kind)  # newer than the canonical meta
+
+    async def body(env: Env):
+        assert await env.cat("b/doc.txt") == b"GOOD\n"  # what nats.go and nats-py read
+        f = await env.lookup("b/doc.txt")
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode = 0o100600
+        await env.ops.setattr(f.st_ino, attr, Fields(update_mode=True), None, Ctx())
+        fi = await env.ops.open(f.st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        await env.ops.write(fi.fh, 0, b"BETTER\n")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        await env.settle()
+        assert await stored(env, "doc.txt") == b"BETTER\n"
+        assert await env.cat("b/doc.txt") == b"BETTER\n"
+        assert (await env.lookup("b/doc.txt")).st_mode & 0o777 == 0o600
+        caplog.clear()
+        await reconcile_quietly(env)
+        assert await env.cat("b/doc.txt") == b"BETTER\n"
+        assert not [r for r in caplog.records if r.levelno >= 30]  # no line repeated at every check
+
+    ops_env(body, setup=setup)
+
+
+def test_an_alias_is_shown_only_while_the_canonical_subject_holds_nothing(ops_env):
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        await put_alias(ms, "old.txt", b"old client\n", UNPADDED)
+
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        assert await env.cat("b/old.txt") == b"old client\n"
+        await put_object(env.streams, "b", "old.txt", b"nats.go\n")
+        await env.settle()
+        assert await env.cat("b/old.txt") == b"nats.go\n"
+        assert (await env.listdir(b)).names == ["old.txt"]
+        # The canonical meta is purged behind the watch's back (a raw purge): the alias shows again.
+        await env.streams.purge_subject(stream_name("b"), meta_subject("b", "old.txt"))
+        watcher(env)._last_activity = -1e9
+        assert await watcher(env).reconcile() == 1
+        assert await env.cat("b/old.txt") == b"old client\n"
+        await reconcile_quietly(env)
+
+    ops_env(body, setup=setup)
+
+
+def test_a_tombstone_under_an_alias_subject_neither_hides_nor_purges_the_live_object(ops_env, caplog):
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        keep = await put_object(ms, "b", "keep.txt", b"keep\n")
+        await put_object(ms, "b", "victim.txt", b"precious data\n")
+        tomb = {"name": "victim.txt", "bucket": "b", "nuid": keep.nuid, "size": 0, "chunks": 0,
+                "mtime": "0001-01-01T00:00:00Z", "deleted": True}
+        await ms.publish(alias_subject("victim.txt", UNPADDED), meta_json(tomb), {ROLLUP: "sub"})
+
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        assert (await env.listdir(b)).names == ["keep.txt", "victim.txt"]
+        assert await env.cat("b/victim.txt") == b"precious data\n"
+        caplog.clear()
+        for _ in range(2):
+            await env.fs.mut.purge_shared_tombstones()
+            await reconcile_quietly(env)
+        assert await stored(env, "victim.txt") == b"precious data\n"
+        assert await stored(env, "keep.txt") == b"keep\n"
+        assert not [r for r in caplog.records if r.levelno >= 30]
+
+    ops_env(body, setup=setup)
