@@ -1157,6 +1157,28 @@ class ObjectStore:
                 del self._renaming[key]
         return new_info, revision
 
+    async def adopt_alias(self, bucket: str, name: str, subject: str, revision: int,
+                          change: Callable[[dict[str, Any]], None] | None = None) -> ObjectInfo:
+        """Move the meta of `name` from a non-canonical `subject` (where it is at `revision`: else
+        `Conflict`) to the name's canonical subject, which must hold nothing (expected revision 0), then
+        purge `subject` up to `revision`, the two steps of a rename (same nuid, no data moved). A crash in
+        between leaves it under both subjects, where the canonical one wins. Returns the canonical meta."""
+        msg = await self.streams.last_msg(stream_name(bucket), subject)
+        if msg is None or msg.seq != revision:
+            raise Conflict(f"{bucket}/{name} changed since it was read")
+        try:
+            doc = json.loads(msg.data)
+        except ValueError:
+            raise MalformedMeta(f"meta {subject} is not JSON") from None
+        if not isinstance(doc, dict) or doc.get("deleted"):
+            raise Conflict(f"{bucket}/{name} changed since it was read")
+        moved = dict(doc, name=name, mtime=ZERO_TIME)
+        if change is not None:
+            change(moved)
+        info = await self.publish_meta(bucket, moved, expected_revision=0, timestamp=False)
+        await self._purge_settled(bucket, subject, revision + 1)
+        return info
+
     def renaming_away(self, bucket: str, name: str) -> bool:
         """Whether this store is renaming `name` away right now (its new meta may already be in the
         watch; the caller drops the old name itself once the rename is done)."""

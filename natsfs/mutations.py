@@ -138,6 +138,35 @@ class Mutations:
             return ()
         return index.other_names_with_nuid(nuid, name)
 
+    async def _on_canonical(self, bucket: str, info: ObjectInfo) -> ObjectInfo:
+        """`info` as stored at its name's canonical meta subject. An object shown from an alias subject
+        (unpadded base64 of an old client: see `natsfs.index`) is first moved there, as nats.go would
+        address it, and the alias subject purged (`ObjectStore.adopt_alias`); every change then goes
+        to the canonical subject like any other."""
+        index = self.ns.loaded_index(bucket)
+        subject = index.odd_subjects.get(info.name) if index is not None else None
+        if index is None or subject is None:
+            return info
+        held = index.objects.get(info.name)
+        if held is None or held.revision != info.revision:
+            raise Conflict(f"{bucket}/{info.name} changed since it was read")
+        mtime_ns = info.mtime_ns
+
+        def keep_mtime(doc: dict[str, Any]) -> None:
+            # The meta's new message would otherwise give the file a new mtime.
+            doc["metadata"] = dict(doc.get("metadata") or {}) | {ATTR_MTIME: str(mtime_ns)}
+
+        keep = None if info.link is not None or info.name.endswith("/") else keep_mtime
+        try:
+            moved = await self.store.adopt_alias(bucket, info.name, subject, info.revision, keep)
+        except Conflict:
+            raise Conflict(f"{bucket}/{info.name} changed since it was read") from None
+        log.info("bucket %s: %r moved from %s to its canonical meta subject before a change", bucket, info.name,
+                 subject)
+        index.apply(moved)
+        index.drop_alias(subject)
+        return moved
+
     def _shared_nuid(self, index: BucketIndex | None, info: ObjectInfo) -> bool:
         """Does another live name use the same nuid (a rename interrupted between its steps)?"""
         if index is None or not info.nuid:
@@ -380,6 +409,8 @@ class Mutations:
             already = await self._stored_by_earlier_run(sf)
             if already is not None:
                 return already, len(sf.xattr_changes)
+        if sf.base is not None and sf.base.revision == sf.base_revision:
+            sf.rebase(await self._on_canonical(sf.bucket, sf.base))
         base_doc = None
         expected, old_nuid = sf.base_revision, sf.base.nuid if sf.base is not None else ""
         replace_tombstone = sf.base is None
@@ -460,7 +491,7 @@ class Mutations:
         nuid with another live name gets no tombstone (see `ObjectStore.delete`)."""
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
-        current = info
+        current = await self._on_canonical(bucket, info)
         for attempt in range(2):
             shared = self._shared_nuid(index, current)
             try:
@@ -489,6 +520,7 @@ class Mutations:
     async def set_attrs(self, bucket: str, info: ObjectInfo, attrs: PosixAttrs, defaults: PosixAttrs) -> ObjectInfo:
         """Store POSIX attributes in the meta (same nuid, no data moved)."""
         await self.check_writable(bucket)
+        info = await self._on_canonical(bucket, info)
         new = await self.store.update_meta(bucket, info.name, lambda doc: set_posix_attrs(doc, attrs, defaults),
                                            expected_revision=info.revision)
         self._apply(bucket, new)
@@ -498,6 +530,7 @@ class Mutations:
         """Rewrite an object's meta (xattrs): same nuid, every other field kept, refused when the
         result would be larger than --max-meta-bytes (nothing is stored then)."""
         await self.check_writable(bucket)
+        info = await self._on_canonical(bucket, info)
         limit = self.config.max_meta_bytes
 
         def bounded(doc: dict[str, Any]) -> None:
@@ -596,6 +629,9 @@ class Mutations:
         """
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
+        info = await self._on_canonical(bucket, info)
+        if target is not None:
+            target = await self._on_canonical(bucket, target)
         mtime_ns = info.mtime_ns
 
         def keep_mtime(doc: dict[str, Any]) -> None:

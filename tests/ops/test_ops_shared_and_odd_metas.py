@@ -223,3 +223,51 @@ def test_a_tombstone_under_an_alias_subject_neither_hides_nor_purges_the_live_ob
         assert not [r for r in caplog.records if r.levelno >= 30]
 
     ops_env(body, setup=setup)
+
+
+F3_NAMES = ["chmod-me.tx", "rm-me.tx", "mv-me.tx", "write-me.tx", "xattr-me.tx"]
+
+
+def test_an_object_only_under_an_alias_subject_can_be_changed_and_moves_to_its_canonical_subject(ops_env):
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        for name in F3_NAMES:
+            await put_alias(ms, name, b"old client bytes\n", UNPADDED)
+
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        assert (await env.listdir(b)).names == sorted(F3_NAMES)
+        moved_mtime = (await env.lookup("b/mv-me.tx")).st_mtime_ns
+        rm_nuid = (await env.ns.index("b")).objects["rm-me.tx"].nuid
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode = 0o100600
+        await env.ops.setattr((await env.lookup("b/chmod-me.tx")).st_ino, attr, Fields(update_mode=True), None,
+                              Ctx())
+        await env.ops.unlink(b, b"rm-me.tx", Ctx())
+        await env.ops.rename(b, b"mv-me.tx", b, b"moved.txt", 0, Ctx())
+        fi = await env.ops.open((await env.lookup("b/write-me.tx")).st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        await env.ops.write(fi.fh, 0, b"new bytes\n")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        await env.ops.setxattr((await env.lookup("b/xattr-me.tx")).st_ino, b"user.k", b"v", Ctx())
+        await env.settle()
+
+        assert (await env.listdir(b)).names == ["chmod-me.tx", "moved.txt", "write-me.tx", "xattr-me.tx"]
+        # What nats.go sees: every surviving object at its canonical subject, no alias subject left.
+        subjects = env.streams.subjects(stream_name("b"))
+        for name in F3_NAMES:
+            assert alias_subject(name, UNPADDED) not in subjects
+        assert await stored(env, "chmod-me.tx") == b"old client bytes\n"
+        chmodded = await env.lookup("b/chmod-me.tx")
+        assert chmodded.st_mode & 0o777 == 0o600
+        assert await stored(env, "moved.txt") == b"old client bytes\n"
+        assert (await env.lookup("b/moved.txt")).st_mtime_ns == moved_mtime  # rename(2) keeps the mtime
+        assert await stored(env, "write-me.tx") == b"new bytes\n"
+        assert (await doc_of(env.streams, "xattr-me.tx"))["metadata"]["k"] == "v"
+        info = await env.store.get_info("b", "rm-me.tx")
+        assert info is None or info.deleted
+        assert chunk_subject("b", rm_nuid) not in subjects
+        assert not (env.fs.staging.spool.lost_found / "b").exists()  # no bytes went to lost+found
+        await reconcile_quietly(env)
+
+    ops_env(body, setup=setup)
