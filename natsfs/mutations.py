@@ -12,6 +12,7 @@ carry a live object's nuid (`purge_shared_tombstones`), once the server answers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -409,8 +410,13 @@ class Mutations:
             already = await self._stored_by_earlier_run(sf)
             if already is not None:
                 return already, len(sf.xattr_changes)
-        if sf.base is not None and sf.base.revision == sf.base_revision:
-            sf.rebase(await self._on_canonical(sf.bucket, sf.base))
+        if sf.base is not None:
+            # The index must be loaded (a write-back upload replayed at start may come first): it says
+            # whether other live names still use the replaced version's chunks (`_nuid_users`).
+            with contextlib.suppress(NatsFSError):
+                await self.ns.index(sf.bucket)
+            if sf.base.revision == sf.base_revision:
+                sf.rebase(await self._on_canonical(sf.bucket, sf.base))
         base_doc = None
         expected, old_nuid = sf.base_revision, sf.base.nuid if sf.base is not None else ""
         replace_tombstone = sf.base is None
