@@ -493,6 +493,9 @@ class ObjectStore:
         self._own_metas: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
         # (bucket, old name) -> renames of it under way here (see `renaming_away`).
         self._renaming: Counter[tuple[str, str]] = Counter()
+        # (bucket, nuid, name) -> the live names other than `name` whose meta holds `nuid` (the layer
+        # that keeps the index sets it): chunks another name still uses are never purged.
+        self.nuid_users: Callable[[str, str, str], tuple[str, ...]] | None = None
 
     @property
     def max_payload(self) -> int:
@@ -1154,6 +1157,28 @@ class ObjectStore:
                 del self._renaming[key]
         return new_info, revision
 
+    async def adopt_alias(self, bucket: str, name: str, subject: str, revision: int,
+                          change: Callable[[dict[str, Any]], None] | None = None) -> ObjectInfo:
+        """Move the meta of `name` from a non-canonical `subject` (where it is at `revision`: else
+        `Conflict`) to the name's canonical subject, which must hold nothing (expected revision 0), then
+        purge `subject` up to `revision`, the two steps of a rename (same nuid, no data moved). A crash in
+        between leaves it under both subjects, where the canonical one wins. Returns the canonical meta."""
+        msg = await self.streams.last_msg(stream_name(bucket), subject)
+        if msg is None or msg.seq != revision:
+            raise Conflict(f"{bucket}/{name} changed since it was read")
+        try:
+            doc = json.loads(msg.data)
+        except ValueError:
+            raise MalformedMeta(f"meta {subject} is not JSON") from None
+        if not isinstance(doc, dict) or doc.get("deleted"):
+            raise Conflict(f"{bucket}/{name} changed since it was read")
+        moved = dict(doc, name=name, mtime=ZERO_TIME)
+        if change is not None:
+            change(moved)
+        info = await self.publish_meta(bucket, moved, expected_revision=0, timestamp=False)
+        await self._purge_settled(bucket, subject, revision + 1)
+        return info
+
     def renaming_away(self, bucket: str, name: str) -> bool:
         """Whether this store is renaming `name` away right now (its new meta may already be in the
         watch; the caller drops the old name itself once the rename is done)."""
@@ -1213,7 +1238,15 @@ class ObjectStore:
 
     async def purge_chunks_later_if_needed(self, bucket: str, nuid: str, name: str) -> bool:
         """Purge the chunks of a version no meta uses any more; if the server does not answer, hand
-        them to the `PutLog` (settled once it answers) instead of leaving them behind. True if purged."""
+        them to the `PutLog` (settled once it answers) instead of leaving them behind. True if purged
+        (or kept because another live name still uses them: two names on one nuid, a rename cut short
+        or a copy by another client, must never lose their bytes when one of them is replaced)."""
+        users = self.nuid_users(bucket, nuid, name) if self.nuid_users is not None else ()
+        if users:
+            shown = ", ".join(repr(n) for n in users[:3]) + (" ..." if len(users) > 3 else "")
+            log.info("bucket %s: the chunks of nuid %s (replaced or deleted under %r) stay: %s still use them",
+                     bucket, nuid, name, shown)
+            return True
         try:
             await self.purge_chunks(bucket, nuid)
             return True

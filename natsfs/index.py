@@ -14,6 +14,14 @@ resurrects a deleted object) and the meta subjects whose last message is unusabl
 of meta subjects the index accounts for can be compared with the stream's. `changed_paths` compares two
 trees, for swapping in an index rebuilt from scratch.
 
+**One subject per name.** nats.go reads a name at its canonical meta subject (padded base64 of the
+UTF-8 name), so that subject rules: a meta under any other subject for the same name (unpadded base64
+written by old clients, or a token that is not base64 of UTF-8 with the name in its JSON) is an *alias*,
+kept in `aliases` and shown only while the canonical subject holds nothing (neither a live meta nor a
+tombstone); then the newest live alias is shown and `odd_subjects` names its subject. A message on a
+subject only ever replaces what that same subject held: an alias (or an alias's tombstone) never hides,
+replaces or deletes the canonical object, whatever the revisions.
+
 It also notices tombstones that carry the nuid of a live object under another name (earlier versions of
 natsfs renamed by writing such a tombstone under the old name). Other clients purge the nuid they find
 under a deleted name, so these are dangerous: they are collected in `shared_tombstones` for the layer
@@ -69,9 +77,13 @@ class BucketIndex:
         self.tombstones: dict[str, int] = {}
         # Names dropped because their meta subject was purged -> the revision they had.
         self.purged: dict[str, int] = {}
-        # Meta subjects whose last message could not be used (malformed), and live objects whose meta
-        # subject is not the canonical one for their name (unpadded base64 written by old clients).
+        # Meta subjects whose last message could not be used (malformed).
         self.malformed: set[str] = set()
+        # Aliases (metas, tombstones included, on a subject that is not their name's canonical one):
+        # name -> {subject: its last meta}, and subject -> name. `odd_subjects`: names shown from an
+        # alias (the canonical subject holds nothing) -> that alias's subject.
+        self.aliases: dict[str, dict[str, ObjectInfo]] = {}
+        self._alias_name: dict[str, str] = {}
         self.odd_subjects: dict[str, str] = {}
         # Highest stream sequence applied, and when (monotonic); read by the watcher.
         self.last_revision = 0
@@ -123,8 +135,17 @@ class BucketIndex:
         return tuple(n for n in held if n != name)
 
     def meta_subject_count(self) -> int:
-        """How many meta subjects the index accounts for: live objects, tombstones, unusable metas."""
-        return len(self.objects) + len(self.tombstones) + len(self.malformed)
+        """How many meta subjects the index accounts for: live objects, tombstones, unusable metas, aliases."""
+        return (len(self.objects) - len(self.odd_subjects) + len(self.tombstones) + len(self.malformed)
+                + len(self._alias_name))
+
+    def alias_subjects(self) -> dict[str, str]:
+        """Every alias subject -> the name its meta carries."""
+        return self._alias_name
+
+    def alias_at(self, subject: str) -> ObjectInfo | None:
+        name = self._alias_name.get(subject)
+        return self.aliases[name][subject] if name is not None else None
 
     # ------------------------------------------------------------------ updates
     def apply(self, info: ObjectInfo) -> bool:
@@ -133,7 +154,8 @@ class BucketIndex:
         if info.revision > self.last_revision:
             self.last_revision = info.revision
         old = self.objects.get(name)
-        if old is not None:
+        from_alias = old is not None and name in self.odd_subjects
+        if old is not None and not from_alias:
             if info.revision <= old.revision:
                 return False
         elif self.tombstones or self.purged:
@@ -146,6 +168,8 @@ class BucketIndex:
         if old is not None:
             self._unplace(old)
             self._unmap_nuid(old)
+        if from_alias:
+            del self.odd_subjects[name]  # the canonical subject holds the name now: it wins
         if info.deleted:
             self.tombstones[name] = info.revision
             self._note_tombstone(name, info)
@@ -157,13 +181,72 @@ class BucketIndex:
         if self.tombstones:
             self.tombstones.pop(name, None)
             self._drop_tomb_nuid(name)
-        self.objects[name] = info
+        self._show(info)
+        return True
+
+    def _show(self, info: ObjectInfo) -> None:
+        self.objects[info.name] = info
         self._map_nuid(info)
         self._place(info)
         if info.nuid and info.nuid in self._tomb_by_nuid:
             tomb = self._tomb_by_nuid[info.nuid]
-            if tomb != name and tomb in self.tombstones and self._tomb_nuid.get(tomb) == info.nuid:
+            if tomb != info.name and tomb in self.tombstones and self._tomb_nuid.get(tomb) == info.nuid:
                 self.shared_tombstones[tomb] = (self.tombstones[tomb], info.nuid)
+
+    # ------------------------------------------------------------------ aliases
+    def apply_alias(self, subject: str, info: ObjectInfo) -> bool:
+        """Take one meta found on `subject`, which is not the canonical subject of its name; True when
+        what is shown changed."""
+        if info.revision > self.last_revision:
+            self.last_revision = info.revision
+        changed = False
+        before = self._alias_name.get(subject)
+        if before is not None:
+            if info.revision <= self.aliases[before][subject].revision:
+                return False
+            if before != info.name:
+                changed = self.drop_alias(subject)
+        self.aliases.setdefault(info.name, {})[subject] = info
+        self._alias_name[subject] = info.name
+        return self._settle_alias(info.name) or changed
+
+    def drop_alias(self, subject: str) -> bool:
+        """The alias on `subject` is gone (purged, or replaced by an unusable meta)."""
+        name = self._alias_name.pop(subject, None)
+        if name is None:
+            return False
+        held = self.aliases[name]
+        del held[subject]
+        if not held:
+            del self.aliases[name]
+        return self._settle_alias(name)
+
+    def _canonical_holds(self, name: str) -> bool:
+        return (name in self.objects and name not in self.odd_subjects) or name in self.tombstones
+
+    def _settle_alias(self, name: str) -> bool:
+        """Show the newest live alias of `name` while its canonical subject holds nothing; True if changed."""
+        if self._canonical_holds(name):
+            return False
+        best: tuple[str, ObjectInfo] | None = None
+        for subject, info in self.aliases.get(name, {}).items():
+            if not info.deleted and (best is None or info.revision > best[1].revision):
+                best = (subject, info)
+        shown = self.objects.get(name)
+        if best is not None and shown is best[1]:
+            return False
+        if shown is None and best is None:
+            return False
+        if shown is not None:
+            del self.objects[name]
+            self.odd_subjects.pop(name, None)
+            self._unmap_nuid(shown)
+            self._unplace(shown)
+        if best is None:
+            self._retry_hidden()
+            return True
+        self.odd_subjects[name] = best[0]
+        self._show(best[1])
         return True
 
     def _note_tombstone(self, name: str, info: ObjectInfo) -> None:
@@ -186,28 +269,31 @@ class BucketIndex:
         if self.tombstones.get(name) == revision:
             del self.tombstones[name]
             self._drop_tomb_nuid(name)
+            self._settle_alias(name)
         self.shared_tombstones.pop(name, None)
 
     def remove(self, name: str) -> bool:
-        """Drop `name` (its meta subject was purged, e.g. renamed away by another client)."""
+        """Drop `name` (the meta subject it is shown from was purged, e.g. renamed away by another client)."""
+        if name in self.odd_subjects:
+            return self.drop_alias(self.odd_subjects[name])
         self.tombstones.pop(name, None)
         self._drop_tomb_nuid(name)
-        self.odd_subjects.pop(name, None)
         old = self.objects.pop(name, None)
         if old is None:
-            return False
+            return self._settle_alias(name)
         self.purged[name] = old.revision
         if len(self.purged) > _PURGED_KEPT:
             del self.purged[next(iter(self.purged))]  # the oldest: long overtaken by the watch
         self._unmap_nuid(old)
         self._unplace(old)
         self._retry_hidden()
+        self._settle_alias(name)
         return True
 
     def forget(self, name: str, revision: int) -> bool:
         """A deletion (tombstone) of `name` at `revision` known without its meta; True if it was shown."""
         held = self.objects.get(name)
-        if held is not None and held.revision >= revision:
+        if held is not None and name not in self.odd_subjects and held.revision >= revision:
             return False
         self.tombstones[name] = max(revision, self.tombstones.get(name, 0))
         if held is None:
@@ -238,6 +324,8 @@ class BucketIndex:
         self.shared_tombstones.clear()
         self.purged.clear()
         self.malformed.clear()
+        self.aliases.clear()
+        self._alias_name.clear()
         self.odd_subjects.clear()
 
     # ------------------------------------------------------------------ nuids

@@ -12,6 +12,7 @@ carry a live object's nuid (`purge_shared_tombstones`), once the server answers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -95,6 +96,7 @@ class Mutations:
         # Called with (bucket, object info) after this mount changed an object itself.
         self.journal = staging.spool.journal
         store.put_log = self.journal
+        store.nuid_users = self._nuid_users
 
     # ------------------------------------------------------------------ guards
     async def check_writable(self, bucket: str) -> None:
@@ -129,6 +131,42 @@ class Mutations:
             return
         for info in infos:
             index.apply(info)
+
+    def _nuid_users(self, bucket: str, nuid: str, name: str) -> tuple[str, ...]:
+        """Live names other than `name` whose meta holds `nuid` (as far as the bucket's index knows)."""
+        index = self.ns.loaded_index(bucket)
+        if index is None or not nuid:
+            return ()
+        return index.other_names_with_nuid(nuid, name)
+
+    async def _on_canonical(self, bucket: str, info: ObjectInfo) -> ObjectInfo:
+        """`info` as stored at its name's canonical meta subject. An object shown from an alias subject
+        (unpadded base64 of an old client: see `natsfs.index`) is first moved there, as nats.go would
+        address it, and the alias subject purged (`ObjectStore.adopt_alias`); every change then goes
+        to the canonical subject like any other."""
+        index = self.ns.loaded_index(bucket)
+        subject = index.odd_subjects.get(info.name) if index is not None else None
+        if index is None or subject is None:
+            return info
+        held = index.objects.get(info.name)
+        if held is None or held.revision != info.revision:
+            raise Conflict(f"{bucket}/{info.name} changed since it was read")
+        mtime_ns = info.mtime_ns
+
+        def keep_mtime(doc: dict[str, Any]) -> None:
+            # The meta's new message would otherwise give the file a new mtime.
+            doc["metadata"] = dict(doc.get("metadata") or {}) | {ATTR_MTIME: str(mtime_ns)}
+
+        keep = None if info.link is not None or info.name.endswith("/") else keep_mtime
+        try:
+            moved = await self.store.adopt_alias(bucket, info.name, subject, info.revision, keep)
+        except Conflict:
+            raise Conflict(f"{bucket}/{info.name} changed since it was read") from None
+        log.info("bucket %s: %r moved from %s to its canonical meta subject before a change", bucket, info.name,
+                 subject)
+        index.apply(moved)
+        index.drop_alias(subject)
+        return moved
 
     def _shared_nuid(self, index: BucketIndex | None, info: ObjectInfo) -> bool:
         """Does another live name use the same nuid (a rename interrupted between its steps)?"""
@@ -372,6 +410,13 @@ class Mutations:
             already = await self._stored_by_earlier_run(sf)
             if already is not None:
                 return already, len(sf.xattr_changes)
+        if sf.base is not None:
+            # The index must be loaded (a write-back upload replayed at start may come first): it says
+            # whether other live names still use the replaced version's chunks (`_nuid_users`).
+            with contextlib.suppress(NatsFSError):
+                await self.ns.index(sf.bucket)
+            if sf.base.revision == sf.base_revision:
+                sf.rebase(await self._on_canonical(sf.bucket, sf.base))
         base_doc = None
         expected, old_nuid = sf.base_revision, sf.base.nuid if sf.base is not None else ""
         replace_tombstone = sf.base is None
@@ -452,7 +497,7 @@ class Mutations:
         nuid with another live name gets no tombstone (see `ObjectStore.delete`)."""
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
-        current = info
+        current = await self._on_canonical(bucket, info)
         for attempt in range(2):
             shared = self._shared_nuid(index, current)
             try:
@@ -481,6 +526,7 @@ class Mutations:
     async def set_attrs(self, bucket: str, info: ObjectInfo, attrs: PosixAttrs, defaults: PosixAttrs) -> ObjectInfo:
         """Store POSIX attributes in the meta (same nuid, no data moved)."""
         await self.check_writable(bucket)
+        info = await self._on_canonical(bucket, info)
         new = await self.store.update_meta(bucket, info.name, lambda doc: set_posix_attrs(doc, attrs, defaults),
                                            expected_revision=info.revision)
         self._apply(bucket, new)
@@ -490,6 +536,7 @@ class Mutations:
         """Rewrite an object's meta (xattrs): same nuid, every other field kept, refused when the
         result would be larger than --max-meta-bytes (nothing is stored then)."""
         await self.check_writable(bucket)
+        info = await self._on_canonical(bucket, info)
         limit = self.config.max_meta_bytes
 
         def bounded(doc: dict[str, Any]) -> None:
@@ -588,6 +635,9 @@ class Mutations:
         """
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
+        info = await self._on_canonical(bucket, info)
+        if target is not None:
+            target = await self._on_canonical(bucket, target)
         mtime_ns = info.mtime_ns
 
         def keep_mtime(doc: dict[str, Any]) -> None:

@@ -188,25 +188,31 @@ class BucketWatcher:
         name = info.name
         if index.malformed:
             index.malformed.discard(m.subject)
-        if m.subject and not info.deleted and m.subject != meta_subject(self.bucket, name):
-            index.odd_subjects[name] = m.subject
-        elif index.odd_subjects:
-            index.odd_subjects.pop(name, None)
         if info.nuid and not info.deleted:
             for other in index.other_names_with_nuid(info.nuid, name):
                 self._suspect(other)
         if info.chunk_size:
             # One int object for the few chunk sizes in use, not one per object.
             info.chunk_size = self._ints.setdefault(info.chunk_size, info.chunk_size)
+        if m.subject and m.subject != meta_subject(self.bucket, name):
+            # Not the subject nats.go reads this name from: an alias, shown only while the canonical
+            # subject holds nothing, and never replacing or deleting what it holds (`BucketIndex`).
+            if m.subject not in index.alias_subjects():
+                log.info("bucket %s: meta %s (seq %d) names %r, whose subject is %s: shown only while that "
+                         "subject holds nothing", self.bucket, m.subject, m.seq, name,
+                         meta_subject(self.bucket, name))
+            index.apply_alias(m.subject, info)
+            return
         index.apply(info)
 
     def _malformed(self, index: BucketIndex, m: StoredMsg) -> None:
         """An unusable meta replaced whatever its subject held: that object is not there any more."""
         index.malformed.add(m.subject)
-        name = decode_token(m.subject.rsplit(".", 1)[-1]) if m.subject else None
-        if name is None:
+        if m.subject in index.alias_subjects():
+            index.drop_alias(m.subject)
             return
-        if index.odd_subjects.get(name, meta_subject(self.bucket, name)) != m.subject:
+        name = decode_token(m.subject.rsplit(".", 1)[-1]) if m.subject else None
+        if name is None or meta_subject(self.bucket, name) != m.subject:
             return
         held = index.objects.get(name)
         if held is not None and held.revision < m.seq:
@@ -234,7 +240,11 @@ class BucketWatcher:
             newest = new.last_revision
             for info in old.objects.values():
                 if info.revision > newest:
-                    new.apply(info)
+                    odd = old.odd_subjects.get(info.name)
+                    if odd is not None:
+                        new.apply_alias(odd, info)
+                    else:
+                        new.apply(info)
             for name, rev in old.tombstones.items():
                 if rev > newest:
                     new.forget(name, rev)
@@ -385,13 +395,27 @@ class BucketWatcher:
                 self.stats["purged"] += 1
                 log.info("bucket %s: the meta of %r was purged by another client", self.bucket, name)
         for name in [n for n in index.tombstones if meta_subject(self.bucket, n) not in listed]:
-            del index.tombstones[name]
+            index.drop_tombstone(name, index.tombstones[name])
+        # Aliases not shown (a shown one is among `ours`) whose subject holds nothing any more.
+        for subject in [s for s in index.alias_subjects() if s not in listed and s not in ours]:
+            alias = index.alias_at(subject)
+            if alias is None:
+                continue
+            if not (one_snapshot and alias.revision <= listed_seq):
+                try:
+                    if await self.store.streams.last_msg(self.stream, subject) is not None:
+                        continue
+                except NatsFSError:
+                    continue
+            if self.index is index:
+                index.drop_alias(subject)
         index.malformed.intersection_update(listed)
         # Subjects the index does not account for: the watch is behind, or missed them. Those still
         # unknown at the next quiet check are fetched by hand.
         known = set(ours)
         known.update(meta_subject(self.bucket, n) for n in index.tombstones)
         known.update(index.malformed)
+        known.update(index.alias_subjects())
         unknown = {s for s in listed if s not in known}
         stale: list[str] = []
         if unknown and quiet:

@@ -324,3 +324,56 @@ def test_changed_paths_between_two_trees():
     assert sorted(changed_paths(old.root, new.root)) == [
         ("fresh",), ("gone",), ("keep", "changed"), ("kind",), ("m",)]
     assert changed_paths(old.root, old.root) == []
+
+
+# ---------------------------------------------------------------- aliases (non-canonical meta subjects)
+ALIAS = "$O.b.M.ZG9jLnR4dA"  # unpadded base64 of "doc.txt"
+ALIAS2 = "$O.b.M.not-base64!"
+
+
+def test_the_canonical_meta_wins_over_an_alias_whatever_their_order_or_revisions():
+    for order in ("canonical first", "alias first"):
+        idx = BucketIndex("b")
+        canonical, alias = obj("doc.txt", rev=5), obj("doc.txt", rev=9)
+        if order == "canonical first":
+            idx.apply(canonical)
+            idx.apply_alias(ALIAS, alias)
+        else:
+            idx.apply_alias(ALIAS, obj("doc.txt", rev=3))
+            assert idx.objects["doc.txt"].revision == 3 and idx.odd_subjects == {"doc.txt": ALIAS}
+            idx.apply(canonical)
+            idx.apply_alias(ALIAS, alias)
+        assert idx.objects["doc.txt"] is canonical and idx.odd_subjects == {}
+        assert idx.meta_subject_count() == 2  # both subjects accounted for
+
+
+def test_an_alias_tombstone_deletes_only_its_own_alias():
+    idx = BucketIndex("b")
+    live = obj("doc.txt", rev=1, nuid="keep")
+    idx.apply(obj("keep.txt", rev=2, nuid="keep"))
+    idx.apply(live)
+    idx.apply_alias(ALIAS, obj("doc.txt", rev=7, deleted=True, nuid="keep"))
+    assert idx.objects["doc.txt"] is live and not idx.shared_tombstones and not idx.tombstones
+    # An object shown from one alias, deleted there, falls back to another alias, then to nothing.
+    idx2 = BucketIndex("b")
+    idx2.apply_alias(ALIAS, a1 := obj("doc.txt", rev=1))
+    idx2.apply_alias(ALIAS2, a2 := obj("doc.txt", rev=2))
+    assert idx2.objects["doc.txt"] is a2 and idx2.odd_subjects == {"doc.txt": ALIAS2}
+    idx2.apply_alias(ALIAS2, obj("doc.txt", rev=3, deleted=True))
+    assert idx2.objects["doc.txt"] is a1 and idx2.odd_subjects == {"doc.txt": ALIAS}
+    idx2.drop_alias(ALIAS)
+    assert "doc.txt" not in idx2.objects and idx2.get(("doc.txt",)) is None
+    assert idx2.meta_subject_count() == 1  # the alias tombstone's subject
+
+
+def test_an_alias_shows_once_the_canonical_subject_holds_nothing():
+    idx = BucketIndex("b")
+    alias = obj("doc.txt", rev=1)
+    idx.apply_alias(ALIAS, alias)
+    idx.apply(obj("doc.txt", rev=2))
+    assert idx.remove("doc.txt")  # the canonical meta purged (renamed away)
+    assert idx.objects["doc.txt"] is alias and idx.odd_subjects == {"doc.txt": ALIAS}
+    idx.apply(obj("doc.txt", rev=3, deleted=True))  # a canonical tombstone hides it (nats.go: not found)
+    assert "doc.txt" not in idx.objects and idx.odd_subjects == {}
+    idx.drop_tombstone("doc.txt", 3)
+    assert idx.objects["doc.txt"] is alias

@@ -1,0 +1,273 @@
+"""Metas other clients write that this mount must not let destroy good objects: several live names on
+one nuid, and metas under a subject that is not their name's canonical one (unpadded base64 of old
+clients, or a token that is not base64 of UTF-8)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pyfuse3
+import pytest
+from gowriters import put_object
+from opskit import Env, errno_of
+
+from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
+from natsfs.memstreams import MemoryStreams
+from natsfs.streams import ROLLUP
+
+OLD = b"shared bytes\n" * 20_000  # 260,000 bytes: 2 chunks
+
+
+class Ctx:
+    uid = 1000
+    gid = 1000
+    pid = 1
+    umask = 0o022
+
+
+class Fields:
+    """Stands in for pyfuse3.SetattrFields, whose attributes only the kernel side can set."""
+
+    def __init__(self, **set_: bool):
+        for name in ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid", "update_gid",
+                     "update_size"):
+            setattr(self, name, set_.get(name, False))
+
+
+async def err(coro: Any) -> int:
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await coro
+    return errno_of(e.value)
+
+
+async def stored(env: Env, name: str) -> bytes:
+    """The object as nats.go reads it: the canonical meta subject, then every chunk of its nuid."""
+    info = await env.store.get_info("b", name)
+    assert info is not None and not info.deleted
+    data = b"".join(m.data for m in await env.store.fetch_chunks("b", info.nuid, 1, 10_000, 1 << 30))
+    assert digest_of(data) == info.digest and len(data) == info.size
+    return data
+
+
+async def doc_of(ms: MemoryStreams, name: str) -> dict[str, Any]:
+    return json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", name))).data)
+
+
+# ---------------------------------------------------------------- names sharing one nuid
+async def three_names_one_nuid(ms: MemoryStreams, store: ObjectStore) -> None:
+    """A, B and C on one nuid: what a rename cut short (or another client's copy) leaves."""
+    await store.create_bucket("b")
+    await store.update_bucket("b", lambda config: config.update(allow_atomic=False))
+    await put_object(ms, "b", "A", OLD)
+    doc = await doc_of(ms, "A")
+    for other in ("B", "C"):
+        await ms.publish(meta_subject("b", other), meta_json(dict(doc, name=other)), {ROLLUP: "sub"})
+
+
+@pytest.mark.parametrize("how", ["overwrite", "truncate"])
+def test_replacing_one_of_several_names_on_a_nuid_keeps_the_chunks_the_others_use(ops_env, how):
+    async def body(env: Env):
+        nuid = (await env.store.get_info("b", "A")).nuid
+        f = await env.lookup("b/A")
+        if how == "overwrite":
+            fi = await env.ops.open(f.st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+            await env.ops.write(fi.fh, 0, b"new A\n")
+            await env.ops.flush(fi.fh)
+            await env.ops.release(fi.fh)
+        else:
+            attr = pyfuse3.EntryAttributes()
+            attr.st_size = 0
+            await env.ops.setattr(f.st_ino, attr, Fields(update_size=True), None, Ctx())
+        await env.settle()
+        await env.fs.mut.settle_puts()
+        new_a = b"new A\n" if how == "overwrite" else b""
+        assert await stored(env, "A") == new_a
+        assert (await env.store.get_info("b", "A")).nuid != nuid
+        # B and C still have every byte, for this mount and for every other client.
+        assert env.streams.subjects(stream_name("b")).get(chunk_subject("b", nuid)) == 2
+        for other in ("B", "C"):
+            assert await stored(env, other) == OLD
+            assert await env.cat(f"b/{other}") == OLD
+        assert await env.cat("b/A") == new_a
+
+    ops_env(body, setup=three_names_one_nuid)
+
+
+def test_replacing_the_last_name_on_a_nuid_still_purges_its_chunks(ops_env):
+    async def body(env: Env):
+        nuid = (await env.store.get_info("b", "A")).nuid
+        b = (await env.lookup("b")).st_ino
+        await env.ops.unlink(b, b"B", Ctx())
+        await env.ops.unlink(b, b"C", Ctx())
+        f = await env.lookup("b/A")
+        fi = await env.ops.open(f.st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        await env.ops.write(fi.fh, 0, b"new A\n")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        assert await stored(env, "A") == b"new A\n"
+        assert env.streams.subjects(stream_name("b")).get(chunk_subject("b", nuid)) is None
+
+    ops_env(body, setup=three_names_one_nuid)
+
+
+# ---------------------------------------------------------------- metas under a non-canonical subject
+UNPADDED = "unpadded"
+NOT_BASE64 = "not-base64"
+
+
+def alias_subject(name: str, kind: str) -> str:
+    if kind == UNPADDED:
+        subject = meta_subject("b", name)
+        assert subject.endswith("=")  # (the names used here have padding to strip)
+        return subject.rstrip("=")
+    return "$O.b.M.not-base64!"
+
+
+async def put_alias(ms: MemoryStreams, name: str, data: bytes, kind: str, **fields: Any) -> dict[str, Any]:
+    """What another client writes: an object whose meta sits under a subject nats.go never reads for it."""
+    info = await put_object(ms, "b", "scratch", data)
+    doc = await doc_of(ms, "scratch")
+    await ms.purge_subject(stream_name("b"), meta_subject("b", "scratch"))
+    doc = dict(doc, name=name, **fields)
+    await ms.publish(alias_subject(name, kind), meta_json(doc), {ROLLUP: "sub"})
+    assert info.nuid
+    return doc
+
+
+def watcher(env: Env):
+    return env.ns._buckets["b"]
+
+
+async def reconcile_quietly(env: Env, times: int = 3) -> None:
+    """Reconcile as the mount does every few seconds once the watch is quiet: nothing to fix, nothing fetched."""
+    w = watcher(env)
+    before = dict(w.stats)
+    for _ in range(times):
+        w._last_activity = -1e9  # quiet: every subject the index does not account for would be fetched
+        assert await w.reconcile() == 0
+    assert (w.stats["fetched"], w.stats["purged"]) == (before["fetched"], before["purged"])
+
+
+@pytest.mark.parametrize("kind", [UNPADDED, NOT_BASE64])
+def test_an_alias_of_a_name_never_overrides_its_canonical_meta(ops_env, kind, caplog):
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        await put_object(ms, "b", "doc.txt", b"GOOD\n")
+        await put_alias(ms, "doc.txt", b"EVIL\n", kind)  # newer than the canonical meta
+
+    async def body(env: Env):
+        assert await env.cat("b/doc.txt") == b"GOOD\n"  # what nats.go and nats-py read
+        f = await env.lookup("b/doc.txt")
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode = 0o100600
+        await env.ops.setattr(f.st_ino, attr, Fields(update_mode=True), None, Ctx())
+        fi = await env.ops.open(f.st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        await env.ops.write(fi.fh, 0, b"BETTER\n")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        await env.settle()
+        assert await stored(env, "doc.txt") == b"BETTER\n"
+        assert await env.cat("b/doc.txt") == b"BETTER\n"
+        assert (await env.lookup("b/doc.txt")).st_mode & 0o777 == 0o600
+        caplog.clear()
+        await reconcile_quietly(env)
+        assert await env.cat("b/doc.txt") == b"BETTER\n"
+        assert not [r for r in caplog.records if r.levelno >= 30]  # no line repeated at every check
+
+    ops_env(body, setup=setup)
+
+
+def test_an_alias_is_shown_only_while_the_canonical_subject_holds_nothing(ops_env):
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        await put_alias(ms, "old.txt", b"old client\n", UNPADDED)
+
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        assert await env.cat("b/old.txt") == b"old client\n"
+        await put_object(env.streams, "b", "old.txt", b"nats.go\n")
+        await env.settle()
+        assert await env.cat("b/old.txt") == b"nats.go\n"
+        assert (await env.listdir(b)).names == ["old.txt"]
+        # The canonical meta is purged behind the watch's back (a raw purge): the alias shows again.
+        await env.streams.purge_subject(stream_name("b"), meta_subject("b", "old.txt"))
+        watcher(env)._last_activity = -1e9
+        assert await watcher(env).reconcile() == 1
+        assert await env.cat("b/old.txt") == b"old client\n"
+        await reconcile_quietly(env)
+
+    ops_env(body, setup=setup)
+
+
+def test_a_tombstone_under_an_alias_subject_neither_hides_nor_purges_the_live_object(ops_env, caplog):
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        keep = await put_object(ms, "b", "keep.txt", b"keep\n")
+        await put_object(ms, "b", "victim.txt", b"precious data\n")
+        tomb = {"name": "victim.txt", "bucket": "b", "nuid": keep.nuid, "size": 0, "chunks": 0,
+                "mtime": "0001-01-01T00:00:00Z", "deleted": True}
+        await ms.publish(alias_subject("victim.txt", UNPADDED), meta_json(tomb), {ROLLUP: "sub"})
+
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        assert (await env.listdir(b)).names == ["keep.txt", "victim.txt"]
+        assert await env.cat("b/victim.txt") == b"precious data\n"
+        caplog.clear()
+        for _ in range(2):
+            await env.fs.mut.purge_shared_tombstones()
+            await reconcile_quietly(env)
+        assert await stored(env, "victim.txt") == b"precious data\n"
+        assert await stored(env, "keep.txt") == b"keep\n"
+        assert not [r for r in caplog.records if r.levelno >= 30]
+
+    ops_env(body, setup=setup)
+
+
+F3_NAMES = ["chmod-me.tx", "rm-me.tx", "mv-me.tx", "write-me.tx", "xattr-me.tx"]
+
+
+def test_an_object_only_under_an_alias_subject_can_be_changed_and_moves_to_its_canonical_subject(ops_env):
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        for name in F3_NAMES:
+            await put_alias(ms, name, b"old client bytes\n", UNPADDED)
+
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        assert (await env.listdir(b)).names == sorted(F3_NAMES)
+        moved_mtime = (await env.lookup("b/mv-me.tx")).st_mtime_ns
+        rm_nuid = (await env.ns.index("b")).objects["rm-me.tx"].nuid
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode = 0o100600
+        await env.ops.setattr((await env.lookup("b/chmod-me.tx")).st_ino, attr, Fields(update_mode=True), None,
+                              Ctx())
+        await env.ops.unlink(b, b"rm-me.tx", Ctx())
+        await env.ops.rename(b, b"mv-me.tx", b, b"moved.txt", 0, Ctx())
+        fi = await env.ops.open((await env.lookup("b/write-me.tx")).st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        await env.ops.write(fi.fh, 0, b"new bytes\n")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        await env.ops.setxattr((await env.lookup("b/xattr-me.tx")).st_ino, b"user.k", b"v", Ctx())
+        await env.settle()
+
+        assert (await env.listdir(b)).names == ["chmod-me.tx", "moved.txt", "write-me.tx", "xattr-me.tx"]
+        # What nats.go sees: every surviving object at its canonical subject, no alias subject left.
+        subjects = env.streams.subjects(stream_name("b"))
+        for name in F3_NAMES:
+            assert alias_subject(name, UNPADDED) not in subjects
+        assert await stored(env, "chmod-me.tx") == b"old client bytes\n"
+        chmodded = await env.lookup("b/chmod-me.tx")
+        assert chmodded.st_mode & 0o777 == 0o600
+        assert await stored(env, "moved.txt") == b"old client bytes\n"
+        assert (await env.lookup("b/moved.txt")).st_mtime_ns == moved_mtime  # rename(2) keeps the mtime
+        assert await stored(env, "write-me.tx") == b"new bytes\n"
+        assert (await doc_of(env.streams, "xattr-me.tx"))["metadata"]["k"] == "v"
+        info = await env.store.get_info("b", "rm-me.tx")
+        assert info is None or info.deleted
+        assert chunk_subject("b", rm_nuid) not in subjects
+        assert not (env.fs.staging.spool.lost_found / "b").exists()  # no bytes went to lost+found
+        await reconcile_quietly(env)
+
+    ops_env(body, setup=setup)
