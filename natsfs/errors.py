@@ -71,6 +71,15 @@ class NoSpace(NatsFSError):
     log_level = logging.WARNING
 
 
+class NotKept(NatsFSError):
+    """The bytes of an upload that could not be stored could not be written to lost+found either (a
+    full or failing local disk): they stay staged (`WriteState.UNKEPT`) and keeping them is retried.
+    ENOSPC unless the disk said otherwise."""
+
+    errno = _errno.ENOSPC
+    log_level = logging.ERROR
+
+
 class Stale(NatsFSError):
     """The version a handle was reading has been replaced and its chunks purged."""
 

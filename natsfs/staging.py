@@ -15,11 +15,16 @@ Design note: the write state machine. A staged file is always in exactly one `Wr
     UNCHANGED/DIRTY/UPLOADING/STORED --unlink or replaced while open--> UNLINKED
     DIRTY/UPLOADING --not storable (conflict, unmount, last close)--> KEPT (lost+found)
     UNLINKED --its upload refused as a conflict--> KEPT;  UNCHANGED/STORED/UNLINKED --last close--> DISCARDED
+    DIRTY/UPLOADING/UNLINKED --to be kept, but lost+found cannot be written (a full disk)--> UNKEPT
+    UNKEPT --kept at a retry--> KEPT
 
 The questions the filesystem asks are properties of the state: `unstored` (DIRTY or UPLOADING: a close
 must store it, and a second close waits for the first), `shadows_index` (lookups show the staged file),
 `shown`, `ended`, `serves_reads`, `never_stored`. DIRTY never goes straight to DISCARDED: unstored bytes
-are stored or kept, never dropped. Copy-on-write progress (`copied`) and a streaming upload (the session
+are stored or kept, never dropped. UNKEPT is not an end: its bytes stay where they were (the spool or
+memory file, still charged to the budgets; in write-back mode also the journal record) until a retry
+of `keep` writes them to lost+found; lost+found never holds a partial copy (written under a temporary
+name, renamed once complete). Copy-on-write progress (`copied`) and a streaming upload (the session
 and the offset claimed so far, a part of DIRTY: `may_stream`, `claim_stream`, `break_stream`) are the
 other facts a resumed upload needs. The write-back journal (`natsfs.journal`) persists exactly this
 (`journal_entry`): the spool file's id, bucket, name, base version and revision, the state's value (a
@@ -51,7 +56,7 @@ import trio
 
 from . import xattrs
 from .adr20 import ObjectInfo, PosixAttrs, PutSession
-from .errors import NatsFSError, NoSpace
+from .errors import NatsFSError, NoSpace, NotKept
 from .names import escape
 from .secrecy import private_dir
 
@@ -289,9 +294,16 @@ class Spool:
         return dest
 
     def keep_data(self, data: bytes, bucket: str, name: str) -> Path:
-        """`keep` of bytes held in memory (a staged file moved to memory)."""
+        """`keep` of bytes held in memory (a staged file moved to memory). Written under a temporary
+        name and renamed once complete: a full disk leaves no partial copy that looks kept (`OSError`)."""
         dest = self._lost_path(bucket, name)
-        restore_file(dest, data)
+        partial = dest.with_name(f".{dest.name}.partial")
+        try:
+            restore_file(partial, data)
+            os.replace(partial, dest)
+        except OSError:
+            partial.unlink(missing_ok=True)
+            raise
         return dest
 
 
@@ -338,15 +350,20 @@ class WriteState(enum.StrEnum):
     UNLINKED = "unlinked"  # deleted or replaced while open: its handles still read and write, nothing is stored
     DISCARDED = "discarded"  # the spool file is gone (end)
     KEPT = "kept"  # the bytes were moved to lost+found, never stored (end)
+    UNKEPT = "unkept"  # to be kept, but lost+found could not be written: the bytes stay staged, keeping is retried
 
 
 _NEXT: dict[WriteState, frozenset[WriteState]] = {
     WriteState.UNCHANGED: frozenset({WriteState.DIRTY, WriteState.UNLINKED, WriteState.DISCARDED}),
     # Never DIRTY -> DISCARDED: unstored bytes are stored or kept in lost+found, never dropped.
-    WriteState.DIRTY: frozenset({WriteState.DIRTY, WriteState.UPLOADING, WriteState.UNLINKED, WriteState.KEPT}),
-    WriteState.UPLOADING: frozenset({WriteState.STORED, WriteState.DIRTY, WriteState.UNLINKED, WriteState.KEPT}),
+    WriteState.DIRTY: frozenset({WriteState.DIRTY, WriteState.UPLOADING, WriteState.UNLINKED, WriteState.KEPT,
+                                 WriteState.UNKEPT}),
+    WriteState.UPLOADING: frozenset({WriteState.STORED, WriteState.DIRTY, WriteState.UNLINKED, WriteState.KEPT,
+                                     WriteState.UNKEPT}),
     WriteState.STORED: frozenset({WriteState.DIRTY, WriteState.UNLINKED, WriteState.DISCARDED}),
-    WriteState.UNLINKED: frozenset({WriteState.UNLINKED, WriteState.DISCARDED, WriteState.KEPT}),
+    WriteState.UNLINKED: frozenset({WriteState.UNLINKED, WriteState.DISCARDED, WriteState.KEPT, WriteState.UNKEPT}),
+    # Never UNKEPT -> DISCARDED either: bytes waiting for lost+found are kept or left for the next mount.
+    WriteState.UNKEPT: frozenset({WriteState.UNKEPT, WriteState.KEPT}),
     WriteState.DISCARDED: frozenset(),
     WriteState.KEPT: frozenset(),
 }
@@ -563,6 +580,11 @@ class StagedFile:
         return self.state is WriteState.UNLINKED
 
     @property
+    def unkept(self) -> bool:
+        """Its bytes belong in lost+found but could not be written there yet (see `keep`)."""
+        return self.state is WriteState.UNKEPT
+
+    @property
     def never_stored(self) -> bool:
         """No object exists for it yet (its xattrs live here until the first upload)."""
         return not self.ended and self.base is None
@@ -756,23 +778,34 @@ class StagedFile:
             self._leave_memory()
 
     def keep(self) -> Path:
-        """Move the staged bytes to lost+found (an upload that could not be stored) and return where."""
-        if self.in_memory:
-            data = self.read_all()
-            self._to(WriteState.KEPT)
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.spool.charge(self.size, 0)
-            self._leave_memory()
-            kept = self.spool.keep_data(data, self.bucket, self.name)
-            self.spool_path.unlink(missing_ok=True)
-            return kept
+        """Move the staged bytes to lost+found (an upload that could not be stored) and return where.
+
+        If lost+found cannot be written (a full local disk: a copy of bytes held in memory needs space,
+        a new lost+found directory may too), it is UNKEPT and `NotKept` is raised: the bytes stay where
+        they are, still charged to the spool and memory budgets, and a later call tries again."""
+        if WriteState.KEPT not in _NEXT[self.state]:
+            raise IllegalTransition(f"{self.bucket}/{self.name}: {self.state} -> {WriteState.KEPT}")
+        try:
+            if self.in_memory:
+                kept = self.spool.keep_data(self.read_all(), self.bucket, self.name)
+            else:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, self.size)
+                kept = self.spool.keep(self.spool_path, self.bucket, self.name)
+        except OSError as e:
+            self._to(WriteState.UNKEPT)
+            where = "in memory" if self.in_memory else f"in {self.spool_path}"
+            raise NotKept(f"{self.bucket}/{self.name}: its bytes ({self.size}) could not be written to "
+                          f"{self.spool.lost_found} ({e.strerror or e}); they stay {where}",
+                          errno=e.errno or errno.EIO) from None
         self._to(WriteState.KEPT)
         with contextlib.suppress(OSError):
-            os.ftruncate(self.fd, self.size)
             os.close(self.fd)
         self.spool.charge(self.size, 0)
-        return self.spool.keep(self.spool_path, self.bucket, self.name)
+        if self.in_memory:
+            self._leave_memory()
+            self.spool_path.unlink(missing_ok=True)  # (a spool file not dropped yet)
+        return kept
 
 
 class Staging:

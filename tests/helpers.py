@@ -265,3 +265,39 @@ def wait_for(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 
             return True
         time.sleep(interval)
     return pred()
+
+
+def full_local_disk(monkeypatch: Any) -> Callable[[], None]:
+    """Make lost+found unwritable as on a full local disk (ENOSPC), until the returned function frees it:
+    a copy of bytes held in memory gets its first page written and then fails (what a full tmpfs does),
+    and a new lost+found directory cannot be made (a full ext4), so a spool file cannot be moved there."""
+    import errno as errno_
+
+    from natsfs import staging
+
+    real_restore, real_private_dir = staging.restore_file, staging.private_dir
+
+    def no_space() -> OSError:
+        return OSError(errno_.ENOSPC, os.strerror(errno_.ENOSPC))
+
+    def restore_file(path: Path, data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data[:4096])
+        finally:
+            os.close(fd)
+        raise no_space()
+
+    def private_dir(path: Path) -> Path:
+        if not path.is_dir():
+            raise no_space()
+        return real_private_dir(path)
+
+    monkeypatch.setattr(staging, "restore_file", restore_file)
+    monkeypatch.setattr(staging, "private_dir", private_dir)
+
+    def free() -> None:
+        monkeypatch.setattr(staging, "restore_file", real_restore)
+        monkeypatch.setattr(staging, "private_dir", real_private_dir)
+
+    return free

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import trio
+from helpers import full_local_disk
 
 from natsfs.adr20 import ObjectInfo, PosixAttrs
+from natsfs.errors import NotKept
 from natsfs.staging import IllegalTransition, Spool, StagedFile, WriteState
 
 
@@ -78,5 +82,37 @@ def test_unstored_bytes_are_never_discarded(tmp_path):
 
 def test_states_are_plain_strings_for_a_journal():
     assert {s.value for s in WriteState} == {"unchanged", "dirty", "uploading", "stored", "unlinked", "discarded",
-                                            "kept"}
+                                            "kept", "unkept"}
     assert WriteState("uploading") is WriteState.UPLOADING
+
+
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_bytes_lost_found_cannot_take_stay_staged_until_a_retry_keeps_them(tmp_path, monkeypatch, in_memory):
+    async def main() -> None:
+        spool = Spool(tmp_path, 1 << 20)
+        sf = StagedFile(spool, ino=2, path=("f",), bucket="b", name="f", base=None, attrs=PosixAttrs(), new=True,
+                        memory_limit=64 * 1024 if in_memory else 0)
+        data = bytes(range(256)) * 200  # 51,200 bytes: more than the one page a full disk takes
+        await sf.write(0, data)
+        assert sf.in_memory is in_memory
+        used, memory_used = spool.used, spool.memory_used
+        if in_memory:
+            (spool.lost_found / "b").mkdir(parents=True)  # so the copy starts, and is cut short
+        free = full_local_disk(monkeypatch)
+        for _ in range(2):  # the first try, and a retry while the disk is still full
+            with pytest.raises(NotKept) as e:
+                sf.keep()
+            assert e.value.errno == errno.ENOSPC and "b/f" in str(e.value)
+            assert sf.state is WriteState.UNKEPT and sf.unkept and not sf.ended and not sf.unstored
+            # Nothing that looks kept, the bytes where they were, still counted against the budgets.
+            assert [p for p in spool.lost_found.rglob("*") if p.is_file()] == []
+            assert sf.read_all() == data and (spool.used, spool.memory_used) == (used, memory_used)
+            with pytest.raises(IllegalTransition):
+                sf.discard()  # held bytes are never dropped
+        free()
+        kept = sf.keep()
+        assert sf.state is WriteState.KEPT and kept.read_bytes() == data
+        assert [p for p in spool.lost_found.rglob("*") if p.is_file()] == [kept]
+        assert (spool.used, spool.memory_used) == (0, 0) and list(spool.dir.iterdir()) == []
+
+    trio.run(main)
