@@ -54,6 +54,7 @@ from ..errors import (
     NotADirectory,
     NotEmpty,
     NotFound,
+    NotKept,
     ReadOnly,
     Unavailable,
 )
@@ -79,6 +80,8 @@ OPENER_FDS_INLINE = 64  # an opener with at most this many descriptors is checke
 # the latest DIR_TIME_MAX_S after the first change not stored yet (tar keeps directories busy).
 DIR_TIME_DELAY_S = 0.5
 DIR_TIME_MAX_S = 5.0
+# Bytes that could not be written to lost+found (a full local disk) are tried again this often.
+KEEP_RETRY_S = 10.0
 log = logging.getLogger(__name__)
 
 XATTR_STATS = b"user.natsfs.stats"
@@ -252,6 +255,10 @@ class Filesystem:
         self._reported_links: set[tuple[str, str, int]] = set()
         self._nursery: trio.Nursery | None = None
         self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
+        # Staged files whose bytes belong in lost+found but could not be written there (UNKEPT, see
+        # `_keep`): no longer in `staging`, held here until a retry keeps them.
+        self.unkept: list[StagedFile] = []
+        self._unkept_added = trio.Event()
         self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0,
                          "flushes_deferred": 0}
         self.op_counts: Counter[str] = Counter()  # FUSE requests served, per operation (fs.py counts them)
@@ -269,6 +276,7 @@ class Filesystem:
         if self.writeback is not None:
             self.writeback.resume()
             nursery.start_soon(self.writeback.run)
+        nursery.start_soon(self._retry_keeping_loop)
         self.ns.on_change = self.entry_changed
 
     def entry_changed(self, bucket: str, rel: tuple[str, ...] | None) -> None:
@@ -817,11 +825,62 @@ class Filesystem:
         if self.staging.get(InodeNo(sf.ino)) is sf:
             await self._upload(InodeNo(sf.ino))
 
-    def keep_staged(self, sf: StagedFile) -> Path:
-        """A write-back upload the bucket refuses: its bytes go to lost+found."""
+    def keep_staged(self, sf: StagedFile) -> Path | None:
+        """A write-back upload the bucket refuses: its bytes go to lost+found (None: not yet, see `_keep`)."""
         self.staging.remove(sf)
         self.mut.discard_stream(sf)
-        return sf.keep()
+        return self._keep(sf)
+
+    # ------------------------------------------------------------------ lost+found
+    def _keep(self, sf: StagedFile) -> Path | None:
+        """`sf.keep()`, never raising: if lost+found cannot be written (a full local disk), one ERROR line
+        names the file and the cause, the bytes stay staged (UNKEPT: memory or spool file, still charged
+        to the budgets; in write-back mode the journal record stays open too) and keeping them is
+        retried in the background and at unmount (`retry_keeping`). None then."""
+        try:
+            return sf.keep()
+        except NotKept as e:
+            if sf not in self.unkept:
+                self.unkept.append(sf)
+                self._unkept_added.set()
+            log.error("%s; keeping them in lost+found is retried every %g s and at unmount", e, KEEP_RETRY_S)
+            return None
+
+    async def _retry_keeping_loop(self) -> None:
+        while True:
+            await self._unkept_added.wait()
+            while self.unkept:
+                await trio.sleep(KEEP_RETRY_S)
+                await self.retry_keeping()
+            self._unkept_added = trio.Event()
+
+    async def retry_keeping(self) -> None:
+        """Try again to keep the bytes that could not be written to lost+found: one warning line per file
+        kept; a file that still cannot be kept stays held, silently (its error was logged once)."""
+        for sf in list(self.unkept):
+            try:
+                kept = sf.keep()
+            except NotKept as e:
+                log.debug("still not kept: %s", e)
+                continue
+            self.unkept.remove(sf)
+            log.warning("%s/%s: its bytes are now kept at %s", sf.bucket, sf.name, kept)
+            if self.writeback is not None:
+                await self.writeback.record_kept(sf)
+
+    async def _unkept_at_unmount(self) -> None:
+        """Unmounting: a last try to keep what is held; what stays unkept is said plainly, one line each."""
+        await self.retry_keeping()
+        for sf in self.unkept:
+            if self.writeback is not None:
+                fate = ("they stay in the write-back journal" + ("" if sf.in_memory else f" and {sf.spool_path}")
+                        + "; the next mount with this cache dir keeps them")
+            elif not sf.in_memory:
+                fate = f"they stay in {sf.spool_path}, which the next mount moves to lost+found/leftover"
+            else:
+                fate = "they were held in memory only and are LOST"
+            log.error("%s/%s: unmounting, and its %d bytes still cannot be written to %s: %s", sf.bucket, sf.name,
+                      sf.size, self.staging.spool.lost_found, fate)
 
     def upload_settled(self, sf: StagedFile) -> None:
         """The write-back uploader is done with `sf`: drop it unless a handle still has it open."""
@@ -856,6 +915,7 @@ class Filesystem:
         try:
             await self._shutdown_files(timeout)
         finally:
+            await self._unkept_at_unmount()
             with trio.move_on_after(DIR_TIME_MAX_S):
                 await self._store_pending_dir_times()
             self.mut.journal.flush()
@@ -895,9 +955,10 @@ class Filesystem:
             self.staging.remove(sf)
             if sf.unstored:
                 self.mut.discard_stream(sf)
-                kept = sf.keep()
-                log.warning("%s/%s: not stored before unmounting (%s); its bytes are kept at %s", sf.bucket,
-                            sf.name, causes.get(sf.ino, f"no time left after {timeout:g} s"), kept)
+                kept = self._keep(sf)
+                if kept is not None:
+                    log.warning("%s/%s: not stored before unmounting (%s); its bytes are kept at %s", sf.bucket,
+                                sf.name, causes.get(sf.ino, f"no time left after {timeout:g} s"), kept)
             else:
                 self.mut.discard(sf)
 
@@ -911,8 +972,10 @@ class Filesystem:
         except Conflict as e:
             self.counters["conflicts"] += 1
             self.mut.discard_stream(sf)
-            kept = sf.keep()
             self.staging.remove(sf)
+            kept = self._keep(sf)
+            if kept is None:  # (logged) the caller learns that the local disk is full: ENOSPC
+                raise NotKept(f"{e}; the local disk refused the copy for lost+found", log_level=logging.DEBUG) from None
             log.warning("%s/%s: not stored, another client changed it meanwhile; your bytes are kept at %s",
                         sf.bucket, sf.name, kept)
             raise Conflict(f"{e} (kept at {kept})", log_level=logging.DEBUG) from None
@@ -952,9 +1015,10 @@ class Filesystem:
         self.staging.remove(sf)
         if sf.unstored:
             self.mut.discard_stream(sf)
-            kept = sf.keep()
-            log.error("%s/%s: closed without a successful upload; the bytes are kept at %s", sf.bucket, sf.name,
-                      kept)
+            kept = self._keep(sf)
+            if kept is not None:
+                log.error("%s/%s: closed without a successful upload; the bytes are kept at %s", sf.bucket,
+                          sf.name, kept)
         else:
             self.mut.discard(sf)
 

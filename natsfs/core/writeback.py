@@ -16,7 +16,9 @@ size and digest) and closed, not taken for a conflict. A server that does not an
 file with exponential backoff; a conflict with another client's newer version keeps the bytes in
 lost+found (the core logs it); any other refusal (a full bucket, a sealed or missing bucket,
 a name the bucket refuses) keeps the bytes in lost+found with one log line. Either way the journal
-record is closed (`done`). `resume` turns the records an earlier run left into queued staged files
+record is closed (`done`), once the bytes are in lost+found: if the local disk cannot take them (full),
+they stay staged and the record stays open until the core's retry keeps them (`record_kept`), or the
+next mount replays it. `resume` turns the records an earlier run left into queued staged files
 before the mount serves; `drain` is the wait of an unmount, with progress in the log and in a small
 progress file that `natsfs umount` prints.
 """
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..errors import Conflict, NatsFSError, Unavailable
+from ..errors import Conflict, NatsFSError, NotKept, Unavailable
 from ..journal import WriteBackJournal
 from ..staging import StagedFile, WriteState
 
@@ -213,7 +215,9 @@ class WriteBack:
             sf = StagedFile.resume(self.fs.staging.spool, entry, ino=ino, path=path)
             if self.fs.ns.single_bucket not in (None, bucket) or self.fs.staging.get(ino) is not None:
                 # Not reachable through this mount (another --bucket), or a second record for one path.
-                kept = sf.keep()
+                kept = self.fs.keep_staged(sf)
+                if kept is None:
+                    continue  # (logged) its record stays open until a retry keeps it (`record_kept`)
                 self.journal.done(sf.entry_id)
                 log.warning("%s/%s: closed in write-back mode by an earlier run but not reachable through "
                             "this mount; its bytes are kept at %s", bucket, name, kept)
@@ -307,6 +311,8 @@ class WriteBack:
 
     async def _upload(self, sf: StagedFile) -> None:
         key = sf.entry_id
+        if sf.unkept:
+            return  # queued again by a close during its refused upload: held for lost+found, record open
         if sf.unstored:
             limit = self.fs.config.flush_timeout + sf.size / self.fs.config.flush_rate_floor
             try:
@@ -314,6 +320,9 @@ class WriteBack:
                     await self.fs.store_staged(sf)
             except Conflict:
                 pass  # kept in lost+found, one log line (the core's conflict path)
+            except NotKept:
+                self._attempts.pop(key, None)
+                return  # a conflict the local disk could not keep (logged): the record stays open meanwhile
             except (Unavailable, trio.TooSlowError) as e:
                 attempt = self._attempts[key] = self._attempts.get(key, 0) + 1
                 delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (attempt - 1))
@@ -325,22 +334,33 @@ class WriteBack:
                 return
             except NatsFSError as e:
                 kept = self.fs.keep_staged(sf)
+                if kept is None:
+                    self._attempts.pop(key, None)
+                    return  # (logged) held until a retry keeps it; its record stays open meanwhile
                 log.warning("%s/%s: not stored by the write-back uploader (%s); its bytes are kept at %s",
                             sf.bucket, sf.name, e, kept)
             if sf.unstored:
                 return  # written again during the upload: its next close queues it again
         if self._attempts.pop(key, None):
             log.info("%s/%s: stored after the server answered again", sf.bucket, sf.name)
+        await self._close_record(sf)
+        if key not in self._queue:
+            self.fs.upload_settled(sf)
+
+    async def record_kept(self, sf: StagedFile) -> None:
+        """A refused upload that the local disk could not keep at first is in lost+found now (the core's
+        retry): its record is closed."""
+        await self._close_record(sf)
+
+    async def _close_record(self, sf: StagedFile) -> None:
         async with self._journal_lock:
             try:
-                self.journal.done(key, compact=False)
+                self.journal.done(sf.entry_id, compact=False)
                 if self.journal.wants_compaction:
                     await trio.to_thread.run_sync(self.journal.compact)
             except OSError as e:  # the record stays live: the next mount finds the object stored (see resume)
                 log.warning("write-back journal: the end of %s/%s's upload could not be recorded (%s)", sf.bucket,
                             sf.name, e)
-        if key not in self._queue:
-            self.fs.upload_settled(sf)
 
     # ------------------------------------------------------------------ unmount
     async def drain(self, timeout: float) -> None:
