@@ -212,7 +212,15 @@ class WriteBack:
                 self.journal.done(str(entry["id"]))
                 continue
             ino = self.fs.inodes.ino_for(path)
-            sf = StagedFile.resume(self.fs.staging.spool, entry, ino=ino, path=path)
+            try:
+                sf = StagedFile.resume(self.fs.staging.spool, entry, ino=ino, path=path)
+            except OSError as e:  # a full local disk cannot take the spool file its record restores
+                if "data" in entry:
+                    spool_file.unlink(missing_ok=True)  # (partial; the record holds the bytes)
+                log.error("%s/%s: closed in write-back mode by an earlier run, but its staged bytes cannot be "
+                          "restored (%s); its record stays in the journal for the next mount", bucket, name,
+                          e.strerror or e)
+                continue
             if self.fs.ns.single_bucket not in (None, bucket) or self.fs.staging.get(ino) is not None:
                 # Not reachable through this mount (another --bucket), or a second record for one path.
                 kept = self.fs.keep_staged(sf)

@@ -157,7 +157,8 @@ def test_a_refused_write_back_upload_the_full_disk_cannot_keep_is_kept_once_spac
 
 
 @pytest.mark.expect_log(NOT_KEPT, r"b/(x\.bin|old\.txt): unmounting, and its \d+ bytes still cannot be written .*"
-                                  r"stay in the write-back journal")
+                                  r"stay in the write-back journal",
+                        r"closed in write-back mode by an earlier run, but its staged bytes cannot be restored")
 def test_write_back_bytes_still_unkept_at_unmount_stay_journalled_and_the_next_mount_keeps_them(
         ops_env, tmp_path, monkeypatch):
     ms = MemoryStreams()
@@ -178,6 +179,12 @@ def test_write_back_bytes_still_unkept_at_unmount_stay_journalled_and_the_next_m
         assert kept_files(tmp_path) == []
         assert sorted(r["name"] for r in env.fs.writeback.journal.pending.values()) == ["old.txt", "x.bin"]
 
+    async def still_full(env: Env):  # the disk is still full at the next mount: it starts, and keeps the records
+        assert env.fs.writeback is not None
+        assert sorted(r["name"] for r in env.fs.writeback.journal.pending.values()) == ["old.txt", "x.bin"]
+        assert kept_files(tmp_path) == [] and list(env.fs.staging.spool.dir.iterdir()) == []
+        assert await env.cat("old.txt") == b"theirs, newer"
+
     async def second(env: Env):
         with trio.fail_after(10):
             while len(kept_files(tmp_path)) < 2:
@@ -194,5 +201,6 @@ def test_write_back_bytes_still_unkept_at_unmount_stay_journalled_and_the_next_m
         await put_object(ms_, "b", "old.txt", b"old content")
 
     ops_env(first, setup=setup, bucket="b", streams=ms, write_back=LATER)
+    ops_env(still_full, bucket="b", streams=ms, write_back=0.0)
     frees[0]()
     ops_env(second, bucket="b", streams=ms, write_back=0.0)
