@@ -11,6 +11,7 @@ the same graph with the same settings.
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +50,24 @@ def open_write_back_journal(path: Path, write_back: bool) -> WriteBackJournal | 
             log.warning("%d file(s) closed in write-back mode by an earlier run of this mount were never "
                         "uploaded; without --write-back they are not replayed but kept in lost+found",
                         len(left.pending))
+        unrestored: set[str] = set()
         for rec in left.pending.values():
             if "data" in rec:  # what the close made durable, whatever the unsynced spool file holds now
-                restore_file(path.parent / "spool" / str(rec["id"]), base64.b64decode(rec["data"]))
+                spool_file = path.parent / "spool" / str(rec["id"])
+                try:
+                    restore_file(spool_file, base64.b64decode(rec["data"]))
+                except OSError as e:  # a full local disk: the record keeps the bytes for a later mount
+                    spool_file.unlink(missing_ok=True)
+                    unrestored.add(str(rec["id"]))
+                    log.error("%s/%s: closed in write-back mode by an earlier run, but its bytes cannot be restored "
+                              "for lost+found (%s); the write-back journal keeps them for the next mount",
+                              rec.get("bucket"), rec.get("name"), e.strerror or e)
+        if unrestored:
+            with contextlib.suppress(OSError):  # (if not: the next mount restores those again, a second copy)
+                for entry_id in set(left.pending) - unrestored:
+                    left.done(entry_id, compact=False)
+            left.close()
+            return None
         left.close()
         path.unlink()
     return None

@@ -273,7 +273,7 @@ def full_local_disk(monkeypatch: Any) -> Callable[[], None]:
     and a new lost+found directory cannot be made (a full ext4), so a spool file cannot be moved there."""
     import errno as errno_
 
-    from natsfs import staging
+    from natsfs import compose, staging
 
     real_restore, real_private_dir = staging.restore_file, staging.private_dir
 
@@ -294,10 +294,12 @@ def full_local_disk(monkeypatch: Any) -> Callable[[], None]:
         return real_private_dir(path)
 
     monkeypatch.setattr(staging, "restore_file", restore_file)
+    monkeypatch.setattr(compose, "restore_file", restore_file)
     monkeypatch.setattr(staging, "private_dir", private_dir)
 
     def free() -> None:
         monkeypatch.setattr(staging, "restore_file", real_restore)
+        monkeypatch.setattr(compose, "restore_file", real_restore)
         monkeypatch.setattr(staging, "private_dir", real_private_dir)
 
     return free

@@ -204,3 +204,28 @@ def test_write_back_bytes_still_unkept_at_unmount_stay_journalled_and_the_next_m
     ops_env(still_full, bucket="b", streams=ms, write_back=0.0)
     frees[0]()
     ops_env(second, bucket="b", streams=ms, write_back=0.0)
+
+
+@pytest.mark.expect_log(r"b/(small|other)\.txt: closed in write-back mode by an earlier run, but its bytes cannot be "
+                        r"restored for lost\+found \(No space left on device\); the write-back journal keeps them")
+def test_a_mount_without_write_back_on_a_full_disk_keeps_the_journal_of_what_it_cannot_restore(
+        ops_env, tmp_path, monkeypatch):
+    ms = MemoryStreams()
+    root = spool_root(tmp_path / "cache", Path("/nonexistent"))
+
+    async def crashed(env: Env):
+        await write_file(env, ROOT, "small.txt", b"closed, never uploaded")
+        await write_file(env, ROOT, "other.txt", b"also pending")
+        # The daemon dies here: both closes are in the journal, their records hold the bytes.
+
+    async def no_op(env: Env):
+        pass
+
+    ops_env(crashed, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    free = full_local_disk(monkeypatch)
+    ops_env(no_op, bucket="b", streams=ms)  # starts; the record it could not restore stays
+    assert (root / "writeback.journal").exists()
+    free()
+    ops_env(no_op, bucket="b", streams=ms)
+    assert sorted(p.read_bytes() for p in kept_files(tmp_path)) == [b"also pending", b"closed, never uploaded"]
+    assert not (root / "writeback.journal").exists()
