@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pyfuse3
 import pytest
+import trio
 from gowriters import put_object
 from opskit import CTX, Env
 
@@ -186,5 +188,139 @@ def test_a_meta_change_by_another_client_keeps_the_inode_too(ops_env):
         got = await env.ops.getattr(ino, None)
         assert got.st_nlink == 1 and got.st_mode & 0o777 == 0o600
         await env.ops.release(reader.fh)
+
+    ops_env(body, setup=a_log_file)
+
+
+class HeldMetaUpdate:
+    """Holds this mount's next meta-only store (`ObjectStore.update_meta`) twice: before it is sent
+    (`sending`, until `send`) and after the server stored it (`stored`, until `finish`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, store: ObjectStore) -> None:
+        self.sending, self.send, self.stored, self.finish = trio.Event(), trio.Event(), trio.Event(), trio.Event()
+        original = store.update_meta
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            self.sending.set()
+            await self.send.wait()
+            info = await original(*args, **kwargs)
+            self.stored.set()
+            await self.finish.wait()
+            return info
+
+        monkeypatch.setattr(store, "update_meta", held)
+
+
+class HeldMetaRead:
+    """Holds the next `ObjectStore.get_meta_doc` (an upload comparing its base with the stored meta)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, store: ObjectStore) -> None:
+        self.reached, self.go = trio.Event(), trio.Event()
+        original = store.get_meta_doc
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            if not self.go.is_set():
+                self.reached.set()
+                await self.go.wait()
+            return await original(*args, **kwargs)
+
+        monkeypatch.setattr(store, "get_meta_doc", held)
+
+
+async def stored_doc(env: Env) -> dict:
+    doc, _ = await env.store.get_meta_doc("b", "app.log")
+    return doc
+
+
+def test_a_chmod_racing_a_writer_of_the_same_file_is_no_conflict_and_is_kept(ops_env, monkeypatch):
+    """chmod reads the file's meta; meanwhile a writer opens it and appends (staged on the meta before
+    the chmod); the chmod is stored; the writer closes while the chmod is still finishing: the close
+    waits for it and stores both lines with the new mode (it failed as a conflict, bytes to lost+found)."""
+    async def body(env: Env):
+        ino = (await env.lookup("b/app.log")).st_ino
+        hold = HeldMetaUpdate(monkeypatch, env.store)
+        env.nursery.start_soon(chmod, env, ino, 0o640)
+        await hold.sending.wait()
+
+        writer = await env.ops.open(ino, os.O_WRONLY | os.O_APPEND, CTX)
+        await env.ops.write(writer.fh, len(LINE0), LINE1)
+        hold.send.set()
+        await hold.stored.wait()
+
+        closed = trio.Event()
+
+        async def close() -> None:
+            await env.ops.flush(writer.fh)
+            closed.set()
+
+        env.nursery.start_soon(close)
+        await env.settle()
+        assert not closed.is_set()  # the close waits for this mount's own change to finish
+        hold.finish.set()
+        await closed.wait()
+        await env.ops.release(writer.fh)
+        await env.settle()
+
+        assert env.fs.counters["conflicts"] == 0
+        assert await env.cat("b/app.log") == LINE0 + LINE1
+        assert (await stored_doc(env))["metadata"]["natsfs.mode"] == "640"
+        assert (await env.ops.getattr(ino, None)).st_mode & 0o777 == 0o640
+
+    ops_env(body, setup=a_log_file)
+
+
+@pytest.mark.parametrize("change", ["chmod", "setxattr"])
+def test_a_meta_change_during_the_upload_of_a_close_waits_for_it(ops_env, monkeypatch, change):
+    """A chmod (or setxattr) arriving while a close's upload is under way is stored after it: neither lost
+    (the upload had taken the attributes it stores) nor a false conflict for the upload."""
+    async def body(env: Env):
+        ino = (await env.lookup("b/app.log")).st_ino
+        writer = await env.ops.open(ino, os.O_WRONLY | os.O_APPEND, CTX)
+        await env.ops.write(writer.fh, len(LINE0), LINE1)
+        hold = HeldMetaRead(monkeypatch, env.store)
+        env.nursery.start_soon(env.ops.flush, writer.fh)
+        await hold.reached.wait()  # the upload runs
+
+        done = trio.Event()
+
+        async def meta_change() -> None:
+            if change == "chmod":
+                await chmod(env, ino, 0o600)
+            else:
+                await env.ops.setxattr(ino, b"user.k", b"v", CTX)
+            done.set()
+
+        env.nursery.start_soon(meta_change)
+        await env.settle()
+        hold.go.set()
+        await done.wait()
+        await env.ops.release(writer.fh)
+        await env.settle()
+
+        assert env.fs.counters["conflicts"] == 0
+        assert await env.cat("b/app.log") == LINE0 + LINE1
+        doc = await stored_doc(env)
+        if change == "chmod":
+            assert doc["metadata"]["natsfs.mode"] == "600"
+            assert (await env.ops.getattr(ino, None)).st_mode & 0o777 == 0o600
+        else:
+            assert await env.ops.getxattr(ino, b"user.k", CTX) == b"v"
+
+    ops_env(body, setup=a_log_file)
+
+
+def test_a_chmod_between_two_closes_of_a_writer_is_not_undone_by_the_second(ops_env):
+    async def body(env: Env):
+        ino = (await env.lookup("b/app.log")).st_ino
+        writer = await env.ops.open(ino, os.O_RDWR, CTX)
+        await env.ops.write(writer.fh, len(LINE0), LINE1)
+        await env.ops.fsync(writer.fh, False)  # stored; the file stays open for writing
+        await chmod(env, ino, 0o600)
+        await env.ops.write(writer.fh, len(LINE0 + LINE1), b"line2\n")
+        await env.ops.flush(writer.fh)
+        await env.ops.release(writer.fh)
+        await env.settle()
+        assert await env.cat("b/app.log") == LINE0 + LINE1 + b"line2\n"
+        assert (await stored_doc(env))["metadata"]["natsfs.mode"] == "600"
 
     ops_env(body, setup=a_log_file)
