@@ -469,3 +469,20 @@ def test_fchmod_of_an_open_file_and_a_rename_right_after_its_close(pb):
         assert os.getxattr(d / f"copy{i}", "user.k") == b"v"
         assert (d / f"copy{i}").read_bytes() == b"x" * 100
     assert fs_stats(m)["conflicts"] == 0
+
+
+def test_a_file_open_while_its_directory_is_renamed_keeps_its_inode(pb):
+    _, d = pb
+    for i in range(5):
+        (d / f"d{i}" / "s").mkdir(parents=True)
+        (d / f"d{i}" / "s" / "f").write_bytes(b"abc" * 100)
+        fd = os.open(d / f"d{i}" / "s" / "f", os.O_RDONLY)
+        try:
+            os.rename(d / f"d{i}", d / f"n{i}")
+            os.fchmod(fd, 0o600)
+            st = os.stat(d / f"n{i}" / "s" / "f")
+            assert st.st_ino == os.fstat(fd).st_ino and os.fstat(fd).st_nlink == 1
+            assert stat.S_IMODE(st.st_mode) == 0o600
+            assert os.pread(fd, 1000, 0) == b"abc" * 100
+        finally:
+            os.close(fd)
