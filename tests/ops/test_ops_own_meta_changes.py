@@ -324,3 +324,27 @@ def test_a_chmod_between_two_closes_of_a_writer_is_not_undone_by_the_second(ops_
         assert (await stored_doc(env))["metadata"]["natsfs.mode"] == "600"
 
     ops_env(body, setup=a_log_file)
+
+
+def test_write_back_a_chmodded_log_appended_to_with_a_reader_open(ops_env):
+    """The same in write-back mode: the append is uploaded later, with the mode of the last chmod (one made
+    while it waited for its upload too), and no conflict."""
+    async def body(env: Env):
+        ino = (await env.lookup("b/app.log")).st_ino
+        reader = await env.ops.open(ino, os.O_RDONLY, CTX)
+        await chmod(env, ino, 0o640)
+        writer = await env.ops.open(ino, os.O_WRONLY | os.O_APPEND, CTX)
+        await env.ops.write(writer.fh, len(LINE0), LINE1)
+        await env.ops.flush(writer.fh)
+        await env.ops.release(writer.fh)
+        await chmod(env, ino, 0o600)  # while its upload is queued
+        assert env.fs.writeback is not None
+        await env.fs.writeback.drain(10)
+        await env.settle()
+        assert env.fs.counters["conflicts"] == 0
+        assert await env.cat("b/app.log") == LINE0 + LINE1
+        assert (await stored_doc(env))["metadata"]["natsfs.mode"] == "600"
+        assert (await env.lookup("b/app.log")).st_ino == ino
+        await env.ops.release(reader.fh)
+
+    ops_env(body, setup=a_log_file, write_back=3600.0)
