@@ -3,7 +3,8 @@
 `BucketIndex` holds every live meta of one bucket and the directory tree the names rule
 (`natsfs.names`) places them in. It is pure data: `apply` takes one parsed meta at a time, in stream
 order, whether from the initial load or the live watch, and reports which paths changed so the layer
-above can invalidate kernel caches. Collisions are settled deterministically: a directory beats a file
+above can invalidate kernel caches: once each, after the update (a path being replaced is never
+reported while it has no entry). Collisions are settled deterministically: a directory beats a file
 at the same path, a real name beats an escaped one; losers are hidden (one log line each) and come back
 when the path frees up.
 
