@@ -3,7 +3,8 @@
 `BucketIndex` holds every live meta of one bucket and the directory tree the names rule
 (`natsfs.names`) places them in. It is pure data: `apply` takes one parsed meta at a time, in stream
 order, whether from the initial load or the live watch, and reports which paths changed so the layer
-above can invalidate kernel caches. Collisions are settled deterministically: a directory beats a file
+above can invalidate kernel caches: once each, after the update (a path being replaced is never
+reported while it has no entry). Collisions are settled deterministically: a directory beats a file
 at the same path, a real name beats an escaped one; losers are hidden (one log line each) and come back
 when the path frees up.
 
@@ -69,8 +70,10 @@ class BucketIndex:
         self.hidden: dict[str, str] = {}  # object name -> why it is not shown
         self.escaped: set[str] = set()  # names shown under an escaped name
         self.created_ns = created_ns
-        # Called with the path of every entry that appeared, changed or disappeared.
+        # Called with the path of every entry that appeared, changed or disappeared, once the update that
+        # changed it is complete (`_one_update`): never while a path is between its old and new entry.
         self.on_change: Callable[[Path], None] | None = None
+        self._reports: list[Path] | None = None  # paths changed by the update under way, not reported yet
         # nuid -> the live name holding it (a list when several do: a rename half done, or a copy).
         self._by_nuid: dict[str, str | list[str]] = {}
         # Deleted names whose meta subject holds a tombstone -> the tombstone's revision.
@@ -148,8 +151,34 @@ class BucketIndex:
         return self.aliases[name][subject] if name is not None else None
 
     # ------------------------------------------------------------------ updates
+    def _one_update(self) -> list[Path] | None:
+        """Begin an update: its changes are reported when it ends (`_end_update`), not as each step makes
+        them. A new version of an object is placed by removing the old entry, then placing the new one;
+        a report in between would show the path with no entry at all, and the layer above would take
+        this mount's own chmod for a deletion (and detach the inode its readers hold). Returns the list
+        collecting the changed paths when this is the outermost update (None when nested or unwatched)."""
+        if self._reports is not None or self.on_change is None:
+            return None
+        self._reports = []
+        return self._reports
+
+    def _end_update(self, reports: list[Path] | None) -> None:
+        if reports is None:
+            return
+        self._reports = None
+        if self.on_change is not None:
+            for path in dict.fromkeys(reports):  # each path once, in the order first changed
+                self.on_change(path)
+
     def apply(self, info: ObjectInfo) -> bool:
         """Take one meta (newer than what we hold); True when the index changed."""
+        reports = self._one_update()
+        try:
+            return self._apply(info)
+        finally:
+            self._end_update(reports)
+
+    def _apply(self, info: ObjectInfo) -> bool:
         name = info.name
         if info.revision > self.last_revision:
             self.last_revision = info.revision
@@ -197,6 +226,13 @@ class BucketIndex:
     def apply_alias(self, subject: str, info: ObjectInfo) -> bool:
         """Take one meta found on `subject`, which is not the canonical subject of its name; True when
         what is shown changed."""
+        reports = self._one_update()
+        try:
+            return self._apply_alias(subject, info)
+        finally:
+            self._end_update(reports)
+
+    def _apply_alias(self, subject: str, info: ObjectInfo) -> bool:
         if info.revision > self.last_revision:
             self.last_revision = info.revision
         changed = False
@@ -212,6 +248,13 @@ class BucketIndex:
 
     def drop_alias(self, subject: str) -> bool:
         """The alias on `subject` is gone (purged, or replaced by an unusable meta)."""
+        reports = self._one_update()
+        try:
+            return self._drop_alias(subject)
+        finally:
+            self._end_update(reports)
+
+    def _drop_alias(self, subject: str) -> bool:
         name = self._alias_name.pop(subject, None)
         if name is None:
             return False
@@ -274,6 +317,13 @@ class BucketIndex:
 
     def remove(self, name: str) -> bool:
         """Drop `name` (the meta subject it is shown from was purged, e.g. renamed away by another client)."""
+        reports = self._one_update()
+        try:
+            return self._remove(name)
+        finally:
+            self._end_update(reports)
+
+    def _remove(self, name: str) -> bool:
         if name in self.odd_subjects:
             return self.drop_alias(self.odd_subjects[name])
         self.tombstones.pop(name, None)
@@ -292,6 +342,13 @@ class BucketIndex:
 
     def forget(self, name: str, revision: int) -> bool:
         """A deletion (tombstone) of `name` at `revision` known without its meta; True if it was shown."""
+        reports = self._one_update()
+        try:
+            return self._forget(name, revision)
+        finally:
+            self._end_update(reports)
+
+    def _forget(self, name: str, revision: int) -> bool:
         held = self.objects.get(name)
         if held is not None and name not in self.odd_subjects and held.revision >= revision:
             return False
@@ -362,7 +419,9 @@ class BucketIndex:
 
     # ------------------------------------------------------------------ placement
     def _changed(self, path: Path) -> None:
-        if self.on_change is not None:
+        if self._reports is not None:
+            self._reports.append(path)
+        elif self.on_change is not None:
             self.on_change(path)
 
     def _hide(self, info: ObjectInfo, why: str) -> None:

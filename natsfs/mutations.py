@@ -17,7 +17,8 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
@@ -93,6 +94,10 @@ class Mutations:
         self.dir_defaults = PosixAttrs(config.dir_mode, config.uid, config.gid, None)
         self._sealed: dict[str, tuple[float, bool]] = {}
         self._nursery: trio.Nursery | None = None
+        # Meta-only changes (attributes, xattrs) this mount is making itself, per (bucket, name), and an
+        # event set whenever one ends: an upload finding such a change stored waits for it (`_upload`).
+        self._own_meta: Counter[tuple[str, str]] = Counter()
+        self._own_meta_ended = trio.Event()
         # Called with (bucket, object info) after this mount changed an object itself.
         self.journal = staging.spool.journal
         store.put_log = self.journal
@@ -424,6 +429,14 @@ class Mutations:
         if sf.base is not None or unsettled:
             got = await self.store.get_meta_doc(sf.bucket, sf.name)
             got_nuid = str(got[0].get("nuid") or "") if got is not None else ""
+            while (got is not None and sf.base is not None and got[1] != sf.base_revision
+                   and got_nuid == sf.base.nuid and (sf.bucket, sf.name) in self._own_meta):
+                # The same bytes under a newer meta, while this mount's own chmod, utime or xattr change
+                # of the name is finishing: that change rebases this file when it ends; not a conflict.
+                await self._own_meta_ended.wait()
+                got = await self.store.get_meta_doc(sf.bucket, sf.name)
+                got_nuid = str(got[0].get("nuid") or "") if got is not None else ""
+                expected = sf.base_revision  # rebased
             if got is not None and got[1] != sf.base_revision and got_nuid in unsettled:
                 # An earlier put of this file whose outcome was unknown was stored after all: it is
                 # ours, not another client's change. This put replaces it.
@@ -522,6 +535,22 @@ class Mutations:
         if index is not None and index.names_with_nuid(nuid):
             return
         await self.store.purge_chunks_later_if_needed(bucket, nuid, "")
+
+    @contextlib.contextmanager
+    def own_meta_change(self, bucket: str, name: str) -> Iterator[None]:
+        """A meta-only change of `name` by this mount, from before it is stored until every staged file
+        of the name is rebased on it: an upload that meanwhile finds the stored meta newer than its base
+        with the same nuid waits for it instead of failing as a conflict."""
+        key = (bucket, name)
+        self._own_meta[key] += 1
+        try:
+            yield
+        finally:
+            self._own_meta[key] -= 1
+            if not self._own_meta[key]:
+                del self._own_meta[key]
+            self._own_meta_ended.set()
+            self._own_meta_ended = trio.Event()
 
     async def set_attrs(self, bucket: str, info: ObjectInfo, attrs: PosixAttrs, defaults: PosixAttrs) -> ObjectInfo:
         """Store POSIX attributes in the meta (same nuid, no data moved)."""

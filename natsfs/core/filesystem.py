@@ -164,6 +164,18 @@ def _owner(attrs: PosixAttrs | None, default_mode: int, default_uid: int, defaul
     return attrs.mode & (0o7777 if special_bits else 0o1777), uid, gid
 
 
+def _merged(current: PosixAttrs | None, changes: AttrChanges, default_mode: int) -> PosixAttrs:
+    """The attributes `changes` make of `current` (a missing mode: `default_mode`)."""
+    cur = current or PosixAttrs()
+    return PosixAttrs(
+        changes.mode if changes.mode is not None else (cur.mode if cur.mode is not None else default_mode),
+        changes.uid if changes.uid is not None else cur.uid,
+        changes.gid if changes.gid is not None else cur.gid,
+        changes.mtime_ns if changes.mtime_ns is not None else cur.mtime_ns,
+        cur.kind, cur.rdev,
+    )
+
+
 def _name(raw: bytes) -> str:
     return os.fsdecode(raw)
 
@@ -1055,16 +1067,6 @@ class Filesystem:
         return self._attr(inode, await self._node(inode))
 
     async def _set_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:
-        def merged(current: PosixAttrs | None, default_mode: int) -> PosixAttrs:
-            cur = current or PosixAttrs()
-            return PosixAttrs(
-                changes.mode if changes.mode is not None else (cur.mode if cur.mode is not None else default_mode),
-                changes.uid if changes.uid is not None else cur.uid,
-                changes.gid if changes.gid is not None else cur.gid,
-                changes.mtime_ns if changes.mtime_ns is not None else cur.mtime_ns,
-                cur.kind, cur.rdev,
-            )
-
         assert node.bucket is not None
         if node.kind == DIR:
             assert node.dir is not None
@@ -1075,23 +1077,47 @@ class Filesystem:
                 assert node.dir is not None and node.bucket is not None
                 marker = node.dir.marker
                 await self.mut.set_dir_attrs(node.bucket, node.rel, node.dir,
-                                             merged(marker.attrs if marker else None, self.config.dir_mode))
+                                             _merged(marker.attrs if marker else None, changes, self.config.dir_mode))
             return
         if node.kind == LINK:
             return  # symlinks have no mode of their own; times on links are not stored
         sf = self.staging.get(inode)
-        if sf is not None and sf.shadows_index:
-            # Stored together with the data at the next upload.
-            sf.set_attrs(changes.mode, changes.uid, changes.gid, changes.mtime_ns)
+        if sf is None or sf.ended:
+            await self._store_posix(inode, node, changes)
             return
+        # An upload under way has taken the attributes it stores, and stores at the revision it read:
+        # the change waits for it (else it would be lost, or make the upload a false conflict).
+        async with sf.lock:
+            if sf.shadows_index:
+                # Stored together with the data at the next upload.
+                sf.set_attrs(changes.mode, changes.uid, changes.gid, changes.mtime_ns)
+                return
+            await self._store_posix(inode, await self._node(inode), changes)
+
+    async def _store_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:
+        """Store attribute changes of a stored file in its meta (a meta-only change: same nuid)."""
         assert node.info is not None and node.bucket is not None
         current = node.info.attrs
-        new = merged(current, self.config.file_mode)
+        new = _merged(current, changes, self.config.file_mode)
         if changes.mtime_ns is None:
             new = dataclasses.replace(new, mtime_ns=current.mtime_ns if current else None)
-        info = await self.mut.set_attrs(node.bucket, node.info, new, self.mut.file_defaults)
-        if sf is not None and not sf.ended:
-            sf.rebase(info)
+        with self.mut.own_meta_change(node.bucket, node.info.name):
+            info = await self.mut.set_attrs(node.bucket, node.info, new, self.mut.file_defaults)
+            staged = self._rebase_staged(inode, info)
+            if staged is not None:  # its next upload stores these attributes, not the ones it had
+                staged.set_attrs(changes.mode, changes.uid, changes.gid, changes.mtime_ns)
+
+    def _rebase_staged(self, inode: InodeNo, info: ObjectInfo) -> StagedFile | None:
+        """This mount stored `info`, a meta-only change of the file at `inode`: its staged file (looked up
+        now, it may have been made while the change was stored) is based on that meta from now on, so
+        its next upload is no conflict. Not one based on other bytes (another nuid): that one's upload
+        must still fail as a conflict rather than replace a version it never saw."""
+        sf = self.staging.get(inode)
+        if (sf is None or sf.ended or sf.base is None or sf.base.nuid != info.nuid
+                or sf.base_revision >= info.revision):
+            return None
+        sf.rebase(info)
+        return sf
 
     # ------------------------------------------------------------------ directory times
     def _entries_changed(self, directory: tuple[str, ...]) -> None:
@@ -1544,9 +1570,16 @@ class Filesystem:
             self.ns.store.check_meta_payload(node.bucket, doc)
             sf.change_xattr(key, value)
             return
+        if sf is None or sf.ended:
+            await self._store_xattr(inode, node.bucket, change)
+            return
+        async with sf.lock:  # after an upload under way, which stores at the revision it read
+            await self._store_xattr(inode, node.bucket, change)
+
+    async def _store_xattr(self, inode: InodeNo, bucket: str, change: Callable[[dict[str, Any]], None]) -> None:
         stored = await self._index_info(self.inodes.path_of(inode))
         if stored is None:
-            raise NotFound("/".join(node.rel))
-        info = await self.mut.change_meta(node.bucket, stored, change)
-        if sf is not None and not sf.ended and sf.base is not None:
-            sf.rebase(info)  # our own change: not a conflict at upload
+            raise NotFound("/".join(self.inodes.path_of(inode)))
+        with self.mut.own_meta_change(bucket, stored.name):
+            info = await self.mut.change_meta(bucket, stored, change)
+            self._rebase_staged(inode, info)  # our own change: not a conflict at upload

@@ -192,7 +192,32 @@ def test_overwrite_replaces_in_place_and_old_revisions_are_ignored():
     assert not idx.apply(obj("f", size=1, rev=15))  # older than what we hold
     assert not idx.apply(obj("f", size=1, rev=20))  # same revision: replayed
     assert idx.get(("f",)).size == 99
-    assert changes == [("f",), ("f",), ("f",)]  # placed, unplaced, placed again
+    assert changes == [("f",), ("f",)]  # placed, then replaced (reported once)
+
+
+def test_a_new_version_is_reported_once_with_the_path_already_showing_it():
+    """Replacing an object's entry is one update: the report comes after it, never while the path has no
+    entry (the layer above would take a chmod of this mount's own for a deletion and detach the inode)."""
+    first = obj("a/b/f", rev=10, nuid="N")
+    idx = BucketIndex("b")
+    idx.apply(first)
+    seen: list[tuple[tuple[str, ...], object]] = []
+    idx.on_change = lambda path: seen.append((path, idx.get(path)))
+    chmodded = obj("a/b/f", rev=11, nuid="N")  # same nuid: a meta-only change
+    assert idx.apply(chmodded)
+    # The old entry's removal pruned a/b and a, and the new one made them again: each path once, and
+    # each already showing what it shows after the update.
+    assert [p for p, _ in seen] == [("a", "b", "f"), ("a", "b"), ("a",)]
+    assert seen[0][1] is chmodded
+    assert all(isinstance(entry, Dir) for _, entry in seen[1:])
+
+
+def test_a_removal_is_reported_after_the_entry_is_gone():
+    idx, _ = make(obj("go/x", rev=5))
+    seen: list[object] = []
+    idx.on_change = lambda path: seen.append(idx.get(path))
+    assert idx.remove("go/x")
+    assert seen == [None, None]  # go/x, then the pruned go
 
 
 def test_delete_drops_and_prunes_empty_directories():
