@@ -239,6 +239,8 @@ class Filesystem:
         self._dir_gate = _DirTimeGate()
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
+        # Directory entries already logged as skipped by readdir (path, revision): one line each.
+        self._reported_entries: set[tuple[tuple[str, ...], int]] = set()
         self._nursery: trio.Nursery | None = None
         self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
         self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0,
@@ -541,11 +543,29 @@ class Filesystem:
             staged = self.staging.get(ino)
             node = (self._staged_node(staged) if staged is not None and staged.shown
                     else self.ns.loaded_node(path) or listed)
-            if not reply(os.fsencode(name), self._attr(ino, node), i + 1):
+            try:
+                accepted = reply(os.fsencode(name), self._attr(ino, node), i + 1)
+            except Exception as e:
+                # One entry whose attributes cannot be built or handed over must never hide the rest
+                # of its directory: it is left out (the kernel did not take it: no lookup counted).
+                self._report_skipped_entry(path, node, e)
+                accepted = None
+            if not accepted:
                 if self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
                     self.files.forget_cached_version(ino)
+                if accepted is None:
+                    continue
                 return
             self.inodes.lookup(path)
+
+    def _report_skipped_entry(self, path: tuple[str, ...], node: Node, e: Exception) -> None:
+        key = (path, node.info.revision if node.info is not None else 0)
+        if key in self._reported_entries:
+            return
+        self._reported_entries.add(key)
+        log.error("readdir: %s left out of its directory, its attributes could not be handed over: %r",
+                  "/".join(path), e)
+        log.debug("readdir of %s failed here", "/".join(path), exc_info=e)
 
     def releasedir(self, fh: HandleNo) -> None:
         self.handles.pop(fh)
