@@ -241,6 +241,8 @@ class Filesystem:
         self._reported_links: set[tuple[str, str, int]] = set()
         # Directory entries already logged as skipped by readdir (path, revision): one line each.
         self._reported_entries: set[tuple[tuple[str, ...], int]] = set()
+        # Versions (bucket, nuid, revision) already logged for keys listxattr leaves out: one line each.
+        self._reported_xattr_keys: set[tuple[str, str, int]] = set()
         self._nursery: trio.Nursery | None = None
         self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
         self.counters = {"writes": 0, "write_bytes": 0, "uploads": 0, "upload_bytes": 0, "conflicts": 0,
@@ -1424,7 +1426,15 @@ class Filesystem:
             names += xattrs.list_bucket(st.config, st.size, st.messages)
         elif node.kind in (FILE, LINK):
             doc, revision = await self._meta_doc(node)
-            names += xattrs.list_object(doc, revision)
+            left_out: list[str] = []
+            names += xattrs.list_object(doc, revision, left_out.append)
+            assert node.info is not None and node.bucket is not None
+            key = (node.bucket, node.info.nuid, revision)
+            if left_out and key not in self._reported_xattr_keys:
+                self._reported_xattr_keys.add(key)
+                log.warning("%s/%s: metadata or header keys that make no usable attribute name are not "
+                            "listed as xattrs: %s", node.bucket, node.info.name, ", ".join(left_out[:5])
+                            + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else ""))
         return names
 
     async def setxattr(self, inode: InodeNo, name: bytes, value: bytes) -> None:

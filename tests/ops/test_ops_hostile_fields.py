@@ -228,3 +228,30 @@ def test_rename_and_unlink_of_a_meta_with_fields_of_the_wrong_type(ops_env, name
 
     ops_env(body, setup=wrong_types)
 
+
+# ---------------------------------------------------------------- keys that make no attribute name
+async def odd_keys(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    await raw_put(ms, "b", "keys", b"x", metadata={"a\x00b": "v", "k\x00": "v", "L" * 300: "v", "nats.digest": "v",
+                                                   "ok": "fine", "L" * 250: "max"},
+                  headers={"H\x00": ["v"], "Good": ["h"]})
+
+
+def test_listxattr_lists_only_keys_that_make_usable_attribute_names(ops_env, caplog):
+    caplog.set_level(logging.WARNING)
+
+    async def body(env: Env):
+        ino = (await env.lookup("b/keys")).st_ino
+        for _ in range(2):
+            names = await env.ops.listxattr(ino, Ctx())
+            assert all(n and b"\x00" not in n and len(n) <= 255 for n in names), names
+            user = sorted(n for n in names if not n.startswith(b"user.nats.") or n.startswith(b"user.nats.header"))
+            assert user == [b"user." + b"L" * 250, b"user.nats.header.Good", b"user.ok"]
+            assert names.count(b"user.nats.digest") == 1  # the fact, not the metadata key
+            for n in names:  # every listed name reads back
+                await env.ops.getxattr(ino, n, Ctx())
+        assert await env.ops.getxattr(ino, b"user." + b"L" * 250, Ctx()) == b"max"
+
+    ops_env(body, setup=odd_keys)
+    left_out = [r.getMessage() for r in caplog.records if "no usable attribute name" in r.getMessage()]
+    assert len(left_out) == 1 and "'user.a\\x00b'" in left_out[0] and "'user.nats.header.H\\x00'" in left_out[0]
