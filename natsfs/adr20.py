@@ -127,6 +127,12 @@ ATTR_RDEV = "natsfs.rdev"
 ATTR_SYMLINK = "natsfs.symlink"
 ATTR_SYMLINK_SIG = "natsfs.symlink_sig"
 SPECIAL_KINDS = {"fifo": 0o010000, "socket": 0o140000, "char": 0o020000, "block": 0o060000}
+# Each numeric POSIX attribute must fit its kernel type (mode_t, uid_t, gid_t, the int64 nanoseconds of a
+# timestamp, dev_t): a value outside is unusable and ignored, as a value that is not a number is.
+_ATTR_LIMITS = {ATTR_MODE: 2**32, ATTR_UID: 2**32, ATTR_GID: 2**32, ATTR_MTIME: 2**63, ATTR_RDEV: 2**64}
+# The largest size a file can show (off_t), and nats.go's bounds (uint32) on a chunk count and chunk size.
+MAX_OBJECT_SIZE = 2**63 - 1
+MAX_CHUNKS = MAX_CHUNK_SIZE = 2**32 - 1
 DIGEST_PREFIX = "SHA-256="
 # nats.go never stores a real time in `mtime` (publishMeta zeroes it); neither do we.
 ZERO_TIME = "0001-01-01T00:00:00Z"
@@ -151,7 +157,7 @@ def meta_doc(*, name: str, bucket: str, nuid: str, size: int, chunks: int, diges
              link: dict[str, str] | None = None) -> dict[str, Any]:
     """A meta as nats.go writes it, keeping every field of `base` (description, headers, metadata,
     options, and keys this code does not know) that the new values do not replace."""
-    base = base or {}
+    base = usable_fields(base or {})
     doc: dict[str, Any] = {"name": name}
     for key in ("description", "headers", "metadata"):
         if base.get(key):
@@ -211,9 +217,28 @@ def tombstone_doc(bucket: str, name: str, doc: dict[str, Any]) -> dict[str, Any]
                     base=doc, deleted=True, link=link)
 
 
+# The type nats.go's ObjectInfo gives each optional field of a meta: a meta where one has another type
+# is one nats.go cannot unmarshal at all. natsfs treats such a field as absent.
+_FIELD_TYPES: dict[str, type] = {"description": str, "headers": dict, "metadata": dict, "options": dict}
+
+
+def usable_fields(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` without the optional fields whose JSON type is wrong (`metadata` a list, `headers` a string,
+    ...): a rewrite of such a meta stores proper fields (or none) in their place. `doc` itself when
+    every field is usable."""
+    bad = [k for k, t in _FIELD_TYPES.items() if doc.get(k) is not None and not isinstance(doc[k], t)]
+    return {k: v for k, v in doc.items() if k not in bad} if bad else doc
+
+
+def metadata_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the meta's `metadata` map (empty when there is none or it is not a JSON object)."""
+    metadata = doc.get("metadata")
+    return dict(metadata) if isinstance(metadata, dict) else {}
+
+
 def set_posix_attrs(doc: dict[str, Any], attrs: PosixAttrs, defaults: PosixAttrs) -> None:
     """Record POSIX attributes in the meta's metadata, only where they differ from the defaults."""
-    metadata = dict(doc.get("metadata") or {})
+    metadata = metadata_of(doc)
     for key, value, default, fmt in (
         (ATTR_MODE, attrs.mode, defaults.mode, "o"),
         (ATTR_UID, attrs.uid, defaults.uid, "d"),
@@ -360,32 +385,62 @@ class BucketStatus:
     config: dict[str, Any] = field(default_factory=dict)
 
 
-def _attrs_from(metadata: dict[str, str]) -> PosixAttrs | None:
-    if not any(k.startswith("natsfs.") for k in metadata):
+def _short(value: Any) -> str:
+    """A value for a log line: its repr, cut short (another client may have written megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# Told of each field of a meta that is ignored as unusable (one message per field).
+Ignored = Callable[[str], None]
+
+
+def _attrs_from(metadata: dict[str, Any], name: str, ignored: Ignored | None) -> PosixAttrs | None:
+    if not any(isinstance(k, str) and k.startswith("natsfs.") for k in metadata):
         return None
+
+    def unusable(key: str, raw: Any) -> None:
+        if ignored is not None:
+            ignored(f"meta for {name!r} has an unusable {key} {_short(raw)} (ignored: the default applies)")
 
     def num(key: str, base: int = 10) -> int | None:
         raw = metadata.get(key)
+        if raw is None:
+            return None
         if not isinstance(raw, str):
-            return None  # absent, or not the string another client should have written
+            unusable(key, raw)  # not the string another client should have written
+            return None
         try:
             v = int(raw, base)
         except ValueError:
+            unusable(key, raw)
             return None
-        return v if v >= 0 else None
+        if not 0 <= v < _ATTR_LIMITS[key]:
+            unusable(key, raw)
+            return None
+        return v
 
     def text(key: str) -> str | None:
         raw = metadata.get(key)
-        return raw if isinstance(raw, str) else None
+        if raw is not None and not isinstance(raw, str):
+            unusable(key, raw)
+            return None
+        return raw
 
     kind = text(ATTR_TYPE)
-    return PosixAttrs(num(ATTR_MODE, 8), num(ATTR_UID), num(ATTR_GID), num(ATTR_MTIME),
-                      kind if kind in SPECIAL_KINDS else None, num(ATTR_RDEV), text(ATTR_SYMLINK),
-                      text(ATTR_SYMLINK_SIG))
+    if kind is not None and kind not in SPECIAL_KINDS:
+        unusable(ATTR_TYPE, kind)
+        kind = None
+    return PosixAttrs(num(ATTR_MODE, 8), num(ATTR_UID), num(ATTR_GID), num(ATTR_MTIME), kind, num(ATTR_RDEV),
+                      text(ATTR_SYMLINK), text(ATTR_SYMLINK_SIG))
 
 
-def parse_meta(bucket: str, msg: StoredMsg) -> ObjectInfo:
-    """Parse a meta message leniently (all three clients' quirks); `MalformedMeta` when unusable."""
+def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> ObjectInfo:
+    """Parse a meta message leniently (all three clients' quirks); `MalformedMeta` when unusable.
+
+    A field that cannot be used but leaves the object usable (metadata that is not a JSON object, a
+    POSIX attribute that is not a number or out of its type's range, ...) is ignored: the object shows
+    with that field's default, and `ignored` is told why."""
     token = msg.subject.rsplit(".", 1)[-1] if msg.subject else ""
     try:
         doc = json.loads(msg.data)
@@ -407,14 +462,19 @@ def parse_meta(bucket: str, msg: StoredMsg) -> ObjectInfo:
         # JSON allows lone surrogates ("\ud800"); no client can address such a name by subject.
         raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) has a name that is not valid UTF-8") from None
 
-    def integer(key: str) -> int:
+    def integer(key: str, limit: int) -> int:
         v = doc.get(key, 0)
         if v is None:
             return 0
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise MalformedMeta(f"meta for {name!r} has a bad {key}: {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= limit:
+            raise MalformedMeta(f"meta for {name!r} has a bad {key}: {_short(v)}")
         return v
 
+    if ignored is not None:
+        for key, kind in _FIELD_TYPES.items():
+            if doc.get(key) is not None and not isinstance(doc[key], kind):
+                ignored(f"meta for {name!r} has a {key} that is not a JSON {'string' if kind is str else 'object'}"
+                        f" ({_short(doc[key])}): ignored")
     deleted = bool(doc.get("deleted", False))
     options = doc.get("options") or {}
     if not isinstance(options, dict):
@@ -424,30 +484,33 @@ def parse_meta(bucket: str, msg: StoredMsg) -> ObjectInfo:
     if isinstance(raw_link, dict) and raw_link.get("bucket"):
         link_name = raw_link.get("name") or None
         link = Link(str(raw_link["bucket"]), str(link_name) if link_name is not None else None)
-    size, chunks = integer("size"), integer("chunks")
+    size, chunks = integer("size", MAX_OBJECT_SIZE), integer("chunks", MAX_CHUNKS)
     nuid = doc.get("nuid") or ""
     if not isinstance(nuid, str):
-        raise MalformedMeta(f"meta for {name!r} has a bad nuid: {nuid!r}")
+        raise MalformedMeta(f"meta for {name!r} has a bad nuid: {_short(nuid)}")
     if not deleted and link is None:
         if (chunks or size) and not nuid:
             raise MalformedMeta(f"meta for {name!r} claims {chunks} chunks but has no nuid")
         if nuid and not re.fullmatch(r"[A-Za-z0-9_-]+", nuid):
-            raise MalformedMeta(f"meta for {name!r} has an unusable nuid {nuid!r}")
+            raise MalformedMeta(f"meta for {name!r} has an unusable nuid {_short(nuid)}")
         if chunks == 0 and size > 0:
             raise MalformedMeta(f"meta for {name!r} has {size} bytes in 0 chunks")
     digest = doc.get("digest") or ""
     if not isinstance(digest, str):
         digest = ""
     metadata = doc.get("metadata") or {}
-    attrs = _attrs_from(metadata) if isinstance(metadata, dict) else None
+    attrs = _attrs_from(metadata, name, ignored) if isinstance(metadata, dict) else None
     chunk_size = options.get("max_chunk_size") or 0
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 0 < chunk_size <= MAX_CHUNK_SIZE:
+        if ignored is not None and chunk_size:
+            ignored(f"meta for {name!r} has an unusable options.max_chunk_size {_short(chunk_size)}: ignored")
+        chunk_size = 0
     mtime_ns = msg.time_ns
     if attrs is not None and attrs.mtime_ns is not None:
         mtime_ns = attrs.mtime_ns
     return ObjectInfo(
         bucket=bucket, name=name, nuid=nuid, size=size, chunks=chunks, digest=digest, mtime_ns=mtime_ns,
-        revision=msg.seq, link=link, deleted=deleted,
-        chunk_size=chunk_size if isinstance(chunk_size, int) else 0, attrs=attrs,
+        revision=msg.seq, link=link, deleted=deleted, chunk_size=chunk_size, attrs=attrs,
     )
 
 
@@ -606,7 +669,8 @@ class ObjectStore:
             raise MalformedMeta(f"meta of {name!r} in {bucket} is not JSON") from None
         if not isinstance(doc, dict):
             raise MalformedMeta(f"meta of {name!r} in {bucket} is not a JSON object")
-        return doc, msg.seq
+        # A field of the wrong type (metadata that is a list, ...) is absent for every rewrite.
+        return usable_fields(doc), msg.seq
 
     async def watch_metas(self, bucket: str):  # -> Watch
         return await self.streams.watch(stream_name(bucket), meta_filter(bucket), last_per_subject=True)

@@ -2,8 +2,10 @@
 interrupted writers and hostile clients leave in an ADR-20 bucket.
 
 Owns the bucket check and its report. What it looks at, in one pass:
-- every meta subject's last message (a last-per-subject watch): metas that do not parse, names no
-  client can use (a subject token that is not base64 of UTF-8, subjects over `max_subject_bytes`), and,
+- every meta subject's last message (a last-per-subject watch): metas that do not parse, fields of
+  live metas a mount ignores (a POSIX attribute out of its type's range, `metadata` that is not a JSON
+  object, ...: see `adr20.parse_meta`), names no client can use (a subject token that is not base64 of
+  UTF-8, subjects over `max_subject_bytes`), and,
   as a note that is no problem, names a mount cannot show (`natsfs.names`: hidden there);
 - every chunk subject (the stream's per-subject counts): a chunk subject that no meta references is an
   ORPHAN (an interrupted put, or a purge that never happened) unless its newest message is younger
@@ -62,6 +64,7 @@ SHARED_TOMBSTONE = "tombstone sharing a live nuid"
 SHARED_NAMES = "names sharing one nuid"
 BAD_NAME = "unusable name"
 BAD_META = "unreadable meta"
+BAD_FIELD = "ignored meta field"
 DIGEST = "digest mismatch"
 NOTES = (IN_PROGRESS, HIDDEN)
 
@@ -168,11 +171,14 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
         held = _doc_nuid(m)
         if held is not None and not held[1]:
             referenced.add(held[0])
+        ignored: list[str] = []
         try:
-            info = parse_meta(bucket, m)
+            info = parse_meta(bucket, m, ignored.append)
         except MalformedMeta as e:
             report.findings.append(Finding(BAD_META, m.subject, str(e)))
             continue
+        if not info.deleted:
+            report.findings.extend(Finding(BAD_FIELD, info.name, why) for why in ignored)
         if decode_token(token) is None:
             report.findings.append(Finding(BAD_NAME, info.name, "its meta subject is not base64 of UTF-8"))
         else:

@@ -34,6 +34,7 @@ from .adr20 import (
     chunk_subject,
     format_digest,
     meta_json,
+    metadata_of,
     set_posix_attrs,
     stream_name,
 )
@@ -629,7 +630,7 @@ class Mutations:
         def extra(doc: dict[str, Any]) -> None:
             set_posix_attrs(doc, attrs, defaults)
             if metadata:
-                doc["metadata"] = dict(doc.get("metadata") or {}) | metadata
+                doc["metadata"] = metadata_of(doc) | metadata
 
         try:
             # (Not read back for its timestamp: a new directory's or special file's time is now.)
@@ -671,7 +672,7 @@ class Mutations:
 
         def keep_mtime(doc: dict[str, Any]) -> None:
             # rename(2) keeps a file's mtime, but a new meta message gets a new timestamp.
-            metadata = dict(doc.get("metadata") or {})
+            metadata = metadata_of(doc)
             metadata.setdefault(ATTR_MTIME, str(mtime_ns))
             doc["metadata"] = metadata
 

@@ -174,7 +174,7 @@ class BucketWatcher:
     # ------------------------------------------------------------------ applying metas
     def _apply(self, index: BucketIndex, m: StoredMsg) -> None:
         try:
-            info = parse_meta(self.bucket, m)
+            info = parse_meta(self.bucket, m, self._ignored)
         except MalformedMeta as e:
             log.warning("bucket %s: skipping malformed meta: %s", self.bucket, e)
             self._malformed(index, m)
@@ -204,6 +204,10 @@ class BucketWatcher:
             index.apply_alias(m.subject, info)
             return
         index.apply(info)
+
+    def _ignored(self, why: str) -> None:
+        """A field of a meta the index ignores (see `parse_meta`): one line per meta message applied."""
+        log.warning("bucket %s: %s", self.bucket, why)
 
     def _malformed(self, index: BucketIndex, m: StoredMsg) -> None:
         """An unusable meta replaced whatever its subject held: that object is not there any more."""

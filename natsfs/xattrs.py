@@ -10,6 +10,9 @@ Pure functions over a meta document (the JSON dict of an object's meta) or a buc
 | `user.nats.digest` `.nuid` `.size` `.chunks` `.chunk_size` `.revision` `.bucket` `.name` `.link` | facts | no |
 
 Metadata keys natsfs uses for POSIX attributes (`natsfs.*`) are not shown; `user.natsfs.*` cannot be set.
+Other clients may write any key: one that makes no usable attribute name (a NUL in it, over
+`XATTR_NAME_MAX` bytes with its prefix, not UTF-8, or a metadata key `nats.*` whose name would be in
+natsfs's own `user.nats.` namespace) is left out of listings, so the kernel never refuses a whole list.
 Bucket directories show the bucket's description and metadata the same way, and read-only facts
 (`user.nats.bucket.size`, `.max_bytes`, `.storage`, `.replicas`, `.sealed`, `.compression`, `.ttl`).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from .errors import NatsFSError
@@ -31,6 +35,7 @@ OWN_PREFIX = "natsfs."
 XATTR_CREATE = 1
 XATTR_REPLACE = 2
 ENOATTR = errno.ENODATA
+XATTR_NAME_MAX = 255  # bytes of a whole attribute name, prefix included (longer: ERANGE in the kernel)
 
 
 
@@ -69,13 +74,41 @@ def object_facts(doc: dict[str, Any], revision: int) -> dict[str, str]:
     return {k: v for k, v in facts.items() if v}
 
 
-def list_object(doc: dict[str, Any], revision: int) -> list[bytes]:
-    names = [USER + k for k in sorted(_metadata(doc)) if not k.startswith(OWN_PREFIX)]
+def attribute_name(name: str) -> bytes | None:
+    """`name` as the kernel takes an attribute name (UTF-8, no NUL, at most `XATTR_NAME_MAX` bytes), or
+    None when it cannot be one: the kernel rejects a whole list that holds such a name."""
+    if "\0" in name:
+        return None
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a JSON "\ud800" escape
+        return None
+    return raw if len(raw) <= XATTR_NAME_MAX else None
+
+
+def list_object(doc: dict[str, Any], revision: int, left_out: Callable[[str], None] | None = None) -> list[bytes]:
+    """The attribute names of an object. Keys that make no usable name are left out; `left_out` is told
+    of each name (its repr, cut short)."""
+    # A metadata key `nats.x` would list as `user.nats.x`, a name that reads natsfs's own facts instead.
+    names = [(USER + k, not k.startswith(NS[len(USER):])) for k in sorted(_metadata(doc))
+             if not k.startswith(OWN_PREFIX)]
     if doc.get("description"):
-        names.append(DESCRIPTION)
-    names += [HEADER + h for h in sorted(_headers(doc))]
-    names += [NS + k for k in object_facts(doc, revision)]
-    return [n.encode() for n in names]
+        names.append((DESCRIPTION, True))
+    names += [(HEADER + h, True) for h in sorted(_headers(doc))]
+    out = []
+    for name, addressable in names:
+        raw = attribute_name(name)
+        if raw is None or not addressable:
+            if left_out is not None:
+                left_out(_short_key(name))
+            continue
+        out.append(raw)
+    return out + [(NS + k).encode() for k in object_facts(doc, revision)]
+
+
+def _short_key(name: str) -> str:
+    text = repr(name)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def get_object(doc: dict[str, Any], revision: int, name: str) -> bytes:
@@ -176,8 +209,10 @@ def bucket_facts(config: dict[str, Any], size: int, messages: int) -> dict[str, 
 
 
 def list_bucket(config: dict[str, Any], size: int, messages: int) -> list[bytes]:
-    meta = {k: v for k, v in (config.get("metadata") or {}).items() if not k.startswith("_nats")}
-    names = [USER + k for k in sorted(meta)]
+    meta = config.get("metadata")
+    keys = sorted(k for k in meta if not k.startswith("_nats")) if isinstance(meta, dict) else []
+    # (Keys that make no usable attribute name are left out, as for objects.)
+    names = [USER + k for k in keys if attribute_name(USER + k) is not None and not (USER + k).startswith(NS)]
     if config.get("description"):
         names.append(DESCRIPTION)
     names += [NS + "bucket." + k for k in bucket_facts(config, size, messages)]

@@ -265,6 +265,10 @@ class Filesystem:
         self._dir_gate = _DirTimeGate()
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
+        # Directory entries already logged as skipped by readdir (path, revision): one line each.
+        self._reported_entries: set[tuple[tuple[str, ...], int]] = set()
+        # Versions (bucket, nuid, revision) already logged for keys listxattr leaves out: one line each.
+        self._reported_xattr_keys: set[tuple[str, str, int]] = set()
         self._nursery: trio.Nursery | None = None
         self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
         # Staged files whose bytes belong in lost+found but could not be written there (UNKEPT, see
@@ -587,11 +591,29 @@ class Filesystem:
             staged = self.staging.get(ino)
             node = (self._staged_node(staged) if staged is not None and staged.shown
                     else self.ns.loaded_node(path) or listed)
-            if not reply(os.fsencode(name), self._attr(ino, node), i + 1):
+            try:
+                accepted = reply(os.fsencode(name), self._attr(ino, node), i + 1)
+            except Exception as e:
+                # One entry whose attributes cannot be built or handed over must never hide the rest
+                # of its directory: it is left out (the kernel did not take it: no lookup counted).
+                self._report_skipped_entry(path, node, e)
+                accepted = None
+            if not accepted:
                 if self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
                     self.files.forget_cached_version(ino)
+                if accepted is None:
+                    continue
                 return
             self.inodes.lookup(path)
+
+    def _report_skipped_entry(self, path: tuple[str, ...], node: Node, e: Exception) -> None:
+        key = (path, node.info.revision if node.info is not None else 0)
+        if key in self._reported_entries:
+            return
+        self._reported_entries.add(key)
+        log.error("readdir: %s left out of its directory, its attributes could not be handed over: %r",
+                  "/".join(path), e)
+        log.debug("readdir of %s failed here", "/".join(path), exc_info=e)
 
     def releasedir(self, fh: HandleNo) -> None:
         self.handles.pop(fh)
@@ -1533,7 +1555,15 @@ class Filesystem:
             names += xattrs.list_bucket(st.config, st.size, st.messages)
         elif node.kind in (FILE, LINK):
             doc, revision = await self._meta_doc(node)
-            names += xattrs.list_object(doc, revision)
+            left_out: list[str] = []
+            names += xattrs.list_object(doc, revision, left_out.append)
+            assert node.info is not None and node.bucket is not None
+            key = (node.bucket, node.info.nuid, revision)
+            if left_out and key not in self._reported_xattr_keys:
+                self._reported_xattr_keys.add(key)
+                log.warning("%s/%s: metadata or header keys that make no usable attribute name are not "
+                            "listed as xattrs: %s", node.bucket, node.info.name, ", ".join(left_out[:5])
+                            + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else ""))
         return names
 
     async def setxattr(self, inode: InodeNo, name: bytes, value: bytes) -> None:

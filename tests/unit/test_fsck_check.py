@@ -164,3 +164,24 @@ def test_a_repair_the_bucket_refuses_is_reported_and_the_check_goes_on():
         assert ms.subjects(stream_name("b"))[orphan] == 1
 
     run(body)
+
+
+def test_reports_fields_a_mount_ignores_and_sizes_no_file_can_have():
+    async def body(ms, store, clock):
+        await put_object(ms, "b", "good", b"g", chunk_size=CHUNK)
+        await put_object(ms, "b", "uid", b"u", chunk_size=CHUNK, metadata={"natsfs.uid": str(2**40)})
+        await put_object(ms, "b", "rdev", b"", chunk_size=CHUNK,
+                         metadata={"natsfs.type": "char", "natsfs.rdev": str(2**70)})
+        await put_object(ms, "b", "mtime", b"m", chunk_size=CHUNK, metadata={"natsfs.mtime_ns": "9" * 30})
+        await put_object(ms, "b", "md-list", b"l", chunk_size=CHUNK, metadata=["a"])  # type: ignore[arg-type]
+        nuid = new_nuid()
+        await ms.publish(chunk_subject("b", nuid), b"x")
+        doc = {"name": "size", "bucket": "b", "nuid": nuid, "size": 2**63, "chunks": 1}
+        await ms.publish(meta_subject("b", "size"), json.dumps(doc).encode(), {ROLLUP: "sub"})
+        report = await fsck.check_bucket(store, "b")
+        assert kinds(report, left=True) == [
+            (fsck.BAD_FIELD, "md-list"), (fsck.BAD_FIELD, "mtime"), (fsck.BAD_FIELD, "rdev"),
+            (fsck.BAD_FIELD, "uid"), (fsck.BAD_META, meta_subject("b", "size"))]
+        assert "natsfs.uid '1099511627776'" in next(f for f in report.findings if f.where == "uid").detail
+
+    run(body)

@@ -1,0 +1,257 @@
+"""Metas whose fields other clients wrote wrong (valid JSON of the wrong type or range), through
+natsfs.fs.Operations over MemoryStreams: the bad field is ignored or the object skipped, with one log
+line per version, and neither its directory nor the mutations of the object break."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from typing import Any
+
+import pyfuse3
+import pytest
+from gowriters import fixture_nuid
+from opskit import Env, errno_of
+
+from natsfs.adr20 import ROLLUP, ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, parse_meta
+from natsfs.memstreams import MemoryStreams
+
+UID, GID = 1234, 5678  # the ops_env mount's defaults
+
+
+class Ctx:
+    uid = 1000
+    gid = 1000
+    pid = 1
+    umask = 0o022
+
+
+class Fields:
+    """Stands in for pyfuse3.SetattrFields, whose attributes only the kernel side can set."""
+
+    def __init__(self, **set_: bool):
+        for name in ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid", "update_gid",
+                     "update_size"):
+            setattr(self, name, set_.get(name, False))
+
+
+async def raw_put(ms: MemoryStreams, bucket: str, name: str, data: bytes, **fields: Any) -> None:
+    """A put as nats.go does it, with meta fields replaced by `fields` (whatever their JSON type)."""
+    nuid = fixture_nuid()
+    if data:
+        await ms.publish(chunk_subject(bucket, nuid), data)
+    doc = {"name": name, "bucket": bucket, "nuid": nuid, "size": len(data), "mtime": "0001-01-01T00:00:00Z",
+           "chunks": 1 if data else 0, "digest": digest_of(data)} | fields
+    await ms.publish(meta_subject(bucket, name), meta_json(doc), {ROLLUP: "sub"})
+
+
+async def err(coro: Any) -> int:
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await coro
+    return errno_of(e.value)
+
+
+async def doc_of(env: Env, name: str) -> dict[str, Any]:
+    """The stored meta as other clients read it (not cleaned up as the mount reads it)."""
+    msg = await env.streams.last_msg("OBJ_b", meta_subject("b", name))
+    assert msg is not None
+    return json.loads(msg.data)
+
+
+OUT_OF_RANGE: dict[str, dict[str, Any]] = {
+    "huge-uid": {"metadata": {"natsfs.uid": str(2**40)}},
+    "huge-gid": {"metadata": {"natsfs.gid": str(2**32)}},
+    "huge-rdev": {"metadata": {"natsfs.type": "char", "natsfs.rdev": str(2**70)}},
+    "huge-mtime": {"metadata": {"natsfs.mtime_ns": "9" * 30}},
+    "huge-mode": {"metadata": {"natsfs.mode": "7" * 40}},
+    "negative-uid": {"metadata": {"natsfs.uid": "-5"}},
+}
+
+
+async def hostile_bucket(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    await raw_put(ms, "b", "good-1.txt", b"good one\n")
+    await raw_put(ms, "b", "good-2.txt", b"good two\n")
+    for name, fields in OUT_OF_RANGE.items():
+        await raw_put(ms, "b", name, b"" if "rdev" in name else b"x", **fields)
+    await raw_put(ms, "b", "huge-size", b"x", size=2**63, chunks=1)
+    await raw_put(ms, "b", "huge-chunks", b"x", chunks=2**32)
+
+
+def test_out_of_range_numbers_never_hide_a_directory(ops_env, caplog):
+    caplog.set_level(logging.WARNING)
+
+    async def body(env: Env):
+        b = await env.lookup("b")
+        names = (await env.listdir(b.st_ino)).names
+        assert names == sorted(["good-1.txt", "good-2.txt", *OUT_OF_RANGE])
+        assert await env.cat("b/good-1.txt") == b"good one\n"
+        # A size or chunk count no file can have: the object is skipped like any meta that breaks ADR-20.
+        for name in (b"huge-size", b"huge-chunks"):
+            assert await err(env.ops.lookup(b.st_ino, name, None)) == errno.ENOENT
+        # An attribute out of its kernel type's range is ignored: the default applies.
+        assert (await env.lookup("b/huge-uid")).st_uid == UID
+        assert (await env.lookup("b/huge-gid")).st_gid == GID
+        assert (await env.lookup("b/negative-uid")).st_uid == UID
+        assert (await env.lookup("b/huge-mode")).st_mode & 0o7777 == 0o644
+        rdev = await env.lookup("b/huge-rdev")
+        assert rdev.st_rdev == 0 and rdev.st_mode & 0o170000 == 0o020000
+        mtime = (await env.lookup("b/huge-mtime")).st_mtime_ns
+        assert 0 < mtime < 2**63
+        assert await env.cat("b/huge-uid") == b"x"
+        await env.listdir(b.st_ino)  # listed again: nothing logged again
+
+    ops_env(body, setup=hostile_bucket)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    for name in [*OUT_OF_RANGE, "huge-size", "huge-chunks"]:
+        assert len([m for m in lines if repr(name) in m]) == 1, (name, lines)
+
+
+def test_a_bucket_mount_root_lists_next_to_out_of_range_metas(ops_env):
+    async def body(env: Env):
+        names = (await env.listdir(pyfuse3.ROOT_INODE)).names
+        assert {"good-1.txt", "good-2.txt", "huge-uid", "huge-mtime"} <= set(names)
+
+    ops_env(body, setup=hostile_bucket, bucket="b")
+
+
+@pytest.mark.expect_log("readdir: b/good-1.txt left out of its directory")
+def test_one_entry_that_cannot_be_handed_over_never_aborts_readdir(ops_env, caplog, monkeypatch):
+    """Defence in depth: whatever goes wrong building one entry's attributes, the others are listed."""
+    caplog.set_level(logging.WARNING)
+
+    async def body(env: Env):
+        b = await env.lookup("b")
+        real_attr = env.fs._attr
+
+        def attr(ino, node):
+            if node.info is not None and node.info.name == "good-1.txt":
+                raise OverflowError("value too large to convert")
+            return real_attr(ino, node)
+
+        monkeypatch.setattr(env.fs, "_attr", attr)
+        for _ in range(2):
+            assert "good-1.txt" not in (names := (await env.listdir(b.st_ino)).names)
+            assert "good-2.txt" in names and "huge-uid" in names
+        monkeypatch.setattr(env.fs, "_attr", real_attr)
+        assert "good-1.txt" in (await env.listdir(b.st_ino)).names
+
+    ops_env(body, setup=hostile_bucket)
+    skipped = [r for r in caplog.records if "left out of its directory" in r.getMessage()]
+    assert len(skipped) == 1 and "good-1.txt" in skipped[0].getMessage()
+
+
+# ---------------------------------------------------------------- fields of the wrong JSON type
+WRONG_TYPES: dict[str, dict[str, Any]] = {
+    "md-list": {"metadata": ["a", "b"]},
+    "md-str": {"metadata": "garbage"},
+    "hdr-str": {"headers": "garbage"},
+    "opt-list": {"options": ["x"]},
+    "desc-obj": {"description": {"x": 1}},
+}
+
+
+async def wrong_types(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    for name, fields in WRONG_TYPES.items():
+        await raw_put(ms, "b", name, b"x\n", **fields)
+
+
+def _proper(doc: dict[str, Any]) -> None:
+    """The meta as nats.go can read it: every optional field absent or of its declared type."""
+    for key, kind in (("metadata", dict), ("headers", dict), ("options", dict), ("description", str)):
+        assert key not in doc or isinstance(doc[key], kind), doc
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_TYPES))
+def test_every_mutation_works_on_a_meta_with_fields_of_the_wrong_type(ops_env, caplog, name):
+    caplog.set_level(logging.WARNING)
+
+    async def body(env: Env):
+        b = await env.lookup("b")
+        f = await env.lookup(f"b/{name}")
+        ino = f.st_ino
+        # chmod, chown, utime
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode = 0o100600
+        await env.ops.setattr(ino, attr, Fields(update_mode=True), None, Ctx())
+        attr.st_uid, attr.st_gid = 0, 12345
+        await env.ops.setattr(ino, attr, Fields(update_uid=True, update_gid=True), None, Ctx())
+        attr.st_mtime_ns = 1_700_000_000_000_000_000
+        await env.ops.setattr(ino, attr, Fields(update_mtime=True), None, Ctx())
+        doc = await doc_of(env, name)
+        _proper(doc)
+        assert doc["metadata"] == {"natsfs.mode": "600", "natsfs.uid": "0", "natsfs.gid": "12345",
+                                   "natsfs.mtime_ns": "1700000000000000000"}
+        # setxattr, removexattr
+        await env.ops.setxattr(ino, b"user.k", b"v", Ctx())
+        await env.ops.setxattr(ino, b"user.nats.header.H", b"hv", Ctx())
+        await env.ops.removexattr(ino, b"user.k", Ctx())
+        _proper(await doc_of(env, name))
+        # overwrite at close
+        fi = await env.ops.open(ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        await env.ops.write(fi.fh, 0, b"new bytes")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        assert await env.cat(f"b/{name}") == b"new bytes"
+        _proper(await doc_of(env, name))
+        # truncate(2) on a path nobody holds open
+        attr.st_size = 3
+        await env.ops.setattr(ino, attr, Fields(update_size=True), None, Ctx())
+        assert await env.cat(f"b/{name}") == b"new"
+        # rename, then unlink
+        await env.ops.rename(b.st_ino, name.encode(), b.st_ino, b"renamed", 0, Ctx())
+        _proper(await doc_of(env, "renamed"))
+        assert await env.cat("b/renamed") == b"new"
+        await env.ops.unlink(b.st_ino, b"renamed", Ctx())
+        assert await err(env.ops.lookup(b.st_ino, b"renamed", None)) == errno.ENOENT
+
+    ops_env(body, setup=wrong_types)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r for r in caplog.records if repr(name) in r.getMessage() and "ignored" in r.getMessage()]
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_TYPES))
+def test_rename_and_unlink_of_a_meta_with_fields_of_the_wrong_type(ops_env, name):
+    async def body(env: Env):
+        b = await env.lookup("b")
+        await env.lookup(f"b/{name}")
+        await env.ops.rename(b.st_ino, name.encode(), b.st_ino, b"moved", 0, Ctx())
+        _proper(await doc_of(env, "moved"))
+        assert await env.cat("b/moved") == b"x\n"
+        await env.ops.unlink(b.st_ino, b"moved", Ctx())
+        info = parse_meta("b", await env.streams.last_msg("OBJ_b", meta_subject("b", "moved")))
+        assert info.deleted
+
+    ops_env(body, setup=wrong_types)
+
+
+# ---------------------------------------------------------------- keys that make no attribute name
+async def odd_keys(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    await raw_put(ms, "b", "keys", b"x", metadata={"a\x00b": "v", "k\x00": "v", "L" * 300: "v", "nats.digest": "v",
+                                                   "ok": "fine", "L" * 250: "max"},
+                  headers={"H\x00": ["v"], "Good": ["h"]})
+
+
+def test_listxattr_lists_only_keys_that_make_usable_attribute_names(ops_env, caplog):
+    caplog.set_level(logging.WARNING)
+
+    async def body(env: Env):
+        ino = (await env.lookup("b/keys")).st_ino
+        for _ in range(2):
+            names = await env.ops.listxattr(ino, Ctx())
+            assert all(n and b"\x00" not in n and len(n) <= 255 for n in names), names
+            user = sorted(n for n in names if not n.startswith(b"user.nats.") or n.startswith(b"user.nats.header"))
+            assert user == [b"user." + b"L" * 250, b"user.nats.header.Good", b"user.ok"]
+            assert names.count(b"user.nats.digest") == 1  # the fact, not the metadata key
+            for n in names:  # every listed name reads back
+                await env.ops.getxattr(ino, n, Ctx())
+        assert await env.ops.getxattr(ino, b"user." + b"L" * 250, Ctx()) == b"max"
+
+    ops_env(body, setup=odd_keys)
+    left_out = [r.getMessage() for r in caplog.records if "no usable attribute name" in r.getMessage()]
+    assert len(left_out) == 1 and "'user.a\\x00b'" in left_out[0] and "'user.nats.header.H\\x00'" in left_out[0]
