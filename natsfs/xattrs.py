@@ -15,6 +15,10 @@ Other clients may write any key: one that makes no usable attribute name (a NUL 
 natsfs's own `user.nats.` namespace) is left out of listings, so the kernel never refuses a whole list.
 Bucket directories show the bucket's description and metadata the same way, and read-only facts
 (`user.nats.bucket.size`, `.max_bytes`, `.storage`, `.replicas`, `.sealed`, `.compression`, `.ttl`).
+
+Read-only facts are read by name and never listed (as CephFS does for its virtual attributes): tools
+that copy every listed attribute (`cp -a`, `mv` between buckets, `rsync -X`) would otherwise fail to
+set them on the copy and report an error for each file.
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ def list_object(doc: dict[str, Any], revision: int, left_out: Callable[[str], No
                 left_out(_short_key(name))
             continue
         out.append(raw)
-    return out + [(NS + k).encode() for k in object_facts(doc, revision)]
+    return out  # the read-only facts are left out: see the module docstring
 
 
 def _short_key(name: str) -> str:
@@ -215,7 +219,6 @@ def list_bucket(config: dict[str, Any], size: int, messages: int) -> list[bytes]
     names = [USER + k for k in keys if attribute_name(USER + k) is not None and not (USER + k).startswith(NS)]
     if config.get("description"):
         names.append(DESCRIPTION)
-    names += [NS + "bucket." + k for k in bucket_facts(config, size, messages)]
     return [n.encode() for n in names]
 
 

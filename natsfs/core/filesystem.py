@@ -1549,7 +1549,7 @@ class Filesystem:
 
     async def listxattr(self, inode: InodeNo) -> list[bytes]:
         node = await self._node(inode)
-        names: list[bytes] = [XATTR_STATS] if inode == ROOT_INODE else []
+        names: list[bytes] = []  # (the root's read-only XATTR_STATS is read by name, not listed)
         if node.kind == BUCKET and node.bucket is not None:
             st = await self.ns.store.bucket_status(node.bucket)
             names += xattrs.list_bucket(st.config, st.size, st.messages)

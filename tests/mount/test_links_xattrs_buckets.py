@@ -101,14 +101,35 @@ def test_metadata_from_other_clients_shows_as_xattrs(nats_url, bucket_name, wb):
     p = b / "tagged.txt"
     assert wait_for(lambda: p.exists(), 10)
     names = os.listxattr(p)
-    assert {"user.owner", "user.tier", "user.nats.description", "user.nats.header.Content-Type",
-            "user.nats.digest", "user.nats.revision"} <= set(names)
+    assert {"user.owner", "user.tier", "user.nats.description", "user.nats.header.Content-Type"} <= set(names)
+    assert not {"user.nats.digest", "user.nats.revision"} & set(names)  # read-only facts: read by name
+    assert os.getxattr(p, "user.nats.revision").isdigit()
     assert os.getxattr(p, "user.owner") == b"infra"
     assert os.getxattr(p, "user.nats.description") == b"a tagged file"
     assert os.getxattr(p, "user.nats.header.Content-Type") == b"text/plain"
     if shutil.which("getfattr"):  # the attr package is optional on the test machine
         out = subprocess.run(["getfattr", "-d", str(p)], capture_output=True, text=True)
         assert 'user.owner="infra"' in out.stdout
+
+
+def test_cp_a_and_mv_between_buckets_copy_attributes_without_errors(nats_url, bucket_name, wb):
+    """Tools that copy every listed attribute must not trip over read-only facts (they are not listed),
+    and keep what can be written."""
+    _m, b = wb
+    other = bucket_name + "_2"
+    create_bucket(nats_url, other)
+    o = b.parent / other
+    assert wait_for(lambda: o.exists(), 10)
+    (b / "d").mkdir()
+    (b / "d" / "f.txt").write_bytes(b"data")
+    os.setxattr(b / "d" / "f.txt", "user.color", b"blue")
+    copied = subprocess.run(["cp", "-a", str(b / "d"), str(o / "copy")], capture_output=True, text=True)
+    assert copied.returncode == 0 and copied.stderr == ""
+    assert (o / "copy" / "f.txt").read_bytes() == b"data"
+    assert os.getxattr(o / "copy" / "f.txt", "user.color") == b"blue"
+    moved = subprocess.run(["mv", str(b / "d" / "f.txt"), str(o / "moved.txt")], capture_output=True, text=True)
+    assert moved.returncode == 0 and moved.stderr == ""
+    assert (o / "moved.txt").read_bytes() == b"data" and not (b / "d" / "f.txt").exists()
 
 
 def test_setxattr_is_seen_by_other_clients_and_keeps_their_fields(nats_url, bucket_name, wb):
