@@ -827,6 +827,12 @@ class Staging:
                 return sf
         return None
 
+    def named(self, path: tuple[str, ...], *, subtree: bool = False) -> list[StagedFile]:
+        """Every staged file (in any state but ended) at `path`, or with `subtree` also under it."""
+        if subtree:
+            return [sf for sf in self._by_ino.values() if sf.path[: len(path)] == path and not sf.ended]
+        return [sf for sf in self._by_path.get(path, {}).values() if not sf.ended]
+
     def children(self, path: tuple[str, ...]) -> list[StagedFile]:
         """Staged files directly in directory `path` that the index does not show yet."""
         return [sf for sf in self._by_parent.get(path, {}).values() if sf.shadows_index]

@@ -898,6 +898,10 @@ class Filesystem:
             self.mut.discard_stream(sf)
             kept = sf.keep()
             self.staging.remove(sf)
+            # The kernel's pages of the inode hold the bytes that went to lost+found, not the version it
+            # shows from now on: dropped, or a read would mix the two.
+            self.files.forget_cached_version(ino)
+            self.kernel.inode(ino)
             log.warning("%s/%s: not stored, another client changed it meanwhile; your bytes are kept at %s",
                         sf.bucket, sf.name, kept)
             raise Conflict(f"{e} (kept at {kept})", log_level=logging.DEBUG) from None
@@ -1061,20 +1065,43 @@ class Filesystem:
         if node.kind in (DIR, BUCKET, ROOT):
             raise IsADirectory("/".join(path))
         await self.mut.check_writable(bucket)
-        ino = self.inodes.known(path)
-        sf = self.staging.get(ino) if ino is not None else None
-        stored = await self._index_info(path)
-        open_here = self.files.is_open(ino)
-        with self.files.changing(path):
-            if stored is not None:
-                await self.mut.delete(bucket, stored, keep_chunks=open_here)
-            elif sf is None or sf.ended:
-                raise NotFound("/".join(path))
-        self._forget_open_version(ino, bucket, stored, open_here)
-        if sf is not None and not sf.ended:
-            sf.unlink()
-        self._detach(path)
+        async with self._uploads_settled(path):
+            # (an upload of this file that was in flight has ended: its object is in the index now)
+            ino = self.inodes.known(path)
+            sf = self.staging.get(ino) if ino is not None else None
+            stored = await self._index_info(path)
+            open_here = self.files.is_open(ino)
+            with self.files.changing(path):
+                if stored is not None:
+                    await self.mut.delete(bucket, stored, keep_chunks=open_here)
+                elif sf is None or sf.ended:
+                    raise NotFound("/".join(path))
+            self._forget_open_version(ino, bucket, stored, open_here)
+            if sf is not None and not sf.ended:
+                sf.unlink()
+            self._detach(path)
         self._entries_changed(path[:-1])
+
+    @contextlib.asynccontextmanager
+    async def _uploads_settled(self, *paths: tuple[str, ...], subtree: bool = False) -> AsyncIterator[None]:
+        """Hold the locks of the staged files at `paths` (with `subtree`, also under them) while a rename
+        or unlink changes those names. An upload holds its file's lock from reading the file's name to
+        applying what it stored, so one in flight ends first (its object is then in the index, under the
+        name it had, and is renamed or deleted like any stored object), and none starts until the
+        change is done (it then publishes under the new name, or not at all once unlinked). Without
+        this, an upload that started before the change stored the file under its old name after it,
+        undoing the rename or unlink. Taken in inode order (no two operations wait on each other); a
+        file staged at those paths while waiting is taken too."""
+        while True:
+            wanted = sorted({sf.ino: sf for p in paths for sf in self.staging.named(p, subtree=subtree)}.values(),
+                            key=lambda sf: sf.ino)
+            async with contextlib.AsyncExitStack() as held:
+                for sf in wanted:
+                    await held.enter_async_context(sf.lock)
+                now = {sf.ino: sf for p in paths for sf in self.staging.named(p, subtree=subtree)}
+                if all(any(sf is w for w in wanted) for sf in now.values()):
+                    yield
+                    return
 
     def _forget_open_version(self, ino: InodeNo | None, bucket: str, stored: ObjectInfo | None, open_here: bool
                              ) -> None:
@@ -1163,13 +1190,15 @@ class Filesystem:
         if old == new:
             return
         await self.mut.check_writable(bucket)
-        async with self._dir_gate.changing():
-            src = await self._path_node(old)  # read again: a directory time may have been stored meanwhile
+        async with self._dir_gate.changing(), self._uploads_settled(old, new, subtree=src.kind == DIR):
+            # Read again: a directory time may have been stored, or an upload of a file there may have
+            # ended, meanwhile.
+            src = await self._path_node(old)
             dst = await self._maybe_node(new)
             with self.files.changing(old, new):
                 await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
-        staged_moved = self._move_staged(bucket, old, new)
-        self.inodes.move(old, new)
+            staged_moved = self._move_staged(bucket, old, new)
+            self.inodes.move(old, new)
         if self.writeback is not None:
             for sf in staged_moved:
                 if self.writeback.queued(sf):
