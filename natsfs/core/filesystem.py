@@ -1227,14 +1227,29 @@ class Filesystem:
         target = await self._index_info(new)
         dst_ino = self.inodes.known(new)
         target_open = self.files.is_open(dst_ino)
+        src_sf = self.staging.at_path(old)
+        if src_sf is not None and src_sf.replaces is not None:
+            # A staged file that replaces, at its upload, the object still stored under its name: the name
+            # moves away now, so that object goes now (it is not this file's stored version).
+            if stored is not None:
+                if stored.revision != src_sf.replaces.revision:
+                    raise Conflict(f"{bucket}/{stored.name} was changed by another client meanwhile")
+                await self.mut.delete(bucket, stored)
+            src_sf.replace(None)
+            stored = None
         if stored is not None:
             written = self._written_mtimes.pop((bucket, stored.nuid, stored.revision), None)
             if written is not None:  # the mtime shown (its last write) is the one rename keeps
                 stored = dataclasses.replace(stored, mtime_ns=written)
             await self.mut.rename_object(bucket, stored, "/".join(rel_new), target, keep_target_chunks=target_open)
+        elif target is not None and src_sf is not None and src_sf.base is None and not target_open:
+            # A file that exists only in the staging area replaces an object (an atomic save: write a
+            # temporary file, rename it over): its upload replaces that object, which other clients
+            # keep reading until then (write-back mode: until the background upload lands).
+            src_sf.replace(target)
         elif target is not None:
-            # A file that exists only in the staging area replaces an object: delete that one now;
-            # the staged bytes are stored under the new name when they are closed.
+            # (The replaced object is open here: its handles keep reading it, its chunks are purged at
+            # their last close.) Deleted now; the staged bytes are stored under the new name when closed.
             await self.mut.delete(bucket, target, keep_chunks=target_open)
         self._forget_open_version(dst_ino, bucket, target, target_open)
         dst_sf = self.staging.get(dst_ino) if dst_ino is not None else None
@@ -1250,8 +1265,10 @@ class Filesystem:
                 continue
             path = new + sf.path[len(old):]
             name = "/".join(self.ns.split(path)[1])
-            moved = index.objects.get(name) if index is not None and sf.base is not None else None
-            same = moved is not None and sf.base is not None and moved.nuid == sf.base.nuid
+            # Its stored version (or the object it replaces at its first upload), renamed along with it.
+            follows = sf.base or sf.replaces
+            moved = index.objects.get(name) if index is not None and follows is not None else None
+            same = moved is not None and follows is not None and moved.nuid == follows.nuid
             self.staging.move(sf, path, name, moved if same else None)
             moved_files.append(sf)
         return moved_files

@@ -235,3 +235,99 @@ def test_a_close_refused_as_a_conflict_drops_the_kernels_pages_of_its_bytes(ops_
         assert await env.cat("old") == V1 + b"theirs"
 
     ops_env(body, setup=bucket_b, bucket="b")
+
+
+async def atomic_save(env: Env, data: bytes) -> None:
+    """write a temporary file, fsync, close, rename it over `old` (editors, package managers, git)."""
+    fi = await written(env, "old.tmp", data)
+    await env.ops.fsync(fi.fh, False)
+    await close(env, fi)()
+    await rename(env, "old.tmp", "old")()
+
+
+@pytest.mark.parametrize("write_back", [None, 3600.0])
+def test_an_atomic_save_leaves_the_old_version_readable_until_the_new_one_is_stored(ops_env, write_back):
+    """In write-back mode the temporary file is not stored yet at the rename: other clients keep reading
+    the old version (never ENOENT) until the upload lands, which replaces it (its chunks purged)."""
+    async def body(env: Env):
+        before = await env.store.get_info("b", "old")
+        assert before is not None
+        await atomic_save(env, V2)
+        assert await env.cat("old") == V2 and await gone_here(env, "old.tmp")
+        if write_back is not None:
+            assert await stored(env, "old") == V1  # what other clients read meanwhile
+            assert env.fs.writeback is not None
+            await env.fs.writeback.drain(30)
+        assert await stored(env, "old") == V2
+        assert await gone_there(env, "old.tmp")
+        assert await env.store.chunk_index("b", before.nuid) == []
+        assert await env.cat("old") == V2
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b", **({} if write_back is None else {"write_back": write_back}))
+
+
+def test_a_pending_atomic_save_renamed_on_or_unlinked_takes_the_replaced_object_along(ops_env):
+    """Write-back: the saved file, not stored yet, is renamed again (the object it replaces goes with
+    its name), its directory is renamed (it still replaces that object, under the new name), or it is
+    unlinked (the object goes too)."""
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        await atomic_save(env, V2)
+        await rename(env, "old", "moved")()
+        assert await gone_there(env, "old") and await gone_here(env, "old")
+        await put_object(env.streams, "b", "d/x", V1)
+        await env.settle()
+        fi = await written(env, "d/x.tmp", NEW)
+        await close(env, fi)()
+        await rename(env, "d/x.tmp", "d/x")()
+        await rename(env, "d", "e")()
+        assert await stored(env, "e/x") == V1
+        await put_object(env.streams, "b", "gone", V1)
+        await env.settle()
+        fi = await written(env, "gone.tmp", NEW)
+        await close(env, fi)()
+        await rename(env, "gone.tmp", "gone")()
+        await unlink(env, "gone")()
+        assert await gone_there(env, "gone")
+        await env.fs.writeback.drain(30)
+        await env.settle()
+        assert await stored(env, "moved") == V2 and await env.cat("moved") == V2
+        assert await stored(env, "e/x") == NEW and await env.cat("e/x") == NEW
+        assert await gone_there(env, "gone") and await gone_here(env, "gone")
+        assert await gone_there(env, "old") and await gone_there(env, "d/x")
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=3600.0)
+
+
+def test_a_pending_atomic_save_is_replayed_as_a_replacement(ops_env):
+    """The daemon dies after the rename, before the upload: the next mount still replaces the object
+    (the journal record says which revision it replaces), nothing goes to lost+found."""
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await atomic_save(env, V2)
+        assert await stored(env, "old") == V1
+
+    async def second(env: Env):
+        with trio.fail_after(10):
+            while await stored(env, "old") != V2:
+                await trio.sleep(0.01)
+        assert await env.cat("old") == V2
+        assert lost_and_found(env) == []
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=3600.0)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+
+
+def test_a_file_renamed_over_an_object_before_its_close_replaces_it_at_the_close(ops_env):
+    async def body(env: Env):
+        fi = await written(env, "old.tmp", V2)
+        await rename(env, "old.tmp", "old")()
+        assert await stored(env, "old") == V1 and await env.cat("old") == V2
+        await close(env, fi)()
+        assert await stored(env, "old") == V2 and await env.cat("old") == V2
+        assert await gone_there(env, "old.tmp") and lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")
