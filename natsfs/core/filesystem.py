@@ -1093,13 +1093,11 @@ class Filesystem:
         undoing the rename or unlink. Taken in inode order (no two operations wait on each other); a
         file staged at those paths while waiting is taken too."""
         while True:
-            wanted = sorted({sf.ino: sf for p in paths for sf in self.staging.named(p, subtree=subtree)}.values(),
-                            key=lambda sf: sf.ino)
+            wanted = {id(sf): sf for p in paths for sf in self.staging.named(p, subtree=subtree)}
             async with contextlib.AsyncExitStack() as held:
-                for sf in wanted:
+                for sf in sorted(wanted.values(), key=lambda sf: sf.ino):
                     await held.enter_async_context(sf.lock)
-                now = {sf.ino: sf for p in paths for sf in self.staging.named(p, subtree=subtree)}
-                if all(any(sf is w for w in wanted) for sf in now.values()):
+                if all(id(sf) in wanted for p in paths for sf in self.staging.named(p, subtree=subtree)):
                     yield
                     return
 
