@@ -426,6 +426,13 @@ class Mutations:
         base_doc = None
         expected, old_nuid = sf.base_revision, sf.base.nuid if sf.base is not None else ""
         replace_tombstone = sf.base is None
+        replaced = sf.replaces if sf.base is None else None
+        if replaced is not None:
+            # Renamed over a stored object before this first upload: the put replaces that object (a new
+            # document, nothing of the replaced one's kept), as a rewrite replaces its base. Another
+            # client's change of it meanwhile is a conflict.
+            expected, replace_tombstone = replaced.revision, False
+            old_nuid = "" if self._shared_nuid(self.ns.loaded_index(sf.bucket), replaced) else replaced.nuid
         unsettled = self._unsettled_nuid(sf.bucket, sf.name)
         if sf.base is not None or unsettled:
             got = await self.store.get_meta_doc(sf.bucket, sf.name)
@@ -496,7 +503,8 @@ class Mutations:
         already (killed between the put and the journal's `done`): the name holds a newer version than
         the record's base with exactly these bytes (size and digest). That object is this upload."""
         info = await self.store.get_info(sf.bucket, sf.name)
-        if info is None or info.deleted or info.revision == sf.base_revision or info.size != sf.size:
+        if (info is None or info.deleted or info.revision == sf.base_revision or info.size != sf.size
+                or (sf.replaces is not None and info.revision == sf.replaces.revision)):
             return None
         digest = await trio.to_thread.run_sync(_digest_of_file, sf.fd, sf.size)
         if info.digest != format_digest(digest):

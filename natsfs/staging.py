@@ -27,7 +27,8 @@ of `keep` writes them to lost+found; lost+found never holds a partial copy (writ
 name, renamed once complete). Copy-on-write progress (`copied`) and a streaming upload (the session
 and the offset claimed so far, a part of DIRTY: `may_stream`, `claim_stream`, `break_stream`) are the
 other facts a resumed upload needs. The write-back journal (`natsfs.journal`) persists exactly this
-(`journal_entry`): the spool file's id, bucket, name, base version and revision, the state's value (a
+(`journal_entry`): the spool file's id, bucket, name, base version and revision, the stored object it
+replaces (`replaces`: renamed over one before its first upload), the state's value (a
 plain string), `copied`, the POSIX attributes and the xattr changes (data, not callbacks); after a crash
 (`resume`) DIRTY resumes as DIRTY, UPLOADING too (the put journal settles a put whose meta may have been
 stored: `Mutations.upload` recognises its nuid), and only files that are DIRTY or UPLOADING are recorded.
@@ -340,6 +341,14 @@ def restore_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def _version_entry(info: ObjectInfo | None) -> dict[str, Any] | None:
+    """What the write-back journal keeps of a stored version (the `ObjectInfo` fields of `resume`)."""
+    if info is None:
+        return None
+    return {"nuid": info.nuid, "size": info.size, "chunks": info.chunks, "digest": info.digest,
+            "mtime_ns": info.mtime_ns, "revision": info.revision, "chunk_size": info.chunk_size}
+
+
 class WriteState(enum.StrEnum):
     """Where a staged file is on its way to the bucket (see the module's design note)."""
 
@@ -391,6 +400,9 @@ class StagedFile:
         self.name = name
         self.base = base  # the version this content started from (None: a new name)
         self.base_revision = base.revision if base is not None else 0
+        # A stored object this file (never stored itself) was renamed over: its upload replaces that one
+        # (expecting its revision, purging its chunks), so other clients read it until then (`replace`).
+        self.replaces: ObjectInfo | None = None
         # In memory (`to_memory`): `fd` is an anonymous memory file and `spool_path` may no longer exist.
         self.in_memory = False
         self._memory_charge = 0
@@ -514,14 +526,11 @@ class StagedFile:
     def journal_entry(self, data: bytes | None = None) -> dict[str, Any]:
         """What the write-back journal keeps of it: all an upload after a crash needs (plain data);
         `data`, the whole content of a small file, makes the record alone durable (no spool sync)."""
-        base = self.base
         inline = {} if data is None else {"data": base64.b64encode(data).decode()}
-        return inline | {
+        replaces = {} if self.replaces is None else {"replaces": _version_entry(self.replaces)}
+        return inline | replaces | {
             "id": self.entry_id, "bucket": self.bucket, "name": self.name, "state": self.state.value,
-            "copied": self.copied, "size": self.size,
-            "base": None if base is None else {"nuid": base.nuid, "size": base.size, "chunks": base.chunks,
-                                               "digest": base.digest, "mtime_ns": base.mtime_ns,
-                                               "revision": base.revision, "chunk_size": base.chunk_size},
+            "copied": self.copied, "size": self.size, "base": _version_entry(self.base),
             "base_revision": self.base_revision, "mode": self.mode, "uid": self.uid, "gid": self.gid,
             "mtime_ns": self.mtime_ns, "mtime_explicit": self.mtime_explicit,
             "xattrs": [[k, None if v is None else base64.b64encode(v).decode()] for k, v in self.xattr_changes],
@@ -531,7 +540,7 @@ class StagedFile:
     def resume(cls, spool: Spool, entry: dict[str, Any], *, ino: int, path: tuple[str, ...]) -> StagedFile:
         """A file closed in write-back mode by an earlier run, from its journal entry and spool file: DIRTY
         again (an upload that was running is settled by the put journal, see `Mutations.upload`)."""
-        b = entry["base"]
+        b, r = entry["base"], entry.get("replaces")
         base = None if b is None else ObjectInfo(bucket=entry["bucket"], name=entry["name"], **b)
         if "data" in entry:  # the bytes the close made durable (the spool file was not synced)
             restore_file(spool.dir / entry["id"], base64.b64decode(entry["data"]))
@@ -543,6 +552,8 @@ class StagedFile:
         sf.mtime_explicit = bool(entry["mtime_explicit"])
         sf.xattr_changes = [(k, None if v is None else base64.b64decode(v)) for k, v in entry["xattrs"]]
         sf.resumed = True
+        if r is not None:
+            sf.replaces = ObjectInfo(bucket=entry["bucket"], name=entry["name"], **r)
         return sf
 
     def read_all(self) -> bytes:
@@ -630,11 +641,20 @@ class StagedFile:
         self.base_revision = info.revision
 
     def move(self, path: tuple[str, ...], name: str, renamed: ObjectInfo | None) -> None:
-        """Renamed (by this mount): it now lives at `path`; `renamed` is its stored version's new meta."""
+        """Renamed (by this mount): it now lives at `path`; `renamed` is its stored version's new meta
+        (or, for a file that replaces an object at its first upload, that object's new meta)."""
         self.path = path
         self.name = name
-        if renamed is not None:
+        if renamed is not None and self.base is None:
+            self.replaces = renamed
+        elif renamed is not None:
             self.rebase(renamed)
+
+    def replace(self, target: ObjectInfo | None) -> None:
+        """Renamed over the stored object `target` before its first upload (None: no longer, the object
+        was deleted): the upload replaces it."""
+        assert self.base is None
+        self.replaces = target
 
     def unlink(self) -> None:
         """Deleted or replaced while open: writes through open handles now go nowhere, as on a local disk."""
@@ -652,6 +672,7 @@ class StagedFile:
     def stored(self, info: ObjectInfo, xattrs_stored: int) -> None:
         """The upload stored `info` (with the first `xattrs_stored` xattr changes)."""
         self.rebase(info)
+        self.replaces = None
         del self.xattr_changes[:xattrs_stored]
         if self.state is WriteState.UPLOADING:
             self._to(WriteState.STORED)
@@ -859,6 +880,12 @@ class Staging:
             if sf.shadows_index:
                 return sf
         return None
+
+    def named(self, path: tuple[str, ...], *, subtree: bool = False) -> list[StagedFile]:
+        """Every staged file (in any state but ended) at `path`, or with `subtree` also under it."""
+        if subtree:
+            return [sf for sf in self._by_ino.values() if sf.path[: len(path)] == path and not sf.ended]
+        return [sf for sf in self._by_path.get(path, {}).values() if not sf.ended]
 
     def children(self, path: tuple[str, ...]) -> list[StagedFile]:
         """Staged files directly in directory `path` that the index does not show yet."""

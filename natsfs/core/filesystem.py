@@ -1007,6 +1007,10 @@ class Filesystem:
             self.counters["conflicts"] += 1
             self.mut.discard_stream(sf)
             self.staging.remove(sf)
+            # The kernel's pages of the inode hold the bytes that went to lost+found, not the version it
+            # shows from now on: dropped, or a read would mix the two.
+            self.files.forget_cached_version(ino)
+            self.kernel.inode(ino)
             kept = self._keep(sf)
             if kept is None:  # (logged) the caller learns that the local disk is full: ENOSPC
                 raise NotKept(f"{e}; the local disk refused the copy for lost+found", log_level=logging.DEBUG) from None
@@ -1188,20 +1192,41 @@ class Filesystem:
         if node.kind in (DIR, BUCKET, ROOT):
             raise IsADirectory("/".join(path))
         await self.mut.check_writable(bucket)
-        ino = self.inodes.known(path)
-        sf = self.staging.get(ino) if ino is not None else None
-        stored = await self._index_info(path)
-        open_here = self.files.is_open(ino)
-        with self.files.changing(path):
-            if stored is not None:
-                await self.mut.delete(bucket, stored, keep_chunks=open_here)
-            elif sf is None or sf.ended:
-                raise NotFound("/".join(path))
-        self._forget_open_version(ino, bucket, stored, open_here)
-        if sf is not None and not sf.ended:
-            sf.unlink()
-        self._detach(path)
+        async with self._uploads_settled(path):
+            # (an upload of this file that was in flight has ended: its object is in the index now)
+            ino = self.inodes.known(path)
+            sf = self.staging.get(ino) if ino is not None else None
+            stored = await self._index_info(path)
+            open_here = self.files.is_open(ino)
+            with self.files.changing(path):
+                if stored is not None:
+                    await self.mut.delete(bucket, stored, keep_chunks=open_here)
+                elif sf is None or sf.ended:
+                    raise NotFound("/".join(path))
+            self._forget_open_version(ino, bucket, stored, open_here)
+            if sf is not None and not sf.ended:
+                sf.unlink()
+            self._detach(path)
         self._entries_changed(path[:-1])
+
+    @contextlib.asynccontextmanager
+    async def _uploads_settled(self, *paths: tuple[str, ...], subtree: bool = False) -> AsyncIterator[None]:
+        """Hold the locks of the staged files at `paths` (with `subtree`, also under them) while a rename
+        or unlink changes those names. An upload holds its file's lock from reading the file's name to
+        applying what it stored, so one in flight ends first (its object is then in the index, under the
+        name it had, and is renamed or deleted like any stored object), and none starts until the
+        change is done (it then publishes under the new name, or not at all once unlinked). Without
+        this, an upload that started before the change stored the file under its old name after it,
+        undoing the rename or unlink. Taken in inode order (no two operations wait on each other); a
+        file staged at those paths while waiting is taken too."""
+        while True:
+            wanted = {id(sf): sf for p in paths for sf in self.staging.named(p, subtree=subtree)}
+            async with contextlib.AsyncExitStack() as held:
+                for sf in sorted(wanted.values(), key=lambda sf: sf.ino):
+                    await held.enter_async_context(sf.lock)
+                if all(id(sf) in wanted for p in paths for sf in self.staging.named(p, subtree=subtree)):
+                    yield
+                    return
 
     def _forget_open_version(self, ino: InodeNo | None, bucket: str, stored: ObjectInfo | None, open_here: bool
                              ) -> None:
@@ -1299,13 +1324,15 @@ class Filesystem:
         if old == new:
             return
         await self.mut.check_writable(bucket)
-        async with self._dir_gate.changing():
-            src = await self._path_node(old)  # read again: a directory time may have been stored meanwhile
+        async with self._dir_gate.changing(), self._uploads_settled(old, new, subtree=src.kind == DIR):
+            # Read again: a directory time may have been stored, or an upload of a file there may have
+            # ended, meanwhile.
+            src = await self._path_node(old)
             dst = await self._maybe_node(new)
             with self.files.changing(old, new):
                 await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
-        staged_moved = self._move_staged(bucket, old, new)
-        self.inodes.move(old, new)
+            staged_moved = self._move_staged(bucket, old, new)
+            self.inodes.move(old, new)
         if self.writeback is not None:
             for sf in staged_moved:
                 if self.writeback.queued(sf):
@@ -1334,14 +1361,29 @@ class Filesystem:
         target = await self._index_info(new)
         dst_ino = self.inodes.known(new)
         target_open = self.files.is_open(dst_ino)
+        src_sf = self.staging.at_path(old)
+        if src_sf is not None and src_sf.replaces is not None:
+            # A staged file that replaces, at its upload, the object still stored under its name: the name
+            # moves away now, so that object goes now (it is not this file's stored version).
+            if stored is not None:
+                if stored.revision != src_sf.replaces.revision:
+                    raise Conflict(f"{bucket}/{stored.name} was changed by another client meanwhile")
+                await self.mut.delete(bucket, stored)
+            src_sf.replace(None)
+            stored = None
         if stored is not None:
             written = self._written_mtimes.pop((bucket, stored.nuid, stored.revision), None)
             if written is not None:  # the mtime shown (its last write) is the one rename keeps
                 stored = dataclasses.replace(stored, mtime_ns=written)
             await self.mut.rename_object(bucket, stored, "/".join(rel_new), target, keep_target_chunks=target_open)
+        elif target is not None and src_sf is not None and src_sf.base is None and not target_open:
+            # A file that exists only in the staging area replaces an object (an atomic save: write a
+            # temporary file, rename it over): its upload replaces that object, which other clients
+            # keep reading until then (write-back mode: until the background upload lands).
+            src_sf.replace(target)
         elif target is not None:
-            # A file that exists only in the staging area replaces an object: delete that one now;
-            # the staged bytes are stored under the new name when they are closed.
+            # (The replaced object is open here: its handles keep reading it, its chunks are purged at
+            # their last close.) Deleted now; the staged bytes are stored under the new name when closed.
             await self.mut.delete(bucket, target, keep_chunks=target_open)
         self._forget_open_version(dst_ino, bucket, target, target_open)
         dst_sf = self.staging.get(dst_ino) if dst_ino is not None else None
@@ -1357,8 +1399,10 @@ class Filesystem:
                 continue
             path = new + sf.path[len(old):]
             name = "/".join(self.ns.split(path)[1])
-            moved = index.objects.get(name) if index is not None and sf.base is not None else None
-            same = moved is not None and sf.base is not None and moved.nuid == sf.base.nuid
+            # Its stored version (or the object it replaces at its first upload), renamed along with it.
+            follows = sf.base or sf.replaces
+            moved = index.objects.get(name) if index is not None and follows is not None else None
+            same = moved is not None and follows is not None and moved.nuid == follows.nuid
             self.staging.move(sf, path, name, moved if same else None)
             moved_files.append(sf)
         return moved_files

@@ -295,6 +295,59 @@ def test_rename_is_metadata_only_and_replaces_the_target(nats_url, bucket_name, 
     assert sorted(os.listdir(b)) == ["b.bin"]
 
 
+def test_a_rename_or_unlink_racing_the_files_close_holds(nats_url, bucket_name, wb):
+    """A second thread renames (or unlinks) a file, or its directory, while its close is uploading it.
+    Whatever the interleaving, as on a local disk: both calls return 0, the new name
+    holds the bytes here and for other clients, the old name is gone (an unlinked file stays gone), a
+    rewritten file is never ESTALE nor a mix of its versions. (Before the fix the upload stored under the
+    old name after the rename, and brought unlinked files back, in about half of the rounds.)"""
+    import threading
+
+    _m, b = wb
+    v1, v2 = b"1" * 300_000, b"2" * 300_000
+
+    def race(path, data: bytes, change) -> tuple[object, object]:
+        results: dict[str, object] = {}
+        f = open(path, "r+b" if path.exists() else "wb")  # noqa: SIM115 - closed by the race itself
+        f.write(data)
+
+        def other():
+            try:
+                change()
+                results["change"] = 0
+            except OSError as e:
+                results["change"] = e.errno
+
+        t = threading.Thread(target=other)
+        t.start()
+        try:
+            f.close()
+            results["close"] = 0
+        except OSError as e:
+            results["close"] = e.errno
+        t.join()
+        return results["close"], results["change"]
+
+    for i in range(8):
+        (b / f"e{i}").write_bytes(v1)
+    for i in range(8):
+        new = b / f"n{i}"
+        assert race(new, v2, lambda new=new, i=i: os.rename(new, b / f"g{i}")) == (0, 0)
+        assert race(b / f"e{i}", v2, lambda i=i: os.rename(b / f"e{i}", b / f"h{i}")) == (0, 0)
+        gone = b / f"u{i}"
+        assert race(gone, v2, lambda gone=gone: os.unlink(gone)) == (0, 0)
+        (b / f"d{i}").mkdir()
+        assert race(b / f"d{i}" / "f", v2, lambda i=i: os.rename(b / f"d{i}", b / f"D{i}")) == (0, 0)
+    for i in range(8):
+        for name in (f"g{i}", f"h{i}", f"D{i}/f"):
+            assert (b / name).read_bytes() == v2, name
+            assert nats_py_get(nats_url, bucket_name, name) == v2, name
+        for name in (f"n{i}", f"e{i}", f"u{i}", f"d{i}/f"):
+            assert not (b / name).exists(), name
+            meta = meta_json(nats_url, bucket_name, name)
+            assert meta is None or meta.get("deleted"), name
+
+
 def test_directory_rename_moves_everything(nats_url, bucket_name, wb):
     m, b = wb
     (b / "src" / "sub").mkdir(parents=True)

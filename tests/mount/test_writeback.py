@@ -230,3 +230,23 @@ def test_a_replayed_upload_never_overwrites_another_clients_newer_version(nats_u
     kept = list((spool_root(m.cache_dir, m.path.resolve()) / "lost+found" / bucket_name).iterdir())
     assert [p.read_bytes() for p in kept] == [b"my pending version"]
     assert wait_for(lambda: (m / "shared.txt").read_bytes() == b"their newer version", 10)
+
+
+def test_an_atomic_save_leaves_the_old_version_readable_for_other_clients_until_it_is_stored(
+        nats_url, bucket_name, mounter):
+    """write a temporary file, fsync, rename it over the file (an editor's save): until the upload lands,
+    other clients read the old version, never nothing; then the new one, and the old chunks are gone."""
+    create_bucket(nats_url, bucket_name)
+    nats_py_put(nats_url, bucket_name, "doc.txt", b"old version\n" * 1000, create=False)
+    m = mounter(nats_url, "--bucket", bucket_name, LATER)
+    tmp = m.path / "doc.txt.tmp"
+    with open(tmp, "wb") as f:
+        f.write(b"new version\n" * 1200)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, m.path / "doc.txt")
+    assert (m.path / "doc.txt").read_bytes() == b"new version\n" * 1200
+    assert in_bucket(nats_url, bucket_name, "doc.txt") == b"old version\n" * 1000
+    assert umount(m).returncode == 0
+    assert in_bucket(nats_url, bucket_name, "doc.txt") == b"new version\n" * 1200
+    assert in_bucket(nats_url, bucket_name, "doc.txt.tmp") is None

@@ -1,0 +1,333 @@
+"""A rename or unlink that runs while the same file is being uploaded (by its close, or by the write-back
+uploader) holds, as on a local disk: the upload is held right at its put (`Held`), the rename or unlink
+is started, the put is let go, and then the mount and the bucket must agree on the outcome: the bytes
+under the new name only, or nowhere after an unlink; the close returns 0 (no false ESTALE) and nothing
+goes to lost+found."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Awaitable, Callable
+
+import pyfuse3
+import pytest
+import trio
+from gowriters import put_object
+from opskit import ROOT, Env, errno_of
+from test_ops_coherence import Held
+from test_ops_write import Ctx, stored
+
+from natsfs.adr20 import BytesSource, ObjectStore
+from natsfs.memstreams import MemoryStreams
+
+V1 = b"version one\n" * 25_000  # 300 KB: several chunks
+V2 = b"VERSION TWO\n" * 25_000
+NEW = os.urandom(300_000)
+
+
+async def bucket_b(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    await store.put("b", "d/", BytesSource(b""), expected_revision=0)  # a directory "d" with a marker
+    await put_object(ms, "b", "old", V1)
+
+
+async def gone_here(env: Env, path: str) -> bool:
+    try:
+        await env.lookup(path)
+    except pyfuse3.FUSEError as e:
+        return errno_of(e) == errno.ENOENT
+    return False
+
+
+async def gone_there(env: Env, name: str) -> bool:
+    info = await env.store.get_info("b", name)
+    return info is None or info.deleted
+
+
+async def ino_of(env: Env, path: str) -> int:
+    return (await env.lookup(path)).st_ino if path else ROOT
+
+
+async def while_put_held(monkeypatch: pytest.MonkeyPatch, env: Env, upload: Callable[[], Awaitable[None]],
+                         change: Callable[[], Awaitable[None]]) -> list[str]:
+    """Run `upload()` until its put is under way, start `change()`, let the put go; both must succeed.
+    Returns what ended, in order."""
+    hold = Held(monkeypatch, env.store, "put_file")
+    ended: list[str] = []
+
+    async def run(what: str, op: Callable[[], Awaitable[None]]) -> None:
+        await op()
+        ended.append(what)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, "upload", upload)
+        await hold.held.wait()
+        nursery.start_soon(run, "change", change)
+        await env.settle()  # the change runs as far as it can while the put is held
+        hold.release()
+    return ended
+
+
+async def written(env: Env, path: str, data: bytes, *, rewrite: bool = False) -> pyfuse3.FileInfo:
+    """A handle of `path` holding `data`, not closed yet."""
+    if rewrite:
+        fi = await env.ops.open(await ino_of(env, path), os.O_WRONLY | os.O_TRUNC, Ctx())
+    else:
+        parent, _, name = path.rpartition("/")
+        fi, _ = await env.ops.create(await ino_of(env, parent), name.encode(), 0o644, os.O_WRONLY | os.O_CREAT,
+                                     Ctx())
+    assert await env.ops.write(fi.fh, 0, data) == len(data)
+    return fi
+
+
+def lost_and_found(env: Env) -> list[str]:
+    root = env.fs.staging.spool.lost_found
+    return [str(p) for p in root.rglob("*") if p.is_file()] if root.exists() else []
+
+
+def rename(env: Env, old: str, new: str) -> Callable[[], Awaitable[None]]:
+    async def go() -> None:
+        o_parent, _, o_name = old.rpartition("/")
+        n_parent, _, n_name = new.rpartition("/")
+        await env.ops.rename(await ino_of(env, o_parent), o_name.encode(), await ino_of(env, n_parent),
+                             n_name.encode(), 0, Ctx())
+    return go
+
+
+def unlink(env: Env, path: str) -> Callable[[], Awaitable[None]]:
+    async def go() -> None:
+        parent, _, name = path.rpartition("/")
+        await env.ops.unlink(await ino_of(env, parent), name.encode(), Ctx())
+    return go
+
+
+def close(env: Env, fi: pyfuse3.FileInfo) -> Callable[[], Awaitable[None]]:
+    async def go() -> None:
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+    return go
+
+
+def test_a_new_file_renamed_while_its_close_uploads_it_is_stored_under_the_new_name(ops_env, monkeypatch):
+    async def body(env: Env):
+        fi = await written(env, "f", NEW)
+        await while_put_held(monkeypatch, env, close(env, fi), rename(env, "f", "g"))
+        await env.settle()
+        assert await gone_here(env, "f") and await gone_there(env, "f")
+        assert await stored(env, "g") == NEW
+        assert await env.cat("g") == NEW
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+def test_a_rewritten_file_renamed_while_its_close_uploads_it_keeps_the_new_version(ops_env, monkeypatch):
+    """Before the fix the close failed with ESTALE (v2 went to lost+found), the bucket kept v1 under the
+    new name, and this mount read a mix of both versions there."""
+    async def body(env: Env):
+        ino = await ino_of(env, "old")
+        assert await env.read_all(ino) == V1
+        fi = await written(env, "old", V2, rewrite=True)
+        await while_put_held(monkeypatch, env, close(env, fi), rename(env, "old", "g"))
+        await env.settle()
+        assert await gone_here(env, "old") and await gone_there(env, "old")
+        assert await stored(env, "g") == V2
+        assert await env.cat("g") == V2
+        assert lost_and_found(env) == []
+        assert env.fs.counters["conflicts"] == 0
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+def test_a_directory_renamed_while_a_file_in_it_is_uploaded_takes_the_file_along(ops_env, monkeypatch):
+    async def body(env: Env):
+        fi = await written(env, "d/f", NEW)
+        await while_put_held(monkeypatch, env, close(env, fi), rename(env, "d", "e"))
+        await env.settle()
+        assert await gone_here(env, "d") and await gone_there(env, "d/f") and await gone_there(env, "d/")
+        assert await stored(env, "e/f") == NEW
+        assert await env.cat("e/f") == NEW
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+def test_a_file_unlinked_while_its_close_uploads_it_stays_deleted(ops_env, monkeypatch):
+    async def body(env: Env):
+        fi = await written(env, "f", NEW)
+        await while_put_held(monkeypatch, env, close(env, fi), unlink(env, "f"))
+        await env.settle()
+        assert await gone_here(env, "f") and await gone_there(env, "f")
+        assert "f" not in (await env.listdir(ROOT)).names
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+def test_a_rename_over_a_file_whose_close_uploads_it_replaces_the_new_version(ops_env, monkeypatch):
+    """The target's upload ends first: the rename replaces what it stored (no ESTALE for either)."""
+    async def body(env: Env):
+        src = await written(env, "src", NEW)
+        await close(env, src)()
+        fi = await written(env, "old", V2, rewrite=True)
+        await while_put_held(monkeypatch, env, close(env, fi), rename(env, "src", "old"))
+        await env.settle()
+        assert await gone_here(env, "src") and await gone_there(env, "src")
+        assert await stored(env, "old") == NEW
+        assert await env.cat("old") == NEW
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+@pytest.mark.parametrize("change", ["rename", "unlink"])
+def test_write_back_rename_or_unlink_during_the_background_upload_holds(ops_env, monkeypatch, change):
+    async def body(env: Env):
+        fi = await written(env, "d/f", NEW)
+        await close(env, fi)()  # journalled; the uploader starts it in the background
+
+        async def upload() -> None:
+            assert env.fs.writeback is not None
+            await env.fs.writeback.drain(30)
+
+        op = rename(env, "d", "e") if change == "rename" else unlink(env, "d/f")
+        await while_put_held(monkeypatch, env, upload, op)
+        await env.fs.writeback.drain(30)  # type: ignore[union-attr]
+        await env.settle()
+        assert await gone_here(env, "d/f") and await gone_there(env, "d/f")
+        if change == "rename":
+            assert await stored(env, "e/f") == NEW
+            assert await env.cat("e/f") == NEW
+        else:
+            assert await gone_there(env, "e/f")
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)
+
+
+@pytest.mark.expect_log("b/old: not stored, another client changed it meanwhile")
+def test_a_close_refused_as_a_conflict_drops_the_kernels_pages_of_its_bytes(ops_env, monkeypatch):
+    """Another client's version lands while this mount's put is under way (the watch then only drops
+    attributes: the pages were this mount's own writes). The put is refused, the bytes go to lost+found,
+    and the inode shows the other version from now on: the kernel must not keep serving the lost+found
+    bytes from its pages (a mix of two versions where the sizes differ only in the last page)."""
+    async def body(env: Env):
+        ino = await ino_of(env, "old")
+        fi = await written(env, "old", V2, rewrite=True)
+        hold = Held(monkeypatch, env.store, "put_file")
+        failed: list[int] = []
+
+        async def close_it() -> None:
+            try:
+                await env.ops.flush(fi.fh)
+            except pyfuse3.FUSEError as e:
+                failed.append(errno_of(e))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close_it)
+            await hold.held.wait()
+            await put_object(env.streams, "b", "old", V1 + b"theirs")
+            await env.settle()
+            env.fs.kernel.sent.clear()
+            hold.release()
+        await env.ops.release(fi.fh)
+        assert failed == [errno.ESTALE]
+        assert ("inode", ino, None) in env.fs.kernel.sent
+        assert await env.cat("old") == V1 + b"theirs"
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+async def atomic_save(env: Env, data: bytes) -> None:
+    """write a temporary file, fsync, close, rename it over `old` (editors, package managers, git)."""
+    fi = await written(env, "old.tmp", data)
+    await env.ops.fsync(fi.fh, False)
+    await close(env, fi)()
+    await rename(env, "old.tmp", "old")()
+
+
+@pytest.mark.parametrize("write_back", [None, 3600.0])
+def test_an_atomic_save_leaves_the_old_version_readable_until_the_new_one_is_stored(ops_env, write_back):
+    """In write-back mode the temporary file is not stored yet at the rename: other clients keep reading
+    the old version (never ENOENT) until the upload lands, which replaces it (its chunks purged)."""
+    async def body(env: Env):
+        before = await env.store.get_info("b", "old")
+        assert before is not None
+        await atomic_save(env, V2)
+        assert await env.cat("old") == V2 and await gone_here(env, "old.tmp")
+        if write_back is not None:
+            assert await stored(env, "old") == V1  # what other clients read meanwhile
+            assert env.fs.writeback is not None
+            await env.fs.writeback.drain(30)
+        assert await stored(env, "old") == V2
+        assert await gone_there(env, "old.tmp")
+        assert await env.store.chunk_index("b", before.nuid) == []
+        assert await env.cat("old") == V2
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b", **({} if write_back is None else {"write_back": write_back}))
+
+
+def test_a_pending_atomic_save_renamed_on_or_unlinked_takes_the_replaced_object_along(ops_env):
+    """Write-back: the saved file, not stored yet, is renamed again (the object it replaces goes with
+    its name), its directory is renamed (it still replaces that object, under the new name), or it is
+    unlinked (the object goes too)."""
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        await atomic_save(env, V2)
+        await rename(env, "old", "moved")()
+        assert await gone_there(env, "old") and await gone_here(env, "old")
+        await put_object(env.streams, "b", "d/x", V1)
+        await env.settle()
+        fi = await written(env, "d/x.tmp", NEW)
+        await close(env, fi)()
+        await rename(env, "d/x.tmp", "d/x")()
+        await rename(env, "d", "e")()
+        assert await stored(env, "e/x") == V1
+        await put_object(env.streams, "b", "gone", V1)
+        await env.settle()
+        fi = await written(env, "gone.tmp", NEW)
+        await close(env, fi)()
+        await rename(env, "gone.tmp", "gone")()
+        await unlink(env, "gone")()
+        assert await gone_there(env, "gone")
+        await env.fs.writeback.drain(30)
+        await env.settle()
+        assert await stored(env, "moved") == V2 and await env.cat("moved") == V2
+        assert await stored(env, "e/x") == NEW and await env.cat("e/x") == NEW
+        assert await gone_there(env, "gone") and await gone_here(env, "gone")
+        assert await gone_there(env, "old") and await gone_there(env, "d/x")
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=3600.0)
+
+
+def test_a_pending_atomic_save_is_replayed_as_a_replacement(ops_env):
+    """The daemon dies after the rename, before the upload: the next mount still replaces the object
+    (the journal record says which revision it replaces), nothing goes to lost+found."""
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await atomic_save(env, V2)
+        assert await stored(env, "old") == V1
+
+    async def second(env: Env):
+        with trio.fail_after(10):
+            while await stored(env, "old") != V2:
+                await trio.sleep(0.01)
+        assert await env.cat("old") == V2
+        assert lost_and_found(env) == []
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=3600.0)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+
+
+def test_a_file_renamed_over_an_object_before_its_close_replaces_it_at_the_close(ops_env):
+    async def body(env: Env):
+        fi = await written(env, "old.tmp", V2)
+        await rename(env, "old.tmp", "old")()
+        assert await stored(env, "old") == V1 and await env.cat("old") == V2
+        await close(env, fi)()
+        assert await stored(env, "old") == V2 and await env.cat("old") == V2
+        assert await gone_there(env, "old.tmp") and lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")
