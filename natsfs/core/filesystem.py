@@ -1361,6 +1361,12 @@ class Filesystem:
         target = await self._index_info(new)
         dst_ino = self.inodes.known(new)
         target_open = self.files.is_open(dst_ino)
+        # The path may show another name's object (escaped: object `q\0` shows as `q%00`). The rename
+        # stores the literal name, which then holds that path; the object shown there is replaced, as
+        # POSIX says, by deleting it once the rename is stored (its own subject is not the new name's).
+        shown_there = target if target is not None and target.name != "/".join(rel_new) else None
+        if shown_there is not None:
+            target = None
         src_sf = self.staging.at_path(old)
         if src_sf is not None and src_sf.replaces is not None:
             # A staged file that replaces, at its upload, the object still stored under its name: the name
@@ -1385,6 +1391,9 @@ class Filesystem:
             # (The replaced object is open here: its handles keep reading it, its chunks are purged at
             # their last close.) Deleted now; the staged bytes are stored under the new name when closed.
             await self.mut.delete(bucket, target, keep_chunks=target_open)
+        if shown_there is not None:
+            await self.mut.delete(bucket, shown_there, keep_chunks=target_open)
+            target = shown_there
         self._forget_open_version(dst_ino, bucket, target, target_open)
         dst_sf = self.staging.get(dst_ino) if dst_ino is not None else None
         if dst_sf is not None and not dst_sf.ended:

@@ -295,6 +295,25 @@ def test_mkdir_where_an_object_with_bytes_holds_the_marker_name(ops_env, caplog)
     ops_env(body, setup=setup)
 
 
+def test_rename_over_an_entry_shown_under_an_escaped_name(ops_env):
+    """Object `q\0` shows as `q%00`; `mv src q%00` replaces what shows there, as on a local disk: the
+    literal name `q%00` is stored and `q\0` is deleted (was a false ESTALE every time)."""
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await one_bucket(ms, store)
+        await put_object(ms, "b", "q\0", b"object with a NUL in its name")
+        await put_object(ms, "b", "src", b"source")
+
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        await env.ops.rename(b, b"src", b, b"q%00", 0, Ctx())
+        assert await env.cat("b/q%00") == b"source"
+        assert (await env.store.get_info("b", "q\0")).deleted
+        assert (await env.store.get_info("b", "q%00")).size == len(b"source")
+        assert await err(env.lookup("b/src")) == errno.ENOENT
+
+    ops_env(body, setup=setup)
+
+
 def test_xattrs_on_a_directory(ops_env):
     """Names outside user.* are EOPNOTSUPP everywhere (`cp -a` then quietly falls back to chmod for
     system.posix_acl_access); user.* on a plain directory is EPERM (its marker holds no attributes)."""
