@@ -65,7 +65,7 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import cachetools
@@ -377,6 +377,32 @@ def place_chunks(size: int, chunks: int, revision: int, prefix: Sequence[tuple[i
     unreadable = sum(z for s, z in slots if s == UNPROVEN) + sum(slots[i][1] for i in gone)
     intact = not gone and all(s != UNPROVEN for s, _ in slots)
     return Placement(slots, gone, intact, problems, unreadable, gaps)
+
+
+async def place_checking_gaps(store: ObjectStore, info: ObjectInfo, prefix: Sequence[tuple[int, int]],
+                              index: Sequence[tuple[int, int]], on_scan: Callable[[], None] = lambda: None
+                              ) -> Placement:
+    """`place_chunks`, narrowed while the first or last gap that could hold a missing chunk turns out to
+    be full of other messages, or to have fewer empty sequences than chunks are missing (one
+    headers-only scan of the stream per gap checked, each counted by `on_scan`). A single such gap is
+    checked too: it is the only place the missing chunks can be, and if it cannot hold them, nothing is
+    placed. Reads and `natsfs fsck` place a damaged version the same way."""
+    room: dict[tuple[int, int], int] = {}
+    while True:
+        placed = place_chunks(info.size, info.chunks, info.revision, prefix, index, room)
+        if not placed.gaps or len(room) >= GAP_CHECKS:
+            return placed
+        scanned = False
+        for lo, hi in dict.fromkeys((placed.gaps[0], placed.gaps[-1])):
+            if (lo, hi) in room or hi - lo - 1 > GAP_SCAN_LIMIT:
+                continue
+            on_scan()
+            room[(lo, hi)] = hi - lo - 1 - len(await store.stored_sequences(info.bucket, lo + 1, hi))
+            scanned = True
+            if not room[(lo, hi)]:
+                break  # place again without it before scanning further
+        if not scanned:
+            return placed
 
 
 class CacheStats:
@@ -808,26 +834,10 @@ class ChunkCache:
 
     async def _place(self, info: ObjectInfo, prefix: list[tuple[int, int]],
                      index: list[tuple[int, int]]) -> Placement:
-        """`place_chunks`, narrowed while the first or last gap that could hold a missing chunk turns
-        out to be full of other messages, or to have fewer empty sequences than chunks are missing
-        (one headers-only scan of the stream per gap checked). A single such gap is checked too: it
-        is the only place the missing chunks can be, and if it cannot hold them, nothing is placed."""
-        room: dict[tuple[int, int], int] = {}
-        while True:
-            placed = place_chunks(info.size, info.chunks, info.revision, prefix, index, room)
-            if not placed.gaps or len(room) >= GAP_CHECKS:
-                return placed
-            scanned = False
-            for lo, hi in dict.fromkeys((placed.gaps[0], placed.gaps[-1])):
-                if (lo, hi) in room or hi - lo - 1 > GAP_SCAN_LIMIT:
-                    continue
-                self.stats.index_scans += 1
-                room[(lo, hi)] = hi - lo - 1 - len(await self.store.stored_sequences(info.bucket, lo + 1, hi))
-                scanned = True
-                if not room[(lo, hi)]:
-                    break  # place again without it before scanning further
-            if not scanned:
-                return placed
+        def scanned() -> None:
+            self.stats.index_scans += 1
+
+        return await place_checking_gaps(self.store, info, prefix, index, scanned)
 
     # ------------------------------------------------------------------ fetching
     async def _fetch(self, info: ObjectInfo, start_seq: int, count: int, max_bytes: int) -> list[StoredMsg]:

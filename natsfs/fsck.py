@@ -11,7 +11,7 @@ Owns the bucket check and its report. What it looks at, in one pass:
   ORPHAN (an interrupted put, or a purge that never happened) unless its newest message is younger
   than `grace_s` (default 300 s): then it is a put IN PROGRESS (a live mount sends chunks before the
   meta; a put never pauses that long between chunks while it runs) and left alone;
-- every live object's chunks (headers-only scan, placed by `chunk_cache.place_chunks`, the rule reads
+- every live object's chunks (headers-only scan, placed by `chunk_cache.place_checking_gaps`, as reads
   use): chunks missing, or not adding up to the meta's size and count;
 - names sharing a live object's nuid: a TOMBSTONE carrying a live nuid (other clients' Delete or Put
   of that name purge the nuid, destroying the live object) and two live names on one nuid (a rename
@@ -46,7 +46,7 @@ from .adr20 import (
     parse_meta,
     stream_name,
 )
-from .chunk_cache import place_chunks
+from .chunk_cache import place_checking_gaps
 from .errors import MalformedMeta, NameTooLong, NatsFSError
 from .names import placement
 from .streams import StoredMsg
@@ -291,7 +291,7 @@ async def _check_orphan(store: ObjectStore, report: Report, stream: str, subject
 
 async def _check_object(store: ObjectStore, report: Report, info: ObjectInfo, count: int, verify: bool) -> None:
     present = await store.chunk_index(info.bucket, info.nuid) if count else []
-    placed = place_chunks(info.size, info.chunks, info.revision, [], present)
+    placed = await place_checking_gaps(store, info, [], present)
     if not placed.intact:
         report.findings.append(Finding(DAMAGED, info.name, "; ".join(placed.problems) +
                                        f" ({placed.unreadable} bytes unreadable)"))
