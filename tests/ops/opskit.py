@@ -36,6 +36,15 @@ class Ctx:
 
 
 CTX = Ctx()
+
+
+class Fields:
+    """Stands in for pyfuse3.SetattrFields, whose attributes only the kernel side can set."""
+
+    def __init__(self, **set_: bool):
+        for name in ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid", "update_gid",
+                     "update_size"):
+            setattr(self, name, set_.get(name, False))
 # Replay keeps what replay.py keeps of a dumped stream config.
 _KEEP = {"name", "subjects", "retention", "max_consumers", "max_msgs", "max_bytes", "max_age", "max_msgs_per_subject",
          "max_msg_size", "storage", "num_replicas", "discard", "duplicate_window", "allow_rollup_hdrs", "deny_delete",

@@ -13,7 +13,7 @@ from typing import Any
 import pyfuse3
 import pytest
 from gowriters import fixture_nuid
-from opskit import Env, errno_of
+from opskit import Ctx, Env, Fields, errno_of
 
 from natsfs.adr20 import ROLLUP, ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, parse_meta
 from natsfs.memstreams import MemoryStreams
@@ -21,20 +21,6 @@ from natsfs.memstreams import MemoryStreams
 UID, GID = 1234, 5678  # the ops_env mount's defaults
 
 
-class Ctx:
-    uid = 1000
-    gid = 1000
-    pid = 1
-    umask = 0o022
-
-
-class Fields:
-    """Stands in for pyfuse3.SetattrFields, whose attributes only the kernel side can set."""
-
-    def __init__(self, **set_: bool):
-        for name in ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid", "update_gid",
-                     "update_size"):
-            setattr(self, name, set_.get(name, False))
 
 
 async def raw_put(ms: MemoryStreams, bucket: str, name: str, data: bytes, **fields: Any) -> None:

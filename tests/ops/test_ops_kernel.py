@@ -7,19 +7,12 @@ import os
 
 import trio
 from gowriters import put_object
-from opskit import ROOT, Env
+from opskit import ROOT, Ctx, Env
 
 from natsfs.adr20 import ObjectStore
 from natsfs.core.filesystem import Caller
 from natsfs.inodes import InodeNo
 from natsfs.memstreams import MemoryStreams
-
-
-class Ctx:
-    uid = 1000
-    gid = 1000
-    pid = 1
-    umask = 0o022
 
 
 async def files(ms: MemoryStreams, store: ObjectStore) -> None:

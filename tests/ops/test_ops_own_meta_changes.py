@@ -17,7 +17,7 @@ import pyfuse3
 import pytest
 import trio
 from gowriters import put_object
-from opskit import CTX, Env
+from opskit import CTX, Env, Fields
 
 from natsfs.adr20 import ObjectStore
 from natsfs.memstreams import MemoryStreams
@@ -30,14 +30,6 @@ async def a_log_file(ms: MemoryStreams, store: ObjectStore) -> None:
     await store.create_bucket("b")
     await put_object(ms, "b", "app.log", LINE0)
 
-
-class Fields:
-    """Stands in for pyfuse3.SetattrFields, whose attributes only the kernel side can set."""
-
-    def __init__(self, **set_: bool):
-        for name in ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid", "update_gid",
-                     "update_size"):
-            setattr(self, name, set_.get(name, False))
 
 
 async def chmod(env: Env, ino: int, mode: int, fh: int | None = None) -> None:

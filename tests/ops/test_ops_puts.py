@@ -13,7 +13,7 @@ import pyfuse3
 import pytest
 import trio
 from gowriters import put_object
-from opskit import Env, errno_of
+from opskit import Ctx, Env, errno_of
 
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
 from natsfs.compose import spool_root
@@ -32,12 +32,6 @@ async def one_bucket(ms: MemoryStreams, store: ObjectStore) -> None:
     await store.update_bucket("b", lambda config: config.update(allow_atomic=False))
     await put_object(ms, "b", "old.txt", b"old content")
 
-
-class Ctx:
-    uid = 1000
-    gid = 1000
-    pid = 1
-    umask = 0o022
 
 
 async def err(coro: Any) -> int:

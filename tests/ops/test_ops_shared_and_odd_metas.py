@@ -11,7 +11,7 @@ from typing import Any
 import pyfuse3
 import pytest
 from gowriters import put_object
-from opskit import Env, errno_of
+from opskit import Ctx, Env, Fields, errno_of
 
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
 from natsfs.memstreams import MemoryStreams
@@ -20,20 +20,6 @@ from natsfs.streams import ROLLUP
 OLD = b"shared bytes\n" * 20_000  # 260,000 bytes: 2 chunks
 
 
-class Ctx:
-    uid = 1000
-    gid = 1000
-    pid = 1
-    umask = 0o022
-
-
-class Fields:
-    """Stands in for pyfuse3.SetattrFields, whose attributes only the kernel side can set."""
-
-    def __init__(self, **set_: bool):
-        for name in ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid", "update_gid",
-                     "update_size"):
-            setattr(self, name, set_.get(name, False))
 
 
 async def err(coro: Any) -> int:

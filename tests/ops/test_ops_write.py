@@ -12,7 +12,7 @@ import pyfuse3
 import pytest
 import trio
 from gowriters import put_object
-from opskit import ROOT, Env, errno_of
+from opskit import ROOT, Ctx, Env, Fields, errno_of
 
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_subject, stream_name
 from natsfs.errors import NoSpace, Unavailable
@@ -35,20 +35,6 @@ async def err(coro: Any) -> int:
     return errno_of(e.value)
 
 
-class Ctx:
-    uid = 1000
-    gid = 1000
-    pid = 1
-    umask = 0o022
-
-
-class Fields:
-    """Stands in for pyfuse3.SetattrFields, whose attributes only the kernel side can set."""
-
-    def __init__(self, **set_: bool):
-        for name in ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid", "update_gid",
-                     "update_size"):
-            setattr(self, name, set_.get(name, False))
 
 
 async def write_file(env: Env, parent: int, name: str, data: bytes) -> int:
