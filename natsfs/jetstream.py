@@ -58,6 +58,7 @@ from .errors import (
     TooBig,
     Unavailable,
     WrongLastMsgId,
+    single_errors,
 )
 from .retry import Backoff
 from .streams import (
@@ -675,6 +676,7 @@ class _MsgGets:
         self._subject = subject
         self._seq = max(start_seq, 1)
         self._left = batch
+        self._max_bytes = max_bytes  # 0: no limit, as for a direct get
         self._bytes_left = max_bytes
         self.done = batch <= 0
 
@@ -689,9 +691,10 @@ class _MsgGets:
             replies[seq] = await js._msg_get(stream, {"seq": seq, "next_by_subj": subject}, subject)
 
         js.calls["msg_get"] += len(asked)
-        async with trio.open_nursery() as nursery:
-            for seq in asked:
-                nursery.start_soon(get, seq)
+        with single_errors():  # a failed request surfaces as itself (its errno), not as a group
+            async with trio.open_nursery() as nursery:
+                for seq in asked:
+                    nursery.start_soon(get, seq)
         out: list[StoredMsg] = []
         while self._seq in replies:
             m = replies[self._seq]
@@ -704,7 +707,7 @@ class _MsgGets:
             self._seq = m.seq + 1
             self._left -= 1
             self._bytes_left -= len(m.data)
-            if self._left <= 0 or self._bytes_left <= 0:
+            if self._left <= 0 or (self._max_bytes > 0 and self._bytes_left <= 0):
                 self.done = True
                 break
         return out

@@ -234,10 +234,13 @@ def test_a_stream_without_direct_gets_is_read_with_stream_msg_get():
     js = JetStreams(bridge)  # type: ignore[arg-type]
     stored = {3: b"c0", 4: b"c1", 7: b"c2"}  # chunk messages of $O.b.C.n (5 and 6 hold other subjects)
     asked: list[dict[str, Any]] = []
+    gone = False
 
     async def api(subject: str, body: Any = None, timeout: Any = None) -> dict[str, Any]:
         if subject == "STREAM.INFO.OBJ_b":
             return stream_info(False)
+        if gone:
+            raise JetStreamAPIError("stream not found", code=404, err_code=10059)
         assert subject == "STREAM.MSG.GET.OBJ_b" and body["next_by_subj"] == "$O.b.C.n", (subject, body)
         asked.append(body)
         seq = next((s for s in sorted(stored) if s >= body["seq"]), None)
@@ -260,5 +263,9 @@ def test_a_stream_without_direct_gets_is_read_with_stream_msg_get():
         assert len(bridge.requests) == requests  # no direct get tried again
         assert [m.seq for m in await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 3)] == [3, 4]  # max_bytes
         assert all(set(b) == {"seq", "next_by_subj"} for b in asked)
+        nonlocal gone
+        gone = True  # every request of a round fails: the error surfaces as itself, not as a group
+        with pytest.raises(NotFound):
+            await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20)
 
     trio.run(main)
