@@ -17,13 +17,15 @@ front walks forward with batched direct gets that return data and sequences toge
 taken only if its subject is this nuid's chunk subject, its sequence follows the last known chunk, the
 chunk count it proves (the chunks before it, itself and the server's count of those after it) is the
 meta's, its bytes fit the meta's size and it was stored before the meta. So a chunk is served only when
-its offset is proven. A read far from what is known first tries to compute the layout (below), and
-otherwise maps the whole version with one headers-only scan (no payloads). A version whose chunks do not
-match its meta is placed once by `place_chunks`, which serves what it can prove and marks the rest
-unreadable (EIO); each such version is logged once. Readahead runs in the background, under one byte
-budget shared equally by the versions being read (see `ChunkCache`), and its failures are left for the
-foreground read to report. Digests are checked per version: each read hands what it serves (and what
-readahead brought in after it) to one hashing thread, in chunk order.
+its offset is proven. Replies without that count (a stream that does not allow direct gets is read with
+STREAM.MSG.GET, see natsfs.jetstream) prove no offset: such a version is mapped by the scan below (their
+bytes are kept, under their own sequences). A read far from what is known first tries to compute the
+layout (below), and otherwise maps the whole version with one headers-only scan (no payloads). A
+version whose chunks do not match its meta is placed once by `place_chunks`, which serves what it can
+prove and marks the rest unreadable (EIO); each such version is logged once. Readahead runs in the
+background, under one byte budget shared equally by the versions being read (see `ChunkCache`), and its
+failures are left for the foreground read to report. Digests are checked per version: each read hands
+what it serves (and what readahead brought in after it) to one hashing thread, in chunk order.
 
 Random access without a scan (`_compute`). One writer stores a version's n chunks at consecutive
 sequences F..F+n-1, every one holding the meta's `max_chunk_size` c bytes but the last. Two probes show
@@ -695,14 +697,23 @@ class ChunkCache:
                 try:
                     while not settle and (msgs := await batches.next()) is not None:
                         taken = 0
-                        for m in msgs:
+                        for i, m in enumerate(msgs):
                             if m.subject != subject:
                                 raise self._stray(info, layout, m, f"a chunk of {subject}")
                             if m.seq < start_seq or (layout.seqs and m.seq <= layout.seqs[-1]):
                                 raise self._stray(info, layout, m, f"the chunk after seq {start_seq - 1}")
                             idx = len(layout.seqs)
                             end = layout.known_bytes + len(m.data)
-                            if (m.pending < 0 or idx + 1 + m.pending != info.chunks or end > info.size
+                            if m.pending < 0:
+                                # No count of the chunks after it (a stream without direct gets): the
+                                # scan proves the layout. The bytes of this nuid's messages are those of
+                                # their sequences whatever the layout, so the scan's slots take them.
+                                for kept in msgs[i:]:
+                                    if kept.subject == subject and not (info.revision and kept.seq > info.revision):
+                                        self._data.put((info.bucket, info.nuid, kept.seq), kept.data)
+                                settle = True
+                                break
+                            if (idx + 1 + m.pending != info.chunks or end > info.size
                                     or (idx == info.chunks - 1 and end != info.size)
                                     or (info.revision and m.seq > info.revision)):
                                 settle = True

@@ -3,6 +3,18 @@
 Everything goes through `natsfs.bridge`; this module only builds requests and reads replies. It owns
 the consumer mechanics the ADR-20 layer should not care about: ephemeral ordered push consumers,
 sequence-gap and stall detection with transparent re-creation, and headers-only scans.
+
+Streams without direct gets. `$JS.API.DIRECT.GET.<stream>` is answered only by a stream whose config
+has `allow_direct` (every bucket natsfs, nats.go and nats-py create today; not one made by an older
+client or server, or by hand). For any other stream nothing subscribes to it and the server answers
+"503 no responders" at once, which for a stream that does allow direct gets means it is between leaders
+(transient). So a 503 is settled by reading the stream's config: a stream that does not allow direct gets
+is noted (so is every stream whose info is read), and its batched gets are made of `STREAM.MSG.GET`
+requests instead (`_MsgGets`: the first message on the subject at or after a sequence, several sequences
+asked at once, the replies chained as a batched direct get would return them). Those replies come from
+the stream's leader and carry subject and sequence but no count of the messages after them (`pending`
+-1), so the chunk cache proves such a version's layout with a headers-only scan instead of pending
+counts (natsfs.chunk_cache).
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ from .errors import (
     TooBig,
     Unavailable,
     WrongLastMsgId,
+    single_errors,
 )
 from .retry import Backoff
 from .streams import (
@@ -75,6 +88,8 @@ _FLOOR_TRIES = 20  # direct gets refused for a floor (412) asked again, a pause 
 ERR_CLUSTER_NOT_AVAILABLE = 10008  # "JetStream system temporarily unavailable" (503)
 _READ_ATTEMPT_S = 3.0
 _READ_ONLY_API = ("INFO", "STREAM.INFO.", "STREAM.NAMES", "STREAM.LIST", "STREAM.MSG.GET.", "CONSUMER.INFO.")
+# `STREAM.MSG.GET` requests in flight at once for one batched get of a stream without direct gets.
+MSG_GET_PARALLEL = 8
 
 
 async def _noting_first_subject(msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]], first: list[str]
@@ -160,6 +175,8 @@ class JetStreams:
         # from the past (server >= 2.12, ADR-31/read-after-write). So a client reads its own writes,
         # and every object its watch announced, from any node.
         self.floors: dict[str, int] = {}
+        # Streams whose config does not allow direct gets (`allow_direct` false): read with STREAM.MSG.GET.
+        self.no_direct: set[str] = set()
         # Open watches and scans, told when the connection is replaced (their consumers may be gone).
         self._watches: weakref.WeakSet[_ConsumerStream] = weakref.WeakSet()
         previous = bridge.on_reconnect
@@ -189,7 +206,35 @@ class JetStreams:
 
     async def stream_info(self, name: str) -> StreamState:
         self.calls["stream_info"] += 1
-        return await _stream_info(self.bridge, name)
+        return self._note_config(await _stream_info(self.bridge, name))
+
+    def _note_config(self, st: StreamState, *, refused: bool = False) -> StreamState:
+        """Remember whether the stream answers direct gets (see the module docstring). A config without
+        the flag at all (a server older than direct gets) counts only once a direct get was `refused`."""
+        allowed = st.config.get("allow_direct")
+        if allowed:
+            self.no_direct.discard(st.name)
+        elif (allowed is None and not refused) or st.name in self.no_direct:
+            pass
+        else:
+            self.no_direct.add(st.name)
+            log.info("stream %s does not allow direct gets (allow_direct is false): its chunks are read "
+                     "through the stream's leader (STREAM.MSG.GET), one message per request", st.name)
+        return st
+
+    async def _refuses_direct(self, stream: str) -> bool:
+        """A direct get on `stream` was answered "no responders": whether that is because the stream does
+        not allow direct gets (read its config, once, without waiting out an election) rather than a
+        stream between leaders (transient, asked again by the caller)."""
+        if stream in self.no_direct:
+            return True
+        try:
+            info = await self.bridge.api(f"STREAM.INFO.{stream}", None,
+                                         min(self.bridge.request_timeout, _READ_ATTEMPT_S))
+            self._note_config(_stream_state(info), refused=True)
+        except (NatsFSError, KeyError, TypeError, ValueError):
+            return False  # not known: taken as the transient kind, as before
+        return stream in self.no_direct
 
     async def subject_count(self, stream: str, filter_subject: str) -> int:
         """How many subjects matching `filter_subject` hold messages, without listing them.
@@ -227,13 +272,14 @@ class JetStreams:
 
     async def create_stream(self, config: dict[str, Any]) -> StreamState:
         self.floors.pop(config["name"], None)
-        return _stream_state(await self._api(f"STREAM.CREATE.{config['name']}", config))
+        return self._note_config(_stream_state(await self._api(f"STREAM.CREATE.{config['name']}", config)))
 
     async def update_stream(self, config: dict[str, Any]) -> StreamState:
-        return _stream_state(await self._api(f"STREAM.UPDATE.{config['name']}", config))
+        return self._note_config(_stream_state(await self._api(f"STREAM.UPDATE.{config['name']}", config)))
 
     async def delete_stream(self, name: str) -> None:
         self.floors.pop(name, None)
+        self.no_direct.discard(name)
         try:
             await self._api(f"STREAM.DELETE.{name}")
         except JetStreamAPIError as e:
@@ -435,8 +481,16 @@ class JetStreams:
         the latest write yet (on a replicated stream even `min_last_seq` was seen to let a stale meta
         through right after a rewrite of it)."""
         self.calls["last_msg"] += 1
+        msg = await self._msg_get(stream, {"last_by_subj": subject}, subject)
+        if msg is not None:
+            self._observe({"stream": stream, "seq": msg.seq})
+        return msg
+
+    async def _msg_get(self, stream: str, body: dict[str, Any], subject: str) -> StoredMsg | None:
+        """One `STREAM.MSG.GET` (answered by the stream's leader): the message, or None when there is
+        none. Its `pending` is -1: this API does not count the messages after it."""
         try:
-            reply = await _api(self.bridge, f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject})
+            reply = await _api(self.bridge, f"STREAM.MSG.GET.{stream}", body)
         except JetStreamAPIError as e:
             if e.err_code == ERR_NO_MESSAGE_FOUND:
                 return None
@@ -444,17 +498,21 @@ class JetStreams:
                 raise NotFound(f"no stream {stream}") from None
             raise
         m = reply.get("message") or {}
-        self._observe({"stream": stream, "seq": m.get("seq", 0)})
-        headers = _parse_header_block(base64.b64decode(m["hdrs"])) if m.get("hdrs") else {}
-        kept = {k: v for k, v in headers.items() if not k.startswith("Nats-") or k == "Nats-Rollup"} or None
-        when = m.get("time")
-        return StoredMsg(int(m["seq"]), str(m.get("subject", subject)), kept, base64.b64decode(m.get("data") or ""),
-                         parse_rfc3339_ns(when) if when else 0)
+        try:
+            headers = _parse_header_block(base64.b64decode(m["hdrs"])) if m.get("hdrs") else {}
+            kept = {k: v for k, v in headers.items() if not k.startswith("Nats-") or k == "Nats-Rollup"} or None
+            when = m.get("time")
+            return StoredMsg(int(m["seq"]), str(m.get("subject", subject)), kept,
+                             base64.b64decode(m.get("data") or ""), parse_rfc3339_ns(when) if when else 0)
+        except (KeyError, TypeError, ValueError) as e:
+            raise Unavailable(f"unreadable reply to STREAM.MSG.GET {stream} {body}: {e!r}") from None
 
     async def get_batch(self, stream: str, subject: str, start_seq: int, batch: int,
                         max_bytes: int) -> list[StoredMsg]:
         self.calls["get_batch"] += 1
         max_bytes = min(max_bytes, self.bridge.max_batch_bytes)  # replies in flight stay within the budget
+        if stream in self.no_direct:
+            return await _MsgGets(self, stream, subject, start_seq, batch, max_bytes).all()
         body = {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
         for _ in range(_FLOOR_TRIES):
             floored = self._floor_body(stream, body)
@@ -463,6 +521,8 @@ class JetStreams:
             if floored is body or not replies or replies[0].status != "412":
                 break
             await self._floor_refused(stream)
+        if replies and replies[0].status == "503" and await self._refuses_direct(stream):
+            return await _MsgGets(self, stream, subject, start_seq, batch, max_bytes).all()
         out: list[StoredMsg] = []
         for m in replies:
             if m.headers and "Nats-Sequence" in m.headers:
@@ -474,16 +534,25 @@ class JetStreams:
         return out
 
     async def stream_batch(self, stream: str, subject: str, start_seq: int, batch: int,
-                           max_bytes: int) -> BatchStream:
+                           max_bytes: int) -> BatchStream | _MsgGets:
         """Like `get_batch`, but hands messages over as they arrive instead of all at the end."""
         self.calls["stream_batch"] += 1
         max_bytes = min(max_bytes, self.bridge.max_batch_bytes)  # replies in flight stay within the budget
+        if stream in self.no_direct:
+            return _MsgGets(self, stream, subject, start_seq, batch, max_bytes)
         body = self._floor_body(stream, {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch,
                                          "max_bytes": max_bytes})
         sub = await self.bridge.request_stream(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode(),
                                                max_bytes=max_bytes)
+
+        async def without_direct() -> _MsgGets | None:
+            if not await self._refuses_direct(stream):
+                return None
+            return _MsgGets(self, stream, subject, start_seq, batch, max_bytes)
+
         return BatchStream(sub, self.bridge.request_timeout, f"{stream} {subject}",
-                           on_floor_refused=lambda: self._floor_refused(stream))  # the caller asks again
+                           on_floor_refused=lambda: self._floor_refused(stream),  # the caller asks again
+                           on_no_responders=without_direct)
 
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
         """(sequence, payload size) of every message on `subject`, without fetching payloads."""
@@ -540,17 +609,25 @@ class JetStreams:
 
 
 class BatchStream:
-    """The replies of one batched direct get, in arrival order; `next()` is None after the last."""
+    """The replies of one batched direct get, in arrival order; `next()` is None after the last. A first
+    reply of "no responders" asks `on_no_responders` for the same batch by other means (a stream without
+    direct gets: `_MsgGets`), which then answers instead."""
 
     def __init__(self, sub: Subscription, timeout: float, what: str,
-                 on_floor_refused: Callable[[], Awaitable[None]] | None = None):
+                 on_floor_refused: Callable[[], Awaitable[None]] | None = None,
+                 on_no_responders: Callable[[], Awaitable[_MsgGets | None]] | None = None):
         self._sub = sub
         self._timeout = timeout
         self._what = what
         self._on_floor_refused = on_floor_refused
+        self._on_no_responders = on_no_responders
+        self._instead: _MsgGets | None = None
+        self._answered = False
         self.done = False
 
     async def next(self) -> list[StoredMsg] | None:
+        if self._instead is not None:
+            return await self._instead.next()
         if self.done:
             return None
         msgs = await self._sub.next_batch(self._timeout)
@@ -566,14 +643,83 @@ class BatchStream:
             await self.close()
             if m.status == "412" and self._on_floor_refused is not None:
                 await self._on_floor_refused()
+            if m.status == "503" and not self._answered and not out and self._on_no_responders is not None:
+                self._instead = await self._on_no_responders()
+                if self._instead is not None:
+                    return await self._instead.next()
             if m.status not in ("204", "404", "408"):
                 raise Unavailable(f"direct get batch {self._what}: status {m.status}")
             break
+        self._answered = True
         return out
 
     async def close(self) -> None:
         self.done = True
         await self._sub.unsubscribe()
+        if self._instead is not None:
+            await self._instead.close()
+
+
+class _MsgGets:
+    """A batched get made of `STREAM.MSG.GET` requests, for a stream that does not allow direct gets:
+    the messages on `subject` from `start_seq` on, at most `batch` of them, stopping once `max_bytes` is
+    reached, as a batched direct get returns them. Each `next()` asks for up to `MSG_GET_PARALLEL`
+    consecutive sequences at once ("the first message on the subject at or after s") and chains the
+    replies: the message after one at sequence q is the reply for q+1. Chunks stored one after another
+    (one writer) come one per request; interleaved messages of other subjects only cost requests.
+    Nothing here is trusted beyond what the reply says (subject, sequence, bytes): the chunk cache
+    checks every message as it checks a direct get's."""
+
+    def __init__(self, js: JetStreams, stream: str, subject: str, start_seq: int, batch: int, max_bytes: int):
+        self._js = js
+        self._stream = stream
+        self._subject = subject
+        self._seq = max(start_seq, 1)
+        self._left = batch
+        self._max_bytes = max_bytes  # 0: no limit, as for a direct get
+        self._bytes_left = max_bytes
+        self.done = batch <= 0
+
+    async def next(self) -> list[StoredMsg] | None:
+        if self.done:
+            return None
+        js, stream, subject = self._js, self._stream, self._subject
+        asked = list(range(self._seq, self._seq + min(self._left, MSG_GET_PARALLEL)))
+        replies: dict[int, StoredMsg | None] = {}
+
+        async def get(seq: int) -> None:
+            replies[seq] = await js._msg_get(stream, {"seq": seq, "next_by_subj": subject}, subject)
+
+        js.calls["msg_get"] += len(asked)
+        with single_errors():  # a failed request surfaces as itself (its errno), not as a group
+            async with trio.open_nursery() as nursery:
+                for seq in asked:
+                    nursery.start_soon(get, seq)
+        out: list[StoredMsg] = []
+        while self._seq in replies:
+            m = replies[self._seq]
+            if m is None:  # nothing on the subject from here on
+                self.done = True
+                break
+            if m.seq < self._seq:
+                raise Unavailable(f"STREAM.MSG.GET {stream} {subject} from seq {self._seq} answered seq {m.seq}")
+            out.append(m)
+            self._seq = m.seq + 1
+            self._left -= 1
+            self._bytes_left -= len(m.data)
+            if self._left <= 0 or (self._max_bytes > 0 and self._bytes_left <= 0):
+                self.done = True
+                break
+        return out
+
+    async def all(self) -> list[StoredMsg]:
+        out: list[StoredMsg] = []
+        while (msgs := await self.next()) is not None:
+            out += msgs
+        return out
+
+    async def close(self) -> None:
+        self.done = True
 
 
 def _parse_header_block(raw: bytes) -> dict[str, str]:

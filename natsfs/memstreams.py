@@ -8,7 +8,9 @@ the headers `Nats-Rollup`, `Nats-Expected-Last-Subject-Sequence`/`Nats-Expected-
 does), subject purges (optionally below a sequence),
 atomic batches (`publish_batch`: all or nothing at the commit, dropped when cut off, at most
 `max_open_batches` open),
-direct gets (last per subject, batched next-by-subject with `max_bytes`), headers-only subject scans and
+direct gets (last per subject, batched next-by-subject with `max_bytes`; a stream whose config does not
+have `allow_direct` answers batched gets as `JetStreams` does for one, from `STREAM.MSG.GET` requests:
+without the count of messages after each, `pending` -1), headers-only subject scans and
 ordered watches (last per subject, or everything, then live). It raises the `natsfs.errors` exceptions
 `natsfs.jetstream.JetStreams` raises for the same causes. Every operation is a trio checkpoint, so
 concurrent callers interleave as they would over a network. Tests can count calls (`calls`), inject
@@ -473,15 +475,20 @@ class MemoryStreams:
 
     def _select(self, st: _Stream, subject: str, start_seq: int, batch: int, max_bytes: int) -> list[StoredMsg]:
         """A batched direct get: like the server's replies, each carries its subject, its sequence and
-        how many messages on the subject follow it (`Nats-Num-Pending`)."""
+        how many messages on the subject follow it (`Nats-Num-Pending`). A stream without `allow_direct`
+        is read as `JetStreams` reads one, with `STREAM.MSG.GET`: no such count (-1)."""
         out: list[StoredMsg] = []
         total = 0
+        counted = bool(st.config.get("allow_direct"))
+        if not counted:
+            self.calls["msg_get"] += 1
         following = st.on_subject(subject, max(start_seq, 1))
         for i, seq in enumerate(following):
             if len(out) >= batch or (out and max_bytes > 0 and total >= max_bytes):
                 break
             m = st.msgs[seq]
-            out.append(StoredMsg(m.seq, m.subject, m.headers, m.data, m.time_ns, len(following) - i - 1))
+            out.append(StoredMsg(m.seq, m.subject, m.headers, m.data, m.time_ns,
+                                 len(following) - i - 1 if counted else -1))
             total += len(m.data)
         return out
 

@@ -1153,3 +1153,53 @@ def test_a_streamed_read_with_requests_out_of_order_keeps_little_and_still_check
                 assert cache.cached_bytes <= 256 * KiB + 512 * KiB + 2 * step  # passed tier + readahead
 
     run(body, batch_bytes=128 * KiB)
+
+
+# ---------------------------------------------------------------- streams without direct gets
+async def refuse_direct_gets(ms: MemoryStreams, bucket: str) -> None:
+    """Make the bucket's stream one an older client made: no `allow_direct`. Its batched gets are then
+    answered as `JetStreams` answers them for such a stream (STREAM.MSG.GET): no pending counts."""
+    st = await ms.stream_info(stream_name(bucket))
+    await ms.update_stream(dict(st.config, allow_direct=False))
+
+
+def test_a_bucket_created_by_natsfs_allows_direct_gets():
+    async def body(ms, store, cache):
+        assert (await ms.stream_info(stream_name("b"))).config["allow_direct"] is True
+
+    run(body)
+
+
+@pytest.mark.expect_log("1 of 8 chunks missing", "digest mismatch: meta says SHA-256=")
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_stream_without_direct_gets_reads_exactly_with_every_check(order, caplog):
+    """Replies without pending counts (STREAM.MSG.GET) prove no layout by themselves: each version is
+    mapped by a headers-only scan, then read exactly, front to back or anywhere first, its digest
+    checked; a deleted chunk fails its reads alone, with one log line; a wrong digest fails the read
+    that reaches the end."""
+    data = blob(8 * CHUNK - 1000)
+    caplog.set_level(logging.DEBUG)
+
+    async def body(ms, store, cache):
+        await refuse_direct_gets(ms, "b")
+        await put_object(ms, "b", "before", blob(10))  # the chunks do not start at sequence 1
+        good = await put_object(ms, "b", "good", data, chunk_size=CHUNK)
+        broken = await put_object(ms, "b", "broken", data, chunk_size=CHUNK)
+        lying = await put_object(ms, "b", "lying", data, chunk_size=CHUNK, digest=digest_of(b"other bytes"))
+        await ms.delete_msg(stream_name("b"), chunk_seqs(ms, broken)[3])
+        assert ms.calls["msg_get"] == 0
+        assert await read_each_chunk(cache, good, data, ORDERS[order]) == {
+            k: data[k * CHUNK : (k + 1) * CHUNK] for k in range(8)}
+        assert await cache.read(good, 0, len(data)) == data
+        assert cache._layout_of(good).verdict is True
+        assert await read_each_chunk(cache, broken, data, ORDERS[order]) == {
+            k: "EIO" if k == 3 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(8)}
+        with pytest.raises(Corrupt):
+            await cache.read(lying, 0, len(data))
+        assert ms.calls["msg_get"] > 0 and cache.stats.layouts_computed == 0
+        return broken, lying
+
+    broken, lying = run(body, batch_bytes=128 * KiB)
+    for info, text in ((broken, "1 of 8 chunks missing"), (lying, "digest mismatch")):
+        records = damage_records(caplog, info)
+        assert len(records) == 1 and text in records[0].getMessage(), [r.getMessage() for r in records]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -195,5 +196,76 @@ def test_the_api_is_asked_again_while_the_cluster_elects_a_leader():
         bridge.api_replies.append(JetStreamAPIError("stream not found", code=404, err_code=10059))
         with pytest.raises(NotFound):
             await js.stream_info("OBJ_x")
+
+    trio.run(main)
+
+
+def stream_info(allow_direct: bool) -> dict[str, Any]:
+    return {"config": {"name": "OBJ_b", "allow_direct": allow_direct}, "state": {"last_seq": 9}}
+
+
+def test_no_responders_to_a_direct_get_of_a_stream_that_allows_them_stays_transient():
+    """A stream between leaders answers direct gets "no responders": its config says it allows direct
+    gets, so the read fails as the server not answering (asked again by the chunk cache)."""
+    bridge = ScriptedBridge()
+    js = JetStreams(bridge)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        bridge.replies.append(status("503"))
+        bridge.api_replies.append(stream_info(True))
+        with pytest.raises(Unavailable, match="status 503") as e:
+            await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20)
+        assert e.value.log_level >= logging.ERROR  # not a stray reply: worth asking again
+        assert bridge.api_calls == [("STREAM.INFO.OBJ_b", None)] and not js.no_direct
+        # Its config unreadable (the API has no leader either): transient as well.
+        bridge.replies.append(status("503"))
+        bridge.api_replies.append(Unavailable("no reply"))
+        with pytest.raises(Unavailable, match="status 503"):
+            await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20)
+
+    trio.run(main)
+
+
+def test_a_stream_without_direct_gets_is_read_with_stream_msg_get():
+    """"No responders" from a stream whose config does not allow direct gets: the batch is made of
+    STREAM.MSG.GET requests (next by subject), chained by sequence, without pending counts; later
+    batches go there at once."""
+    bridge = ScriptedBridge()
+    js = JetStreams(bridge)  # type: ignore[arg-type]
+    stored = {3: b"c0", 4: b"c1", 7: b"c2"}  # chunk messages of $O.b.C.n (5 and 6 hold other subjects)
+    asked: list[dict[str, Any]] = []
+    gone = False
+
+    async def api(subject: str, body: Any = None, timeout: Any = None) -> dict[str, Any]:
+        if subject == "STREAM.INFO.OBJ_b":
+            return stream_info(False)
+        if gone:
+            raise JetStreamAPIError("stream not found", code=404, err_code=10059)
+        assert subject == "STREAM.MSG.GET.OBJ_b" and body["next_by_subj"] == "$O.b.C.n", (subject, body)
+        asked.append(body)
+        seq = next((s for s in sorted(stored) if s >= body["seq"]), None)
+        if seq is None:
+            raise JetStreamAPIError("no message found", code=404, err_code=10037)
+        return {"message": {"subject": "$O.b.C.n", "seq": seq, "data": base64.b64encode(stored[seq]).decode(),
+                            "time": "2026-11-23T00:00:00Z"}}
+
+    bridge.api = api  # type: ignore[method-assign]
+
+    async def main() -> None:
+        bridge.replies.append(status("503"))
+        got = await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20)
+        assert [(m.seq, m.subject, bytes(m.data), m.pending) for m in got] == [
+            (3, "$O.b.C.n", b"c0", -1), (4, "$O.b.C.n", b"c1", -1), (7, "$O.b.C.n", b"c2", -1)]
+        assert js.no_direct == {"OBJ_b"}
+        requests = len(bridge.requests)
+        batches = await js.stream_batch("OBJ_b", "$O.b.C.n", 4, 2, 1 << 20)
+        assert [m.seq for m in (await batches.next() or [])] == [4, 7] and await batches.next() is None
+        assert len(bridge.requests) == requests  # no direct get tried again
+        assert [m.seq for m in await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 3)] == [3, 4]  # max_bytes
+        assert all(set(b) == {"seq", "next_by_subj"} for b in asked)
+        nonlocal gone
+        gone = True  # every request of a round fails: the error surfaces as itself, not as a group
+        with pytest.raises(NotFound):
+            await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20)
 
     trio.run(main)

@@ -17,7 +17,7 @@ from natsfs.errors import AlreadyExists, Conflict, InvalidArgument, JetStreamAPI
 from natsfs.memstreams import MemoryStreams, stored_size, subject_matches, subjects_overlap
 from natsfs.streams import EXPECTED_LAST_SUBJECT_SEQ, ROLLUP, Streams, Watch
 
-CFG = {"name": "S", "subjects": ["s.>", "t.*"], "allow_rollup_hdrs": True, "discard": "new"}
+CFG = {"name": "S", "subjects": ["s.>", "t.*"], "allow_rollup_hdrs": True, "discard": "new", "allow_direct": True}
 
 
 def run(body: Callable[[MemoryStreams], Awaitable[Any]], **kw: Any) -> Any:
