@@ -204,9 +204,8 @@ class Layout:
     also has one `UNPROVEN` slot covering the bytes no chunk can be proven to hold."""
 
     __slots__ = ("busy", "complete", "computed", "ends", "error", "error_began", "generation", "gone", "grew",
-                 "hash_pos",
-                 "hasher", "intact", "last_read", "read_end", "reported", "retry_error", "runs", "seqs", "verdict",
-                 "walk_to", "window")
+                 "hash_pos", "hasher", "intact", "last_read", "read_end", "reported", "retry_error", "runs", "seqs",
+                 "verdict", "walk_to", "window")
 
     def __init__(self) -> None:
         self.seqs = array("q")
