@@ -565,6 +565,11 @@ class ObjectStore:
         """The largest message the server takes."""
         return self.streams.max_payload
 
+    @property
+    def connected(self) -> bool:
+        """Whether there is a connection to the server now (False while it is being replaced)."""
+        return self.streams.connected
+
     # ---------------------------------------------------------------- names
     def check_name(self, bucket: str, name: str) -> None:
         """Refuse a name no client could use (`BadName`) or whose requests the server would refuse

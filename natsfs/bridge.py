@@ -51,7 +51,7 @@ import trio
 
 from . import memory, natscompat, wire
 from .auth import Connection
-from .errors import JetStreamAPIError, NatsFSError, NotFound, OutcomeUnknown, Unavailable
+from .errors import JetStreamAPIError, NatsFSError, NoConnection, NotFound, OutcomeUnknown, Unavailable
 from .futures import wait_future
 from .retry import Backoff
 from .secrecy import redact_url
@@ -209,6 +209,10 @@ class _Link:
         self.nc: Any = None
         self.prefix = ""  # the current client's reply inbox; replies to any other are dropped
         self.generation = 0  # counts clients: work pinned to one fails once it is replaced
+        # While there is no client: when it was lost, and whether a request has waited its whole timeout
+        # for the next one in vain since (the `generation` of that outage; see `client`).
+        self._lost_at = 0.0
+        self._waited_in_vain: int | None = None
         self.server_info: dict[str, Any] = {}
         self.waiters: dict[str, Any] = {}  # token -> _Reply, _Collector or a request's Subscription
         self._ready: asyncio.Event | None = None
@@ -320,6 +324,7 @@ class _Link:
         reason = str(nc.last_error or "connection closed")
         self.nc, self.prefix = None, ""
         self.generation += 1
+        self._lost_at = time.monotonic()
         assert self._ready is not None
         self._ready.clear()
         log.log(self._log_level, "lost the connection to NATS (%s); reconnecting", reason)
@@ -381,7 +386,10 @@ class _Link:
             return
 
     async def client(self, timeout: float) -> Any:
-        """The current client; while there is none, waits up to `timeout` for the next one."""
+        """The current client; while there is none, waits up to `timeout` for the next one. Once a request
+        has waited that long in vain, later ones of the same outage that is older than their own
+        `timeout` fail at once (`NoConnection`): one `read(2)` the kernel sends as two requests, or a
+        create followed by its close, must not wait a request timeout each for a server that is away."""
         nc = self.nc
         if nc is not None and nc.is_closed:
             self._lost(nc)
@@ -390,10 +398,14 @@ class _Link:
             return nc
         if self._closing or self._ready is None:
             raise Unavailable("the connection to NATS is closed")
+        away = time.monotonic() - self._lost_at
+        if self._waited_in_vain == self.generation and away >= timeout:
+            raise NoConnection(f"no connection to NATS (reconnecting for {away:.0f}s)")
         try:
             await asyncio.wait_for(self._ready.wait(), timeout)
         except TimeoutError:
-            raise Unavailable(f"no connection to NATS (reconnecting for {timeout:g}s and more)") from None
+            self._waited_in_vain = self.generation
+            raise NoConnection(f"no connection to NATS (reconnecting for {timeout:g}s and more)") from None
         return await self.client(timeout)
 
     async def close(self) -> None:

@@ -74,7 +74,7 @@ import cachetools
 import trio
 
 from .adr20 import ObjectInfo, ObjectStore, chunk_subject, format_digest, parse_digest
-from .errors import Corrupt, NatsFSError, Stale, Unavailable
+from .errors import Corrupt, NatsFSError, NoConnection, Stale, Unavailable
 from .futures import wait_done, wait_future
 from .streams import Payload, StoredMsg
 
@@ -97,7 +97,10 @@ _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefi
 # gaps, each at most this many sequences long.
 GAP_CHECKS = 16
 # A fetch the server did not answer (its node died, a stream between leaders) is tried again for this
-# long before the read fails: a cluster elects a new leader within about ten seconds.
+# long before the read fails: a cluster elects a new leader within about ten seconds. A read request
+# gets one deadline for everything it waits for, `max(request timeout, FETCH_RETRY_S)` from its start
+# (see `ChunkCache.read`); a fetch that found no connection at all (`NoConnection`, after waiting the
+# request timeout for one) is not asked again.
 FETCH_RETRY_S = 15.0
 _FETCH_PAUSE_S = 0.25
 GAP_SCAN_LIMIT = 100_000
@@ -202,9 +205,9 @@ class Layout:
     (stream sequence and end offset), known from the front. A damaged version (see `place_chunks`)
     also has one `UNPROVEN` slot covering the bytes no chunk can be proven to hold."""
 
-    __slots__ = ("busy", "complete", "computed", "ends", "error", "generation", "gone", "grew", "hash_pos",
-                 "hasher", "intact", "last_read", "read_end", "reported", "retry_error", "runs", "seqs", "verdict",
-                 "walk_to", "window")
+    __slots__ = ("busy", "complete", "computed", "ends", "error", "error_began", "generation", "gone", "grew",
+                 "hash_pos", "hasher", "intact", "last_read", "read_end", "reported", "retry_error", "runs", "seqs",
+                 "verdict", "walk_to", "window")
 
     def __init__(self) -> None:
         self.seqs = array("q")
@@ -221,6 +224,7 @@ class Layout:
         self.grew = trio.Event()
         self.error: NatsFSError | None = None
         self.retry_error = False  # `error` is the server not answering: worth another walk
+        self.error_began = 0.0  # when the walk that failed with `error` began (trio clock)
         # Digest check of this version: chunks are hashed in order as reads serve them.
         self.hasher = hashlib.sha256()
         self.hash_pos = 0  # index of the next chunk to hash
@@ -447,8 +451,10 @@ class ChunkCache:
     `batch_bytes`."""
 
     def __init__(self, store: ObjectStore, *, cache_bytes: int, batch_bytes: int = 4 << 20,
-                 parallelism: int = 4, readahead_budget: int = 32 << 20):
+                 parallelism: int = 4, readahead_budget: int = 32 << 20, request_timeout: float = 10.0):
         self.store = store
+        # A read fails once it has waited this long for the server, whatever it waited for (see `read`).
+        self.read_deadline_s = max(request_timeout, FETCH_RETRY_S)
         self.cache_bytes = cache_bytes
         self.batch_bytes = max(batch_bytes, 128 * 1024)
         self.parallelism = max(1, parallelism)
@@ -481,20 +487,27 @@ class ChunkCache:
         self.stats.reads += 1
         self.stats.read_bytes += end - offset
         readahead = self._readahead(self._layout_of(info), readahead)
-        while True:
-            layout = await self._layout_covering(info, offset, end, end + readahead)
-            if layout.verdict is False:
-                raise self._refused(info, layout, "digest")
-            generation = layout.generation
-            first, last = layout.chunk_at(offset), layout.chunk_at(end - 1)
-            try:
-                pieces = await self._pieces(info, layout, first, last)
-            except _Unproven:
-                await self._remap(info, layout, generation)
-                continue
-            if layout.generation == generation:
-                break
-            # The slots were rebuilt while this read waited: look again.
+        # One deadline for all this read waits for (a layout walk, fetches, each asked again while the
+        # server does not answer), never one window per step.
+        deadline = trio.current_time() + self.read_deadline_s
+        with trio.move_on_at(deadline) as waited:
+            while True:
+                layout = await self._layout_covering(info, offset, end, end + readahead, deadline)
+                if layout.verdict is False:
+                    raise self._refused(info, layout, "digest")
+                generation = layout.generation
+                first, last = layout.chunk_at(offset), layout.chunk_at(end - 1)
+                try:
+                    pieces = await self._pieces(info, layout, first, last)
+                except _Unproven:
+                    await self._remap(info, layout, generation)
+                    continue
+                if layout.generation == generation:
+                    break
+                # The slots were rebuilt while this read waited: look again.
+        if waited.cancelled_caught:
+            raise Unavailable(f"{info.bucket}/{info.name}: no answer from the server within "
+                              f"{self.read_deadline_s:g}s")
         if layout.intact and layout.hash_pos <= last:
             self._hash_forward(info, layout, pieces, first)
             if self._hash_submitted - self._hash_done > HASH_BACKLOG and self._hash_last is not None:
@@ -614,15 +627,20 @@ class ChunkCache:
                        log_level=logging.DEBUG)
 
     # ------------------------------------------------------------------ layout
-    async def _layout_covering(self, info: ObjectInfo, offset: int, end: int, want_end: int = 0) -> Layout:
-        """The object's layout, known at least up to `end` (walking forward up to `want_end` if it must)."""
+    async def _layout_covering(self, info: ObjectInfo, offset: int, end: int, want_end: int,
+                               deadline: float) -> Layout:
+        """The object's layout, known at least up to `end` (walking forward up to `want_end` if it must);
+        a walk the server did not answer is tried again until the read's `deadline`."""
         layout = self._layout_of(info)
         waited = 0
-        deadline = trio.current_time() + FETCH_RETRY_S
+        began = trio.current_time()
         while layout.known_bytes < end and not layout.complete:
             if layout.error is not None:
                 error, layout.error = layout.error, None
-                if not layout.retry_error or trio.current_time() >= deadline:
+                # A walk that began before this read (its readers' deadline may have passed first) says
+                # nothing final about this read's own attempt: it walks again.
+                again = layout.retry_error or layout.error_began < began
+                if not again or trio.current_time() >= deadline:
                     raise error
                 log.debug("%s/%s: fetching the layout again after: %s", info.bucket, info.name, error)
                 await trio.sleep(_FETCH_PAUSE_S)
@@ -681,6 +699,7 @@ class ChunkCache:
         meta's chunk count, its bytes fit in the meta's size (the last chunk ending exactly there) and
         it was stored before the meta. Anything else is settled by a full scan (`_map_all`)."""
         subject = chunk_subject(info.bucket, info.nuid)
+        began = trio.current_time()
         try:
             while True:
                 remaining = info.chunks - len(layout.seqs)
@@ -740,10 +759,11 @@ class ChunkCache:
                 if want_end <= layout.known_bytes:
                     return
         except NatsFSError as e:
-            layout.error, layout.retry_error = e, _unanswered(e)
+            layout.error, layout.retry_error, layout.error_began = e, _unanswered(e), began
         except Exception as e:
             log.exception("fetching %s/%s failed unexpectedly", info.bucket, info.name)
             layout.error, layout.retry_error = Unavailable(f"{info.bucket}/{info.name}: fetch failed: {e!r}"), False
+            layout.error_began = began
         finally:
             layout.busy = False
             layout.wake()
@@ -1074,5 +1094,8 @@ def layout_key(info: ObjectInfo) -> LayoutKey:
 
 def _unanswered(error: NatsFSError) -> bool:
     """The server did not answer (worth asking again), as opposed to answering with something wrong:
-    replies that are not the chunk asked for are `Unavailable` too, but logged at DEBUG (`_stray`)."""
-    return isinstance(error, Unavailable) and error.log_level != logging.DEBUG
+    replies that are not the chunk asked for are `Unavailable` too, but logged at DEBUG (`_stray`).
+    `NoConnection` is not worth it either: that attempt already waited the request timeout for a
+    connection, and the read fails then (see `FETCH_RETRY_S`)."""
+    return (isinstance(error, Unavailable) and not isinstance(error, NoConnection)
+            and error.log_level != logging.DEBUG)

@@ -122,7 +122,8 @@ def build_filesystem(config: Config, streams: Streams, *, file_sender: FileSende
     namespace = Namespace(store, bucket=config.bucket, poll_interval=config.bucket_poll_interval,
                           reconcile_interval=config.reconcile_interval)
     cache = ChunkCache(store, cache_bytes=config.cache_size, batch_bytes=config.fetch_batch_bytes,
-                       parallelism=config.fetch_parallelism, readahead_budget=config.readahead_budget)
+                       parallelism=config.fetch_parallelism, readahead_budget=config.readahead_budget,
+                       request_timeout=config.request_timeout)
     root = spool_root(config.cache_dir, config.mountpoint.resolve())
     spool = Spool(root, config.spool_size)
     journal_path = root / WRITE_BACK_JOURNAL

@@ -111,6 +111,11 @@ class Unavailable(NatsFSError):
     log_level = logging.ERROR
 
 
+class NoConnection(Unavailable):
+    """There was no connection to the server, and none came back within the request timeout: the
+    request was never sent. Asking again at once is pointless (it would wait as long again)."""
+
+
 class OutcomeUnknown(Unavailable):
     """A publish left this client but its acknowledgement never came back (timeout, lost or replaced
     connection): the message may or may not be stored. Callers settle it by reading back."""

@@ -51,6 +51,7 @@ from .errors import (
     InvalidArgument,
     JetStreamAPIError,
     NatsFSError,
+    NoConnection,
     NoSpace,
     NotFound,
     OutcomeUnknown,
@@ -188,6 +189,10 @@ class JetStreams:
                 previous()
 
         bridge.on_reconnect = reconnected
+
+    @property
+    def connected(self) -> bool:
+        return self.bridge.connected
 
     async def _api(self, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         return await _api(self.bridge, subject, body)
@@ -970,8 +975,11 @@ async def _api(bridge: Bridge, subject: str, body: dict[str, Any] | None = None,
     something does not exist: only an error reply from the server says that. "No responders" and
     "JetStream system temporarily unavailable" (a cluster electing a leader after losing a node) are
     asked again for up to `FAILOVER_S`, and so are requests that only read (`INFO`, `STREAM.INFO`...)
-    and got no answer at all: the connection's server may just have been lost."""
-    deadline = trio.current_time() + FAILOVER_S
+    and got no answer at all: the connection's server may just have been lost. While there is no
+    connection at all, a call waits for one up to the request timeout in all (not once per attempt),
+    then fails (`NoConnection`)."""
+    start = trio.current_time()
+    deadline = start + FAILOVER_S
     read_only = subject.startswith(_READ_ONLY_API)
     while True:
         attempt_timeout = timeout
@@ -981,6 +989,11 @@ async def _api(bridge: Bridge, subject: str, body: dict[str, Any] | None = None,
             attempt_timeout = min(bridge.request_timeout, _READ_ATTEMPT_S)
         try:
             return await bridge.api(subject, body, attempt_timeout)
+        except NoConnection:
+            # (Each attempt already waited for a connection; another one must end within the request timeout.)
+            next_end = trio.current_time() + _FAILOVER_PAUSE_S + min(bridge.request_timeout, _READ_ATTEMPT_S)
+            if not read_only or trio.current_time() >= deadline or next_end > start + bridge.request_timeout:
+                raise
         except NotFound as e:
             if trio.current_time() >= deadline:
                 raise Unavailable(f"JetStream API {subject}: {e}") from None

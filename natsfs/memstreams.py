@@ -39,6 +39,7 @@ from .errors import (
     InvalidArgument,
     JetStreamAPIError,
     NatsFSError,
+    NoConnection,
     NoSpace,
     NotFound,
     OutcomeUnknown,
@@ -188,6 +189,7 @@ class MemoryStreams:
         # Batches open at once (nats-server counts them per stream; tests use one stream at a time).
         self.max_open_batches = 50
         self.open_batches = 0
+        self._offline_wait: float | None = None  # see `go_offline`
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, op: str, exc: BaseException, *, subject: str | None = None, times: int = 1) -> None:
@@ -213,6 +215,18 @@ class MemoryStreams:
                 return True
         return False
 
+    def go_offline(self, wait: float) -> None:
+        """Behave like a client whose server is away: every call waits `wait` seconds (trio time, the
+        request timeout it waits for a connection) and fails with `NoConnection`, until `go_online`."""
+        self._offline_wait = wait
+
+    def go_online(self) -> None:
+        self._offline_wait = None
+
+    @property
+    def connected(self) -> bool:
+        return self._offline_wait is None
+
     def _fault(self, op: str, subject: str | None = None) -> None:
         for i, (fop, pattern, exc) in enumerate(self._faults):
             if fop == op and (pattern is None or subject is None or subject_matches(pattern, subject)):
@@ -221,6 +235,10 @@ class MemoryStreams:
 
     async def _enter(self, op: str) -> None:
         self.calls[op] += 1
+        wait = self._offline_wait
+        if wait is not None:
+            await trio.sleep(wait)
+            raise NoConnection(f"{op}: no connection to NATS (reconnecting for {wait:g}s and more)")
         if self.delay > 0:
             await trio.sleep(self.delay)
         else:

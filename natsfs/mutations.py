@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -112,14 +113,33 @@ class Mutations:
             raise ReadOnly(f"bucket {bucket} is sealed")
 
     async def sealed(self, bucket: str) -> bool:
+        """Whether `bucket` is sealed: read again at most every `sealed_ttl`. While the server cannot be
+        asked (no connection, or no answer within the request timeout), the last known state stands, so
+        that creating or opening a file for writing never waits on an unreachable server: a close then
+        fails as it would anyway (`EIO`), and a write-back upload of a bucket found sealed later goes
+        to lost+found like any refused upload. The state its watch found when it started counts as
+        known; only a bucket never asked about waits (at most the request timeout) and fails."""
         now = time.monotonic()
         cached = self._sealed.get(bucket)
         if cached is not None and now - cached[0] < self.config.sealed_ttl:
             return cached[1]
+        if cached is None and (watched := self.ns.sealed_when_watched(bucket)) is not None:
+            cached = (-math.inf, watched)  # what the bucket's watch found when it started: known, not fresh
+        if cached is not None and not self.store.connected:
+            return cached[1]
         try:
-            sealed = (await self.store.bucket_status(bucket)).sealed
+            with trio.fail_after(self.config.request_timeout):
+                sealed = (await self.store.bucket_status(bucket)).sealed
         except NotFound:
             sealed = False
+        except (Unavailable, trio.TooSlowError) as e:
+            if cached is None:
+                if isinstance(e, trio.TooSlowError):
+                    raise Unavailable(f"bucket {bucket}: no answer to STREAM.INFO within "
+                                      f"{self.config.request_timeout:g}s") from None
+                raise
+            log.debug("bucket %s: sealed state not read again (%s); the last known one stands", bucket, e)
+            return cached[1]
         self._sealed[bucket] = (now, sealed)
         return sealed
 

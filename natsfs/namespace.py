@@ -163,6 +163,11 @@ class Namespace:
             raise watcher.error or NotFound(f"no bucket {bucket!r}")
         return watcher.index
 
+    def sealed_when_watched(self, bucket: str) -> bool | None:
+        """Whether the bucket was sealed when its watch last started (None: not watched yet)."""
+        watcher = self._buckets.get(bucket)
+        return watcher.sealed if watcher is not None else None
+
     def loaded_index(self, bucket: str) -> BucketIndex | None:
         watcher = self._buckets.get(bucket)
         if watcher is None or not watcher.ready.is_set() or watcher.error is not None or watcher.gone:

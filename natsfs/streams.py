@@ -118,6 +118,10 @@ class Streams(Protocol):
     def max_payload(self) -> int:
         """The largest message the server takes."""
 
+    @property
+    def connected(self) -> bool:
+        """Whether there is a connection to the server now (False while reconnecting)."""
+
     async def stream_names(self) -> list[str]: ...
 
     async def stream_info(self, name: str) -> StreamState: ...

@@ -61,6 +61,7 @@ class BucketWatcher:
         self.error: NatsFSError | None = None
         self.cancel = trio.CancelScope()
         self.gone = False
+        self.sealed: bool | None = None  # the bucket's sealed state when its watch last (re)started
         self.on_change = on_change
         self.on_gone = on_gone
         self.reconcile_interval = reconcile_interval
@@ -116,6 +117,7 @@ class BucketWatcher:
                 await backoff.pause()
                 continue
             backoff.reset()
+            self.sealed = status.sealed
             created = status.created_ns or self._default_created_ns
             self._start_side(created)
             try:

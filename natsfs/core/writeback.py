@@ -336,7 +336,7 @@ class WriteBack:
                 delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (attempt - 1))
                 log.log(logging.WARNING if attempt == 1 else logging.DEBUG,
                         "%s/%s: write-back upload postponed (%s); retrying with backoff (up to %g s apart)",
-                        sf.bucket, sf.name, e or "no answer in time", BACKOFF_MAX_S)
+                        sf.bucket, sf.name, str(e) or "no answer in time", BACKOFF_MAX_S)
                 if key not in self._queue:  # (closed again meanwhile: queued already)
                     self.schedule(sf, delay)
                 return

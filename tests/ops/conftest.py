@@ -30,11 +30,12 @@ Setup = Callable[[MemoryStreams, ObjectStore], Awaitable[None]]
 
 @pytest.fixture()
 def ops_env(monkeypatch, tmp_path):
-    """`run(body, setup=None, bucket=None, streams=None, **config)`: build the stack in trio, run `body(env)`."""
+    """`run(body, setup=None, bucket=None, streams=None, clock=None, **config)`: build the stack in trio (with
+    `clock`, e.g. `trio.testing.MockClock(autojump_threshold=0)` for tests of deadlines), run `body(env)`."""
     monkeypatch.setattr(pyfuse3, "readdir_reply", fake_readdir_reply)
 
     def run(body: Callable[[Env], Awaitable[Any]], *, setup: Setup | None = None, bucket: str | None = None,
-            streams: MemoryStreams | None = None, **config_kw: Any) -> Any:
+            streams: MemoryStreams | None = None, clock: trio.abc.Clock | None = None, **config_kw: Any) -> Any:
         async def main() -> Any:
             ms = streams or MemoryStreams()
             config = Config(mountpoint=Path("/nonexistent"), bucket=bucket, uid=1234, gid=5678,
@@ -50,7 +51,7 @@ def ops_env(monkeypatch, tmp_path):
                 finally:
                     nursery.cancel_scope.cancel()
 
-        return trio.run(main)
+        return trio.run(main, clock=clock)
 
     return run
 

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from natsfs import jetstream
 from natsfs.bridge import Msg
-from natsfs.errors import JetStreamAPIError, NotFound, Unavailable
+from natsfs.errors import JetStreamAPIError, NoConnection, NotFound, Unavailable
 from natsfs.jetstream import JetStreams
 
 
@@ -269,3 +270,28 @@ def test_a_stream_without_direct_gets_is_read_with_stream_msg_get():
             await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20)
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("request_timeout", [10.0, 2.0])
+def test_a_read_only_api_call_without_a_connection_fails_within_the_request_timeout(request_timeout):
+    """Each attempt of a read-only call waits at most 3 s; while no connection comes, they end together
+    within the request timeout (the documented wait for a connection), not after the failover window."""
+    bridge = ScriptedBridge()
+    bridge.request_timeout = request_timeout
+    js = JetStreams(bridge)  # type: ignore[arg-type]
+    attempts: list[float] = []
+
+    async def no_connection(subject: str, body: Any = None, timeout: Any = None) -> dict[str, Any]:
+        attempts.append(timeout)
+        await trio.sleep(timeout)
+        raise NoConnection(f"no connection to NATS (reconnecting for {timeout:g}s and more)")
+
+    bridge.api = no_connection  # type: ignore[method-assign]
+
+    async def main() -> None:
+        with pytest.raises(NoConnection):
+            await js.stream_info("OBJ_b")
+        assert trio.current_time() <= request_timeout
+        assert len(attempts) > 1 or request_timeout <= jetstream._READ_ATTEMPT_S
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -14,6 +14,7 @@ from natsfs.bridge import MIN_REPLY_BUDGET, _ByteBudget, _Link, _Reply
 from natsfs.errors import (
     Conflict,
     JetStreamAPIError,
+    NoConnection,
     NoSpace,
     OutcomeUnknown,
     ReadOnly,
@@ -121,6 +122,35 @@ def test_losing_the_client_fails_acks_as_outcome_unknown_and_requests_as_unavail
 
 async def _no_reconnect(since: float) -> None:
     return None
+
+
+def test_once_a_request_waited_in_vain_for_a_connection_the_next_ones_of_that_outage_fail_at_once():
+    """The kernel sends one read(2) as two requests (readahead, then the page): the second must not wait
+    another request timeout for a server that is away. A new outage waits again."""
+
+    async def main() -> None:
+        link = _Link(["nats://127.0.0.1:1"], name="t", connect_timeout=1, quiet=True)
+        link._ready = asyncio.Event()
+        link._closing = False
+        link._reconnect = _no_reconnect  # type: ignore[method-assign]
+        link._bury = _no_bury  # type: ignore[method-assign]
+        gone = SimpleNamespace(last_error="nats: unexpected EOF", is_closed=True, _flush_queue=None)
+        link.nc = gone
+        link._lost(gone)
+        link._lost_at -= 10_000  # the outage is older than any timeout below
+        with pytest.raises(NoConnection):
+            await link.client(0.01)  # the first waits its whole timeout
+        # The next one fails without waiting (an hour-long timeout would otherwise end the test).
+        with pytest.raises(NoConnection):
+            await asyncio.wait_for(link.client(3600), 60)
+        again = SimpleNamespace(last_error="nats: unexpected EOF", is_closed=True, _flush_queue=None)
+        link.nc = again  # a connection came back, and was lost again: a new outage, waited for again
+        link._lost(again)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(link.client(3600), 0.01)
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
 
 
 async def _no_bury(nc: object) -> None:

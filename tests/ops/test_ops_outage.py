@@ -1,0 +1,126 @@
+"""The server away (MemoryStreams offline: every call waits the request timeout for a connection, then
+fails with `NoConnection`, as the bridge does): how long operations wait, measured on trio's mock clock
+(it jumps whenever every task waits, so no test here depends on real time).
+
+- A read of bytes not cached fails with EIO at the request timeout, not after nested retry windows.
+- A read whose server does not answer (connected, no reply) gets one deadline: max(request timeout,
+  `FETCH_RETRY_S`) from its start, however many steps (walk, fetches) it asks again.
+- Creating or opening a file for writing uses the bucket's last known sealed state instead of waiting
+  for the server: in write-back mode the close succeeds offline and the upload lands later.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import trio
+import trio.testing
+from opskit import CTX, ROOT, Env
+from test_ops import DATA, fuse_error, two_buckets
+from test_ops_write import stored, write_file
+from test_ops_writeback import LATER, bucket_b
+
+from natsfs import chunk_cache
+from natsfs.errors import Unavailable
+
+
+def mock_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+@pytest.mark.expect_log("read: .*(no connection to NATS|no answer from the server)")
+@pytest.mark.parametrize("request_timeout", [10.0, 2.0, 30.0])
+def test_a_read_without_a_connection_fails_at_the_request_timeout(ops_env, request_timeout):
+    async def body(env: Env):
+        deep = await env.lookup("alpha/dir/sub/deep.bin")
+        fi = await env.ops.open(deep.st_ino, os.O_RDONLY, None)
+        env.streams.go_offline(request_timeout)
+        start = trio.current_time()
+        assert await fuse_error(env.ops.read(fi.fh, 0, 4096)) == errno.EIO
+        # One wait for a connection, not one per retry window (the walk's, then each fetch's).
+        assert trio.current_time() - start == pytest.approx(request_timeout, abs=0.5)
+        env.streams.go_online()
+        assert await env.ops.read(fi.fh, 0, 4096) == DATA[:4096]
+        await env.ops.release(fi.fh)
+
+    ops_env(body, setup=two_buckets, clock=mock_clock(), request_timeout=request_timeout,
+            fetch_batch_bytes=128 * 1024, readahead_min=0, readahead_max=0)
+
+
+@pytest.mark.expect_log("read: .*no answer from the server within 15s")
+@pytest.mark.parametrize("op", ["stream_batch", "get_batch"])
+def test_a_read_the_server_never_answers_fails_at_one_deadline(ops_env, op):
+    """Each attempt waits the request timeout for its reply; the read still ends FETCH_RETRY_S after it
+    started (the request timeout being shorter), not after the attempt that was under way then."""
+
+    async def body(env: Env):
+        deep = await env.lookup("alpha/dir/sub/deep.bin")
+        fi = await env.ops.open(deep.st_ino, os.O_RDONLY, None)
+        if op == "get_batch":  # the layout must be known for a chunk fetch by sequence
+            assert await env.ops.read(fi.fh, 300_000, 10) == DATA[300_000:300_010]
+        unanswered = 0
+
+        async def no_reply(*args: object, **kw: object) -> object:
+            nonlocal unanswered
+            unanswered += 1
+            await trio.sleep(env.config.request_timeout)
+            raise Unavailable("request timed out after 10s")
+
+        env.streams.__dict__[op] = no_reply  # (an instance attribute shadows the method)
+        start = trio.current_time()
+        off = 0 if op == "stream_batch" else 150_000
+        assert await fuse_error(env.ops.read(fi.fh, off, 4096)) == errno.EIO
+        assert trio.current_time() - start == pytest.approx(chunk_cache.FETCH_RETRY_S, abs=0.01)
+        assert unanswered == 2  # asked again once within the window
+        del env.streams.__dict__[op]
+        assert await env.ops.read(fi.fh, off, 4096) == DATA[off: off + 4096]
+        await env.ops.release(fi.fh)
+
+    ops_env(body, setup=two_buckets, clock=mock_clock(), fetch_batch_bytes=128 * 1024, readahead_min=0,
+            readahead_max=0)
+
+
+def test_write_back_creates_and_rewrites_files_while_the_server_is_away(ops_env):
+    async def body(env: Env):
+        # Nothing was written yet: the bucket's watch saw it writable when it started.
+        env.streams.go_offline(60.0)  # (a wait for the server would fail the create with EIO)
+        await write_file(env, ROOT, "new.txt", b"made offline")
+        fi = await env.ops.open((await env.lookup("old.txt")).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+        await env.ops.write(fi.fh, 0, b"rewritten offline")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        assert await env.cat("new.txt") == b"made offline"
+        assert await env.cat("old.txt") == b"rewritten offline"
+        fi = await env.ops.open((await env.lookup("new.txt")).st_ino, os.O_WRONLY | os.O_APPEND, None)
+        await env.ops.write(fi.fh, len(b"made offline"), b", appended")  # its bytes are here: no server needed
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        env.streams.go_online()
+        assert await env.store.get_info("b", "new.txt") is None  # nothing reached the server meanwhile
+        await env.fs.shutdown(30)
+        for name, data in (("new.txt", b"made offline, appended"), ("old.txt", b"rewritten offline")):
+            assert await stored(env, name) == data
+
+    # sealed_ttl=0: every check would ask the server again; the last known state answers instead.
+    ops_env(body, setup=bucket_b, bucket="b", write_back=LATER, sealed_ttl=0)
+
+
+@pytest.mark.expect_log("flush: b/new.txt: not stored within", "b/new.txt: closed without a successful upload")
+def test_creating_a_file_while_the_server_is_away_does_not_wait_for_it(ops_env):
+    """Without write-back the close fails (EIO, bytes in lost+found) as documented; the create does not
+    wait for the server to say whether the bucket is sealed."""
+
+    async def body(env: Env):
+        await write_file(env, ROOT, "before.txt", b"before")
+        env.streams.go_offline(env.config.request_timeout)
+        start = trio.current_time()
+        fi, _ = await env.ops.create(ROOT, b"new.txt", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+        assert trio.current_time() == start
+        await env.ops.write(fi.fh, 0, b"x")
+        assert await fuse_error(env.ops.flush(fi.fh)) == errno.EIO
+        await env.ops.release(fi.fh)
+        env.streams.go_online()
+
+    ops_env(body, setup=bucket_b, bucket="b", clock=mock_clock(), sealed_ttl=0)
