@@ -773,7 +773,7 @@ class ObjectStore:
             if own is not None and own[0] == expected_revision:
                 doc = json.loads(own[1])
                 if isinstance(doc, dict):
-                    return doc, own[0]
+                    return usable_fields(doc), own[0]
         return await self.get_meta_doc(bucket, name)
 
     async def _publish_settled_once(self, bucket: str, subject: str, data: bytes, headers: dict[str, str],
@@ -1241,7 +1241,7 @@ class ObjectStore:
             raise MalformedMeta(f"meta {subject} is not JSON") from None
         if not isinstance(doc, dict) or doc.get("deleted"):
             raise Conflict(f"{bucket}/{name} changed since it was read")
-        moved = dict(doc, name=name, mtime=ZERO_TIME)
+        moved = dict(usable_fields(doc), name=name, mtime=ZERO_TIME)
         if change is not None:
             change(moved)
         info = await self.publish_meta(bucket, moved, expected_revision=0, timestamp=False)

@@ -181,7 +181,7 @@ class Mutations:
 
         def keep_mtime(doc: dict[str, Any]) -> None:
             # The meta's new message would otherwise give the file a new mtime.
-            doc["metadata"] = dict(doc.get("metadata") or {}) | {ATTR_MTIME: str(mtime_ns)}
+            doc["metadata"] = metadata_of(doc) | {ATTR_MTIME: str(mtime_ns)}
 
         keep = None if info.link is not None or info.name.endswith("/") else keep_mtime
         try:
@@ -436,13 +436,17 @@ class Mutations:
             already = await self._stored_by_earlier_run(sf)
             if already is not None:
                 return already, len(sf.xattr_changes)
-        if sf.base is not None:
+        if sf.base is not None or sf.replaces is not None:
             # The index must be loaded (a write-back upload replayed at start may come first): it says
-            # whether other live names still use the replaced version's chunks (`_nuid_users`).
-            with contextlib.suppress(NatsFSError):
-                await self.ns.index(sf.bucket)
-            if sf.base.revision == sf.base_revision:
-                sf.rebase(await self._on_canonical(sf.bucket, sf.base))
+            # whether other live names still use the replaced version's chunks (`_nuid_users`). Without
+            # it nothing replaced may be purged, so the upload waits for a later try.
+            await self.ns.index(sf.bucket)
+        if sf.base is not None and sf.base.revision == sf.base_revision:
+            sf.rebase(await self._on_canonical(sf.bucket, sf.base))
+        if sf.base is None and sf.replaces is not None:
+            # (A replaced object shown from an alias subject is moved to its canonical one first, where
+            # the put expects it.)
+            sf.replace(await self._on_canonical(sf.bucket, sf.replaces))
         base_doc = None
         expected, old_nuid = sf.base_revision, sf.base.nuid if sf.base is not None else ""
         replace_tombstone = sf.base is None

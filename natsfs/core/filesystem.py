@@ -1644,19 +1644,28 @@ class Filesystem:
         def change(doc: dict[str, Any]) -> None:
             xattrs.set_object(doc, key, value)
 
-        sf = self.staging.get(inode)
-        if sf is not None and sf.never_stored:
-            # No object yet: check now, store with the data at close.
+        bucket = node.bucket
+
+        async def with_the_data(sf: StagedFile) -> None:
+            # No object yet: checked now, stored with the data at close.
             doc, _ = await self._meta_doc(node)
             change(doc)
             check_meta_size(doc, self.config.max_meta_bytes)
-            self.ns.store.check_meta_payload(node.bucket, doc)
+            self.ns.store.check_meta_payload(bucket, doc)
             sf.change_xattr(key, value)
-            return
-        if sf is None or sf.ended:
-            await self._store_xattr(inode, node.bucket, change)
-            return
-        async with sf.lock:  # after an upload under way, which stores at the revision it read
+
+        sf = self.staging.get(inode)
+        if sf is not None and not sf.ended:
+            # Under the file's lock: after an upload under way, which stores at the revision it read (and
+            # a first upload under way would not carry a change made meanwhile).
+            async with sf.lock:
+                if sf.never_stored:
+                    await with_the_data(sf)
+                else:
+                    await self._store_xattr(inode, node.bucket, change)
+        elif sf is not None and sf.never_stored:
+            await with_the_data(sf)
+        else:
             await self._store_xattr(inode, node.bucket, change)
 
     async def _store_xattr(self, inode: InodeNo, bucket: str, change: Callable[[dict[str, Any]], None]) -> None:

@@ -331,3 +331,29 @@ def test_a_file_renamed_over_an_object_before_its_close_replaces_it_at_the_close
         assert await gone_there(env, "old.tmp") and lost_and_found(env) == []
 
     ops_env(body, setup=bucket_b, bucket="b")
+
+
+@pytest.mark.parametrize("write_back", [None, 0.0])
+def test_a_setxattr_during_a_files_first_upload_is_stored(ops_env, monkeypatch, write_back):
+    """The first upload took its snapshot of the file's xattr changes; one made meanwhile waits for it
+    and is then stored on the object (it was dropped: the file was stored, nothing carried it)."""
+    async def body(env: Env):
+        fi = await written(env, "f", NEW)
+        ino = await ino_of(env, "f")
+
+        async def upload() -> None:
+            await close(env, fi)()
+            if env.fs.writeback is not None:
+                await env.fs.writeback.drain(30)
+
+        async def setxattr() -> None:
+            await env.ops.setxattr(ino, b"user.k", b"v", Ctx())
+
+        await while_put_held(monkeypatch, env, upload, setxattr)
+        await env.settle()
+        doc, _ = await env.store.get_meta_doc("b", "f")
+        assert doc["metadata"]["k"] == "v"
+        assert await env.ops.getxattr(ino, b"user.k", Ctx()) == b"v"
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=write_back)
