@@ -663,9 +663,11 @@ class ObjectStore:
             return None
         return parse_meta(bucket, msg)
 
-    async def get_meta_doc(self, bucket: str, name: str) -> tuple[dict[str, Any], int] | None:
-        """The raw meta JSON of `name` and its revision, for rewrites that must keep every field."""
-        msg = await self.streams.last_msg(stream_name(bucket), self._meta_subject(bucket, name))
+    async def get_meta_doc(self, bucket: str, name: str, subject: str | None = None
+                           ) -> tuple[dict[str, Any], int] | None:
+        """The raw meta JSON of `name` and its revision, for rewrites that must keep every field; from
+        `subject` instead of the name's canonical one when given (an alias: see `natsfs.index`)."""
+        msg = await self.streams.last_msg(stream_name(bucket), subject or self._meta_subject(bucket, name))
         if msg is None:
             return None
         try:

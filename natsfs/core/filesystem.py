@@ -1576,7 +1576,9 @@ class Filesystem:
             doc: dict[str, Any] = {"name": sf.name, "bucket": sf.bucket}
             sf.apply_xattr_changes(doc)
             return doc, 0
-        got = await self.ns.store.get_meta_doc(node.bucket, node.info.name)
+        index = self.ns.loaded_index(node.bucket)
+        alias = index.odd_subjects.get(node.info.name) if index is not None else None  # shown from there
+        got = await self.ns.store.get_meta_doc(node.bucket, node.info.name, alias)
         if got is None or got[0].get("deleted"):
             raise NotFound(f"{node.bucket}/{node.info.name}")
         return got

@@ -257,3 +257,18 @@ def test_an_object_only_under_an_alias_subject_can_be_changed_and_moves_to_its_c
         await reconcile_quietly(env)
 
     ops_env(body, setup=setup)
+
+
+def test_xattrs_of_an_object_shown_from_an_alias_are_read_from_its_alias(ops_env):
+    """getxattr and listxattr read the meta where the object is shown from (they gave ENOENT)."""
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        await put_alias(ms, "tag-them.tx", b"old client bytes\n", UNPADDED, metadata={"owner": "infra"})
+
+    async def body(env: Env):
+        ino = (await env.lookup("b/tag-them.tx")).st_ino
+        assert await env.ops.getxattr(ino, b"user.owner", Ctx()) == b"infra"
+        assert b"user.owner" in await env.ops.listxattr(ino, Ctx())
+        assert await env.ops.getxattr(ino, b"user.nats.name", Ctx()) == b"tag-them.tx"
+
+    ops_env(body, setup=setup)
