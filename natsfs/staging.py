@@ -224,18 +224,29 @@ class Spool:
         """Spool files left by a daemon that died, except those the write-back journal replays
         (`replayed`): move them to lost+found/leftover (never delete data), with one log line saying where."""
         kept = []
+        stuck: list[str] = []
+        error = ""
         for f in sorted(self.dir.iterdir()):
             if f.name in replayed:
                 continue
             if f.is_file() and f.stat().st_size > 0:
-                dest = self._lost_path("leftover", f.name)
-                shutil.move(str(f), dest)
+                try:
+                    dest = self._lost_path("leftover", f.name)
+                    shutil.move(str(f), dest)
+                except OSError as e:  # a disk still full: the file stays here for the next mount
+                    stuck.append(f.name)
+                    error = e.strerror or str(e)
+                    continue
                 kept.append(dest)
             else:
                 f.unlink(missing_ok=True)
         if kept:
             log.warning("%d staged file(s) left by an earlier run of this mount were moved to %s: %s", len(kept),
                         kept[0].parent, ", ".join(p.name for p in kept))
+        if stuck:
+            log.error("%d staged file(s) left by an earlier run of this mount cannot be moved to %s (%s); they "
+                      "stay in %s for the next mount: %s", len(stuck), self.lost_found / "leftover", error,
+                      self.dir, ", ".join(stuck))
         return kept
 
     def create(self) -> tuple[int, Path]:

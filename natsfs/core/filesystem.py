@@ -892,6 +892,8 @@ class Filesystem:
         """Try again to keep the bytes that could not be written to lost+found: one warning line per file
         kept; a file that still cannot be kept stays held, silently (its error was logged once)."""
         for sf in list(self.unkept):
+            if sf not in self.unkept:
+                continue  # kept meanwhile by another run of this (the background one, or unmount's)
             try:
                 kept = sf.keep()
             except NotKept as e:
@@ -908,7 +910,8 @@ class Filesystem:
         for sf in self.unkept:
             if self.writeback is not None:
                 fate = ("they stay in the write-back journal" + ("" if sf.in_memory else f" and {sf.spool_path}")
-                        + "; the next mount with this cache dir keeps them")
+                        + "; the next mount with this cache dir and --write-back replays them (uploads them, "
+                        "or keeps them if they are refused again)")
             elif not sf.in_memory:
                 fate = f"they stay in {sf.spool_path}, which the next mount moves to lost+found/leftover"
             else:

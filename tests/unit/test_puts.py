@@ -327,3 +327,22 @@ def test_spool_journal_and_lost_found_are_private(tmp_path):
         assert d.stat().st_mode & 0o777 == 0o700, d
     assert spool.journal.path.stat().st_mode & 0o777 == 0o600
     assert kept.stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.expect_log(r"cannot be moved to .*lost\+found/leftover \(No space left on device\)")
+def test_leftovers_stay_in_the_spool_when_lost_found_cannot_be_made(tmp_path, monkeypatch, caplog):
+    """A next mount on a disk still full starts: the leftovers stay where they are, one ERROR line."""
+    from helpers import full_local_disk
+
+    from natsfs.staging import Spool
+
+    root = tmp_path / "cache" / "mnt"
+    Spool(root, limit=1 << 20)
+    (root / "spool" / "0123abcd").write_bytes(b"bytes of a daemon that died")
+    free = full_local_disk(monkeypatch)
+    assert Spool(root, limit=1 << 20).rescue_leftovers() == []
+    assert (root / "spool" / "0123abcd").read_bytes() == b"bytes of a daemon that died"
+    assert [r.levelname for r in caplog.records if r.name == "natsfs.staging"] == ["ERROR"]
+    free()
+    kept = Spool(root, limit=1 << 20).rescue_leftovers()
+    assert [p.read_bytes() for p in kept] == [b"bytes of a daemon that died"]
