@@ -1374,10 +1374,9 @@ class Filesystem:
         if src_sf is not None and src_sf.replaces is not None:
             # A staged file that replaces, at its upload, the object still stored under its name: the name
             # moves away now, so that object goes now (it is not this file's stored version).
-            if stored is not None:
-                if stored.revision != src_sf.replaces.revision:
-                    raise Conflict(f"{bucket}/{stored.name} was changed by another client meanwhile")
+            if stored is not None and stored.revision == src_sf.replaces.revision:
                 await self.mut.delete(bucket, stored)
+            # (One another client changed meanwhile is its own newer version now: it stays.)
             src_sf.replace(None)
             stored = None
         if stored is not None:

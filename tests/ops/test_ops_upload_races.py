@@ -357,3 +357,20 @@ def test_a_setxattr_during_a_files_first_upload_is_stored(ops_env, monkeypatch, 
         assert lost_and_found(env) == []
 
     ops_env(body, setup=bucket_b, bucket="b", write_back=write_back)
+
+
+def test_a_pending_atomic_save_renamed_on_leaves_a_version_another_client_wrote_meanwhile(ops_env):
+    """The object a pending save replaces is changed by another client, then the save is renamed on:
+    the rename holds (it kept failing with ESTALE) and the other client's version stays."""
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        await atomic_save(env, V2)
+        await put_object(env.streams, "b", "old", NEW)  # another client's newer version
+        await rename(env, "old", "moved")()
+        await env.fs.writeback.drain(30)
+        await env.settle()
+        assert await stored(env, "old") == NEW
+        assert await stored(env, "moved") == V2 and await env.cat("moved") == V2
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=3600.0)
