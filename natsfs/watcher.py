@@ -218,8 +218,8 @@ class BucketWatcher:
             index.drop_alias(m.subject)
             return
         name = decode_token(m.subject.rsplit(".", 1)[-1]) if m.subject else None
-        if name is None or meta_subject(self.bucket, name) != m.subject:
-            return
+        if name is None or meta_subject(self.bucket, name) != m.subject or name in index.odd_subjects:
+            return  # (a name shown from an alias stays: an unusable canonical meta is neither object nor tombstone)
         held = index.objects.get(name)
         if held is not None and held.revision < m.seq:
             index.remove(name)

@@ -272,3 +272,20 @@ def test_xattrs_of_an_object_shown_from_an_alias_are_read_from_its_alias(ops_env
         assert await env.ops.getxattr(ino, b"user.nats.name", Ctx()) == b"tag-them.tx"
 
     ops_env(body, setup=setup)
+
+
+def test_an_unusable_canonical_meta_leaves_the_alias_shown(ops_env):
+    """Another client writes a meta that is not JSON at the canonical subject of a name shown from an
+    alias: neither object nor tombstone, so the alias stays, and is not fetched or logged again."""
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        await put_alias(ms, "old.txt", b"old client\n", UNPADDED)
+
+    async def body(env: Env):
+        assert await env.cat("b/old.txt") == b"old client\n"
+        await env.streams.publish(meta_subject("b", "old.txt"), b"not json", {ROLLUP: "sub"})
+        await env.settle()
+        assert await env.cat("b/old.txt") == b"old client\n"
+        await reconcile_quietly(env)
+
+    ops_env(body, setup=setup)
