@@ -122,20 +122,28 @@ class BucketIndex:
                     yield child
 
     def names_with_nuid(self, nuid: str) -> list[str]:
-        """Live names whose meta carries `nuid` (more than one: a rename half done, or a copy)."""
+        """Live names whose meta carries `nuid` (more than one: a rename half done, or a copy), and the
+        subjects of live aliases not shown that carry it."""
         held = self._by_nuid.get(nuid) if nuid else None
-        if held is None:
-            return []
-        return [held] if isinstance(held, str) else list(held)
+        names = [] if held is None else [held] if isinstance(held, str) else list(held)
+        return names + list(self._hidden_alias_holders(nuid))
 
     def other_names_with_nuid(self, nuid: str, name: str) -> tuple[str, ...]:
-        """Live names other than `name` holding `nuid` (usually none: fast)."""
+        """Live names other than `name` holding `nuid` (usually none: fast), and the subjects of live
+        aliases not shown that hold it (an alias of `name` itself too: an `adopt_alias` cut short)."""
         held = self._by_nuid.get(nuid)
-        if held is None or held == name:
+        others: tuple[str, ...] = ()
+        if held is not None and held != name:
+            others = (held,) if isinstance(held, str) else tuple(n for n in held if n != name)
+        return others + self._hidden_alias_holders(nuid)
+
+    def _hidden_alias_holders(self, nuid: str) -> tuple[str, ...]:
+        """Subjects of live aliases that carry `nuid` but are not what their name shows (rare: scanned)."""
+        if not nuid or not self._alias_name:
             return ()
-        if isinstance(held, str):
-            return (held,)
-        return tuple(n for n in held if n != name)
+        return tuple(subject for subject, name in self._alias_name.items()
+                     if self.odd_subjects.get(name) != subject
+                     and (info := self.aliases[name][subject]).nuid == nuid and not info.deleted)
 
     def meta_subject_count(self) -> int:
         """How many meta subjects the index accounts for: live objects, tombstones, unusable metas, aliases."""

@@ -165,7 +165,7 @@ def _parse_ack_reply(reply: str) -> tuple[int, int, int, int]:
 class JetStreams:
     """The `natsfs.streams.Streams` protocol over a connected `Bridge`."""
 
-    def __init__(self, bridge: Bridge):
+    def __init__(self, bridge: Bridge) -> None:
         self.bridge = bridge
         # Calls per method, and `batch_msgs`: messages sent as requests inside atomic batches (each one a
         # round trip); shown in the daemon's stats, like `MemoryStreams.calls`.
@@ -620,7 +620,7 @@ class BatchStream:
 
     def __init__(self, sub: Subscription, timeout: float, what: str,
                  on_floor_refused: Callable[[], Awaitable[None]] | None = None,
-                 on_no_responders: Callable[[], Awaitable[_MsgGets | None]] | None = None):
+                 on_no_responders: Callable[[], Awaitable[_MsgGets | None]] | None = None) -> None:
         self._sub = sub
         self._timeout = timeout
         self._what = what
@@ -675,7 +675,8 @@ class _MsgGets:
     Nothing here is trusted beyond what the reply says (subject, sequence, bytes): the chunk cache
     checks every message as it checks a direct get's."""
 
-    def __init__(self, js: JetStreams, stream: str, subject: str, start_seq: int, batch: int, max_bytes: int):
+    def __init__(self, js: JetStreams, stream: str, subject: str, start_seq: int, batch: int,
+                 max_bytes: int) -> None:
         self._js = js
         self._stream = stream
         self._subject = subject

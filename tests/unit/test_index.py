@@ -402,3 +402,15 @@ def test_an_alias_shows_once_the_canonical_subject_holds_nothing():
     assert "doc.txt" not in idx.objects and idx.odd_subjects == {}
     idx.drop_tombstone("doc.txt", 3)
     assert idx.objects["doc.txt"] is alias
+
+
+def test_an_alias_not_shown_still_counts_as_a_holder_of_its_nuid():
+    """An `adopt_alias` cut short leaves the canonical meta and the alias of one name on one nuid: the
+    alias is not shown (the canonical one wins), but deleting the name must not purge its chunks."""
+    idx, _ = make(obj("doc.txt", rev=5, nuid="shared"))
+    idx.apply_alias(ALIAS, obj("doc.txt", rev=2, nuid="shared"))
+    assert idx.get(("doc.txt",)).revision == 5
+    assert idx.other_names_with_nuid("shared", "doc.txt") == (ALIAS,)
+    assert idx.other_names_with_nuid("other", "doc.txt") == ()
+    idx.apply_alias(ALIAS, obj("doc.txt", rev=6, nuid="shared", deleted=True))
+    assert idx.other_names_with_nuid("shared", "doc.txt") == ()
