@@ -59,17 +59,7 @@ def delete_chunk(url: str, bucket: str, nuid: str, index: int) -> None:
 
 def chunk_reads(path: Path) -> dict[int, bytes | int]:
     """Each chunk read with one pread (as `dd bs=128K skip=k count=1`): its bytes, or the errno."""
-    out: dict[int, bytes | int] = {}
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for k in [7, LOST, 0, 5, 2, 4, 1, 6]:
-            try:
-                out[k] = os.pread(fd, CHUNK, k * CHUNK)
-            except OSError as e:
-                out[k] = e.errno
-    finally:
-        os.close(fd)
-    return out
+    return pread_each(path, CHUNK, [7, LOST, 0, 5, 2, 4, 1, 6])
 
 
 def expected(data: bytes) -> dict[int, bytes | int]:
@@ -173,12 +163,13 @@ def test_real_server_replies_prove_what_the_twin_does(nats_url, bucket_name):
     with_store(nats_url, fn)
 
 
-def pread_each(path: Path, chunk: int, count: int) -> dict[int, bytes | int]:
-    """Each chunk of `path` read with one pread, last first: its bytes, or the errno."""
+def pread_each(path: Path, chunk: int, order: int | list[int]) -> dict[int, bytes | int]:
+    """Chunks of `path` read with one pread each, in `order` (a count: all of them, last first): each
+    one's bytes, or the errno."""
     out: dict[int, bytes | int] = {}
     fd = os.open(path, os.O_RDONLY)
     try:
-        for k in reversed(range(count)):
+        for k in reversed(range(order)) if isinstance(order, int) else order:
             try:
                 out[k] = os.pread(fd, chunk, k * chunk)
             except OSError as e:
