@@ -299,7 +299,18 @@ def chunk_size_within(chunk_size: int, max_payload: int) -> int:
     return chunk_size if chunk_size <= fits else max(fits, 4096)
 
 
+# A nuid names one chunk subject: a single subject token of these characters (nats.go's are 22 of
+# them). Anything else (`>`, `*`, a dot) would make a subject filter matching other objects' chunks.
+_NUID = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def usable_nuid(nuid: str) -> bool:
+    return bool(_NUID.fullmatch(nuid))
+
+
 def chunk_subject(bucket: str, nuid: str) -> str:
+    if not usable_nuid(nuid):  # (parse_meta keeps such nuids out: this is the last guard)
+        raise MalformedMeta(f"the nuid {_short(nuid)} cannot name a chunk subject")
     return f"$O.{bucket}.C.{nuid}"
 
 
@@ -488,10 +499,12 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
     nuid = doc.get("nuid") or ""
     if not isinstance(nuid, str):
         raise MalformedMeta(f"meta for {name!r} has a bad nuid: {_short(nuid)}")
+    if nuid and not usable_nuid(nuid) and (deleted or link is not None):
+        nuid = ""  # a tombstone's or a link's nuid names no chunks of its own: never a subject filter
     if not deleted and link is None:
         if (chunks or size) and not nuid:
             raise MalformedMeta(f"meta for {name!r} claims {chunks} chunks but has no nuid")
-        if nuid and not re.fullmatch(r"[A-Za-z0-9_-]+", nuid):
+        if nuid and not usable_nuid(nuid):
             raise MalformedMeta(f"meta for {name!r} has an unusable nuid {_short(nuid)}")
         if chunks == 0 and size > 0:
             raise MalformedMeta(f"meta for {name!r} has {size} bytes in 0 chunks")
@@ -1195,7 +1208,11 @@ class ObjectStore:
         # (A tombstone's time is shown nowhere: not read back.)
         info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision,
                                        timestamp=False)
-        if purge_chunks and nuid and (doc.get("chunks") or doc.get("size")):  # (an empty object has none)
+        options = doc.get("options")
+        is_link = isinstance(options, dict) and isinstance(options.get("link"), dict)
+        # (An empty object has no chunks, and a link none of its own: deleting it leaves its target and
+        # anything its nuid may claim alone.)
+        if purge_chunks and nuid and not is_link and (doc.get("chunks") or doc.get("size")):
             await self.purge_chunks_later_if_needed(bucket, nuid, name)
         return info
 
@@ -1312,6 +1329,8 @@ class ObjectStore:
         them to the `PutLog` (settled once it answers) instead of leaving them behind. True if purged
         (or kept because another live name still uses them: two names on one nuid, a rename cut short
         or a copy by another client, must never lose their bytes when one of them is replaced)."""
+        if not usable_nuid(nuid):
+            return True  # no chunk subject of its own (a hostile meta's `>`): nothing to purge
         users = self.nuid_users(bucket, nuid, name) if self.nuid_users is not None else ()
         if users:
             shown = ", ".join(repr(n) for n in users[:3]) + (" ..." if len(users) > 3 else "")

@@ -456,7 +456,8 @@ class Mutations:
             # document, nothing of the replaced one's kept), as a rewrite replaces its base. Another
             # client's change of it meanwhile is a conflict.
             expected, replace_tombstone = replaced.revision, False
-            old_nuid = "" if self._shared_nuid(self.ns.loaded_index(sf.bucket), replaced) else replaced.nuid
+            shared = self._shared_nuid(self.ns.loaded_index(sf.bucket), replaced)
+            old_nuid = "" if shared or replaced.link is not None else replaced.nuid  # (a link has no chunks)
         unsettled = self._unsettled_nuid(sf.bucket, sf.name)
         if sf.base is not None or unsettled:
             got = await self.store.get_meta_doc(sf.bucket, sf.name)
@@ -715,7 +716,8 @@ class Mutations:
         self._apply(bucket, new_info)
         if index is not None:
             index.remove_if(info.name, old_revision)
-        if (target is not None and target.nuid and target.nuid != info.nuid and not keep_target_chunks
+        if (target is not None and target.link is None and target.nuid and target.nuid != info.nuid
+                and not keep_target_chunks
                 and not self._shared_nuid(index, target)):
             await self.store.purge_chunks_later_if_needed(bucket, target.nuid, target.name)
         return new_info

@@ -12,7 +12,7 @@ from typing import Any
 
 import pyfuse3
 import pytest
-from gowriters import fixture_nuid
+from gowriters import fixture_nuid, put_object
 from opskit import Ctx, Env, Fields, errno_of
 
 from natsfs.adr20 import ROLLUP, ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, parse_meta
@@ -241,3 +241,37 @@ def test_listxattr_lists_only_keys_that_make_usable_attribute_names(ops_env, cap
     ops_env(body, setup=odd_keys)
     left_out = [r.getMessage() for r in caplog.records if "no usable attribute name" in r.getMessage()]
     assert len(left_out) == 1 and "'user.a\\x00b'" in left_out[0] and "'user.nats.header.H\\x00'" in left_out[0]
+
+
+@pytest.mark.parametrize("how", ["unlink", "rename over"])
+@pytest.mark.parametrize("nuid", [">", "*", "a.b"])
+def test_a_link_with_a_wildcard_nuid_never_purges_other_objects_chunks(ops_env, how, nuid):
+    """Another client's link meta claiming chunks under the nuid `>`: deleting or replacing the link
+    purged `$O.b.C.>`, every chunk of the bucket. A link has no chunks of its own to purge."""
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        await put_object(ms, "b", "target.txt", b"the target's bytes")
+        await put_object(ms, "b", "bystander.txt", b"another object's bytes")
+        await raw_put(ms, "b", "evil-link", b"", nuid=nuid, size=5, chunks=1,
+                      options={"link": {"bucket": "b", "name": "target.txt"}})
+
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        if how == "unlink":
+            await env.ops.unlink(b, b"evil-link", Ctx())
+        else:
+            fi, _ = await env.ops.create(b, b"new", 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+            await env.ops.write(fi.fh, 0, b"new bytes")
+            await env.ops.flush(fi.fh)
+            await env.ops.release(fi.fh)
+            await env.ops.rename(b, b"new", b, b"evil-link", 0, Ctx())
+        await env.settle()
+        assert await env.cat("b/target.txt") == b"the target's bytes"
+        assert await env.cat("b/bystander.txt") == b"another object's bytes"
+        for name in ("target.txt", "bystander.txt"):
+            info = await env.store.get_info("b", name)
+            assert await env.store.chunk_index("b", info.nuid), name
+        if how == "rename over":
+            assert await env.cat("b/evil-link") == b"new bytes"
+
+    ops_env(body, setup=setup)
