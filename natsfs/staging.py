@@ -803,6 +803,7 @@ class StagedFile:
         self._to(WriteState.DISCARDED)
         with contextlib.suppress(OSError):
             os.close(self.fd)
+        self.fd = -1  # a late use fails (EBADF) instead of reaching whatever file reuses the number
         if self._spool_file_made:
             self.spool_path.unlink(missing_ok=True)
         self.spool.charge(self.size, 0)
@@ -833,6 +834,7 @@ class StagedFile:
         self._to(WriteState.KEPT)
         with contextlib.suppress(OSError):
             os.close(self.fd)
+        self.fd = -1  # (as in `discard`)
         self.spool.charge(self.size, 0)
         if self.in_memory:
             self._leave_memory()

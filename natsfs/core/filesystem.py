@@ -636,6 +636,10 @@ class Filesystem:
         if flags & os.O_TRUNC:
             sf = self._stage(inode, node)
             async with sf.lock:
+                if sf.ended:
+                    # Dropped while this open waited (another handle's last close after its upload):
+                    # resolve and stage again, from the version that close stored.
+                    return await self.open(inode, flags, caller)
                 sf.skip_copy()
                 await sf.truncate(0)
             self.mut.after_write(sf, 0)
@@ -767,12 +771,16 @@ class Filesystem:
         if handle.opener is not None and not handle.opener_located:
             handle.opener_located = True
             self.openers.located(handle.opener, handle.ino)
-        sf = self.staging.get(handle.ino)
-        if sf is None or sf.ended:
-            sf = self._stage(handle.ino, await self._version_of(handle))
-        async with sf.lock:
-            await self._fill(sf)
-            written = await sf.write(off, buf)
+        while True:
+            sf = self.staging.get(handle.ino)
+            if sf is None or sf.ended:
+                sf = self._stage(handle.ino, await self._version_of(handle))
+            async with sf.lock:
+                if sf.ended:
+                    continue  # dropped while this write waited: stage again
+                await self._fill(sf)
+                written = await sf.write(off, buf)
+            break
         self.mut.after_write(sf, off)
         self.counters["writes"] += 1
         self.counters["write_bytes"] += written

@@ -374,3 +374,25 @@ def test_a_pending_atomic_save_renamed_on_leaves_a_version_another_client_wrote_
         assert lost_and_found(env) == []
 
     ops_env(body, setup=bucket_b, bucket="b", write_back=3600.0)
+
+
+def test_an_open_with_truncate_waiting_for_another_handles_close_stages_again(ops_env, monkeypatch):
+    """Two writers of one file: B's open(O_TRUNC) waits while A's close uploads, then A's release drops
+    the staged file. B truncated the dropped file's closed descriptor: EIO, or, once the number was
+    reused by another file's spool file, that file zeroed."""
+    async def body(env: Env):
+        fi = await written(env, "f", NEW)
+        ino = await ino_of(env, "f")
+        opened: list[pyfuse3.FileInfo] = []
+
+        async def open_truncating() -> None:
+            opened.append(await env.ops.open(ino, os.O_WRONLY | os.O_TRUNC, Ctx()))
+
+        await while_put_held(monkeypatch, env, close(env, fi), open_truncating)
+        assert await env.ops.write(opened[0].fh, 0, b"second") == 6
+        await close(env, opened[0])()
+        await env.settle()
+        assert await stored(env, "f") == b"second" and await env.cat("f") == b"second"
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")
