@@ -1277,6 +1277,11 @@ class ObjectStore:
         await self.streams.purge_subject(stream_name(bucket), self._meta_subject(bucket, name),
                                          before_seq=revision + 1)
 
+    async def purge_alias(self, bucket: str, subject: str, revision: int) -> None:
+        """Remove an alias meta (a name's meta under a non-canonical subject) up to `revision`; a newer
+        message there stays."""
+        await self._purge_settled(bucket, subject, revision + 1)
+
     async def _live_doc(self, bucket: str, name: str, expected_revision: int | None) -> tuple[dict[str, Any], int]:
         """The meta of a live object, checked against the revision the caller read (`Conflict`)."""
         current = await self._doc_at(bucket, name, expected_revision)

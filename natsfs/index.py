@@ -122,23 +122,26 @@ class BucketIndex:
                     yield child
 
     def names_with_nuid(self, nuid: str) -> list[str]:
-        """Live names whose meta carries `nuid` (more than one: a rename half done, or a copy), and the
-        subjects of live aliases not shown that carry it."""
+        """Live names whose meta carries `nuid` (more than one: a rename half done, or a copy)."""
         held = self._by_nuid.get(nuid) if nuid else None
-        names = [] if held is None else [held] if isinstance(held, str) else list(held)
-        return names + list(self._hidden_alias_holders(nuid))
+        if held is None:
+            return []
+        return [held] if isinstance(held, str) else list(held)
 
     def other_names_with_nuid(self, nuid: str, name: str) -> tuple[str, ...]:
-        """Live names other than `name` holding `nuid` (usually none: fast), and the subjects of live
-        aliases not shown that hold it (an alias of `name` itself too: an `adopt_alias` cut short)."""
+        """Live names other than `name` holding `nuid` (usually none: fast)."""
         held = self._by_nuid.get(nuid)
-        others: tuple[str, ...] = ()
-        if held is not None and held != name:
-            others = (held,) if isinstance(held, str) else tuple(n for n in held if n != name)
-        return others + self._hidden_alias_holders(nuid)
+        if held is None or held == name:
+            return ()
+        if isinstance(held, str):
+            return (held,)
+        return tuple(n for n in held if n != name)
 
-    def _hidden_alias_holders(self, nuid: str) -> tuple[str, ...]:
-        """Subjects of live aliases that carry `nuid` but are not what their name shows (rare: scanned)."""
+    def hidden_alias_holders(self, nuid: str) -> tuple[str, ...]:
+        """Subjects of live aliases that carry `nuid` but are not what their name shows (rare: scanned).
+        They name no object (the canonical subject wins), so they never make a name "shared" (no
+        tombstone decision rests on them), but their chunks must stay: an `adopt_alias` cut short
+        leaves the canonical meta and the alias of one name on one nuid."""
         if not nuid or not self._alias_name:
             return ()
         return tuple(subject for subject, name in self._alias_name.items()

@@ -159,11 +159,12 @@ class Mutations:
             index.apply(info)
 
     def _nuid_users(self, bucket: str, nuid: str, name: str) -> tuple[str, ...]:
-        """Live names other than `name` whose meta holds `nuid` (as far as the bucket's index knows)."""
+        """Live names other than `name` whose meta holds `nuid` (as far as the bucket's index knows), and
+        alias subjects not shown that hold it: the chunks stay for them."""
         index = self.ns.loaded_index(bucket)
         if index is None or not nuid:
             return ()
-        return index.other_names_with_nuid(nuid, name)
+        return index.other_names_with_nuid(nuid, name) + index.hidden_alias_holders(nuid)
 
     async def _on_canonical(self, bucket: str, info: ObjectInfo) -> ObjectInfo:
         """`info` as stored at its name's canonical meta subject. An object shown from an alias subject
@@ -715,6 +716,12 @@ class Mutations:
             change=None if info.link is not None or info.name.endswith("/") else keep_mtime)
         self._apply(bucket, new_info)
         if index is not None:
+            # A hidden alias of the old name on the same nuid (an `adopt_alias` cut short, or a copy)
+            # would show at the old name once its canonical subject is empty: it moves too.
+            for subject, alias in list(index.aliases.get(info.name, {}).items()):
+                if subject != index.odd_subjects.get(info.name) and alias.nuid == info.nuid and not alias.deleted:
+                    await self.store.purge_alias(bucket, subject, alias.revision)
+                    index.drop_alias(subject)
             index.remove_if(info.name, old_revision)
         if (target is not None and target.link is None and target.nuid and target.nuid != info.nuid
                 and not keep_target_chunks

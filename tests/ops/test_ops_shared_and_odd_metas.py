@@ -4,6 +4,7 @@ clients, or a token that is not base64 of UTF-8)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Any
@@ -289,3 +290,60 @@ def test_an_unusable_canonical_meta_leaves_the_alias_shown(ops_env):
         await reconcile_quietly(env)
 
     ops_env(body, setup=setup)
+
+
+async def canonical_and_hidden_alias_on_one_nuid(ms: MemoryStreams, store: ObjectStore) -> None:
+    """An `adopt_alias` cut short (or another client's copy): `victim.txt` at its canonical subject and
+    under its unpadded alias, both on one nuid; the alias is not shown."""
+    await store.create_bucket("b")
+    await put_object(ms, "b", "victim.txt", b"victim bytes\n")
+    await ms.publish(alias_subject("victim.txt", UNPADDED), meta_json(await doc_of(ms, "victim.txt")),
+                     {ROLLUP: "sub"})
+    await put_object(ms, "b", "other.txt", b"other bytes\n")
+
+
+@pytest.mark.parametrize("how", ["rm", "mv"])
+def test_a_name_removed_through_the_mount_stays_gone_beside_its_hidden_alias(ops_env, how):
+    """rm/mv returned 0 and the name came straight back: the hidden alias made it look "shared", so no
+    tombstone was written and the alias showed. The chunks stay while the alias names them."""
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        nuid = (await env.store.get_info("b", "victim.txt")).nuid
+        if how == "rm":
+            await env.ops.unlink(b, b"victim.txt", Ctx())
+        else:
+            await env.ops.rename(b, b"victim.txt", b, b"moved.txt", 0, Ctx())
+            assert await env.cat("b/moved.txt") == b"victim bytes\n"
+        await env.settle()
+        await reconcile_quietly(env)
+        assert await errno_of_lookup(env, "b/victim.txt") == errno.ENOENT
+        info = await env.store.get_info("b", "victim.txt")
+        assert info is None or info.deleted  # what nats.go reads
+        assert await env.store.chunk_index("b", nuid)  # the alias still names them
+
+    ops_env(body, setup=canonical_and_hidden_alias_on_one_nuid)
+
+
+def test_another_clients_delete_beside_a_hidden_alias_is_not_undone(ops_env):
+    """Another client deletes the canonical object: its tombstone carries the nuid the hidden alias
+    also carries. The mount purged that tombstone as "shared" and showed the alias again."""
+    async def body(env: Env):
+        assert await env.cat("b/victim.txt") == b"victim bytes\n"
+        doc = await doc_of(env.streams, "victim.txt")
+        await env.streams.publish(meta_subject("b", "victim.txt"),
+                                  meta_json(dict(doc, deleted=True, size=0, chunks=0, digest="")), {ROLLUP: "sub"})
+        await env.settle()
+        await reconcile_quietly(env)
+        assert await errno_of_lookup(env, "b/victim.txt") == errno.ENOENT
+        assert (await env.store.get_info("b", "victim.txt")).deleted  # the tombstone stays
+        assert await env.cat("b/other.txt") == b"other bytes\n"
+
+    ops_env(body, setup=canonical_and_hidden_alias_on_one_nuid)
+
+
+async def errno_of_lookup(env: Env, path: str) -> int:
+    try:
+        await env.lookup(path)
+    except pyfuse3.FUSEError as e:
+        return errno_of(e)
+    return 0

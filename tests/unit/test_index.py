@@ -404,13 +404,14 @@ def test_an_alias_shows_once_the_canonical_subject_holds_nothing():
     assert idx.objects["doc.txt"] is alias
 
 
-def test_an_alias_not_shown_still_counts_as_a_holder_of_its_nuid():
+def test_an_alias_not_shown_holds_its_nuid_without_making_the_name_shared():
     """An `adopt_alias` cut short leaves the canonical meta and the alias of one name on one nuid: the
-    alias is not shown (the canonical one wins), but deleting the name must not purge its chunks."""
+    alias is not shown (the canonical one wins) and makes no other name, but its chunks must stay."""
     idx, _ = make(obj("doc.txt", rev=5, nuid="shared"))
     idx.apply_alias(ALIAS, obj("doc.txt", rev=2, nuid="shared"))
     assert idx.get(("doc.txt",)).revision == 5
-    assert idx.other_names_with_nuid("shared", "doc.txt") == (ALIAS,)
-    assert idx.other_names_with_nuid("other", "doc.txt") == ()
+    assert idx.hidden_alias_holders("shared") == (ALIAS,)
+    assert idx.other_names_with_nuid("shared", "doc.txt") == () and idx.names_with_nuid("shared") == ["doc.txt"]
+    assert idx.hidden_alias_holders("other") == ()
     idx.apply_alias(ALIAS, obj("doc.txt", rev=6, nuid="shared", deleted=True))
-    assert idx.other_names_with_nuid("shared", "doc.txt") == ()
+    assert idx.hidden_alias_holders("shared") == ()
