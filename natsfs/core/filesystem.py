@@ -845,6 +845,12 @@ class Filesystem:
         if sf is not None and sf.unstored:
             await self._journal(sf)
 
+    async def _journal_if_pending(self, sf: StagedFile) -> None:
+        """A change (attributes, xattrs) of a file closed and waiting for its write-back upload goes into
+        its journal record too, or a killed daemon or an unmount before the upload would lose it."""
+        if self.writeback is not None and self.writeback.queued(sf):
+            await self._journal(sf)
+
     async def _journal(self, sf: StagedFile) -> None:
         assert self.writeback is not None
         try:
@@ -1125,11 +1131,12 @@ class Filesystem:
         # An upload under way has taken the attributes it stores, and stores at the revision it read:
         # the change waits for it (else it would be lost, or make the upload a false conflict).
         async with sf.lock:
-            if sf.shadows_index:
-                # Stored together with the data at the next upload.
-                sf.set_attrs(changes.mode, changes.uid, changes.gid, changes.mtime_ns)
+            if not sf.shadows_index:
+                await self._store_posix(inode, await self._node(inode), changes)
                 return
-            await self._store_posix(inode, await self._node(inode), changes)
+            # Stored together with the data at the next upload.
+            sf.set_attrs(changes.mode, changes.uid, changes.gid, changes.mtime_ns)
+        await self._journal_if_pending(sf)
 
     async def _store_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:
         """Store attribute changes of a stored file in its meta (a meta-only change: same nuid)."""
@@ -1671,10 +1678,11 @@ class Filesystem:
             # Under the file's lock: after an upload under way, which stores at the revision it read (and
             # a first upload under way would not carry a change made meanwhile).
             async with sf.lock:
-                if sf.never_stored:
-                    await with_the_data(sf)
-                else:
+                if not sf.never_stored:
                     await self._store_xattr(inode, node.bucket, change)
+                    return
+                await with_the_data(sf)
+            await self._journal_if_pending(sf)
         elif sf is not None and sf.never_stored:
             await with_the_data(sf)
         else:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pyfuse3
 import trio
 from gowriters import put_object
-from opskit import ROOT, Env
+from opskit import ROOT, Ctx, Env, Fields
 from test_ops_write import stored, write_file
 
 from natsfs.adr20 import ObjectStore
@@ -169,3 +170,29 @@ def test_memory_staging_stops_at_its_budget(ops_env, monkeypatch):
 
     assert MEMORY_STAGED_MAX >= 16 << 20
     ops_env(body, setup=bucket_b, bucket="b", write_back=LATER)
+
+
+def test_attributes_and_xattrs_of_a_pending_file_survive_the_daemon_dying(ops_env):
+    """chmod and setxattr of a file closed and waiting for its upload went into the staged file only:
+    a killed daemon (or an unmount while the server was away) stored it without them."""
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "f", b"hello\n")
+        ino = (await env.lookup("f")).st_ino
+        chmod = pyfuse3.EntryAttributes()
+        chmod.st_mode = 0o100640
+        await env.ops.setattr(ino, chmod, Fields(update_mode=True), None, Ctx())
+        await env.ops.setxattr(ino, b"user.color", b"blue", Ctx())
+        # The daemon dies here: nothing uploaded.
+
+    async def second(env: Env):
+        with trio.fail_after(20):
+            while await env.store.get_info("b", "f") is None:
+                await trio.sleep(0.01)
+        assert await stored(env, "f") == b"hello\n"
+        doc, _ = await env.store.get_meta_doc("b", "f")
+        assert doc["metadata"]["natsfs.mode"] == "640" and doc["metadata"]["color"] == "blue"
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
