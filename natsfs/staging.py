@@ -112,7 +112,21 @@ class PutJournal:
         for key, name in self._open_records().items():
             self.pending[key] = UnfinishedPut(name, meta_unknown=True)
         self._fd = -1
-        self._rewrite()
+        try:
+            self._rewrite()
+        except OSError as e:
+            # A full disk at start: the journal stays as it is (its records are still the truth) and
+            # new lines are appended to it; the mount starts anyway.
+            self.path.with_suffix(".new").unlink(missing_ok=True)
+            try:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                size = os.fstat(self._fd).st_size
+                if size and os.pread(self._fd, 1, size - 1) != b"\n":
+                    os.write(self._fd, b"\n")  # after a killed daemon's torn last line, a line of its own
+            except OSError:
+                self._broken = True
+            log.warning("cannot rewrite the put journal %s (%s): its records stay as they are", self.path,
+                        e.strerror or e)
 
     def _open_records(self) -> dict[tuple[str, str], str]:
         try:

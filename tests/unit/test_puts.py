@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import errno
 import os
 
 import pytest
@@ -346,3 +347,26 @@ def test_leftovers_stay_in_the_spool_when_lost_found_cannot_be_made(tmp_path, mo
     free()
     kept = Spool(root, limit=1 << 20).rescue_leftovers()
     assert [p.read_bytes() for p in kept] == [b"bytes of a daemon that died"]
+
+
+def test_a_journal_that_cannot_be_rewritten_at_start_is_appended_to(tmp_path, monkeypatch, caplog):
+    """A full disk at the next mount: the journal stays as it is, new records follow its torn line on
+    lines of their own, and the mount starts (it failed with ENOSPC)."""
+    path = tmp_path / "puts.journal"
+    j = PutJournal(path)
+    j.started("b", "N1", "half")
+    j.close()
+    with open(path, "a") as f:
+        f.write('{"op": "+", "b": "b", "n"')  # a killed daemon's last, torn line
+
+    def full(self: PutJournal) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(PutJournal, "_rewrite", full)
+    again = PutJournal(path)
+    assert set(again.pending) == {("b", "N1")}
+    again.started("b", "N2", "new")
+    again.close()
+    monkeypatch.undo()
+    assert set(PutJournal(path).pending) == {("b", "N1"), ("b", "N2")}
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
