@@ -3,9 +3,9 @@ and bounded purges, over MemoryStreams."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
-import errno
 import os
 
 import pytest
