@@ -630,7 +630,10 @@ class Mutations:
             if e.err_code == ERR_STREAM_NAME_IN_USE:
                 raise AlreadyExists(f"bucket {bucket} exists") from None
             raise
+        self._sealed[bucket] = (time.monotonic(), False)  # made here, unsealed: known, also offline
         await self.ns.refresh_buckets()
+        with contextlib.suppress(NatsFSError):
+            await self.ns.index(bucket)  # watched from now on: files can be made in it while the server is away
 
     async def delete_bucket(self, bucket: str) -> None:
         """rmdir of a bucket directory: only when the bucket holds no live objects."""

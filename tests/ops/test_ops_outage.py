@@ -124,3 +124,18 @@ def test_creating_a_file_while_the_server_is_away_does_not_wait_for_it(ops_env):
         env.streams.go_online()
 
     ops_env(body, setup=bucket_b, bucket="b", clock=mock_clock(), sealed_ttl=0)
+
+
+def test_a_bucket_this_mount_made_takes_files_offline_in_write_back_mode(ops_env):
+    """mkdir at the root made the bucket (unsealed): no server is needed to know it is writable."""
+    async def body(env: Env):
+        await env.ops.mkdir(ROOT, b"fresh", 0o755, CTX)
+        env.streams.go_offline(60.0)
+        bucket = (await env.lookup("fresh")).st_ino
+        await write_file(env, bucket, "f.txt", b"made offline in a new bucket")
+        env.streams.go_online()
+        await env.fs.shutdown(30)
+        info = await env.store.get_info("fresh", "f.txt")
+        assert info is not None and info.size == len(b"made offline in a new bucket")
+
+    ops_env(body, setup=two_buckets, write_back=LATER, sealed_ttl=0, clock=mock_clock())
