@@ -13,6 +13,7 @@ carry a live object's nuid (`purge_shared_tombstones`), once the server answers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
@@ -590,7 +591,12 @@ class Mutations:
     async def set_attrs(self, bucket: str, info: ObjectInfo, attrs: PosixAttrs, defaults: PosixAttrs) -> ObjectInfo:
         """Store POSIX attributes in the meta (same nuid, no data moved)."""
         await self.check_writable(bucket)
-        info = await self._on_canonical(bucket, info)
+        adopted = await self._on_canonical(bucket, info)
+        if adopted is not info and attrs.mtime_ns is None and adopted.attrs is not None:
+            # Moved from its alias with its mtime kept as natsfs.mtime_ns (computed before the move):
+            # the change keeps it too.
+            attrs = dataclasses.replace(attrs, mtime_ns=adopted.attrs.mtime_ns)
+        info = adopted
         new = await self.store.update_meta(bucket, info.name, lambda doc: set_posix_attrs(doc, attrs, defaults),
                                            expected_revision=info.revision)
         self._apply(bucket, new)

@@ -225,6 +225,7 @@ def test_an_object_only_under_an_alias_subject_can_be_changed_and_moves_to_its_c
         b = (await env.lookup("b")).st_ino
         assert (await env.listdir(b)).names == sorted(F3_NAMES)
         moved_mtime = (await env.lookup("b/mv-me.tx")).st_mtime_ns
+        chmod_mtime = (await env.lookup("b/chmod-me.tx")).st_mtime_ns
         rm_nuid = (await env.ns.index("b")).objects["rm-me.tx"].nuid
         attr = pyfuse3.EntryAttributes()
         attr.st_mode = 0o100600
@@ -246,6 +247,7 @@ def test_an_object_only_under_an_alias_subject_can_be_changed_and_moves_to_its_c
             assert alias_subject(name, UNPADDED) not in subjects
         assert await stored(env, "chmod-me.tx") == b"old client bytes\n"
         chmodded = await env.lookup("b/chmod-me.tx")
+        assert chmodded.st_mtime_ns == chmod_mtime  # chmod(2) keeps the mtime, also when moving from an alias
         assert chmodded.st_mode & 0o777 == 0o600
         assert await stored(env, "moved.txt") == b"old client bytes\n"
         assert (await env.lookup("b/moved.txt")).st_mtime_ns == moved_mtime  # rename(2) keeps the mtime
