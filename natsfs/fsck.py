@@ -163,8 +163,10 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     await store.bucket_status(bucket)  # NotFound for a bucket that does not exist
     report = Report(bucket)
     metas = await _meta_messages(store, bucket)
+    # By meta subject, not by name: a name's meta under an alias subject (unpadded base64 of an old
+    # client) is another meta, and must not hide what the canonical subject holds.
     live: dict[str, ObjectInfo] = {}
-    tombstones: dict[str, tuple[ObjectInfo, str]] = {}  # name -> (info, its meta subject)
+    tombstones: dict[str, tuple[ObjectInfo, str]] = {}  # subject -> (info, the subject)
     referenced: set[str] = set()  # nuids a meta that is not a tombstone names
     for m in metas:
         token = m.subject.rsplit(".", 1)[-1]
@@ -191,10 +193,10 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                                            "no path segment may be empty, '.', '..' or over 255 bytes, and "
                                            "escaped it is still over 255 bytes (other clients can use it)"))
         if info.deleted:
-            tombstones[info.name] = (info, m.subject)
+            tombstones[m.subject] = (info, m.subject)
         else:
-            live[info.name] = info
-    report.objects, report.tombstones = len(live), len(tombstones)
+            live[m.subject] = info
+    report.objects, report.tombstones = len({i.name for i in live.values()}), len(tombstones)
 
     # Names sharing a nuid.
     by_nuid: dict[str, list[ObjectInfo]] = defaultdict(list)
@@ -202,14 +204,17 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
         if info.nuid and info.link is None:
             by_nuid[info.nuid].append(info)
     for nuid, infos in by_nuid.items():
-        if len(infos) > 1:
-            names = ", ".join(sorted(i.name for i in infos))
+        if len({i.name for i in infos}) > 1:
+            names = ", ".join(sorted({i.name for i in infos}))
             report.findings.append(Finding(SHARED_NAMES, names, f"live names share nuid {nuid} (an interrupted "
                                            "rename?): deleting one with another client destroys the others"))
     for t, subject in tombstones.values():
-        if not t.nuid or t.nuid not in by_nuid:
+        # (A live meta of the same name under another subject is no other owner: purging this
+        # tombstone would only bring that name back.)
+        owners = [i.name for i in by_nuid.get(t.nuid, ()) if i.name != t.name] if t.nuid else []
+        if not owners:
             continue
-        owner = by_nuid[t.nuid][0].name
+        owner = owners[0]
         f = Finding(SHARED_TOMBSTONE, t.name, f"carries the nuid of live {owner!r}: a Delete or Put of this name "
                     f"by another client would purge its chunks", repairable=True)
         report.findings.append(f)

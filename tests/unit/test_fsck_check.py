@@ -188,3 +188,45 @@ def test_reports_fields_a_mount_ignores_and_sizes_no_file_can_have():
         assert "natsfs.uid '1099511627776'" in next(f for f in report.findings if f.where == "uid").detail
 
     run(body)
+
+
+def test_metas_under_an_alias_subject_neither_hide_nor_make_findings_of_canonical_ones():
+    """A name's meta under its unpadded subject (an old client) is another meta: it must not hide a
+    damaged canonical object or a canonical tombstone that endangers another object, and a tombstone
+    sharing a nuid only with a meta of its own name is no danger (purging it would bring the name back)."""
+    def alias(name: str) -> str:
+        subject = meta_subject("b", name)
+        assert subject.endswith("=")
+        return subject.rstrip("=")
+
+    async def body(ms, store, clock):
+        async def doc_of(name: str) -> dict:
+            return json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", name))).data)
+
+        await store.put("b", "damaged.tx", BytesSource(b"d" * 3000))
+        await ms.purge_subject(stream_name("b"), chunk_subject("b", (await store.get_info("b", "damaged.tx")).nuid))
+        await put_object(ms, "b", "scratch", b"fine alias bytes")
+        fine = dict(await doc_of("scratch"), name="damaged.tx")
+        await ms.purge_subject(stream_name("b"), meta_subject("b", "scratch"))
+        await ms.publish(alias("damaged.tx"), json.dumps(fine).encode(), {ROLLUP: "sub"})
+        # A canonical tombstone carrying live "keeper.txt"'s nuid, then an alias tombstone of its name.
+        await store.put("b", "keeper.txt", BytesSource(b"k" * 10))
+        kept = await doc_of("keeper.txt")
+        tomb = {"name": "dangers.tx", "bucket": "b", "nuid": kept["nuid"], "mtime": "0001-01-01T00:00:00Z",
+                "deleted": True}
+        await ms.publish(meta_subject("b", "dangers.tx"), json.dumps(tomb).encode(), {ROLLUP: "sub"})
+        await ms.publish(alias("dangers.tx"), json.dumps(dict(tomb, nuid=new_nuid())).encode(), {ROLLUP: "sub"})
+        # A canonical tombstone whose nuid only its own name's alias carries.
+        await store.put("b", "own-alias.t", BytesSource(b"o" * 10))
+        own = await doc_of("own-alias.t")
+        await ms.publish(alias("own-alias.t"), json.dumps(own).encode(), {ROLLUP: "sub"})
+        await ms.publish(meta_subject("b", "own-alias.t"), json.dumps(dict(own, deleted=True)).encode(),
+                         {ROLLUP: "sub"})
+
+        report = await fsck.check_bucket(store, "b")
+        found = kinds(report)
+        assert (fsck.DAMAGED, "damaged.tx") in found
+        assert (fsck.SHARED_TOMBSTONE, "dangers.tx") in found
+        assert (fsck.SHARED_TOMBSTONE, "own-alias.t") not in found
+
+    run(body)
