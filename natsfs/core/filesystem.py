@@ -733,7 +733,16 @@ class Filesystem:
             ino = self.inodes.lookup(path)
             info = await self.open(ino, flags, caller)
             return info, self._attr(ino, await self._node(ino))
-        parent = await self._path_node(path[:-1])
+        try:
+            parent = await self._path_node(path[:-1])
+        except NotFound:
+            parent = None
+        if self.inodes.path_of(parent_inode) != path[:-1]:
+            # The directory was renamed while this create awaited: the file belongs under its new path
+            # (as on a local disk, where it lands in the renamed directory), so check again there.
+            return await self.create(parent_inode, name, mode, flags, caller)
+        if parent is None:
+            raise NotFound("/".join(path[:-1]))
         if parent.kind not in (ROOT, BUCKET, DIR):
             raise NotADirectory("/".join(path[:-1]))
         ino = self.inodes.lookup(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pyfuse3
 import pytest
@@ -394,5 +395,42 @@ def test_an_open_with_truncate_waiting_for_another_handles_close_stages_again(op
         await env.settle()
         assert await stored(env, "f") == b"second" and await env.cat("f") == b"second"
         assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+def test_a_create_that_waited_while_its_directory_was_renamed_lands_in_the_renamed_directory(ops_env,
+                                                                                             monkeypatch):
+    """As on a local disk: the file goes where its directory now is. It was staged under the old path and
+    stored there, bringing the old directory back."""
+    async def body(env: Env):
+        d = await ino_of(env, "d")
+        waiting, go = trio.Event(), trio.Event()
+        real = env.fs._path_node
+
+        async def held(path: tuple[str, ...]) -> Any:
+            if path == ("d",) and not go.is_set():  # the create's look at its parent directory
+                waiting.set()
+                await go.wait()
+            return await real(path)
+
+        created: list[pyfuse3.FileInfo] = []
+
+        async def create() -> None:
+            fi, _ = await env.ops.create(d, b"x", 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+            created.append(fi)
+
+        async with trio.open_nursery() as nursery:
+            monkeypatch.setattr(env.fs, "_path_node", held)
+            nursery.start_soon(create)
+            await waiting.wait()
+            monkeypatch.setattr(env.fs, "_path_node", real)
+            await rename(env, "d", "e")()  # the whole rename, while the create waits
+            go.set()
+        await env.ops.write(created[0].fh, 0, b"new file")
+        await close(env, created[0])()
+        await env.settle()
+        assert await stored(env, "e/x") == b"new file"
+        assert await gone_there(env, "d/x") and await gone_here(env, "d")
 
     ops_env(body, setup=bucket_b, bucket="b")
