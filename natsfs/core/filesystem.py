@@ -731,7 +731,13 @@ class Filesystem:
             if flags & os.O_EXCL:
                 raise AlreadyExists("/".join(path))
             ino = self.inodes.lookup(path)
-            info = await self.open(ino, flags, caller)
+            try:
+                info = await self.open(ino, flags, caller)
+            except NotFound:
+                if await self._maybe_node(path) is not None:
+                    raise
+                # Unlinked (or renamed away) while this open awaited: the name is free, create it.
+                return await self.create(parent_inode, name, mode, flags, caller)
             return info, self._attr(ino, await self._node(ino))
         try:
             parent = await self._path_node(path[:-1])
@@ -1231,6 +1237,8 @@ class Filesystem:
                 elif sf is None or sf.ended:
                     raise NotFound("/".join(path))
             self._forget_open_version(ino, bucket, stored, open_here)
+            # (Read again: an open with O_TRUNC may have staged the file while the delete awaited.)
+            sf = self.staging.get(ino) if ino is not None else None
             if sf is not None and not sf.ended:
                 sf.unlink()
             self._detach(path)

@@ -434,3 +434,26 @@ def test_a_create_that_waited_while_its_directory_was_renamed_lands_in_the_renam
         assert await gone_there(env, "d/x") and await gone_here(env, "d")
 
     ops_env(body, setup=bucket_b, bucket="b")
+
+
+def test_a_rewrite_opened_while_an_unlink_deletes_the_file_goes_nowhere_without_a_conflict(ops_env, monkeypatch):
+    """As on a local disk: the handle was opened on the name the unlink then removed; its writes go
+    nowhere and its close returns 0. The close failed with ESTALE (its base was deleted) and its bytes
+    went to lost+found."""
+    async def body(env: Env):
+        ino = await ino_of(env, "old")
+        hold = Held(monkeypatch, env.store, "delete")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(unlink(env, "old"))
+            await hold.held.wait()  # the unlink is deleting the object
+            fi = await env.ops.open(ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+            hold.release()
+            await env.settle()
+            assert await env.ops.write(fi.fh, 0, b"rewritten") == len(b"rewritten")
+            await close(env, fi)()
+        await env.settle()
+        assert await gone_here(env, "old") and await gone_there(env, "old")
+        assert lost_and_found(env) == []
+        assert env.fs.counters["conflicts"] == 0
+
+    ops_env(body, setup=bucket_b, bucket="b")
