@@ -137,16 +137,22 @@ class BucketIndex:
             return (held,)
         return tuple(n for n in held if n != name)
 
-    def hidden_alias_holders(self, nuid: str) -> tuple[str, ...]:
-        """Subjects of live aliases that carry `nuid` but are not what their name shows (rare: scanned).
-        They name no object (the canonical subject wins), so they never make a name "shared" (no
-        tombstone decision rests on them), but their chunks must stay: an `adopt_alias` cut short
+    def hidden_aliases(self, name: str | None = None) -> Iterator[tuple[str, ObjectInfo]]:
+        """(subject, meta) of the live aliases that are not what their name shows (of `name` only, when
+        given). They name no object (the canonical subject wins), so they never make a name "shared"
+        (no tombstone decision rests on them), but their chunks must stay: an `adopt_alias` cut short
         leaves the canonical meta and the alias of one name on one nuid."""
+        names = [name] if name is not None else list(self.aliases)
+        for n in names:
+            for subject, info in self.aliases.get(n, {}).items():
+                if self.odd_subjects.get(n) != subject and not info.deleted:
+                    yield subject, info
+
+    def hidden_alias_holders(self, nuid: str) -> tuple[str, ...]:
+        """Subjects of hidden aliases (`hidden_aliases`) that carry `nuid` (rare: scanned)."""
         if not nuid or not self._alias_name:
             return ()
-        return tuple(subject for subject, name in self._alias_name.items()
-                     if self.odd_subjects.get(name) != subject
-                     and (info := self.aliases[name][subject]).nuid == nuid and not info.deleted)
+        return tuple(subject for subject, info in self.hidden_aliases() if info.nuid == nuid)
 
     def meta_subject_count(self) -> int:
         """How many meta subjects the index accounts for: live objects, tombstones, unusable metas, aliases."""

@@ -727,8 +727,8 @@ class Mutations:
         if index is not None:
             # A hidden alias of the old name on the same nuid (an `adopt_alias` cut short, or a copy)
             # would show at the old name once its canonical subject is empty: it moves too.
-            for subject, alias in list(index.aliases.get(info.name, {}).items()):
-                if subject != index.odd_subjects.get(info.name) and alias.nuid == info.nuid and not alias.deleted:
+            for subject, alias in list(index.hidden_aliases(info.name)):
+                if alias.nuid == info.nuid:
                     await self.store.purge_alias(bucket, subject, alias.revision)
                     index.drop_alias(subject)
             index.remove_if(info.name, old_revision)
