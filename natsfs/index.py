@@ -31,6 +31,7 @@ above to purge (`natsfs.mutations.Mutations`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
@@ -71,7 +72,7 @@ class BucketIndex:
         self.escaped: set[str] = set()  # names shown under an escaped name
         self.created_ns = created_ns
         # Called with the path of every entry that appeared, changed or disappeared, once the update that
-        # changed it is complete (`_one_update`): never while a path is between its old and new entry.
+        # changed it is complete (`_update`): never while a path is between its old and new entry.
         self.on_change: Callable[[Path], None] | None = None
         self._reports: list[Path] | None = None  # paths changed by the update under way, not reported yet
         # nuid -> the live name holding it (a list when several do: a rename half done, or a copy).
@@ -168,32 +169,29 @@ class BucketIndex:
         return self.aliases[name][subject] if name is not None else None
 
     # ------------------------------------------------------------------ updates
-    def _one_update(self) -> list[Path] | None:
-        """Begin an update: its changes are reported when it ends (`_end_update`), not as each step makes
-        them. A new version of an object is placed by removing the old entry, then placing the new one;
-        a report in between would show the path with no entry at all, and the layer above would take
-        this mount's own chmod for a deletion (and detach the inode its readers hold). Returns the list
-        collecting the changed paths when this is the outermost update (None when nested or unwatched)."""
+    @contextlib.contextmanager
+    def _update(self) -> Iterator[None]:
+        """One update: its changes are reported when it ends, not as each step makes them. A new version
+        of an object is placed by removing the old entry, then placing the new one; a report in between
+        would show the path with no entry at all, and the layer above would take this mount's own chmod
+        for a deletion (and detach the inode its readers hold). Nested updates report with the outermost."""
         if self._reports is not None or self.on_change is None:
-            return None
-        self._reports = []
-        return self._reports
-
-    def _end_update(self, reports: list[Path] | None) -> None:
-        if reports is None:
+            yield
             return
-        self._reports = None
-        if self.on_change is not None:
-            for path in dict.fromkeys(reports):  # each path once, in the order first changed
-                self.on_change(path)
+        reports: list[Path] = []
+        self._reports = reports
+        try:
+            yield
+        finally:
+            self._reports = None
+            if self.on_change is not None:
+                for path in dict.fromkeys(reports):  # each path once, in the order first changed
+                    self.on_change(path)
 
     def apply(self, info: ObjectInfo) -> bool:
         """Take one meta (newer than what we hold); True when the index changed."""
-        reports = self._one_update()
-        try:
+        with self._update():
             return self._apply(info)
-        finally:
-            self._end_update(reports)
 
     def _apply(self, info: ObjectInfo) -> bool:
         name = info.name
@@ -243,11 +241,8 @@ class BucketIndex:
     def apply_alias(self, subject: str, info: ObjectInfo) -> bool:
         """Take one meta found on `subject`, which is not the canonical subject of its name; True when
         what is shown changed."""
-        reports = self._one_update()
-        try:
+        with self._update():
             return self._apply_alias(subject, info)
-        finally:
-            self._end_update(reports)
 
     def _apply_alias(self, subject: str, info: ObjectInfo) -> bool:
         if info.revision > self.last_revision:
@@ -265,11 +260,8 @@ class BucketIndex:
 
     def drop_alias(self, subject: str) -> bool:
         """The alias on `subject` is gone (purged, or replaced by an unusable meta)."""
-        reports = self._one_update()
-        try:
+        with self._update():
             return self._drop_alias(subject)
-        finally:
-            self._end_update(reports)
 
     def _drop_alias(self, subject: str) -> bool:
         name = self._alias_name.pop(subject, None)
@@ -334,11 +326,8 @@ class BucketIndex:
 
     def remove(self, name: str) -> bool:
         """Drop `name` (the meta subject it is shown from was purged, e.g. renamed away by another client)."""
-        reports = self._one_update()
-        try:
+        with self._update():
             return self._remove(name)
-        finally:
-            self._end_update(reports)
 
     def _remove(self, name: str) -> bool:
         if name in self.odd_subjects:
@@ -359,11 +348,8 @@ class BucketIndex:
 
     def forget(self, name: str, revision: int) -> bool:
         """A deletion (tombstone) of `name` at `revision` known without its meta; True if it was shown."""
-        reports = self._one_update()
-        try:
+        with self._update():
             return self._forget(name, revision)
-        finally:
-            self._end_update(reports)
 
     def _forget(self, name: str, revision: int) -> bool:
         held = self.objects.get(name)
