@@ -230,12 +230,16 @@ class NatsCluster:
         self.base_dir = Path(base_dir)
         self.host = host
         self.name = name
-        ports = [(free_port(host), free_port(host), free_port(host)) for _ in range(size)]
+        self.size = size
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        ports = [(free_port(self.host), free_port(self.host), free_port(self.host)) for _ in range(self.size)]
         self.client_ports = [p[0] for p in ports]
         self.route_ports = [p[1] for p in ports]
         self.http_ports = [p[2] for p in ports]
-        self.nodes = [NatsServer(self.base_dir / f"n{i}", host=host, port=ports[i][0],
-                                 extra_args=self._node_args(i)) for i in range(size)]
+        self.nodes = [NatsServer(self.base_dir / f"n{i}", host=self.host, port=ports[i][0],
+                                 extra_args=self._node_args(i)) for i in range(self.size)]
 
     def record(self) -> dict[str, object]:
         """What `scripts/cluster stop` needs to find the nodes again: their pids, URLs and store dirs."""
@@ -253,14 +257,24 @@ class NatsCluster:
         return [f"nats://{self.host}:{p}" for p in self.client_ports]
 
     def start(self, timeout: float = 30.0) -> list[str]:
-        try:
-            for node in self.nodes:
-                node.start(timeout)
-            self.wait_healthy(timeout=timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self.urls
+        tries = 3
+        while True:
+            tries -= 1
+            try:
+                for node in self.nodes:
+                    node.start(timeout)
+                self.wait_healthy(timeout=timeout)
+                return self.urls
+            except Unavailable as e:
+                self.stop()
+                # A port picked free was taken by another process before the node bound it (`free_port`
+                # can only pick, not hold): the first start picks them all again.
+                if "address already in use" not in str(e) or not tries:
+                    raise
+                self._pick_ports()
+            except BaseException:
+                self.stop()
+                raise
 
     def healthy(self, i: int) -> bool:
         """Node i answers its monitoring `/healthz` with 200 (JetStream up, meta leader known, caught up)."""

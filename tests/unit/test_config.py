@@ -82,3 +82,25 @@ def test_flush_timeout_waits_out_a_cluster_election_when_several_servers_are_giv
     a = build_parser().parse_args(["mount", "/mnt/x", *args])
     config = config_from_args(a, connection_from_args(a))
     assert config.flush_timeout == expected
+
+
+def test_a_cluster_whose_port_was_taken_at_start_picks_its_ports_again(tmp_path, monkeypatch):
+    """`free_port` can only pick a port, not hold it: another process may bind it first."""
+    from natsfs.errors import Unavailable
+    from natsfs.server import NatsCluster, NatsServer
+
+    starts: list[int | None] = []
+
+    def start(self: NatsServer, timeout: float = 15.0) -> str:
+        starts.append(self.port)
+        if len(starts) == 2:
+            raise Unavailable('nats-server exited at start: listen tcp: bind: address already in use')
+        return self.url
+
+    monkeypatch.setattr(NatsServer, "start", start)
+    monkeypatch.setattr(NatsServer, "stop", lambda self, timeout=10.0: None)
+    monkeypatch.setattr(NatsCluster, "wait_healthy", lambda self, nodes=None, timeout=30.0: None)
+    cluster = NatsCluster(tmp_path, size=3)
+    first = list(cluster.client_ports)
+    assert cluster.start() == cluster.urls
+    assert len(starts) == 5 and cluster.client_ports != first  # 2 tries of the first, then all 3 again
