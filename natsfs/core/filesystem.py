@@ -22,7 +22,7 @@ import os
 import stat
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,6 +232,61 @@ class _DirTimeGate:
             self._notify()
 
 
+def _under(path: tuple[str, ...], directory: tuple[str, ...]) -> bool:
+    return path[: len(directory)] == directory
+
+
+class _DirRenameGate:
+    """A directory rename and the entries added in the directories it moves (create, mkdir, symlink,
+    mknod) run one after the other. A rename moves the objects it finds when it starts; an entry
+    published under the old path meanwhile stayed behind and brought the old directory back. So an
+    entry waits while a directory it is added to (or one above) is being renamed, and then goes under
+    the directory's new path; a rename waits for the entries being added there to be stored, and
+    moves them along."""
+
+    def __init__(self) -> None:
+        self._adding: Counter[tuple[str, ...]] = Counter()  # directory -> entries being added in it
+        self._renaming: Counter[tuple[str, ...]] = Counter()  # directories being renamed (old and new path)
+        self._changed = trio.Event()
+
+    async def _wait(self) -> None:
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    @contextlib.asynccontextmanager
+    async def adding(self, directory: Callable[[], tuple[str, ...]]) -> AsyncIterator[tuple[str, ...]]:
+        """Held while an entry is added: yields the path `directory()` has once no rename moves it."""
+        while any(_under(directory(), moved) for moved in self._renaming):
+            await self._wait()
+        path = directory()
+        self._adding[path] += 1
+        try:
+            yield path
+        finally:
+            self._adding[path] -= 1
+            if not self._adding[path]:
+                del self._adding[path]
+            self._notify()
+
+    @contextlib.asynccontextmanager
+    async def renaming(self, *directories: tuple[str, ...]) -> AsyncIterator[None]:
+        for d in directories:
+            self._renaming[d] += 1  # first: no entry starts being added there from now on
+        try:
+            while any(_under(added, d) for added in self._adding for d in directories):
+                await self._wait()
+            yield
+        finally:
+            for d in directories:
+                self._renaming[d] -= 1
+                if not self._renaming[d]:
+                    del self._renaming[d]
+            self._notify()
+
+
 class Filesystem:
     """The mount's filesystem, one method per FUSE operation (see the module docstring)."""
 
@@ -263,6 +318,7 @@ class Filesystem:
         self._dir_mtimes: dict[tuple[str, ...], int] = {}
         self._dir_times_pending: set[tuple[str, ...]] = set()
         self._dir_gate = _DirTimeGate()
+        self._dir_renames = _DirRenameGate()
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         # Directory entries already logged as skipped by readdir (path, revision): one line each.
@@ -487,9 +543,32 @@ class Filesystem:
         its bucket; `_in_bucket` has refused the root of an all-buckets mount already)."""
         if await self._maybe_node(path) is not None:
             raise AlreadyExists("/".join(path))
+        await self._check_parent(path)
+
+    async def _check_parent(self, path: tuple[str, ...]) -> None:
         parent = await self._path_node(path[:-1])
         if parent.kind not in (ROOT, BUCKET, DIR):
             raise NotADirectory("/".join(path[:-1]))
+
+    @contextlib.asynccontextmanager
+    async def _new_entry(self, parent_inode: InodeNo, path: tuple[str, ...], check: Callable[[], Awaitable[None]]
+                         ) -> AsyncIterator[bool]:
+        """`check()` that `path`, made from the directory `parent_inode`'s path, can take a new entry, then
+        hold while the caller stores it there. Yields False (store nothing) when that directory was renamed
+        meanwhile: the entry belongs under its new path (as on a local disk, where it lands in the renamed
+        directory), so the caller starts again from there. A directory rename under way is waited for,
+        and one that starts waits until the caller is done (`_DirRenameGate`): stored under the old path
+        then, the entry stayed behind and brought the old directory back."""
+        checked = False
+        try:
+            await check()
+            checked = True
+        except NatsFSError:
+            if self.inodes.path_of(parent_inode) == path[:-1]:
+                raise
+            # (renamed while checking: the answer was about the old path)
+        async with self._dir_renames.adding(lambda: self.inodes.path_of(parent_inode)) as directory:
+            yield checked and directory == path[:-1]
 
     async def _maybe_node(self, path: tuple[str, ...]) -> Node | None:
         try:
@@ -739,27 +818,19 @@ class Filesystem:
                 # Unlinked (or renamed away) while this open awaited: the name is free, create it.
                 return await self.create(parent_inode, name, mode, flags, caller)
             return info, self._attr(ino, await self._node(ino))
-        try:
-            parent = await self._path_node(path[:-1])
-        except NotFound:
-            parent = None
-        if self.inodes.path_of(parent_inode) != path[:-1]:
-            # The directory was renamed while this create awaited: the file belongs under its new path
-            # (as on a local disk, where it lands in the renamed directory), so check again there.
+        async with self._new_entry(parent_inode, path, lambda: self._check_parent(path)) as here:
+            if here:
+                ino = self.inodes.lookup(path)
+                # A new file starts in memory and needs a spool file only if it grows past INLINE_BYTES:
+                # closed before that, it is put from memory (or, in write-back mode, its journal record
+                # holds its bytes, see core/writeback.py). Creating a spool file, and removing it after the
+                # upload, was about a tenth of each file of `tar -x` without write-back.
+                sf = StagedFile(self.staging.spool, ino=ino, path=path, bucket=bucket, name="/".join(rel),
+                                base=None, attrs=PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None), new=True,
+                                memory_limit=INLINE_BYTES)
+                self.staging.add(sf)
+        if not here:
             return await self.create(parent_inode, name, mode, flags, caller)
-        if parent is None:
-            raise NotFound("/".join(path[:-1]))
-        if parent.kind not in (ROOT, BUCKET, DIR):
-            raise NotADirectory("/".join(path[:-1]))
-        ino = self.inodes.lookup(path)
-        # A new file starts in memory and needs a spool file only if it grows past INLINE_BYTES: closed
-        # before that, it is put from memory (or, in write-back mode, its journal record holds its
-        # bytes, see core/writeback.py). Creating a spool file, and removing it after the upload, was
-        # about a tenth of each file of `tar -x` without write-back.
-        sf = StagedFile(self.staging.spool, ino=ino, path=path, bucket=bucket, name="/".join(rel), base=None,
-                        attrs=PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None), new=True,
-                        memory_limit=INLINE_BYTES)
-        self.staging.add(sf)
         self._entries_changed(path[:-1])
         node = self._staged_node(sf)
         return self._open_handle(ino, node, True, caller), self._attr(ino, node)
@@ -1286,21 +1357,20 @@ class Filesystem:
         if bucket is None or not rel:
             return await self._make_bucket(path, mode)
         self.ns.store.check_name(bucket, "/".join(rel) + "/")
-        if await self._maybe_node(path) is not None:
-            raise AlreadyExists("/".join(path))
-        parent = await self._path_node(path[:-1])
-        if parent.kind not in (ROOT, BUCKET, DIR):
-            raise NotADirectory("/".join(path[:-1]))
-        marker_name = "/".join(rel) + "/"
-        index = self.ns.loaded_index(bucket)
-        holder = index.objects.get(marker_name) if index is not None else None
-        if holder is not None and not holder.deleted:
-            # Another client's object with bytes under the marker's name (shown escaped): a marker
-            # would replace it, so the directory cannot be made.
-            raise AlreadyExists(f"{bucket}/{marker_name}: an object with bytes holds the name a directory marker "
-                                f"needs (it shows as {'/'.join(placement(marker_name)[0] or ())!r})",
-                                log_level=logging.INFO)
-        await self.mut.mkdir(bucket, rel, PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None))
+        async with self._new_entry(parent_inode, path, lambda: self._check_new_entry(path)) as here:
+            if here:
+                marker_name = "/".join(rel) + "/"
+                index = self.ns.loaded_index(bucket)
+                holder = index.objects.get(marker_name) if index is not None else None
+                if holder is not None and not holder.deleted:
+                    # Another client's object with bytes under the marker's name (shown escaped): a marker
+                    # would replace it, so the directory cannot be made.
+                    raise AlreadyExists(f"{bucket}/{marker_name}: an object with bytes holds the name a directory "
+                                        f"marker needs (it shows as {'/'.join(placement(marker_name)[0] or ())!r})",
+                                        log_level=logging.INFO)
+                await self.mut.mkdir(bucket, rel, PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None))
+        if not here:
+            return await self.mkdir(parent_inode, name, mode, caller)
         self._entries_changed(path[:-1])
         node = await self.ns.resolve(path)
         return self._attr(self.inodes.lookup(path), node)
@@ -1359,7 +1429,9 @@ class Filesystem:
         if old == new:
             return
         await self.mut.check_writable(bucket)
-        async with self._dir_gate.changing(), self._uploads_settled(old, new, subtree=src.kind == DIR):
+        # (A directory: entries being added in it are stored first, and new ones wait, see _DirRenameGate.)
+        moving = self._dir_renames.renaming(old, new) if src.kind == DIR else contextlib.nullcontext()
+        async with moving, self._dir_gate.changing(), self._uploads_settled(old, new, subtree=src.kind == DIR):
             # Read again: a directory time may have been stored, or an upload of a file there may have
             # ended, meanwhile.
             src = await self._path_node(old)
@@ -1476,10 +1548,13 @@ class Filesystem:
         bucket, rel = self._in_bucket(path)
         self.ns.store.check_name(bucket, "/".join(rel))
         await self.mut.check_writable(bucket)
-        await self._check_new_entry(path)
         attrs = PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None, kind,
                            rdev if kind in ("char", "block") else None)
-        await self.mut.make_special(bucket, "/".join(rel), attrs)
+        async with self._new_entry(parent_inode, path, lambda: self._check_new_entry(path)) as here:
+            if here:
+                await self.mut.make_special(bucket, "/".join(rel), attrs)
+        if not here:
+            return await self._make_special(parent_inode, name, kind, mode, rdev, caller)
         self._entries_changed(path[:-1])
         ino = self.inodes.lookup(path)
         return self._attr(ino, await self._node(ino))
@@ -1537,22 +1612,29 @@ class Filesystem:
         if not text:
             raise NotFound("an empty symlink target")
         await self.mut.check_writable(bucket)
-        await self._check_new_entry(path)
+        async with self._new_entry(parent_inode, path, lambda: self._check_new_entry(path)) as here:
+            if here:
+                await self._store_symlink(bucket, rel, text, caller)
+        if not here:
+            return await self.symlink(parent_inode, name, target, caller)
+        self._entries_changed(path[:-1])
+        node = await self.ns.resolve(path)
+        return self._attr(self.inodes.lookup(path), node)
+
+    async def _store_symlink(self, bucket: str, rel: tuple[str, ...], text: str, caller: Caller) -> None:
         # The caller owns the link, as on a local disk: on a shared (allow_other) mount the kernel's
         # protected_symlinks rule for sticky directories relies on who owns a link.
         owned: dict[str, Any] = {"metadata": {ATTR_SYMLINK: text}}
         set_posix_attrs(owned, PosixAttrs(None, caller.uid, caller.gid, None), self.mut.file_defaults)
         metadata: dict[str, str] = owned["metadata"]
-        if not stays_in_mount(text, self.ns.mount_path(bucket, rel), self._mount_root):
+        path = self.ns.mount_path(bucket, rel)
+        if not stays_in_mount(text, path, self._mount_root):
             metadata[ATTR_SYMLINK_SIG] = await trio.to_thread.run_sync(self.signer.sign, bucket, text)
         linked = await self._adr20_target(path[:-1], text)
         if linked is not None:
             await self.mut.add_link(bucket, "/".join(rel), *linked, metadata=metadata)
         else:
             await self.mut.make_special(bucket, "/".join(rel), PosixAttrs(), metadata)
-        self._entries_changed(path[:-1])
-        node = await self.ns.resolve(path)
-        return self._attr(self.inodes.lookup(path), node)
 
     async def _adr20_target(self, directory: tuple[str, ...], text: str) -> tuple[str, str | None] | None:
         """(bucket, object name or None for the bucket) when `text` names a stored object (not a link)

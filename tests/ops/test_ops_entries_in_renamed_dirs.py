@@ -1,0 +1,128 @@
+"""An entry made in a directory while that directory is renamed (d -> e) lands in the renamed directory,
+as on a local disk, and the old directory does not come back.
+
+A directory rename moves the objects it finds when it starts, its own marker last. A `mkdir`, `symlink`
+or `mknod` in it that checked its path before the rename ended stored its marker or object under the old
+path (`d/x`): the rename had not seen it, so `d` came back with `x` in it (and `e` lacked it). Both
+interleavings are pinned: the new entry arriving while the rename is held half way (one object moved),
+and the rename arriving while the new entry's check or its publish is held.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+from opskit import CTX, Env
+from test_ops_coherence import Held
+from test_ops_upload_races import bucket_b, ino_of, rename
+
+from natsfs.adr20 import BytesSource, ObjectStore, parse_meta, stream_name
+from natsfs.memstreams import MemoryStreams
+
+
+async def dir_with_a_file(ms: MemoryStreams, store: ObjectStore) -> None:
+    await bucket_b(ms, store)
+    await store.put("b", "d/f", BytesSource(b"in d"), expected_revision=0)
+
+
+def stored_names(env: Env) -> set[str]:
+    """The live object names the bucket's stream holds (its last meta per subject), read from the store
+    itself, not from the mount's index."""
+    last = {}
+    for msg in env.streams.messages(stream_name("b")):
+        if msg.subject.startswith("$O.b.M."):
+            last[msg.subject] = msg
+    return {info.name for info in (parse_meta("b", msg) for msg in last.values()) if not info.deleted}
+
+
+async def make_mkdir(env: Env, d: int) -> None:
+    await env.ops.mkdir(d, b"x", 0o755, CTX)
+
+
+async def make_symlink(env: Env, d: int) -> None:
+    await env.ops.symlink(d, b"x", b"f", CTX)
+
+
+async def make_fifo(env: Env, d: int) -> None:
+    await env.ops.mknod(d, b"x", stat.S_IFIFO | 0o644, 0, CTX)
+
+
+async def make_file(env: Env, d: int) -> None:
+    fi, _ = await env.ops.create(d, b"x", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+    await env.ops.write(fi.fh, 0, b"new file")
+    await env.ops.flush(fi.fh)
+    await env.ops.release(fi.fh)
+
+
+MAKERS: dict[str, tuple[Callable[[Env, int], Awaitable[None]], str]] = {
+    "mkdir": (make_mkdir, "x/"), "symlink": (make_symlink, "x"), "mknod": (make_fifo, "x"),
+    "create": (make_file, "x")}
+
+
+async def landed_in_the_renamed_directory(env: Env, stored_as: str) -> None:
+    assert stored_names(env) == {"old", "e/", "e/f", f"e/{stored_as}"}  # nothing under d/ (d/x, d/)
+    assert (await env.listdir(await ino_of(env, ""))).names == ["e", "old"]
+    assert (await env.listdir(await ino_of(env, "e"))).names == ["f", "x"]
+
+
+@pytest.mark.parametrize("op", MAKERS)
+def test_an_entry_made_while_its_directory_is_renamed_half_way_lands_in_the_renamed_directory(
+        ops_env, monkeypatch, op):
+    async def body(env: Env):
+        make, stored_as = MAKERS[op]
+        d = await ino_of(env, "d")
+        hold = Held(monkeypatch, env.store, "rename")  # the rename's first move (d/f; the marker d/ is last)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rename(env, "d", "e"))
+            await hold.held.wait()
+            nursery.start_soon(make, env, d)
+            await env.settle()  # (it waits for the rename)
+            hold.release()
+        await env.settle()
+        await landed_in_the_renamed_directory(env, stored_as)
+
+    ops_env(body, setup=dir_with_a_file, bucket="b")
+
+
+@pytest.mark.parametrize("held", ["check", "publish"])
+@pytest.mark.parametrize("op", ["mkdir", "symlink", "mknod"])
+def test_a_directory_renamed_while_an_entry_is_made_in_it_takes_the_entry_along(ops_env, monkeypatch, op, held):
+    """The whole rename runs while the new entry is held in its check of the path (it then checks again
+    under the new path), or it waits for the entry's publish under way (and then moves it too)."""
+    async def body(env: Env):
+        make, stored_as = MAKERS[op]
+        d = await ino_of(env, "d")
+        real = env.fs._path_node
+        reached, go = trio.Event(), trio.Event()
+
+        async def held_check(path: tuple[str, ...]) -> Any:
+            if path == ("d",) and not go.is_set():  # the entry's look at its parent directory
+                reached.set()
+                await go.wait()
+            return await real(path)
+
+        if held == "check":
+            monkeypatch.setattr(env.fs, "_path_node", held_check)
+        else:
+            hold = Held(monkeypatch, env.store, "put" if op != "symlink" else "publish_meta")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(make, env, d)
+            if held == "check":
+                await reached.wait()
+                monkeypatch.setattr(env.fs, "_path_node", real)
+                await rename(env, "d", "e")()  # the whole rename, while the entry waits
+                go.set()
+            else:
+                await hold.held.wait()
+                nursery.start_soon(rename(env, "d", "e"))
+                await env.settle()  # (it waits for the entry being stored)
+                hold.release()
+        await env.settle()
+        await landed_in_the_renamed_directory(env, stored_as)
+
+    ops_env(body, setup=dir_with_a_file, bucket="b")
