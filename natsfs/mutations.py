@@ -432,6 +432,12 @@ class Mutations:
     async def _upload(self, sf: StagedFile, chunk_size: int) -> tuple[ObjectInfo, int]:
         """The put of an uploading staged file (its lock held); the stored meta and how many of its
         xattr changes it holds."""
+        while (sf.bucket, sf.name) in self._own_meta:
+            # This mount's own chmod, chown, utime or xattr change of the name is being stored, at the
+            # revision it read. Put now, and that change would fail as a conflict (ESTALE) though the only
+            # change in between was ours; it rebases this file when it ends, so this put stores after it,
+            # at its revision, with its attributes.
+            await self._own_meta_ended.wait()
         await self.check_writable(sf.bucket)
         if sf.resumed:
             sf.resumed = False

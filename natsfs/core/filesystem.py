@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -83,6 +83,7 @@ DIR_TIME_MAX_S = 5.0
 # Bytes that could not be written to lost+found (a full local disk) are tried again this often.
 KEEP_RETRY_S = 10.0
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 XATTR_STATS = b"user.natsfs.stats"
 PETABYTE = 1 << 50
@@ -1210,9 +1211,10 @@ class Filesystem:
             return
         if node.kind == LINK:
             return  # symlinks have no mode of their own; times on links are not stored
-        sf = self.staging.get(inode)
-        if sf is None or sf.ended:
-            await self._store_posix(inode, node, changes)
+        sf, current = await self._unless_staged(inode, lambda: self._node(inode))
+        if sf is None:
+            assert current is not None
+            await self._store_posix(inode, current, changes)
             return
         # An upload under way has taken the attributes it stores, and stores at the revision it read:
         # the change waits for it (else it would be lost, or make the upload a false conflict).
@@ -1223,6 +1225,24 @@ class Filesystem:
             # Stored together with the data at the next upload.
             sf.set_attrs(changes.mode, changes.uid, changes.gid, changes.mtime_ns)
         await self._journal_if_pending(sf)
+
+    async def _unless_staged(self, inode: InodeNo, read: Callable[[], Awaitable[_T]]
+                             ) -> tuple[StagedFile | None, _T | None]:
+        """(None, `read()`), `read()` being what the bucket has of `inode`, for a meta-only change of it,
+        while the inode has no staged file under way; (that file, None) if it has one (the change then
+        goes through it, under its lock).
+
+        Read now, not before: a node read earlier may be that of a staged file whose close stored a newer
+        revision since, and a change published at the old one failed with ESTALE. Nothing is awaited
+        between the last look at the staging area and the return, so the caller's change is under way
+        (`own_meta_change`) before an upload of a file staged later can start: that upload waits for it."""
+        while True:
+            sf = self.staging.get(inode)
+            if sf is not None and not sf.ended:
+                return sf, None
+            got = await read()
+            if self.staging.get(inode) is sf:
+                return None, got
 
     async def _store_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:
         """Store attribute changes of a stored file in its meta (a meta-only change: same nuid)."""
@@ -1772,23 +1792,22 @@ class Filesystem:
             self.ns.store.check_meta_payload(bucket, doc)
             sf.change_xattr(key, value)
 
-        sf = self.staging.get(inode)
-        if sf is not None and not sf.ended:
-            # Under the file's lock: after an upload under way, which stores at the revision it read (and
-            # a first upload under way would not carry a change made meanwhile).
-            async with sf.lock:
-                if not sf.never_stored:
-                    await self._store_xattr(inode, node.bucket, change)
-                    return
-                await with_the_data(sf)
-            await self._journal_if_pending(sf)
-        elif sf is not None and sf.never_stored:
+        path_now = self.inodes.path_of
+        sf, stored = await self._unless_staged(inode, lambda: self._index_info(path_now(inode)))
+        if sf is None:
+            await self._store_xattr(inode, node.bucket, change, stored)
+            return
+        # Under the file's lock: after an upload under way, which stores at the revision it read (and
+        # a first upload under way would not carry a change made meanwhile).
+        async with sf.lock:
+            if not sf.never_stored:
+                await self._store_xattr(inode, node.bucket, change, await self._index_info(path_now(inode)))
+                return
             await with_the_data(sf)
-        else:
-            await self._store_xattr(inode, node.bucket, change)
+        await self._journal_if_pending(sf)
 
-    async def _store_xattr(self, inode: InodeNo, bucket: str, change: Callable[[dict[str, Any]], None]) -> None:
-        stored = await self._index_info(self.inodes.path_of(inode))
+    async def _store_xattr(self, inode: InodeNo, bucket: str, change: Callable[[dict[str, Any]], None],
+                           stored: ObjectInfo | None) -> None:
         if stored is None:
             raise NotFound("/".join(self.inodes.path_of(inode)))
         with self.mut.own_meta_change(bucket, stored.name):

@@ -18,6 +18,9 @@ import pytest
 import trio
 from gowriters import put_object
 from opskit import CTX, Env, Fields
+from test_ops_coherence import Held
+from test_ops_upload_races import lost_and_found
+from test_ops_write import stored
 
 from natsfs.adr20 import ObjectStore
 from natsfs.memstreams import MemoryStreams
@@ -340,3 +343,96 @@ def test_write_back_a_chmodded_log_appended_to_with_a_reader_open(ops_env):
         await env.ops.release(reader.fh)
 
     ops_env(body, setup=a_log_file, write_back=3600.0)
+
+
+async def both_stored(env: Env, ino: int, change: str, data: bytes = LINE0 + LINE1) -> None:
+    """The close's bytes and the meta change are both in the stored object (read back from the store),
+    and nothing went to lost+found."""
+    assert env.fs.counters["conflicts"] == 0
+    assert lost_and_found(env) == []
+    assert await stored(env, "app.log") == data
+    metadata = (await stored_doc(env)).get("metadata") or {}
+    if change == "chmod":
+        assert metadata.get("natsfs.mode") == "640"
+        assert (await env.ops.getattr(ino, None)).st_mode & 0o777 == 0o640
+    elif change == "utime":
+        assert metadata.get("natsfs.mtime_ns") == str(1_000_000_000 * 10**9)
+    elif change == "setxattr":
+        assert await env.ops.getxattr(ino, b"user.k", CTX) == b"v"
+    assert await env.cat("b/app.log") == data
+
+
+@pytest.mark.parametrize("change", ["chmod", "utime", "setxattr"])
+@pytest.mark.parametrize("resumes", ["before the release", "after the release"])
+def test_a_meta_change_arriving_while_a_close_is_put_is_stored_after_it(ops_env, monkeypatch, change, resumes):
+    """The change arrives while the close's put is held, and goes on once the close is done (before its
+    release, or after it: the staged file is gone then). Both are stored; the chmod used to publish at the
+    revision it read before the put (the staged file's) and fail with ESTALE."""
+    async def body(env: Env):
+        ino = (await env.lookup("b/app.log")).st_ino
+        writer = await env.ops.open(ino, os.O_WRONLY | os.O_APPEND, CTX)
+        await env.ops.write(writer.fh, len(LINE0), LINE1)
+        put = Held(monkeypatch, env.store, "put_file")
+        changed, closed = trio.Event(), trio.Event()
+
+        async def meta_change() -> None:
+            await CHANGES[change](env, ino)
+            changed.set()
+
+        async def close() -> None:
+            await env.ops.flush(writer.fh)
+            if resumes == "after the release":
+                await env.ops.release(writer.fh)
+            closed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close)
+            await put.held.wait()
+            checked = Held(monkeypatch, env.fs.mut, "check_writable")  # the change's, after reading the file
+            nursery.start_soon(meta_change)
+            await checked.held.wait()
+            put.release()
+            await closed.wait()
+            checked.release()
+        if resumes == "before the release":
+            await env.ops.release(writer.fh)
+        await env.settle()
+        await both_stored(env, ino, change)
+
+    ops_env(body, setup=a_log_file)
+
+
+async def an_empty_log(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    await put_object(ms, "b", "app.log", b"")
+
+
+@pytest.mark.parametrize("change", ["chmod", "setxattr"])  # (a utime is undone by the write that follows it)
+def test_a_close_landing_while_a_meta_change_is_published_is_stored_after_it(ops_env, monkeypatch, change):
+    """A writer has the file open, nothing written yet; a chmod (or setxattr) reads the meta and its
+    publish is held; the writer writes and closes meanwhile. The close waits for the change and stores at
+    its revision, with its attributes: both kept. The close's put used to go first and the change then failed
+    with ESTALE."""
+    async def body(env: Env):
+        ino = (await env.lookup("b/app.log")).st_ino
+        writer = await env.ops.open(ino, os.O_WRONLY | os.O_APPEND, CTX)
+        publish = Held(monkeypatch, env.store, "update_meta")
+        closed = trio.Event()
+
+        async def close() -> None:
+            await env.ops.write(writer.fh, 0, LINE1)  # (an empty file: nothing to copy in first)
+            await env.ops.flush(writer.fh)
+            await env.ops.release(writer.fh)
+            closed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(CHANGES[change], env, ino)
+            await publish.held.wait()
+            nursery.start_soon(close)
+            await env.settle()  # (the close waits for the change)
+            publish.release()
+        assert closed.is_set()
+        await env.settle()
+        await both_stored(env, ino, change, LINE1)
+
+    ops_env(body, setup=an_empty_log)
