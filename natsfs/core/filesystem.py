@@ -270,7 +270,8 @@ class _DirRenameGate:
             self._adding[path] -= 1
             if not self._adding[path]:
                 del self._adding[path]
-            self._notify()
+            if self._renaming:  # (only renames wait for entries being added)
+                self._notify()
 
     @contextlib.asynccontextmanager
     async def renaming(self, *directories: tuple[str, ...]) -> AsyncIterator[None]:
@@ -1792,8 +1793,7 @@ class Filesystem:
             self.ns.store.check_meta_payload(bucket, doc)
             sf.change_xattr(key, value)
 
-        path_now = self.inodes.path_of
-        sf, stored = await self._unless_staged(inode, lambda: self._index_info(path_now(inode)))
+        sf, stored = await self._unless_staged(inode, lambda: self._index_info(self.inodes.path_of(inode)))
         if sf is None:
             await self._store_xattr(inode, node.bucket, change, stored)
             return
@@ -1801,7 +1801,8 @@ class Filesystem:
         # a first upload under way would not carry a change made meanwhile).
         async with sf.lock:
             if not sf.never_stored:
-                await self._store_xattr(inode, node.bucket, change, await self._index_info(path_now(inode)))
+                stored = await self._index_info(self.inodes.path_of(inode))
+                await self._store_xattr(inode, node.bucket, change, stored)
                 return
             await with_the_data(sf)
         await self._journal_if_pending(sf)
