@@ -142,3 +142,54 @@ def test_invalidations_queued_while_the_notifier_is_dead_are_sent_by_the_new_one
     nats_py_put(nats_url, bucket_name, "raced.txt", second)
     assert wait_for(lambda: _overwritten_shows(b / "raced.txt", second), 15), m.log()[-3000:]
     _restarted(m, "notifier", old)
+
+
+def test_a_put_session_never_continues_on_a_restarted_worker(nats_url, bucket_name, tmp_path):
+    """The worker holds a session's hash: after a restart, the rest of a session begun on the dead worker
+    and its digest are refused (the caller sends the file again in-process), never answered by the new
+    worker with a digest of the later ranges only. New sessions use the new worker."""
+    import hashlib
+
+    import trio
+
+    from natsfs.auth import Connection
+    from natsfs.errors import Unavailable
+    from natsfs.retry import Restarts
+    from natsfs.uploader import UploadWorker
+
+    create_bucket(nats_url, bucket_name, atomic=False)
+    chunk = 128 * 1024
+    data = random.Random(33).randbytes(4 * chunk)
+    spool = tmp_path / "spool.bin"
+    spool.write_bytes(data)
+
+    def subject(nuid: str) -> str:
+        return f"$O.{bucket_name}.C.{nuid}"
+
+    async def main() -> None:
+        worker = UploadWorker(Connection(servers=(nats_url,)), Restarts(first=0.01))
+        async with trio.open_nursery() as nursery:
+            await worker.start(nursery)
+            old = worker.pid
+            assert worker.alive and old is not None
+            await worker.send_range("OldSession000000000000", subject("OldSession000000000000"), str(spool), 0,
+                                    2 * chunk, chunk, 8)
+            os.kill(old, signal.SIGKILL)
+            with trio.fail_after(30):
+                while not (worker.alive and worker.pid != old):
+                    await trio.sleep(0.02)
+            assert _reaped(old)
+            with pytest.raises(Unavailable):
+                await worker.send_range("OldSession000000000000", subject("OldSession000000000000"), str(spool),
+                                        2 * chunk, 4 * chunk, chunk, 8)
+            with pytest.raises(Unavailable):
+                await worker.digest("OldSession000000000000")
+            await worker.drop("OldSession000000000000")
+            await worker.send_range("NewSession000000000000", subject("NewSession000000000000"), str(spool), 0,
+                                    4 * chunk, chunk, 8)
+            assert await worker.digest("NewSession000000000000") == hashlib.sha256(data).digest()
+            await worker.drop("NewSession000000000000")
+            await worker.close()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
