@@ -955,17 +955,20 @@ class ObjectStore:
         try:
             try:
                 await session.send_file(path, fd, 0, size)
+                digest = await session.digest()
             except Unavailable as e:
                 if not session.remote:
                     raise
-                # The worker lost its server, or the stream its leader: send from here, where unanswered
-                # publishes are sent again while a cluster elects a new leader (publish_many).
+                # The worker lost its server, or the stream its leader, or it died (it is restarted for
+                # later puts): send from here, where unanswered publishes are sent again while a cluster
+                # elects a new leader (publish_many).
                 log.info("%s/%s: the upload worker could not send it (%s); sending it in-process", bucket, name, e)
                 await session.abort()
                 session = self.start_put(bucket, chunk_size, window, name)
                 session.remote = False
                 await session.send_file(path, fd, 0, size)
-            return await session.commit(name, await session.digest(), **kwargs)
+                digest = await session.digest()
+            return await session.commit(name, digest, **kwargs)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await session.abort()
@@ -1391,7 +1394,8 @@ class ObjectStore:
 class FileSender(Protocol):
     """Publishes byte ranges of local files as chunks, hashing them (the upload worker)."""
 
-    alive: bool
+    @property
+    def alive(self) -> bool: ...
 
     async def send_range(self, session: str, subject: str, path: str, start: int, end: int, chunk_size: int,
                          window: int) -> None: ...

@@ -25,11 +25,16 @@ read in flight holds. Three rules keep that from ever becoming a deadlock:
   daemon reading it, while the child is already waiting; `/sys/fs/fuse/connections/N/abort` ends it.)
 
 The child answers each message with its errno (0 on success). Nothing waits for it at shutdown.
+A child that dies while the mount is live (a kill, the OOM killer) is reaped at once and replaced
+(`retry.Restarts` paces it) on a new clone of the device; the messages it had not answered are sent
+again by the new one and those asked meanwhile are queued for it. While none runs (`degraded`), the
+kernel is given short timeouts (`DEGRADED_TIMEOUT`) so that it asks again soon.
 Without a mounted kernel (tests of the operations class) invalidations are only recorded.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import logging
@@ -40,6 +45,8 @@ import sys
 from collections.abc import Callable
 
 import trio
+
+from .retry import Restarts, describe_exit
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,9 @@ _FRAME = struct.Struct("=I")  # the length of each message handed to the child
 # Messages handed to the child and not yet answered; more wait (deduplicated) in the queue.
 _IN_FLIGHT = 64
 _QUIET_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ENOTCONN, errno.ENODEV)
+# The kernel's entry and attribute timeouts (seconds) while no notifier runs (`KernelNotifier.degraded`):
+# nothing can tell the kernel of other clients' changes then, so it must ask again soon.
+DEGRADED_TIMEOUT = 1.0
 
 Item = tuple[str, int, bytes | None]
 
@@ -94,51 +104,132 @@ def clone_device(session_fd: int) -> int:
 
 
 class KernelNotifier:
-    def __init__(self, busy: Callable[[int], bool] = lambda ino: False) -> None:
+    def __init__(self, busy: Callable[[int], bool] = lambda ino: False, restarts: Restarts | None = None) -> None:
         self.busy = busy
-        self.running = False
+        self.restarts = restarts or Restarts()
+        self.attached = False  # a kernel to talk to (invalidations are queued, even while no child runs)
+        self.running = False  # a child is running
         self.sent: list[Item] = []  # what was asked, for tests
         self.done = 0  # invalidations the kernel was asked for
         self._queue: dict[Item, None] = {}  # ordered, one of each
         self._parked: dict[int, dict[Item, None]] = {}
+        # Handed to the child and not answered yet, in order (it answers in order): sent again by the
+        # next child when this one dies.
+        self._unanswered_items: collections.deque[Item] = collections.deque()
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._reopen: Callable[[], int] | None = None
+        self._closing = False
         self._to_child: trio.lowlevel.FdStream | None = None
         self._from_child: trio.lowlevel.FdStream | None = None
         self._child: subprocess.Popen[bytes] | None = None
         self._unanswered = trio.Semaphore(_IN_FLIGHT)
 
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None else None
+
+    @property
+    def degraded(self) -> bool:
+        """Attached, but no child runs now (between a death and its restart, or after failed restarts):
+        the kernel should not keep what it caches for long (`Filesystem` shortens its timeouts)."""
+        return self.attached and not self.running and not self._closing
+
     def start(self, nursery: trio.Nursery) -> None:
         """Remember where to run; invalidations start once `attach` found a kernel to talk to."""
         self._nursery = nursery
 
-    def attach(self, device: int) -> None:
+    def attach(self, device: int, reopen: Callable[[], int] | None = None) -> None:
         """Start the notifier child writing to `device` (a clone of the mounted session's `/dev/fuse`,
-        see `clone_device`); this takes the descriptor over."""
+        see `clone_device`); this takes the descriptor over. `reopen` gives a new one for a child
+        started when the last one died (without it, none is)."""
         assert self._nursery is not None, "KernelNotifier.start() was not called"
+        self._spawn(device)
+        self._reopen = reopen
+        self.attached = True
+        self._nursery.start_soon(self._supervise)
+
+    def _spawn(self, device: int) -> None:
+        """Start a child on `device` (closed here). Called from the trio (main) thread only: the child's
+        parent-death signal follows the thread that started it, which lives as long as the daemon, and
+        it runs on that thread's CPU (`affinity`: the daemon's)."""
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         try:
-            # Started from the trio (main) thread: the child's parent-death signal follows this thread,
-            # which lives as long as the daemon.
             self._child = subprocess.Popen(
                 [sys.executable, "-I", "-m", "natsfs.notifier", str(device), str(os.getpid())],
                 stdin=to_child_r, stdout=from_child_w, stderr=subprocess.DEVNULL, pass_fds=(device,),
                 close_fds=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        except BaseException:
+            os.close(to_child_w)
+            os.close(from_child_r)
+            raise
         finally:
             os.close(device)
             os.close(to_child_r)
             os.close(from_child_w)
         self._to_child = trio.lowlevel.FdStream(to_child_w)
         self._from_child = trio.lowlevel.FdStream(from_child_r)
+        self._unanswered = trio.Semaphore(_IN_FLIGHT)
         self.running = True
-        self._nursery.start_soon(self._send_loop)
-        self._nursery.start_soon(self._read_answers)
+        self.restarts.started()
+        self._wake.set()  # what was queued meanwhile goes out now
         log.debug("kernel notifier started (pid %d)", self._child.pid)
+
+    async def _supervise(self) -> None:
+        """Run the child; when it dies, reap it at once, say so, queue again what it had not answered
+        (those invalidations may not have reached the kernel), and start a new one (with backoff)."""
+        while True:
+            async with trio.open_nursery() as one_child:
+                one_child.start_soon(self._send_loop)
+                await self._read_answers()  # until the child's output ends: it died, or was closed
+                one_child.cancel_scope.cancel()
+            if self._closing:
+                return  # (close(): the child ends on its own, maybe only at the unmount)
+            self.running = False
+            child, stream = self._child, self._to_child
+            self._to_child = None
+            if stream is not None:
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+            status = await _reap(child) if child is not None else None
+            lost = len(self._unanswered_items)
+            self._queue = {**dict.fromkeys(self._unanswered_items), **self._queue}
+            self._unanswered_items.clear()
+            if child is not None:
+                if self.restarts.failing:
+                    log.debug("kernel notifier (pid %d) died (%s)", child.pid, describe_exit(status))
+                elif self._reopen is None:
+                    log.warning("kernel notifier (pid %d) died (%s); the kernel's caches now expire on their "
+                                "own", child.pid, describe_exit(status))
+                else:
+                    log.warning("kernel notifier (pid %d) died (%s); starting a new one (%d invalidations it "
+                                "had not answered are sent again)", child.pid, describe_exit(status), lost)
+            if self._reopen is None:
+                self.attached = False
+                self._queue.clear()
+                self._parked.clear()
+                return
+            while not self._closing:
+                pause = self.restarts.died()
+                if self.restarts.newly_failing():
+                    log.error("kernel notifier failed %d times in a row: other clients' changes show after "
+                              "at most %g s (the kernel's timeouts are shortened); trying again every %g s at "
+                              "most", self.restarts.failures, DEGRADED_TIMEOUT, self.restarts.cap)
+                await trio.sleep(pause)
+                if self._closing:
+                    return
+                try:
+                    self._spawn(self._reopen())
+                    break
+                except OSError as e:
+                    if not self.restarts.failing:
+                        log.warning("kernel notifier not started (%s)", e)
 
     async def close(self) -> None:
         """Stop asking (shutdown): the child ends at the end of its input. Never waits for it, since it
         may be waiting in the kernel for a request that only the unmount will end."""
+        self._closing = True
         self.running = False
         self._queue.clear()
         self._parked.clear()
@@ -170,7 +261,7 @@ class KernelNotifier:
         self.sent.append(item)
         if len(self.sent) > 1000:
             del self.sent[:500]
-        if not self.running or item in self._queue:
+        if not self.attached or self._closing or item in self._queue:
             return
         self._queue[item] = None
         self._wake.set()
@@ -188,12 +279,14 @@ class KernelNotifier:
         return None
 
     async def _send_loop(self) -> None:
+        """Hand queued items to the child (at most `_IN_FLIGHT` unanswered); ends when it is gone."""
         while self.running:
             item = self._next()
             if item is None:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
+            self._unanswered_items.append(item)  # (before any wait: a death re-queues it)
             await self._unanswered.acquire()
             message = notify_message(item)
             stream = self._to_child
@@ -201,11 +294,8 @@ class KernelNotifier:
                 return
             try:
                 await stream.send_all(_FRAME.pack(len(message)) + message)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-                if self.running:
-                    log.warning("kernel notifier is gone (%s); the kernel's caches now expire on their own", e)
-                self.running = False
-                return
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return  # the child is gone: `_supervise` notices at the end of its output
 
     async def _read_answers(self) -> None:
         stream = self._from_child
@@ -218,6 +308,8 @@ class KernelNotifier:
                     line, buf = buf.split(b"\n", 1)
                     code = int(line or b"0")
                     self.done += 1
+                    if self._unanswered_items:
+                        self._unanswered_items.popleft()
                     self._unanswered.release()
                     if code and code not in _QUIET_ERRNOS:
                         log.debug("invalidation failed: %s", os.strerror(code))
@@ -226,6 +318,17 @@ class KernelNotifier:
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
-            if self.running:
-                log.warning("kernel notifier exited; the kernel's caches now expire on their own")
-                self.running = False
+
+
+async def _reap(child: subprocess.Popen[bytes]) -> int | None:
+    """Wait for a child whose output ended to exit, and collect its status (no zombie), without blocking
+    the trio thread: its pidfd becomes readable when it exits."""
+    try:
+        pidfd = os.pidfd_open(child.pid)
+    except (OSError, AttributeError):
+        return await trio.to_thread.run_sync(child.wait, abandon_on_cancel=True)
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+    return child.wait()

@@ -131,7 +131,9 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             except RuntimeError as e:
                 raise MountError(f"cannot mount {mountpoint}: {e}") from None
             try:
-                fs.kernel.attach(clone_device(session_device_fd()))
+                session_fd = session_device_fd()
+                # (a notifier that dies is replaced by one on a new clone of the same session)
+                fs.kernel.attach(clone_device(session_fd), reopen=lambda: clone_device(session_fd))
             except OSError as e:
                 log.warning("cannot send invalidations to the kernel (%s); its caches expire after %g s",
                             e, config.entry_timeout)

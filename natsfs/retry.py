@@ -12,6 +12,7 @@ back or re-check state between attempts and must decide per outcome.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 
 import trio
@@ -51,3 +52,61 @@ class Backoff:
     async def pause(self) -> None:
         """Sleep (trio) for `next_pause()`."""
         await trio.sleep(self.next_pause())
+
+
+class Restarts:
+    """When to start a helper child process (the upload worker, the kernel notifier) again after it died.
+
+    A child that ran for at least `stable` seconds died of something that happened to it (a kill, the
+    OOM killer): it is started again after `first` seconds. One that dies sooner, or cannot be started,
+    counts as a failed restart: the pauses grow (a `Backoff` up to `cap`) so that a child that dies at
+    once every time cannot spin, and after `give_up_after` of them in a row `failing` turns True (once per
+    streak: the caller says so at ERROR, then keeps its fallback and only retries every `cap` seconds).
+    Only computes, like `Backoff`: the caller sleeps."""
+
+    def __init__(self, *, first: float = 0.25, cap: float = 60.0, stable: float = 10.0, give_up_after: int = 5,
+                 clock: Callable[[], float] = trio.current_time):
+        self.cap = cap
+        self.stable = stable
+        self.give_up_after = give_up_after
+        self._backoff = Backoff(first, cap, clock=clock)
+        self._clock = clock
+        self._started_at: float | None = None
+        self.failing = False  # the last `give_up_after` (or more) starts all failed
+
+    @property
+    def failures(self) -> int:
+        """Failed restarts in a row (a death after a stable run is not one)."""
+        return max(0, self._backoff.failures - 1)
+
+    def started(self) -> None:
+        """A new child is running."""
+        self._started_at = self._clock()
+
+    def died(self) -> float:
+        """The child died, or could not be started: the pause before the next start."""
+        lived = None if self._started_at is None else self._clock() - self._started_at
+        self._started_at = None
+        if lived is not None and lived >= self.stable:
+            self.failing = False
+            self._backoff.reset()
+        return self._backoff.next_pause()
+
+    def newly_failing(self) -> bool:
+        """True once per streak: the restart that just failed was the `give_up_after`-th in a row."""
+        if not self.failing and self.failures >= self.give_up_after:
+            self.failing = True
+            return True
+        return False
+
+
+def describe_exit(returncode: int | None) -> str:
+    """How a child process ended, for a log line: "killed by SIGKILL", "exit status 1"."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"

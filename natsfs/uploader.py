@@ -6,6 +6,13 @@ connection) and hands it byte ranges of spool files to send as chunks of a put s
 hashes what it sends, so the digest of a session is asked of it too. Requests are JSON lines over
 pipes (trio). If the worker is gone, callers fall back to publishing in-process (`alive` is False).
 
+A worker that dies (a crash, `kill -9`, the OOM killer) is reaped at once, said at WARNING, and a new
+one started (`retry.Restarts`: a worker that dies at once every time is started less and less often,
+and after a few in a row that is said once at ERROR; puts are published in-process meanwhile). Requests
+it had not answered fail with `Unavailable`, and their callers send those files again in-process in a
+new put session (the old one's chunks are purged). A put session stays with the worker process it began
+on, which holds its hash: after a restart, what is left of it is refused (`Unavailable`) too.
+
 The worker runs isolated (`-I`: neither the working directory nor `$PYTHON*` variables shape its
 imports), inherits no descriptors but its pipes and no `$NATS_URL`, and gets the server URLs (which
 may carry credentials) and the credentials (`auth.Connection` as JSON) as the first line on its stdin,
@@ -27,70 +34,134 @@ from . import affinity
 from .auth import Connection
 from .errors import JetStreamAPIError, NatsFSError, OutcomeUnknown, Unavailable
 from .jetstream import map_publish_error
+from .retry import Restarts, describe_exit
 from .secrecy import child_environment
 
 log = logging.getLogger(__name__)
 
 
+class _Child:
+    """One started worker process and the requests waiting for its replies."""
+
+    def __init__(self, proc: trio.Process, generation: int):
+        self.proc = proc
+        self.generation = generation
+        self.alive = True
+        self.waiting: dict[int, tuple[trio.Event, list[dict[str, Any]]]] = {}
+        self.send_lock = trio.Lock()
+
+
 class UploadWorker:
-    def __init__(self, connection: Connection):
+    def __init__(self, connection: Connection, restarts: Restarts | None = None):
         self.connection = connection
-        self.alive = False
-        self._proc: trio.Process | None = None
+        self.restarts = restarts or Restarts()
+        self.generation = 0  # of the worker process running now (each start is a new one)
+        self._child: _Child | None = None
+        self._closing = False
         self._next = 0
-        self._waiting: dict[int, tuple[trio.Event, list[dict[str, Any]]]] = {}
-        self._send_lock = trio.Lock()
+        # The worker process each put session began on: its hash is there, so a session never moves
+        # to a restarted worker (whose digest of it would be of the later ranges only).
+        self._sessions: dict[str, int] = {}
+
+    @property
+    def alive(self) -> bool:
+        return self._child is not None and self._child.alive and not self._closing
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.proc.pid if self._child is not None else None
 
     async def start(self, nursery: trio.Nursery) -> None:
+        """Start the worker, and keep one running: one that dies is reaped and started again."""
+        self._child = await self._spawn()
+        nursery.start_soon(self._supervise, self._child)
+
+    async def _spawn(self) -> _Child | None:
+        """A new worker process (isolated, see the module docstring), or None (said at WARNING)."""
         try:
-            self._proc = await trio.lowlevel.open_process(
+            proc = await trio.lowlevel.open_process(
                 [sys.executable, "-I", "-m", "natsfs.bridge", "upload-worker"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=child_environment())
-            affinity.next_cpu(self._proc.pid)  # it hashes beside the daemon, not on its CPU
-            assert self._proc.stdin is not None
-            await self._proc.stdin.send_all(self.connection.to_json().encode() + b"\n")
-        except (OSError, trio.BrokenResourceError) as e:
-            log.warning("upload worker not started (%s); publishing in-process", e)
-            return
-        self.alive = True
-        nursery.start_soon(self._read_replies)
+        except OSError as e:
+            if not self.restarts.failing:
+                log.warning("upload worker not started (%s); publishing in-process", e)
+            return None
+        try:
+            affinity.next_cpu(proc.pid)  # it hashes beside the daemon, not on its CPU
+            assert proc.stdin is not None
+            await proc.stdin.send_all(self.connection.to_json().encode() + b"\n")
+        except (OSError, trio.BrokenResourceError):
+            pass  # it died at once: its exit is reported like any other death
+        self.generation += 1
+        self.restarts.started()
+        return _Child(proc, self.generation)
 
-    async def _read_replies(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
+    async def _supervise(self, child: _Child | None) -> None:
+        """Serve the worker's replies; when it dies, reap it at once, fail what waited for it (the callers
+        send those files in-process), and start a new one after `restarts` says how long to pause."""
+        while True:
+            if child is not None:
+                await self._read_replies(child)
+                status = await child.proc.wait()  # reaped: no zombie
+                if self._closing:
+                    return
+                if self.restarts.failing:
+                    log.debug("upload worker (pid %d) died (%s)", child.proc.pid, describe_exit(status))
+                else:
+                    log.warning("upload worker (pid %d) died (%s); starting a new one (puts it was sending "
+                                "are sent again in-process)", child.proc.pid, describe_exit(status))
+            pause = self.restarts.died()
+            if self.restarts.newly_failing():
+                log.error("upload worker failed %d times in a row; publishing in-process, trying again "
+                          "every %g s at most", self.restarts.failures, self.restarts.cap)
+            await trio.sleep(pause)
+            if self._closing:
+                return
+            child = self._child = await self._spawn()
+
+    async def _read_replies(self, child: _Child) -> None:
+        assert child.proc.stdout is not None
         buf = b""
         try:
-            async for data in self._proc.stdout:
+            async for data in child.proc.stdout:
                 buf += data
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     reply = json.loads(line)
-                    waiter = self._waiting.pop(reply.get("id", -1), None)
+                    waiter = child.waiting.pop(reply.get("id", -1), None)
                     if waiter is not None:
                         waiter[1].append(reply)
                         waiter[0].set()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError) as e:
-            log.warning("upload worker output unreadable: %s", e)
+            log.debug("upload worker output unreadable: %s", e)  # (its death is reported by the caller)
+            if child.proc.returncode is None:
+                child.proc.kill()  # it cannot be talked to: a new one takes over
         finally:
-            if self.alive:
-                log.warning("upload worker exited; publishing in-process from now on")
-            self.alive = False
-            for event, _ in self._waiting.values():
+            child.alive = False
+            for event, _ in child.waiting.values():
                 event.set()  # no reply: the caller raises Unavailable
-            self._waiting.clear()
+            child.waiting.clear()
 
     async def _call(self, body: dict[str, Any]) -> dict[str, Any]:
-        if not self.alive or self._proc is None or self._proc.stdin is None:
+        child = self._child
+        session = body.get("session")
+        began_on = None if session is None else (
+            self._sessions.pop(session, None) if body["op"] == "drop" else self._sessions.get(session))
+        if not self.alive or child is None or child.proc.stdin is None:
             raise Unavailable("upload worker is not running")
+        if session is not None and began_on is None and body["op"] == "send":
+            began_on = self._sessions[session] = child.generation
+        if session is not None and began_on != child.generation:
+            raise Unavailable("upload worker was restarted since this put began")
         self._next += 1
         rid = body["id"] = self._next
         event, box = trio.Event(), list[dict[str, Any]]()
-        self._waiting[rid] = (event, box)
+        child.waiting[rid] = (event, box)
         try:
-            async with self._send_lock:
-                await self._proc.stdin.send_all(json.dumps(body).encode() + b"\n")
+            async with child.send_lock:
+                await child.proc.stdin.send_all(json.dumps(body).encode() + b"\n")
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self._waiting.pop(rid, None)
-            self.alive = False
+            child.waiting.pop(rid, None)
             raise Unavailable("upload worker is gone") from None
         await event.wait()
         if not box:
@@ -123,10 +194,11 @@ class UploadWorker:
             await self._call({"op": "drop", "session": session})
 
     async def close(self) -> None:
-        proc, self._proc = self._proc, None
-        self.alive = False
-        if proc is None:
+        self._closing = True
+        child, self._child = self._child, None
+        if child is None:
             return
+        proc = child.proc
         with trio.CancelScope(shield=True):
             if proc.stdin is not None:
                 await proc.stdin.aclose()

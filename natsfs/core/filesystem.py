@@ -61,7 +61,7 @@ from ..errors import (
 from ..handles import DirHandle, FileHandle, HandleNo, HandleTable
 from ..inodes import ROOT_INODE, InodeNo, InodeTable
 from ..journal import WriteBackJournal
-from ..kernel import KernelNotifier
+from ..kernel import DEGRADED_TIMEOUT, KernelNotifier
 from ..links import HIDDEN_TARGET, OUTSIDE_TARGET, LinkTarget, SymlinkSigner, link_target, stays_in_mount
 from ..mutations import Mutations, check_meta_size
 from ..names import NAME_MAX, placement
@@ -467,9 +467,12 @@ class Filesystem:
             mtime_ns = self._dir_mtimes.get(self.ns.mount_path(node.bucket, node.rel), mtime_ns)
         if node.kind == FILE and node.info is not None and node.bucket is not None:
             mtime_ns = self._written_mtimes.get((node.bucket, node.info.nuid, node.info.revision), mtime_ns)
+        entry_timeout, attr_timeout = c.entry_timeout, c.attr_timeout
+        if self.kernel.degraded:  # nothing could tell the kernel of a change now: it must ask again soon
+            entry_timeout, attr_timeout = min(entry_timeout, DEGRADED_TIMEOUT), min(attr_timeout, DEGRADED_TIMEOUT)
         return Attributes(ino=ino, mode=mode, nlink=nlink, size=size, uid=uid, gid=gid,
                           mtime_ns=mtime_ns or self.ns.started_ns, blksize=blksize,
-                          entry_timeout=c.entry_timeout, attr_timeout=c.attr_timeout, rdev=rdev)
+                          entry_timeout=entry_timeout, attr_timeout=attr_timeout, rdev=rdev)
 
     def _link_target(self, node: Node) -> str:
         """The symlink's target: its verbatim text where natsfs/links.py allows it, else built only from

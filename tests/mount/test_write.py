@@ -462,7 +462,8 @@ def test_tar_extracts_many_files(nats_url, bucket_name, wb, tmp_path):
 
 
 def test_writes_survive_the_upload_worker_dying(nats_url, bucket_name, wb):
-    """Bulk publishing runs in a helper process; if it dies, the mount publishes by itself."""
+    """Bulk publishing runs in a helper process; if it dies, the mount starts another (and publishes by
+    itself meanwhile). See also tests/mount/test_child_restarts.py."""
     import signal
 
     m, b = wb
@@ -473,7 +474,7 @@ def test_writes_survive_the_upload_worker_dying(nats_url, bucket_name, wb):
     (b / "before.bin").write_bytes(big)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    assert wait_for(lambda: "publishing in-process" in m.log(), 10)
+    assert wait_for(lambda: all(f"upload worker (pid {pid}) died" in m.log() for pid in pids), 10)
     (b / "after.bin").write_bytes(big[::-1])
     assert nats_py_get(nats_url, bucket_name, "before.bin") == big
     assert nats_py_get(nats_url, bucket_name, "after.bin") == big[::-1]

@@ -90,3 +90,22 @@ def test_the_fast_tier_sees_other_clients_changes_without_asking(ops_env):
         assert await env.cat("new.txt") == b"fresh"
 
     ops_env(body, setup=files, bucket="b")
+
+
+def test_without_a_running_notifier_the_kernel_keeps_names_and_attributes_briefly(ops_env):
+    """Between a notifier's death and its restart (or after restarts failed), nothing can tell the kernel
+    of another client's change: what it caches from then on expires within `DEGRADED_TIMEOUT`."""
+    from natsfs.kernel import DEGRADED_TIMEOUT
+
+    async def body(env: Env) -> None:
+        await env.settle()
+        healthy = await env.lookup("other.txt")
+        assert healthy.entry_timeout == healthy.attr_timeout == 60
+        env.fs.kernel.attached = True  # attached, no child running: degraded
+        assert env.fs.kernel.degraded
+        down = await env.lookup("other.txt")
+        assert down.entry_timeout == down.attr_timeout == DEGRADED_TIMEOUT
+        env.fs.kernel.running = True  # a new child runs
+        assert (await env.lookup("other.txt")).entry_timeout == 60
+
+    ops_env(body, setup=files, bucket="b")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import struct
+from pathlib import Path
 
 import trio
 
@@ -64,4 +65,69 @@ def test_the_child_writes_each_change_once_and_waits_for_requests_in_flight():
         (FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 2, 0, 0)),
         (FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 1, -1, 0)),
         (FUSE_NOTIFY_INVAL_ENTRY, struct.pack("=QII", 1, 1, 0) + b"a\0"),
+    ]
+
+
+def test_a_dead_child_is_reaped_and_replaced_and_what_it_had_not_answered_is_sent_again():
+    """The first child's device is a pipe nobody reads, filled up: its write blocks, so what it was
+    handed stays unanswered. Killed, it is reaped (no zombie) and the next child, on a new device,
+    writes those invalidations and the ones asked meanwhile."""
+    import signal
+
+    from natsfs.retry import Restarts
+
+    stuck_read, stuck = os.pipe()
+    os.set_blocking(stuck, False)
+    try:
+        while True:
+            os.write(stuck, b"x" * 65536)
+    except BlockingIOError:
+        pass
+    os.set_blocking(stuck, True)
+    read_end, device = os.pipe()
+    reopened = []
+
+    def reopen() -> int:
+        reopened.append(True)
+        return os.dup(device)
+
+    class AskWhileNoChildRuns(Restarts):
+        def died(self) -> float:
+            assert notifier.degraded and not notifier.running
+            notifier.entry(1, b"meanwhile")  # asked while no child runs: queued, not dropped
+            return super().died()
+
+    notifier = KernelNotifier(restarts=AskWhileNoChildRuns(first=0.01))
+
+    async def main() -> tuple[int, int | None, bool]:
+        async with trio.open_nursery() as nursery:
+            notifier.start(nursery)
+            notifier.attach(stuck, reopen=reopen)
+            first = notifier.pid
+            assert first is not None
+            notifier.inode(5)  # handed to the first child, which blocks writing it
+            with trio.fail_after(10):
+                while len(notifier._unanswered_items) != 1 or notifier._queue:
+                    await trio.sleep(0.01)
+            os.kill(first, signal.SIGKILL)
+            with trio.fail_after(10):
+                while notifier.done < 2:
+                    await trio.sleep(0.01)
+            second = notifier.pid
+            stat = Path(f"/proc/{first}/stat")
+            zombie = stat.exists() and stat.read_text().rsplit(") ", 1)[1][0] == "Z"
+            await notifier.close()
+            nursery.cancel_scope.cancel()
+        return first, second, zombie
+
+    try:
+        first, second, zombie = trio.run(main)
+        written = os.read(read_end, 4096)
+    finally:
+        for fd in (stuck_read, read_end, device):
+            os.close(fd)
+    assert second != first and not zombie and reopened == [True]
+    assert _parse(written) == [
+        (FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 5, 0, 0)),
+        (FUSE_NOTIFY_INVAL_ENTRY, struct.pack("=QII", 1, 9, 0) + b"meanwhile\0"),
     ]
