@@ -113,6 +113,11 @@ SETTLE_S = 60.0
 ATOMIC_MAX_CHUNKS = BATCH_MAX_MSGS - 1
 # A file of at most one chunk and at most this size is put by `_put_small` (read and hashed in place).
 SMALL_PUT_MAX = 256 * 1024
+# The most time `PutSession.abort` spends on a put that will not be committed (purging its chunks, telling
+# the upload worker): aborts run shielded after a caller's deadline (a close past its flush timeout), so
+# this is how far past that deadline the caller can return. What is not purged by then the `PutLog`
+# settles later (the purge is idempotent).
+ABORT_CLEANUP_S = 1.0
 OWN_METAS_KEPT = 4096  # metas this store stored itself, kept to rewrite them without reading them back
 BUCKET_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]+$")
 # Keys of a meta's `metadata` map that carry POSIX attributes written by natsfs.
@@ -1550,19 +1555,25 @@ class PutSession:
         self.done = True
         meta_unknown = self.meta_state == _META_SENT
         purged = False
+        deadline = trio.current_time() + ABORT_CLEANUP_S
         if self._logged and not meta_unknown:
-            try:
-                await self.store.streams.purge_subject(stream_name(self.bucket), self.subject)
-                purged = True
-            except NatsFSError as e:
-                log.debug("%s: purge of an unfinished put failed: %s", self.subject, e)
+            with trio.CancelScope(deadline=deadline) as scope:
+                try:
+                    await self.store.streams.purge_subject(stream_name(self.bucket), self.subject)
+                    purged = True
+                except NatsFSError as e:
+                    log.debug("%s: purge of an unfinished put failed: %s", self.subject, e)
+            if scope.cancelled_caught:
+                log.debug("%s: purge of an unfinished put got no answer within %g s", self.subject,
+                          ABORT_CLEANUP_S)
         if self._logged:
             put_log = self.store.put_log
             if put_log is not None:
                 put_log.failed(self.bucket, self.nuid, self.name, meta_unknown=meta_unknown, purged=purged)
             elif not purged:
                 log.warning("%s: chunks of an unfinished put are left (for fsck)", self.subject)
-        await self._forget()
+        with trio.CancelScope(deadline=deadline):
+            await self._forget()
 
     async def _forget(self) -> None:
         if self.remote and self.store.file_sender is not None:

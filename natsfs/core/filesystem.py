@@ -961,16 +961,22 @@ class Filesystem:
     async def _store_in_time(self, ino: InodeNo) -> None:
         """`_upload` under one deadline for the whole store (every request, retry and fallback in it):
         `flush_timeout` seconds plus one per `flush_rate_floor` bytes staged. Past it the close fails
-        with EIO; the bytes stay staged (the next close tries again, release keeps them)."""
+        with EIO; the bytes stay staged (the next close tries again, release keeps them). The put cut
+        off there cleans up for at most `ABORT_CLEANUP_S` more (see `PutSession.abort`)."""
         sf = self.staging.get(ino)
         if sf is None or not sf.unstored:
             return
-        limit = self.config.flush_timeout + sf.size / self.config.flush_rate_floor
+        allowance = sf.size / self.config.flush_rate_floor
+        limit = self.config.flush_timeout + allowance
         with trio.move_on_after(limit) as scope:
             await self._upload(ino)
         if scope.cancelled_caught:
-            raise Unavailable(f"{sf.bucket}/{sf.name}: not stored within {limit:.0f} s (the server is unreachable "
-                              "or too slow)")
+            # The limit as it was applied, and how it is made up (a big file's allowance is no surprise).
+            made_of = f"--flush-timeout {self.config.flush_timeout:g} s"
+            if allowance >= 0.05:
+                made_of += f" + {allowance:.1f} s for its {sf.size} bytes"
+            raise Unavailable(f"{sf.bucket}/{sf.name}: not stored within {limit:.1f} s ({made_of}); the server "
+                              "is unreachable or too slow")
 
     async def shutdown(self, timeout: float) -> None:
         """Unmounting: store what files still open for writing hold (within `timeout` in all, progress in
