@@ -1556,7 +1556,8 @@ class PutSession:
         meta_unknown = self.meta_state == _META_SENT
         purged = False
         deadline = trio.current_time() + ABORT_CLEANUP_S
-        if self._logged and not meta_unknown:
+        # (Not while there is no connection: the purge would only wait for one. The `PutLog` purges later.)
+        if self._logged and not meta_unknown and self.store.connected:
             with trio.CancelScope(deadline=deadline) as scope:
                 try:
                     await self.store.streams.purge_subject(stream_name(self.bucket), self.subject)

@@ -161,22 +161,34 @@ async def unatomic_bucket_b(ms, store) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.expect_log(r"fsync: b/new.bin: not stored within 2\.3 s \(--flush-timeout 2 s \+ 0\.3 s for its "
                         r"300000 bytes\); the server is unreachable")
-def test_an_fsync_without_a_server_returns_at_its_flush_deadline(ops_env, monkeypatch):
+@pytest.mark.parametrize("server", ["away", "not answering"])
+def test_an_fsync_without_a_server_returns_at_its_flush_deadline(ops_env, monkeypatch, server):
     """Cut off by its deadline while its chunks were being sent, the put's cleanup (purging those chunks)
-    waited for the unreachable server too, shielded: the fsync returned a whole request timeout after its
-    flush deadline. Now the cleanup takes at most `ABORT_CLEANUP_S`; the chunks are settled later."""
+    waited for the server too, shielded: the fsync returned a whole request timeout after its flush
+    deadline. Now the cleanup is skipped without a connection and takes at most `ABORT_CLEANUP_S` with
+    one that gets no answer; the chunks are settled later."""
     no_worker_threads(monkeypatch)
     data = os.urandom(300_000)  # over one small put, under a streamed batch: put whole at the fsync
 
     async def body(env: Env):
         fi, _ = await env.ops.create(ROOT, b"new.bin", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
         await env.ops.write(fi.fh, 0, data)
-        env.streams.go_offline(env.config.request_timeout)  # 10 s, the flush timeout is 2 s
+
+        async def no_reply(*args: object, **kw: object) -> object:
+            await trio.sleep(env.config.request_timeout)
+            raise Unavailable("request timed out after 10s")
+
+        if server == "away":
+            env.streams.go_offline(env.config.request_timeout)  # 10 s, the flush timeout is 2 s
+        else:  # connected, but the chunks and then the purge of the cut-off put get no answer
+            env.streams.__dict__["publish_many"] = env.streams.__dict__["purge_subject"] = no_reply
         start = trio.current_time()
         assert await fuse_error(env.ops.fsync(fi.fh, False)) == errno.EIO
         limit = 2.0 + len(data) / env.config.flush_rate_floor
         assert limit <= trio.current_time() - start <= limit + ABORT_CLEANUP_S
         env.streams.go_online()
+        env.streams.__dict__.pop("publish_many", None)
+        env.streams.__dict__.pop("purge_subject", None)
         await env.ops.fsync(fi.fh, False)  # the bytes stayed staged: the next fsync stores them
         await env.ops.release(fi.fh)
         assert await stored(env, "new.bin") == data
