@@ -1367,13 +1367,26 @@ class ObjectStore:
         self.put_log.started(bucket, old_nuid, name)
         return True
 
-    async def end_replacing(self, bucket: str, old_nuid: str, name: str, noted: bool, *, stored: bool) -> None:
+    async def end_replacing(self, bucket: str, old_nuid: str, name: str, noted: bool, *, stored: bool,
+                            deadline: float | None = None) -> None:
         """After the meta of a put that replaces `old_nuid`: stored (purge the old chunks) or not (the
         old version stays). A meta whose fate stays unknown counts as not stored here: if it turns out
         stored, the old chunks are left for `natsfs fsck` (the record is not kept: a pending record
         under the name would make a later close of the file take another client's change for its own)."""
         if stored:
-            if await self.purge_chunks_later_if_needed(bucket, old_nuid, name) and noted:
+            # The put is stored: nothing may turn that into a failure for its caller now (a close's
+            # deadline, an interrupted write-back upload: the file would count as not stored, and its
+            # next put as a conflict with itself). So this purge is shielded, and bounded by
+            # ABORT_CLEANUP_S (`deadline`, when the caller has one); the `PutLog` purges what it left.
+            bound = deadline if deadline is not None else trio.current_time() + ABORT_CLEANUP_S
+            with trio.CancelScope(shield=True, deadline=bound) as bounded:
+                purged = await self.purge_chunks_later_if_needed(bucket, old_nuid, name)
+            if bounded.cancelled_caught:
+                log.debug("purge of %s/%s got no answer within %g s; settled later", bucket, old_nuid,
+                          ABORT_CLEANUP_S)
+                if self.put_log is not None:
+                    self.put_log.orphaned(bucket, old_nuid, name)
+            elif purged and noted:
                 assert self.put_log is not None
                 self.put_log.finished(bucket, old_nuid)
         elif noted:
@@ -1542,9 +1555,14 @@ class PutSession:
         self.done = True
         if self._logged and self.store.put_log is not None:
             self.store.put_log.finished(self.bucket, self.nuid)
-        await self._forget()
-        if old_nuid and old_nuid != self.nuid:
-            await self.store.end_replacing(self.bucket, old_nuid, name, noted, stored=True)
+        # Stored: its cleanup is shielded and bounded (see `ObjectStore.end_replacing`), so that a caller's
+        # deadline passing now cannot make this put look failed.
+        with trio.CancelScope(shield=True):
+            deadline = trio.current_time() + ABORT_CLEANUP_S
+            if old_nuid and old_nuid != self.nuid:
+                await self.store.end_replacing(self.bucket, old_nuid, name, noted, stored=True, deadline=deadline)
+            with trio.CancelScope(deadline=deadline):
+                await self._forget()
         return info
 
     async def abort(self) -> None:

@@ -21,6 +21,7 @@ import trio
 import trio.testing
 from opskit import CTX, ROOT, Env
 from test_ops import DATA, fuse_error, two_buckets
+from test_ops_upload_races import lost_and_found
 from test_ops_write import stored, write_file
 from test_ops_writeback import LATER, bucket_b
 
@@ -199,3 +200,35 @@ def test_an_fsync_without_a_server_returns_at_its_flush_deadline(ops_env, monkey
         assert {s for s in env.streams.subjects(stream_name("b")) if ".C." in s} == {f"$O.b.C.{info.nuid}"}
 
     ops_env(body, setup=unatomic_bucket_b, bucket="b", clock=mock_clock(), flush_timeout=2.0)
+
+
+def test_a_put_stored_as_its_deadline_passes_is_no_failure(ops_env, monkeypatch):
+    """The meta is stored, then the purge of the replaced version's chunks gets no answer and the flush
+    deadline passes: the close failed with EIO and its bytes went to lost+found although the bucket held
+    them (and the next close would have been refused as a conflict with itself). The purge after a
+    stored meta is shielded and bounded by `ABORT_CLEANUP_S`; the put journal purges the old chunks."""
+    no_worker_threads(monkeypatch)
+    data = b"the new version\n" * 100
+
+    async def body(env: Env):
+        old = await env.store.get_info("b", "old.txt")
+        assert old is not None
+        fi = await env.ops.open((await env.lookup("old.txt")).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+        await env.ops.write(fi.fh, 0, data)
+
+        async def no_reply(*args: object, **kw: object) -> object:
+            await trio.sleep(env.config.request_timeout)
+            raise Unavailable("request timed out after 10s")
+
+        env.streams.__dict__["purge_subject"] = no_reply
+        start = trio.current_time()
+        await env.ops.flush(fi.fh)
+        assert trio.current_time() - start <= 2.0 + ABORT_CLEANUP_S
+        await env.ops.release(fi.fh)
+        assert await stored(env, "old.txt") == data
+        del env.streams.__dict__["purge_subject"]
+        await trio.sleep(3 * env.config.settle_interval + env.config.purge_check_delay)
+        assert not await env.store.chunk_index("b", old.nuid)  # the replaced version's chunks, purged later
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b", clock=mock_clock(), flush_timeout=2.0)
