@@ -726,8 +726,9 @@ class StagedFile:
         it runs in `interruptible_upload`. It then ends as a cancelled attempt (UPLOADING -> DIRTY, its
         put's chunks settled like those of a close cut off by its deadline) and releases `lock`; the
         change goes on, and nothing of the attempt is recorded as the file's stored state. True if it
-        was interrupted."""
-        if self.state is not WriteState.UPLOADING or self._interruptible is None:
+        was interrupted now (False: no such attempt, or one interrupted already and still ending)."""
+        if (self.state is not WriteState.UPLOADING or self._interruptible is None
+                or self._interruptible.cancel_called):
             return False
         self._interruptible.cancel()
         return True
