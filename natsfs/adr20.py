@@ -113,6 +113,11 @@ SETTLE_S = 60.0
 ATOMIC_MAX_CHUNKS = BATCH_MAX_MSGS - 1
 # A file of at most one chunk and at most this size is put by `_put_small` (read and hashed in place).
 SMALL_PUT_MAX = 256 * 1024
+# The most time `PutSession.abort` spends on a put that will not be committed (purging its chunks, telling
+# the upload worker): aborts run shielded after a caller's deadline (a close past its flush timeout), so
+# this is how far past that deadline the caller can return. What is not purged by then the `PutLog`
+# settles later (the purge is idempotent).
+ABORT_CLEANUP_S = 1.0
 OWN_METAS_KEPT = 4096  # metas this store stored itself, kept to rewrite them without reading them back
 BUCKET_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]+$")
 # Keys of a meta's `metadata` map that carry POSIX attributes written by natsfs.
@@ -1365,13 +1370,26 @@ class ObjectStore:
         self.put_log.started(bucket, old_nuid, name)
         return True
 
-    async def end_replacing(self, bucket: str, old_nuid: str, name: str, noted: bool, *, stored: bool) -> None:
+    async def end_replacing(self, bucket: str, old_nuid: str, name: str, noted: bool, *, stored: bool,
+                            deadline: float | None = None) -> None:
         """After the meta of a put that replaces `old_nuid`: stored (purge the old chunks) or not (the
         old version stays). A meta whose fate stays unknown counts as not stored here: if it turns out
         stored, the old chunks are left for `natsfs fsck` (the record is not kept: a pending record
         under the name would make a later close of the file take another client's change for its own)."""
         if stored:
-            if await self.purge_chunks_later_if_needed(bucket, old_nuid, name) and noted:
+            # The put is stored: nothing may turn that into a failure for its caller now (a close's
+            # deadline, an interrupted write-back upload: the file would count as not stored, and its
+            # next put as a conflict with itself). So this purge is shielded, and bounded by
+            # ABORT_CLEANUP_S (`deadline`, when the caller has one); the `PutLog` purges what it left.
+            bound = deadline if deadline is not None else trio.current_time() + ABORT_CLEANUP_S
+            with trio.CancelScope(shield=True, deadline=bound) as bounded:
+                purged = await self.purge_chunks_later_if_needed(bucket, old_nuid, name)
+            if bounded.cancelled_caught:
+                log.debug("purge of %s/%s got no answer within %g s; settled later", bucket, old_nuid,
+                          ABORT_CLEANUP_S)
+                if self.put_log is not None:
+                    self.put_log.orphaned(bucket, old_nuid, name)
+            elif purged and noted:
                 assert self.put_log is not None
                 self.put_log.finished(bucket, old_nuid)
         elif noted:
@@ -1541,9 +1559,14 @@ class PutSession:
         self.done = True
         if self._logged and self.store.put_log is not None:
             self.store.put_log.finished(self.bucket, self.nuid)
-        await self._forget()
-        if old_nuid and old_nuid != self.nuid:
-            await self.store.end_replacing(self.bucket, old_nuid, name, noted, stored=True)
+        # Stored: its cleanup is shielded and bounded (see `ObjectStore.end_replacing`), so that a caller's
+        # deadline passing now cannot make this put look failed.
+        with trio.CancelScope(shield=True):
+            deadline = trio.current_time() + ABORT_CLEANUP_S
+            if old_nuid and old_nuid != self.nuid:
+                await self.store.end_replacing(self.bucket, old_nuid, name, noted, stored=True, deadline=deadline)
+            with trio.CancelScope(deadline=deadline):
+                await self._forget()
         return info
 
     async def abort(self) -> None:
@@ -1554,19 +1577,26 @@ class PutSession:
         self.done = True
         meta_unknown = self.meta_state == _META_SENT
         purged = False
-        if self._logged and not meta_unknown:
-            try:
-                await self.store.streams.purge_subject(stream_name(self.bucket), self.subject)
-                purged = True
-            except NatsFSError as e:
-                log.debug("%s: purge of an unfinished put failed: %s", self.subject, e)
+        deadline = trio.current_time() + ABORT_CLEANUP_S
+        # (Not while there is no connection: the purge would only wait for one. The `PutLog` purges later.)
+        if self._logged and not meta_unknown and self.store.connected:
+            with trio.CancelScope(deadline=deadline) as scope:
+                try:
+                    await self.store.streams.purge_subject(stream_name(self.bucket), self.subject)
+                    purged = True
+                except NatsFSError as e:
+                    log.debug("%s: purge of an unfinished put failed: %s", self.subject, e)
+            if scope.cancelled_caught:
+                log.debug("%s: purge of an unfinished put got no answer within %g s", self.subject,
+                          ABORT_CLEANUP_S)
         if self._logged:
             put_log = self.store.put_log
             if put_log is not None:
                 put_log.failed(self.bucket, self.nuid, self.name, meta_unknown=meta_unknown, purged=purged)
             elif not purged:
                 log.warning("%s: chunks of an unfinished put are left (for fsck)", self.subject)
-        await self._forget()
+        with trio.CancelScope(deadline=deadline):
+            await self._forget()
 
     async def _forget(self) -> None:
         if self.remote and self.store.file_sender is not None:

@@ -7,12 +7,20 @@ Owns the bucket check and its report. What it looks at, in one pass:
   object, ...: see `adr20.parse_meta`), names no client can use (a subject token that is not base64 of
   UTF-8, subjects over `max_subject_bytes`), and,
   as a note that is no problem, names a mount cannot show (`natsfs.names`: hidden there);
+- which objects there are, by the rule a mount's index follows (`natsfs.index`, "One subject per
+  name"): a name's meta on its canonical subject, or, while that subject holds nothing (neither a live
+  meta nor a tombstone), its newest live alias (a meta under another subject: unpadded base64 of an
+  old client, a token that is not base64). Every other alias is HIDDEN: no object of its own (not
+  counted, its chunks not checked, it makes no name share a nuid), a note naming its subject, and,
+  like every meta that is not a tombstone, it keeps its chunks from being orphans while it exists.
+  Tombstones are counted on canonical subjects only (an alias's tombstone deletes only that alias);
 - every chunk subject (the stream's per-subject counts): a chunk subject that no meta references is an
   ORPHAN (an interrupted put, or a purge that never happened) unless its newest message is younger
   than `grace_s` (default 300 s): then it is a put IN PROGRESS (a live mount sends chunks before the
   meta; a put never pauses that long between chunks while it runs) and left alone;
-- every live object's chunks (headers-only scan, placed by `chunk_cache.place_checking_gaps`, as reads
-  use): chunks missing, or not adding up to the meta's size and count;
+- every live object's chunks (of the metas a mount shows; headers-only scan, placed by
+  `chunk_cache.place_checking_gaps`, as reads use): chunks missing, or not adding up to the meta's size
+  and count;
 - names sharing a live object's nuid: a TOMBSTONE carrying a live nuid (other clients' Delete or Put
   of that name purge the nuid, destroying the live object) and two live names on one nuid (a rename
   interrupted between its steps);
@@ -42,6 +50,7 @@ from .adr20 import (
     chunk_subject,
     decode_token,
     format_digest,
+    meta_subject,
     parse_digest,
     parse_meta,
     stream_name,
@@ -59,6 +68,7 @@ PARALLEL = 8
 ORPHAN = "orphan chunks"
 IN_PROGRESS = "put in progress"
 HIDDEN = "name a mount cannot show"
+ALIAS = "hidden alias"
 DAMAGED = "damaged object"
 SHARED_TOMBSTONE = "tombstone sharing a live nuid"
 SHARED_NAMES = "names sharing one nuid"
@@ -66,7 +76,7 @@ BAD_NAME = "unusable name"
 BAD_META = "unreadable meta"
 BAD_FIELD = "ignored meta field"
 DIGEST = "digest mismatch"
-NOTES = (IN_PROGRESS, HIDDEN)
+NOTES = (IN_PROGRESS, HIDDEN, ALIAS)
 
 
 @dataclass
@@ -88,6 +98,7 @@ class Report:
     objects: int = 0
     tombstones: int = 0
     chunk_subjects: int = 0
+    aliases: int = 0  # alias meta subjects a mount does not show (see `check_bucket`)
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -99,7 +110,8 @@ class Report:
         for f in self.findings:
             counts[f.kind + (" (repaired)" if f.repaired else "")] += 1
         head = (f"{self.bucket}: {self.objects} objects, {self.tombstones} tombstones, "
-                f"{self.chunk_subjects} chunk subjects")
+                + (f"{self.aliases} hidden aliases, " if self.aliases else "")
+                + f"{self.chunk_subjects} chunk subjects")
         if not counts:
             return head + ": clean"
         return head + ": " + ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
@@ -165,8 +177,10 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     metas = await _meta_messages(store, bucket)
     # By meta subject, not by name: a name's meta under an alias subject (unpadded base64 of an old
     # client) is another meta, and must not hide what the canonical subject holds.
-    live: dict[str, ObjectInfo] = {}
+    canonical: dict[str, ObjectInfo] = {}  # name -> the live meta on its canonical subject
+    aliases: dict[str, dict[str, ObjectInfo]] = defaultdict(dict)  # name -> {alias subject: meta}
     tombstones: dict[str, tuple[ObjectInfo, str]] = {}  # subject -> (info, the subject)
+    ignored_fields: dict[str, list[str]] = {}  # subject -> the fields of its live meta a mount ignores
     referenced: set[str] = set()  # nuids a meta that is not a tombstone names
     for m in metas:
         token = m.subject.rsplit(".", 1)[-1]
@@ -179,8 +193,6 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
         except MalformedMeta as e:
             report.findings.append(Finding(BAD_META, m.subject, str(e)))
             continue
-        if not info.deleted:
-            report.findings.extend(Finding(BAD_FIELD, info.name, why) for why in ignored)
         if decode_token(token) is None:
             report.findings.append(Finding(BAD_NAME, info.name, "its meta subject is not base64 of UTF-8"))
         else:
@@ -188,17 +200,43 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                 store.check_name(bucket, info.name)
             except NameTooLong as e:
                 report.findings.append(Finding(BAD_NAME, info.name[:60] + "...", str(e)))
-        if not info.deleted and placement(info.name, marker_candidate=info.size == 0)[0] is None:
-            report.findings.append(Finding(HIDDEN, info.name[:60] + ("..." if len(info.name) > 60 else ""),
-                                           "no path segment may be empty, '.', '..' or over 255 bytes, and "
-                                           "escaped it is still over 255 bytes (other clients can use it)"))
+        if m.subject != meta_subject(bucket, info.name):
+            aliases[info.name][m.subject] = info
+        elif not info.deleted:
+            canonical[info.name] = info
         if info.deleted:
             tombstones[m.subject] = (info, m.subject)
         else:
-            live[m.subject] = info
-    report.objects, report.tombstones = len({i.name for i in live.values()}), len(tombstones)
+            ignored_fields[m.subject] = ignored
+    # What a mount shows (`natsfs.index`): a name's canonical meta; while its canonical subject holds
+    # nothing (neither a live meta nor a tombstone), its newest live alias. Every other alias is hidden:
+    # no object of its own, but its chunks are kept while it exists (they are `referenced`).
+    canonical_tombstones = {i.name for i, subject in tombstones.values() if subject == meta_subject(bucket, i.name)}
+    shown: dict[str, tuple[str, ObjectInfo]] = {n: (meta_subject(bucket, n), i) for n, i in canonical.items()}
+    hidden_aliases = 0
+    for name, held_by in aliases.items():
+        live_ones = [(subject, i) for subject, i in held_by.items() if not i.deleted]
+        if name not in canonical and name not in canonical_tombstones and live_ones:
+            shown[name] = max(live_ones, key=lambda si: si[1].revision)
+        for subject, info in held_by.items():
+            if shown.get(name, ("", None))[0] == subject:
+                continue
+            hidden_aliases += 1
+            if not info.deleted:
+                holder = "a live meta" if name in canonical else "a tombstone"
+                report.findings.append(Finding(ALIAS, subject, f"a meta of {_short(name)!r} that a mount does not "
+                                               f"show (its canonical subject holds {holder}); its chunks "
+                                               f"(nuid {info.nuid}) are kept while it exists"))
+    for subject, info in shown.values():
+        report.findings.extend(Finding(BAD_FIELD, info.name, why) for why in ignored_fields.get(subject, ()))
+        if placement(info.name, marker_candidate=info.size == 0)[0] is None:
+            report.findings.append(Finding(HIDDEN, _short(info.name),
+                                           "no path segment may be empty, '.', '..' or over 255 bytes, and "
+                                           "escaped it is still over 255 bytes (other clients can use it)"))
+    live = {name: info for name, (_, info) in shown.items()}
+    report.objects, report.tombstones, report.aliases = len(live), len(canonical_tombstones), hidden_aliases
 
-    # Names sharing a nuid.
+    # Names sharing a nuid (hidden aliases name no object: they make no name "shared", as in a mount).
     by_nuid: dict[str, list[ObjectInfo]] = defaultdict(list)
     for info in live.values():
         if info.nuid and info.link is None:
@@ -264,6 +302,10 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     progress.close()
     report.findings.sort(key=lambda f: (f.kind, f.where))
     return report
+
+
+def _short(name: str) -> str:
+    return name[:60] + ("..." if len(name) > 60 else "")
 
 
 async def _repair(finding: Finding, action: Awaitable[None]) -> None:

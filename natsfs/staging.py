@@ -12,6 +12,7 @@ Design note: the write state machine. A staged file is always in exactly one `Wr
 
     UNCHANGED --write/truncate--> DIRTY --upload--> UPLOADING --stored--> STORED --write--> DIRTY
         (new files start DIRTY)              UPLOADING --failed/conflict/cancelled--> DIRTY
+                                             UPLOADING --interrupted (`interrupt_upload`)--> DIRTY
     UNCHANGED/DIRTY/UPLOADING/STORED --unlink or replaced while open--> UNLINKED
     DIRTY/UPLOADING --not storable (conflict, unmount, last close)--> KEPT (lost+found)
     UNLINKED --its upload refused as a conflict--> KEPT;  UNCHANGED/STORED/UNLINKED --last close--> DISCARDED
@@ -20,7 +21,11 @@ Design note: the write state machine. A staged file is always in exactly one `Wr
 
 The questions the filesystem asks are properties of the state: `unstored` (DIRTY or UPLOADING: a close
 must store it, and a second close waits for the first), `shadows_index` (lookups show the staged file),
-`shown`, `ended`, `serves_reads`, `never_stored`. DIRTY never goes straight to DISCARDED: unstored bytes
+`shown`, `ended`, `serves_reads`, `never_stored`. The content changes only under `lock`, which an upload
+holds for its whole put, so it never changes while UPLOADING: a change that must not wait for the network
+(a write while the write-back uploader's attempt waits for an unreachable server) interrupts the attempt
+instead (`interrupt_upload`: it ends as a cancelled one, UPLOADING -> DIRTY, and releases the lock), and
+the file is uploaded again after its next close. DIRTY never goes straight to DISCARDED: unstored bytes
 are stored or kept, never dropped. UNKEPT is not an end: its bytes stay where they were (the spool or
 memory file, still charged to the budgets; in write-back mode also the journal record) until a retry
 of `keep` writes them to lost+found; lost+found never holds a partial copy (written under a temporary
@@ -48,7 +53,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -470,6 +475,9 @@ class StagedFile:
         self.xattr_changes: list[tuple[str, bytes | None]] = []
         # Resumed from the write-back journal: its upload may have been stored by the run that died.
         self.resumed = False
+        # The cancel scope of an upload attempt that a change of the content may interrupt (the
+        # write-back uploader's, see `interruptible_upload`); None: a change waits for the upload.
+        self._interruptible: trio.CancelScope | None = None
 
     @property
     def entry_id(self) -> str:
@@ -701,6 +709,29 @@ class StagedFile:
         del self.xattr_changes[:xattrs_stored]
         if self.state is WriteState.UPLOADING:
             self._to(WriteState.STORED)
+
+    @contextlib.contextmanager
+    def interruptible_upload(self) -> Iterator[trio.CancelScope]:
+        """Run an upload attempt that `interrupt_upload` may cancel; `cancelled_caught` of the scope
+        yielded tells whether it was."""
+        with trio.CancelScope() as scope:
+            self._interruptible = scope
+            try:
+                yield scope
+            finally:
+                self._interruptible = None
+
+    def interrupt_upload(self) -> bool:
+        """A change of the content that must not wait for the upload under way: cancel its attempt, if
+        it runs in `interruptible_upload`. It then ends as a cancelled attempt (UPLOADING -> DIRTY, its
+        put's chunks settled like those of a close cut off by its deadline) and releases `lock`; the
+        change goes on, and nothing of the attempt is recorded as the file's stored state. True if it
+        was interrupted now (False: no such attempt, or one interrupted already and still ending)."""
+        if (self.state is not WriteState.UPLOADING or self._interruptible is None
+                or self._interruptible.cancel_called):
+            return False
+        self._interruptible.cancel()
+        return True
 
     # ------------------------------------------------------------------ streaming (within DIRTY)
     def may_stream(self, batch: int) -> bool:

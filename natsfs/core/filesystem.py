@@ -18,6 +18,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -68,7 +69,7 @@ from ..names import NAME_MAX, placement
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from ..openers import Openers, ProcOpeners
 from ..secrecy import redact_urls
-from ..staging import StagedFile, Staging
+from ..staging import StagedFile, Staging, WriteState
 from ..status import recent_problems
 from ..streams import Payload
 from .openfiles import OpenFileTable
@@ -82,6 +83,9 @@ DIR_TIME_DELAY_S = 0.5
 DIR_TIME_MAX_S = 5.0
 # Bytes that could not be written to lost+found (a full local disk) are tried again this often.
 KEEP_RETRY_S = 10.0
+# A change of a file waiting for its write-back upload checks this often whether the server went away
+# meanwhile (then the upload is interrupted: see `Filesystem._changing`).
+CHANGE_RECHECK_S = 0.5
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
@@ -719,7 +723,7 @@ class Filesystem:
                 break
         if flags & os.O_TRUNC:
             sf = self._stage(inode, node)
-            async with sf.lock:
+            async with self._changing(sf):
                 if sf.ended:
                     # Dropped while this open waited (another handle's last close after its upload):
                     # resolve and stage again, from the version that close stored.
@@ -866,7 +870,7 @@ class Filesystem:
             sf = self.staging.get(handle.ino)
             if sf is None or sf.ended:
                 sf = self._stage(handle.ino, await self._version_of(handle))
-            async with sf.lock:
+            async with self._changing(sf):
                 if sf.ended:
                     continue  # dropped while this write waited: stage again
                 await self._fill(sf)
@@ -876,6 +880,26 @@ class Filesystem:
         self.counters["writes"] += 1
         self.counters["write_bytes"] += written
         return written
+
+    @contextlib.asynccontextmanager
+    async def _changing(self, sf: StagedFile) -> AsyncIterator[None]:
+        """Hold `sf.lock` to change its content. An upload holds that lock for its whole put; a change
+        waits for it, except for a write-back upload attempt while the server is unreachable (or
+        becomes so while the change waits, checked every `CHANGE_RECHECK_S`): that attempt could only
+        end at its deadline, so it is interrupted (`StagedFile.interrupt_upload`) and the change goes
+        on at once; the file is uploaded again after its next close."""
+        while True:
+            if not self.ns.store.connected and sf.interrupt_upload():
+                log.info("%s/%s: its write-back upload, waiting for an unreachable server, was interrupted by "
+                         "a change of the file; it is uploaded again after its next close", sf.bucket, sf.name)
+            recheck = CHANGE_RECHECK_S if sf.state is WriteState.UPLOADING and self.writeback is not None else math.inf
+            with trio.move_on_after(recheck):
+                await sf.lock.acquire()
+                break
+        try:
+            yield
+        finally:
+            sf.lock.release()
 
     async def _version_of(self, handle: FileHandle) -> Node:
         """What a handle's first write starts from: the object now at the inode's path if it is still
@@ -1037,16 +1061,22 @@ class Filesystem:
     async def _store_in_time(self, ino: InodeNo) -> None:
         """`_upload` under one deadline for the whole store (every request, retry and fallback in it):
         `flush_timeout` seconds plus one per `flush_rate_floor` bytes staged. Past it the close fails
-        with EIO; the bytes stay staged (the next close tries again, release keeps them)."""
+        with EIO; the bytes stay staged (the next close tries again, release keeps them). The put cut
+        off there cleans up for at most `ABORT_CLEANUP_S` more (see `PutSession.abort`)."""
         sf = self.staging.get(ino)
         if sf is None or not sf.unstored:
             return
-        limit = self.config.flush_timeout + sf.size / self.config.flush_rate_floor
+        allowance = sf.size / self.config.flush_rate_floor
+        limit = self.config.flush_timeout + allowance
         with trio.move_on_after(limit) as scope:
             await self._upload(ino)
         if scope.cancelled_caught:
-            raise Unavailable(f"{sf.bucket}/{sf.name}: not stored within {limit:.0f} s (the server is unreachable "
-                              "or too slow)")
+            # The limit as it was applied, and how it is made up (a big file's allowance is no surprise).
+            made_of = f"--flush-timeout {self.config.flush_timeout:g} s"
+            if allowance >= 0.05:
+                made_of += f" + {allowance:.1f} s for its {sf.size} bytes"
+            raise Unavailable(f"{sf.bucket}/{sf.name}: not stored within {limit:.1f} s ({made_of}); the server "
+                              "is unreachable or too slow")
 
     async def shutdown(self, timeout: float) -> None:
         """Unmounting: store what files still open for writing hold (within `timeout` in all, progress in
@@ -1182,7 +1212,7 @@ class Filesystem:
             if node.kind != FILE:
                 raise IsADirectory("/".join(node.rel))
             sf = self._stage(inode, node)
-            async with sf.lock:
+            async with self._changing(sf):
                 await self._fill(sf, upto=changes.size)
                 await sf.truncate(changes.size)
             self.mut.after_write(sf, changes.size)

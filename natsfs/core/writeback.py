@@ -324,8 +324,12 @@ class WriteBack:
         if sf.unstored:
             limit = self.fs.config.flush_timeout + sf.size / self.fs.config.flush_rate_floor
             try:
-                with trio.fail_after(limit):
+                with trio.fail_after(limit), sf.interruptible_upload() as interrupt:
                     await self.fs.store_staged(sf)
+                if interrupt.cancelled_caught:
+                    # A write went on while the server was away (`Filesystem._changing`, which logs it):
+                    # the file is DIRTY and its record open; its next close queues it again.
+                    return
             except Conflict:
                 pass  # kept in lost+found, one log line (the core's conflict path)
             except NotKept:

@@ -7,6 +7,8 @@ fails with `NoConnection`, as the bridge does): how long operations wait, measur
   `FETCH_RETRY_S`) from its start, however many steps (walk, fetches) it asks again.
 - Creating or opening a file for writing uses the bucket's last known sealed state instead of waiting
   for the server: in write-back mode the close succeeds offline and the upload lands later.
+- A close/fsync without write-back fails with EIO at its flush deadline plus at most the put's
+  cleanup margin (`ABORT_CLEANUP_S`), not after the cleanup's own wait for the server.
 """
 
 from __future__ import annotations
@@ -19,15 +21,28 @@ import trio
 import trio.testing
 from opskit import CTX, ROOT, Env
 from test_ops import DATA, fuse_error, two_buckets
+from test_ops_upload_races import lost_and_found
 from test_ops_write import stored, write_file
 from test_ops_writeback import LATER, bucket_b
 
 from natsfs import chunk_cache
+from natsfs.adr20 import ABORT_CLEANUP_S, stream_name
 from natsfs.errors import Unavailable
 
 
 def mock_clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0)
+
+
+def no_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run `trio.to_thread.run_sync` inline: the mock clock jumps whenever every task waits, also while
+    one waits for a worker thread, so a deadline test with threads (the spool file read for a put)
+    would measure how the threads were scheduled."""
+
+    async def inline(fn, *args, **_kw):  # type: ignore[no-untyped-def]
+        return fn(*args)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", inline)
 
 
 @pytest.mark.expect_log("read: .*(no connection to NATS|no answer from the server)")
@@ -139,3 +154,81 @@ def test_a_bucket_this_mount_made_takes_files_offline_in_write_back_mode(ops_env
         assert info is not None and info.size == len(b"made offline in a new bucket")
 
     ops_env(body, setup=two_buckets, write_back=LATER, sealed_ttl=0, clock=mock_clock())
+
+
+async def unatomic_bucket_b(ms, store) -> None:  # type: ignore[no-untyped-def]
+    await store.create_bucket("b", max_bytes=4 << 20, atomic=False)  # chunks first, then the meta
+
+
+@pytest.mark.expect_log(r"fsync: b/new.bin: not stored within 2\.3 s \(--flush-timeout 2 s \+ 0\.3 s for its "
+                        r"300000 bytes\); the server is unreachable")
+@pytest.mark.parametrize("server", ["away", "not answering"])
+def test_an_fsync_without_a_server_returns_at_its_flush_deadline(ops_env, monkeypatch, server):
+    """Cut off by its deadline while its chunks were being sent, the put's cleanup (purging those chunks)
+    waited for the server too, shielded: the fsync returned a whole request timeout after its flush
+    deadline. Now the cleanup is skipped without a connection and takes at most `ABORT_CLEANUP_S` with
+    one that gets no answer; the chunks are settled later."""
+    no_worker_threads(monkeypatch)
+    data = os.urandom(300_000)  # over one small put, under a streamed batch: put whole at the fsync
+
+    async def body(env: Env):
+        fi, _ = await env.ops.create(ROOT, b"new.bin", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+        await env.ops.write(fi.fh, 0, data)
+
+        async def no_reply(*args: object, **kw: object) -> object:
+            await trio.sleep(env.config.request_timeout)
+            raise Unavailable("request timed out after 10s")
+
+        if server == "away":
+            env.streams.go_offline(env.config.request_timeout)  # 10 s, the flush timeout is 2 s
+        else:  # connected, but the chunks and then the purge of the cut-off put get no answer
+            env.streams.__dict__["publish_many"] = env.streams.__dict__["purge_subject"] = no_reply
+        start = trio.current_time()
+        assert await fuse_error(env.ops.fsync(fi.fh, False)) == errno.EIO
+        limit = 2.0 + len(data) / env.config.flush_rate_floor
+        assert limit <= trio.current_time() - start <= limit + ABORT_CLEANUP_S
+        env.streams.go_online()
+        env.streams.__dict__.pop("publish_many", None)
+        env.streams.__dict__.pop("purge_subject", None)
+        await env.ops.fsync(fi.fh, False)  # the bytes stayed staged: the next fsync stores them
+        await env.ops.release(fi.fh)
+        assert await stored(env, "new.bin") == data
+        info = await env.store.get_info("b", "new.bin")
+        assert info is not None
+        await trio.sleep(3 * env.config.settle_interval + env.config.purge_check_delay)
+        # The cut-off put's chunks, not purged at the fsync, were settled (purged) later.
+        assert {s for s in env.streams.subjects(stream_name("b")) if ".C." in s} == {f"$O.b.C.{info.nuid}"}
+
+    ops_env(body, setup=unatomic_bucket_b, bucket="b", clock=mock_clock(), flush_timeout=2.0)
+
+
+def test_a_put_stored_as_its_deadline_passes_is_no_failure(ops_env, monkeypatch):
+    """The meta is stored, then the purge of the replaced version's chunks gets no answer and the flush
+    deadline passes: the close failed with EIO and its bytes went to lost+found although the bucket held
+    them (and the next close would have been refused as a conflict with itself). The purge after a
+    stored meta is shielded and bounded by `ABORT_CLEANUP_S`; the put journal purges the old chunks."""
+    no_worker_threads(monkeypatch)
+    data = b"the new version\n" * 100
+
+    async def body(env: Env):
+        old = await env.store.get_info("b", "old.txt")
+        assert old is not None
+        fi = await env.ops.open((await env.lookup("old.txt")).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+        await env.ops.write(fi.fh, 0, data)
+
+        async def no_reply(*args: object, **kw: object) -> object:
+            await trio.sleep(env.config.request_timeout)
+            raise Unavailable("request timed out after 10s")
+
+        env.streams.__dict__["purge_subject"] = no_reply
+        start = trio.current_time()
+        await env.ops.flush(fi.fh)
+        assert trio.current_time() - start <= 2.0 + ABORT_CLEANUP_S
+        await env.ops.release(fi.fh)
+        assert await stored(env, "old.txt") == data
+        del env.streams.__dict__["purge_subject"]
+        await trio.sleep(3 * env.config.settle_interval + env.config.purge_check_delay)
+        assert not await env.store.chunk_index("b", old.nuid)  # the replaced version's chunks, purged later
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b", clock=mock_clock(), flush_timeout=2.0)

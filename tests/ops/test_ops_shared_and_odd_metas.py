@@ -14,6 +14,7 @@ import pytest
 from gowriters import put_object
 from opskit import Ctx, Env, Fields, errno_of
 
+from natsfs import fsck
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
 from natsfs.memstreams import MemoryStreams
 from natsfs.streams import ROLLUP
@@ -349,3 +350,46 @@ async def errno_of_lookup(env: Env, path: str) -> int:
     except pyfuse3.FUSEError as e:
         return errno_of(e)
     return 0
+
+
+# ---------------------------------------------------------------- fsck agrees with the mount
+async def hostile_aliases(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    # A canonical object, and a hidden alias of its name whose chunks are gone.
+    await put_object(ms, "b", "both.txt", b"canonical bytes\n")
+    broken = await put_alias(ms, "both.txt", b"alias bytes, purged\n", UNPADDED)
+    await ms.purge_subject(stream_name("b"), chunk_subject("b", broken["nuid"]))
+    # A live alias behind a canonical tombstone: the name is deleted; the alias's chunks stay.
+    behind = await put_alias(ms, "gone.txt", b"hidden behind a tombstone\n", UNPADDED)
+    tomb = {"name": "gone.txt", "bucket": "b", "nuid": "", "size": 0, "chunks": 0,
+            "mtime": "0001-01-01T00:00:00Z", "deleted": True}
+    await ms.publish(meta_subject("b", "gone.txt"), meta_json(tomb), {ROLLUP: "sub"})
+    # A name only an alias holds (an old client's object): live.
+    await put_alias(ms, "only.txt", b"old client only\n", UNPADDED)
+    # A hidden alias of "others.txt" on "twin.txt"'s nuid: no two names share that nuid.
+    await put_object(ms, "b", "twin.txt", b"twin\n")
+    await put_object(ms, "b", "others.txt", b"others\n")
+    await ms.publish(alias_subject("others.txt", UNPADDED),
+                     meta_json(dict(await doc_of(ms, "twin.txt"), name="others.txt")), {ROLLUP: "sub"})
+    ms.behind_nuid = behind["nuid"]  # type: ignore[attr-defined]
+
+
+def test_fsck_counts_and_reports_aliases_as_the_mount_shows_them(ops_env):
+    """A hidden alias is no object of its own (not counted, not checked, no "names sharing one nuid"),
+    a note names it, and its chunks are no orphans while it exists; a name only an alias holds is a
+    live object. fsck's counts are the mount's (it counted 5 objects here, and reported the hidden
+    alias's missing chunks as a damaged "both.txt" and "others.txt, twin.txt" as sharing a nuid)."""
+    async def body(env: Env):
+        index = await env.ns.index("b")
+        assert sorted(index.objects) == ["both.txt", "only.txt", "others.txt", "twin.txt"]
+        for repair in (False, True):
+            report = await fsck.check_bucket(env.store, "b", repair=repair, grace_s=0)
+            assert (report.objects, report.tombstones, report.aliases) == (len(index.objects), 1, 3)
+            assert report.problems_left == [], report.findings
+            assert sorted(f.where for f in report.findings if f.kind == fsck.ALIAS) == sorted(
+                alias_subject(n, UNPADDED) for n in ("both.txt", "gone.txt", "others.txt"))
+            assert "4 objects, 1 tombstones, 3 hidden aliases" in report.summary()
+        assert await env.store.chunk_index("b", env.streams.behind_nuid)  # not purged as orphans
+        assert await env.cat("b/only.txt") == b"old client only\n"
+
+    ops_env(body, setup=hostile_aliases)

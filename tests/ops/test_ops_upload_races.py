@@ -7,6 +7,7 @@ goes to lost+found."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -15,7 +16,7 @@ import pyfuse3
 import pytest
 import trio
 from gowriters import put_object
-from opskit import ROOT, Env, errno_of
+from opskit import ROOT, Env, Fields, errno_of
 from test_ops_coherence import Held
 from test_ops_write import Ctx, stored
 
@@ -457,3 +458,55 @@ def test_a_rewrite_opened_while_an_unlink_deletes_the_file_goes_nowhere_without_
         assert env.fs.counters["conflicts"] == 0
 
     ops_env(body, setup=bucket_b, bucket="b")
+
+
+@pytest.mark.parametrize("what", ["write", "truncate"])
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_a_write_does_not_wait_for_a_write_back_upload_stuck_on_an_unreachable_server(ops_env, monkeypatch, caplog,
+                                                                                      what, rewrite):
+    """The write-back uploader's put holds the file's lock; the server goes away. A write (or truncate)
+    of the still open file interrupts that attempt instead of waiting for it to give up (up to its flush
+    deadline), and the next close uploads the newest bytes once the server is back."""
+    caplog.set_level(logging.INFO, logger="natsfs")
+    path = "old" if rewrite else "d/f"
+    first, second = (V2, NEW) if what == "write" else (V2, V2[:1000])
+
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        fi = await written(env, path, first, rewrite=rewrite)
+        hold = Held(monkeypatch, env.store, "put_file")
+        await env.ops.flush(fi.fh)  # journalled: the uploader starts its upload (held at its put)
+        await hold.held.wait()
+        env.streams.go_offline(env.config.request_timeout)
+        changed: list[str] = []
+        done = trio.Event()
+
+        async def change() -> None:
+            if what == "write":
+                assert await env.ops.write(fi.fh, 0, second) == len(second)
+            else:
+                attrs = pyfuse3.EntryAttributes()
+                attrs.st_size = len(second)
+                await env.ops.setattr(await ino_of(env, path), attrs, Fields(update_size=True), fi.fh, Ctx())
+            changed.append(what)
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(change)
+            # (Not `settle`: a truncate waits for a worker thread, which counts as blocked. The bound
+            # only ends a failing run: without the fix the change waits for the release below, or for
+            # the attempt's flush deadline.)
+            with trio.move_on_after(30):
+                await done.wait()
+            assert changed == [what]  # done while the put is still held
+            hold.release()
+        env.streams.go_online()
+        await close(env, fi)()
+        await env.fs.writeback.drain(30)
+        assert await stored(env, path) == second
+        assert await env.cat(path) == second
+        assert lost_and_found(env) == []
+        assert len([r for r in caplog.records if "was interrupted by a change of the file" in r.getMessage()]) == 1
+
+    # (A flush deadline no test reaches: the attempt never gives up by itself.)
+    ops_env(body, setup=bucket_b, bucket="b", write_back=0.0, flush_timeout=3600.0)
