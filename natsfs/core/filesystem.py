@@ -263,6 +263,11 @@ class Filesystem:
         self._dir_mtimes: dict[tuple[str, ...], int] = {}
         self._dir_times_pending: set[tuple[str, ...]] = set()
         self._dir_gate = _DirTimeGate()
+        # Paths (and everything under them) this mount's renames are moving right now, from before the
+        # first publish until the inode table follows. Lookups, attributes and opens of inodes there wait
+        # (see `_after_renames`).
+        self._renaming: list[tuple[str, ...]] = []
+        self._renames_ended = trio.Event()
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         # Directory entries already logged as skipped by readdir (path, revision): one line each.
@@ -345,6 +350,40 @@ class Filesystem:
                     self._in_flight[ino] = left
                 else:
                     self.kernel.idle(ino)
+
+    @contextlib.contextmanager
+    def _moving(self, *paths: tuple[str, ...]) -> Iterator[None]:
+        """A rename of this mount moves `paths`: from its first publish until the inode table follows,
+        the index and the inode table disagree about them (the target path already shows the renamed
+        object while its inode is still the replaced file's; the source path shows nothing while its
+        inode is still there)."""
+        self._renaming.extend(paths)
+        try:
+            yield
+        finally:
+            for p in paths:
+                self._renaming.remove(p)
+            self._renames_ended.set()
+            self._renames_ended = trio.Event()
+
+    def _being_renamed(self, path: tuple[str, ...]) -> bool:
+        return any(path[: len(p)] == p for p in self._renaming)
+
+    async def _after_renames(self, path: tuple[str, ...]) -> bool:
+        """Wait until no rename of this mount moves `path`; True if one did (the caller looks again).
+
+        rename(2) is atomic: a reader of the target sees the replaced file or the renamed one, whole.
+        The kernel holds the renamed and the replaced inode locked while our rename runs, but an open or
+        a lookup reaching them through its cached names takes no such lock: answered in the middle, an
+        open of the replaced inode would pin the renamed object's version (the index shows it already)
+        on the inode whose size the kernel caches for the replaced one, and the kernel would read the
+        new bytes up to the old size (cut short, or padded with zeros); an open of the renamed inode
+        would find its old name gone (ENOENT). Waiting for the rename answers them as after it."""
+        if not self._being_renamed(path):
+            return False
+        while self._being_renamed(path):
+            await self._renames_ended.wait()
+        return True
 
     def handle_inode(self, fh: HandleNo) -> InodeNo | None:
         handle = self.handles.get(fh)
@@ -462,16 +501,26 @@ class Filesystem:
             if sf is not None and sf.shown:
                 return self._staged_node(sf)
             path = self.inodes.path_of(ino)
+            if await self._after_renames(path):
+                continue
             try:
                 node = await self.ns.resolve(path)
             except NotFound:
                 readers = self._readers(ino)
+                if not readers and self._nameless(ino):
+                    # Replaced or deleted, and nothing holds its version: the kernel reached it through
+                    # a name it still caches (a rename's target, before the kernel moved the renamed
+                    # entry there; or a change by another client, before its invalidation landed).
+                    # ESTALE, not ENOENT: open(2) and stat(2) then walk the path again, revalidating
+                    # every name with us, and reach what the name shows now.
+                    raise NatsFSError(f"inode {ino} was replaced or deleted", errno=errno.ESTALE,
+                                      log_level=logging.DEBUG) from None
                 if not readers or not self._nameless(ino):
                     raise
                 # Deleted or replaced while open (by this mount or another client): what its handles hold.
                 info = readers[0].info
                 return Node(FILE, info.bucket, (), None, info, info.mtime_ns)
-            if self.inodes.path_of(ino) == path:
+            if self.inodes.path_of(ino) == path and not self._being_renamed(path):
                 return node
             # Renamed, or detached (replaced while open) while the index was awaited: what the path
             # shows now may be another inode's.
@@ -521,7 +570,11 @@ class Filesystem:
         path = (*parent, _name(name))
         if name in (b".", b".."):
             raise NotFound("dot lookups are answered by the kernel")
-        node = await self._path_node(path)
+        while True:
+            await self._after_renames(path)
+            node = await self._path_node(path)
+            if not self._being_renamed(path):
+                break  # (a kernel lookup reaching a name a rename moves: its revalidation of a cached name)
         if node.kind == BUCKET and node.bucket is not None:
             await self._refresh_sealed(node.bucket)
         return self._attr(self.inodes.lookup(path), node)
@@ -662,6 +715,8 @@ class Filesystem:
             readers = self._readers(inode)
             return not readers or readers[0].info.nuid == info.nuid
         path = self.inodes.path_of(inode)
+        if self._being_renamed(path):
+            return False  # a rename of this mount started while this open awaited: `_node` waits for it
         bucket, rel = self.ns.split(path)
         assert bucket is not None  # a file's path is inside a bucket
         if self._readers_left_behind(inode, bucket, rel):
@@ -1364,10 +1419,11 @@ class Filesystem:
             # ended, meanwhile.
             src = await self._path_node(old)
             dst = await self._maybe_node(new)
-            with self.files.changing(old, new):
-                await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
-            staged_moved = self._move_staged(bucket, old, new)
-            self.inodes.move(old, new)
+            with self._moving(old, new):
+                with self.files.changing(old, new):
+                    await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
+                staged_moved = self._move_staged(bucket, old, new)
+                self.inodes.move(old, new)
         if self.writeback is not None:
             for sf in staged_moved:
                 if self.writeback.queued(sf):
