@@ -109,6 +109,9 @@ class Attributes:
 class Opened:
     fh: HandleNo
     keep_cache: bool  # the kernel's pages of this inode still hold this version
+    # The kernel may size the inode for another version: reads bypass its page cache and size (see
+    # `_open_handle`).
+    direct_io: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +271,9 @@ class Filesystem:
         # (see `_after_renames`).
         self._renaming: list[tuple[str, ...]] = []
         self._renames_ended = trio.Event()
+        # The size last handed to the kernel for each file inode (the kernel's i_size, as far as we
+        # know): an open pinning a version of another size is not served through the page cache.
+        self._told_sizes: dict[InodeNo, int] = {}
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         # Directory entries already logged as skipped by readdir (path, revision): one line each.
@@ -441,6 +447,7 @@ class Filesystem:
             # Deleted or replaced while open: no name links to it any more, as fstat shows on a local disk.
             nlink = 0 if self._nameless(ino) else 1
             size = info.size
+            self._told_sizes[ino] = size
         # Large enough that cp, cat and dd move 1 MiB per system call (fewer FUSE round trips).
         blksize = max(self.cache.store.chunk_size, 1 << 20)
         mtime_ns = node.mtime_ns
@@ -613,6 +620,7 @@ class Filesystem:
         for ino, nlookup in inode_list:
             if self.inodes.forget(ino, nlookup):
                 self.files.forget_cached_version(ino)
+                self._told_sizes.pop(ino, None)
 
     async def readlink(self, inode: InodeNo) -> bytes:
         node = await self._node(inode)
@@ -654,6 +662,7 @@ class Filesystem:
             if not accepted:
                 if self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
                     self.files.forget_cached_version(ino)
+                    self._told_sizes.pop(ino, None)
                 if accepted is None:
                     continue
                 return
@@ -739,13 +748,22 @@ class Filesystem:
             self.openers.opened(opener, inode)
         fh = self.handles.add(FileHandle(inode, info, writable=writing, opener=opener))
         self.files.opened(inode, writing=writing)
+        direct_io = False
         if self.staging.get(inode) is not None:
             keep = True  # every byte of a staged file went through this kernel's page cache
         else:
             # Unchanged since the kernel last cached it: let the page cache serve rereads.
             keep = self.files.cached_version(inode) == info.nuid
             self.files.set_cached_version(inode, info.nuid)
-        return Opened(fh, keep)
+            # A version the kernel has not been told the size of (another client replaced the object
+            # and this open came before the kernel took the invalidation, which waits for this open to
+            # be answered): the kernel reads through its page cache up to the size it holds, so the
+            # new bytes would come back cut to the old size, or padded with zeros up to it. This handle
+            # bypasses the page cache instead: its reads return exactly the version it pinned, whole,
+            # whatever size the kernel holds (until the kernel asks for the attributes again).
+            told = self._told_sizes.get(inode)
+            direct_io = not keep and told is not None and told != info.size
+        return Opened(fh, keep, direct_io)
 
     def _stage(self, inode: InodeNo, node: Node) -> StagedFile:
         """The shared staged state of `inode`, created from the version `node` shows if there is none."""

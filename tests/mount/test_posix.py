@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import create_bucket, nats_py_get, raw_put, wait_for, with_store
+from helpers import create_bucket, nats_py_get, raw_put, saved_version, wait_for, whole_version, with_store
 
 
 @pytest.fixture()
@@ -487,17 +487,6 @@ def test_a_file_open_while_its_directory_is_renamed_keeps_its_inode(pb):
             assert os.pread(fd, 1000, 0) == b"abc" * 100
         finally:
             os.close(fd)
-
-
-def saved_version(n: int) -> bytes:
-    """Version `n` of an atomically saved file: its tag repeated, one of five sizes (96-416 KiB)."""
-    return f"{n}:".encode().ljust(32, b".") * (3000 + 3000 * (n % 5))
-
-
-def whole_version(data: bytes) -> bool:
-    """Whether `data` is exactly one `saved_version`: its tag throughout, and that version's size."""
-    tag = data[:32].split(b":")[0]
-    return tag.isdigit() and data == saved_version(int(tag))
 
 
 def test_a_reader_racing_atomic_saves_in_the_same_mount_reads_whole_versions(pb):

@@ -294,3 +294,28 @@ def test_an_atomic_save_in_this_mount_is_seen_whole_by_opens_and_lookups_racing_
         assert await env.cat("alpha/f") == NEW
 
     ops_env(body, setup=setup)
+
+
+def test_an_open_pinning_a_version_the_kernel_has_another_size_for_bypasses_the_page_cache(ops_env, monkeypatch):
+    """Another client replaces the object while an open of its inode is under way: the open pins the new
+    version, but the kernel still holds the old size for the inode (its invalidation waits until the open
+    is answered). Read through the page cache, the new bytes would come back cut to the old size or padded
+    with zeros up to it; the handle is direct_io instead, so its reads are exactly the new version. Once
+    the kernel has asked for the attributes again, opens use the page cache as before."""
+    async def body(env: Env):
+        ino = (await env.lookup("alpha/moving.bin")).st_ino  # the kernel now sizes the inode len(OLD)
+        plain = await env.ops.open(ino, os.O_RDONLY, CTX)
+        assert not plain.direct_io  # the version the kernel has the size of
+        await env.ops.release(plain.fh)
+
+        held = await held_open(Held(monkeypatch, env.ns, "resolve"), env, ino, lambda: replace(env))
+
+        assert held.direct_io and not held.keep_cache
+        assert await read(env, held, 2 * len(NEW)) == NEW
+        await env.ops.release(held.fh)
+        assert (await env.ops.getattr(ino, None)).st_size == len(NEW)  # the kernel asks again
+        again = await env.ops.open(ino, os.O_RDONLY, CTX)
+        assert not again.direct_io
+        await env.ops.release(again.fh)
+
+    ops_env(body, setup=one_object)
