@@ -513,6 +513,8 @@ class Filesystem:
             try:
                 node = await self.ns.resolve(path)
             except NotFound:
+                if self._being_renamed(path):
+                    continue  # a rename of this mount started meanwhile: answered as after it
                 readers = self._readers(ino)
                 if not readers and self._nameless(ino):
                     # Replaced or deleted, and nothing holds its version: the kernel reached it through
@@ -577,11 +579,16 @@ class Filesystem:
         path = (*parent, _name(name))
         if name in (b".", b".."):
             raise NotFound("dot lookups are answered by the kernel")
-        while True:
+        while True:  # (a kernel lookup reaching a name a rename moves: its revalidation of a cached name)
             await self._after_renames(path)
-            node = await self._path_node(path)
+            try:
+                node = await self._path_node(path)
+            except NotFound:
+                if self._being_renamed(path):
+                    continue
+                raise
             if not self._being_renamed(path):
-                break  # (a kernel lookup reaching a name a rename moves: its revalidation of a cached name)
+                break
         if node.kind == BUCKET and node.bucket is not None:
             await self._refresh_sealed(node.bucket)
         return self._attr(self.inodes.lookup(path), node)
