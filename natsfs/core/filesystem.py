@@ -8,7 +8,9 @@ and maps the domain errors raised here to errnos. The ops tests drive this class
 
 What the core keeps per inode lives in its tables: paths and lookup counts (`InodeTable`), open
 handles (`HandleTable`), the open-file record of each inode (`OpenFileTable`, see its design note),
-staged content (`Staging`), and the requests in flight that kernel invalidations wait for (`serving`).
+staged content (`Staging`), the requests in flight that kernel invalidations wait for (`serving`), the
+paths this mount's renames are moving (lookups and opens there wait, `_after_renames`), and the size
+last handed to the kernel per inode (an open of a version of another size is `direct_io`).
 """
 
 from __future__ import annotations
