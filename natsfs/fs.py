@@ -214,14 +214,15 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         self._first_open()
         opened = await self.fs.open(InodeNo(inode), flags, _caller(ctx) if ctx is not None else None)
-        return pyfuse3.FileInfo(fh=opened.fh, keep_cache=opened.keep_cache)
+        return pyfuse3.FileInfo(fh=opened.fh, keep_cache=opened.keep_cache, direct_io=opened.direct_io)
 
     @_boundary
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         self._first_open()
         opened, attrs = await self.fs.create(InodeNo(parent_inode), name, mode, flags, _caller(ctx))
-        return pyfuse3.FileInfo(fh=opened.fh, keep_cache=opened.keep_cache), entry_attributes(attrs)
+        return (pyfuse3.FileInfo(fh=opened.fh, keep_cache=opened.keep_cache, direct_io=opened.direct_io),
+                entry_attributes(attrs))
 
     @_boundary
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray:  # type: ignore[override]

@@ -303,3 +303,14 @@ def full_local_disk(monkeypatch: Any) -> Callable[[], None]:
         monkeypatch.setattr(staging, "private_dir", real_private_dir)
 
     return free
+
+
+def saved_version(n: int) -> bytes:
+    """Version `n` of an atomically saved file: its tag repeated, one of five sizes (96-416 KiB)."""
+    return f"{n}:".encode().ljust(32, b".") * (3000 + 3000 * (n % 5))
+
+
+def whole_version(data: bytes) -> bool:
+    """Whether `data` is exactly one `saved_version`: its tag throughout, and that version's size."""
+    tag = data[:32].split(b":")[0]
+    return tag.isdigit() and data == saved_version(int(tag))

@@ -8,7 +8,9 @@ and maps the domain errors raised here to errnos. The ops tests drive this class
 
 What the core keeps per inode lives in its tables: paths and lookup counts (`InodeTable`), open
 handles (`HandleTable`), the open-file record of each inode (`OpenFileTable`, see its design note),
-staged content (`Staging`), and the requests in flight that kernel invalidations wait for (`serving`).
+staged content (`Staging`), the requests in flight that kernel invalidations wait for (`serving`), the
+paths this mount's renames are moving (lookups and opens there wait, `_after_renames`), and the size
+last handed to the kernel per inode (an open of a version of another size is `direct_io`).
 """
 
 from __future__ import annotations
@@ -114,6 +116,9 @@ class Attributes:
 class Opened:
     fh: HandleNo
     keep_cache: bool  # the kernel's pages of this inode still hold this version
+    # The kernel may size the inode for another version: reads bypass its page cache and size (see
+    # `_open_handle`).
+    direct_io: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +330,14 @@ class Filesystem:
         self._dir_times_pending: set[tuple[str, ...]] = set()
         self._dir_gate = _DirTimeGate()
         self._dir_renames = _DirRenameGate()
+        # Paths (and everything under them) this mount's renames are moving right now, from before the
+        # first publish until the inode table follows. Lookups, attributes and opens of inodes there wait
+        # (see `_after_renames`).
+        self._renaming: list[tuple[str, ...]] = []
+        self._renames_ended = trio.Event()
+        # The size last handed to the kernel for each file inode (the kernel's i_size, as far as we
+        # know): an open pinning a version of another size is not served through the page cache.
+        self._told_sizes: dict[InodeNo, int] = {}
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         # Directory entries already logged as skipped by readdir (path, revision): one line each.
@@ -408,6 +421,40 @@ class Filesystem:
                 else:
                     self.kernel.idle(ino)
 
+    @contextlib.contextmanager
+    def _moving(self, *paths: tuple[str, ...]) -> Iterator[None]:
+        """A rename of this mount moves `paths`: from its first publish until the inode table follows,
+        the index and the inode table disagree about them (the target path already shows the renamed
+        object while its inode is still the replaced file's; the source path shows nothing while its
+        inode is still there)."""
+        self._renaming.extend(paths)
+        try:
+            yield
+        finally:
+            for p in paths:
+                self._renaming.remove(p)
+            self._renames_ended.set()
+            self._renames_ended = trio.Event()
+
+    def _being_renamed(self, path: tuple[str, ...]) -> bool:
+        return any(path[: len(p)] == p for p in self._renaming)
+
+    async def _after_renames(self, path: tuple[str, ...]) -> bool:
+        """Wait until no rename of this mount moves `path`; True if one did (the caller looks again).
+
+        rename(2) is atomic: a reader of the target sees the replaced file or the renamed one, whole.
+        The kernel holds the renamed and the replaced inode locked while our rename runs, but an open or
+        a lookup reaching them through its cached names takes no such lock: answered in the middle, an
+        open of the replaced inode would pin the renamed object's version (the index shows it already)
+        on the inode whose size the kernel caches for the replaced one, and the kernel would read the
+        new bytes up to the old size (cut short, or padded with zeros); an open of the renamed inode
+        would find its old name gone (ENOENT). Waiting for the rename answers them as after it."""
+        if not self._being_renamed(path):
+            return False
+        while self._being_renamed(path):
+            await self._renames_ended.wait()
+        return True
+
     def handle_inode(self, fh: HandleNo) -> InodeNo | None:
         handle = self.handles.get(fh)
         return handle.ino if handle is not None else None
@@ -464,6 +511,7 @@ class Filesystem:
             # Deleted or replaced while open: no name links to it any more, as fstat shows on a local disk.
             nlink = 0 if self._nameless(ino) else 1
             size = info.size
+            self._told_sizes[ino] = size
         # Large enough that cp, cat and dd move 1 MiB per system call (fewer FUSE round trips).
         blksize = max(self.cache.store.chunk_size, 1 << 20)
         mtime_ns = node.mtime_ns
@@ -527,16 +575,28 @@ class Filesystem:
             if sf is not None and sf.shown:
                 return self._staged_node(sf)
             path = self.inodes.path_of(ino)
+            if await self._after_renames(path):
+                continue
             try:
                 node = await self.ns.resolve(path)
             except NotFound:
+                if self._being_renamed(path):
+                    continue  # a rename of this mount started meanwhile: answered as after it
                 readers = self._readers(ino)
+                if not readers and self._nameless(ino):
+                    # Replaced or deleted, and nothing holds its version: the kernel reached it through
+                    # a name it still caches (a rename's target, before the kernel moved the renamed
+                    # entry there; or a change by another client, before its invalidation landed).
+                    # ESTALE, not ENOENT: open(2) and stat(2) then walk the path again, revalidating
+                    # every name with us, and reach what the name shows now.
+                    raise NatsFSError(f"inode {ino} was replaced or deleted", errno=errno.ESTALE,
+                                      log_level=logging.DEBUG) from None
                 if not readers or not self._nameless(ino):
                     raise
                 # Deleted or replaced while open (by this mount or another client): what its handles hold.
                 info = readers[0].info
                 return Node(FILE, info.bucket, (), None, info, info.mtime_ns)
-            if self.inodes.path_of(ino) == path:
+            if self.inodes.path_of(ino) == path and not self._being_renamed(path):
                 return node
             # Renamed, or detached (replaced while open) while the index was awaited: what the path
             # shows now may be another inode's.
@@ -609,7 +669,16 @@ class Filesystem:
         path = (*parent, _name(name))
         if name in (b".", b".."):
             raise NotFound("dot lookups are answered by the kernel")
-        node = await self._path_node(path)
+        while True:  # (a kernel lookup reaching a name a rename moves: its revalidation of a cached name)
+            await self._after_renames(path)
+            try:
+                node = await self._path_node(path)
+            except NotFound:
+                if self._being_renamed(path):
+                    continue
+                raise
+            if not self._being_renamed(path):
+                break
         if node.kind == BUCKET and node.bucket is not None:
             await self._refresh_sealed(node.bucket)
         return self._attr(self.inodes.lookup(path), node)
@@ -648,6 +717,7 @@ class Filesystem:
         for ino, nlookup in inode_list:
             if self.inodes.forget(ino, nlookup):
                 self.files.forget_cached_version(ino)
+                self._told_sizes.pop(ino, None)
 
     async def readlink(self, inode: InodeNo) -> bytes:
         node = await self._node(inode)
@@ -689,6 +759,7 @@ class Filesystem:
             if not accepted:
                 if self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
                     self.files.forget_cached_version(ino)
+                    self._told_sizes.pop(ino, None)
                 if accepted is None:
                     continue
                 return
@@ -750,6 +821,8 @@ class Filesystem:
             readers = self._readers(inode)
             return not readers or readers[0].info.nuid == info.nuid
         path = self.inodes.path_of(inode)
+        if self._being_renamed(path):
+            return False  # a rename of this mount started while this open awaited: `_node` waits for it
         bucket, rel = self.ns.split(path)
         assert bucket is not None  # a file's path is inside a bucket
         if self._readers_left_behind(inode, bucket, rel):
@@ -772,13 +845,22 @@ class Filesystem:
             self.openers.opened(opener, inode)
         fh = self.handles.add(FileHandle(inode, info, writable=writing, opener=opener))
         self.files.opened(inode, writing=writing)
+        direct_io = False
         if self.staging.get(inode) is not None:
             keep = True  # every byte of a staged file went through this kernel's page cache
         else:
             # Unchanged since the kernel last cached it: let the page cache serve rereads.
             keep = self.files.cached_version(inode) == info.nuid
             self.files.set_cached_version(inode, info.nuid)
-        return Opened(fh, keep)
+            # A version the kernel has not been told the size of (another client replaced the object
+            # and this open came before the kernel took the invalidation, which waits for this open to
+            # be answered): the kernel reads through its page cache up to the size it holds, so the
+            # new bytes would come back cut to the old size, or padded with zeros up to it. This handle
+            # bypasses the page cache instead: its reads return exactly the version it pinned, whole,
+            # whatever size the kernel holds (until the kernel asks for the attributes again).
+            told = self._told_sizes.get(inode)
+            direct_io = not keep and told is not None and told != info.size
+        return Opened(fh, keep, direct_io)
 
     def _stage(self, inode: InodeNo, node: Node) -> StagedFile:
         """The shared staged state of `inode`, created from the version `node` shows if there is none."""
@@ -1490,10 +1572,11 @@ class Filesystem:
             # ended, meanwhile.
             src = await self._path_node(old)
             dst = await self._maybe_node(new)
-            with self.files.changing(old, new):
-                await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
-            staged_moved = self._move_staged(bucket, old, new)
-            self.inodes.move(old, new)
+            with self._moving(old, new):
+                with self.files.changing(old, new):
+                    await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
+                staged_moved = self._move_staged(bucket, old, new)
+                self.inodes.move(old, new)
         if self.writeback is not None:
             for sf in staged_moved:
                 if self.writeback.queued(sf):

@@ -17,7 +17,18 @@ from pathlib import Path
 
 import pytest
 from gowriters import delete_object, put_link, put_object, rename_object
-from helpers import Mount, check_daemon_logs, create_bucket, nats_py_put, raw_put, wait_for, with_nats, with_store
+from helpers import (
+    Mount,
+    check_daemon_logs,
+    create_bucket,
+    nats_py_put,
+    raw_put,
+    saved_version,
+    wait_for,
+    whole_version,
+    with_nats,
+    with_store,
+)
 
 from natsfs.adr20 import meta_subject, stream_name
 
@@ -338,3 +349,48 @@ def test_bucket_deleted_and_created_again_behind_the_mount_is_rebuilt(nats_url, 
     assert wait_for(lambda: sorted(os.listdir(m.path)) == ["three.txt", "two.txt"], T)
     assert (m.path / "two.txt").read_bytes() == b"2 again"
     assert m.alive
+
+
+def test_a_reader_in_another_mount_racing_atomic_saves_reads_whole_versions(nats_url, bucket_name, mounter):
+    """Atomic saves (write `.tmp`, rename it over `f`) in one mount while a thread reads `f` again and again
+    through a second mount, which learns of each save through its watch. Every read returns one version,
+    whole, at its own size (never the new bytes cut to, or padded with zeros up to, the size the kernel
+    held for the old one), and no open fails with ENOENT. The one failure a reader in another mount can
+    meet is ESTALE: the version it was reading had its chunks purged by the save."""
+    create_bucket(nats_url, bucket_name)
+    writer, reader = mounter(nats_url), mounter(nats_url)
+    w, r = writer.path / bucket_name, reader.path / bucket_name
+    (w / "f").write_bytes(saved_version(0))
+    assert wait_for(lambda: read_or_none(r / "f") == saved_version(0), T)
+    saves_done = threading.Event()
+    bad: list[str] = []
+    outcomes = {"whole": 0, "ESTALE": 0}
+
+    def read_until_saved() -> None:
+        while not saves_done.is_set():
+            try:
+                data = (r / "f").read_bytes()
+            except OSError as e:
+                if e.errno == errno.ESTALE:
+                    outcomes["ESTALE"] += 1
+                else:
+                    bad.append(f"open/read failed: {e!r}")
+                continue
+            if whole_version(data):
+                outcomes["whole"] += 1
+            else:
+                bad.append(f"not one whole version: {len(data)} bytes, tag {data[:8]!r}, "
+                           f"{len(data) - len(data.rstrip(bytes(1)))} zero bytes at the end")
+
+    thread = threading.Thread(target=read_until_saved)
+    thread.start()
+    try:
+        for n in range(1, 301):
+            (w / ".tmp").write_bytes(saved_version(n))
+            os.rename(w / ".tmp", w / "f")
+    finally:
+        saves_done.set()
+        thread.join()
+    assert not bad, f"{len(bad)} bad reads ({outcomes}): {bad[:5]}"
+    assert outcomes["whole"] > 0
+    assert wait_for(lambda: read_or_none(r / "f") == saved_version(300), T)

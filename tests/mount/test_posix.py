@@ -13,10 +13,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
-from helpers import create_bucket, nats_py_get, raw_put, wait_for, with_store
+from helpers import create_bucket, nats_py_get, raw_put, saved_version, wait_for, whole_version, with_store
 
 
 @pytest.fixture()
@@ -486,3 +487,42 @@ def test_a_file_open_while_its_directory_is_renamed_keeps_its_inode(pb):
             assert os.pread(fd, 1000, 0) == b"abc" * 100
         finally:
             os.close(fd)
+
+
+def test_a_reader_racing_atomic_saves_in_the_same_mount_reads_whole_versions(pb):
+    """An editor's atomic save (write `.tmp`, rename it over `f`) in a loop while another thread of the
+    same mount reads `f` again and again. rename(2) is atomic: every read returns one version, whole, at
+    its own size, and the open never fails. (Before: an open reaching the replaced inode while the rename
+    ran got the new version on the inode the kernel sized as the old one: the new bytes cut to, or
+    padded with zeros up to, the old size; and opens failed with ENOENT.)"""
+    _, d = pb
+    (d / "f").write_bytes(saved_version(0))
+    saves_done = threading.Event()
+    bad: list[str] = []
+    reads = 0
+
+    def read_until_saved() -> None:
+        nonlocal reads
+        while not saves_done.is_set():
+            try:
+                data = (d / "f").read_bytes()
+            except OSError as e:
+                bad.append(f"open/read failed: {e!r}")
+                continue
+            reads += 1
+            if not whole_version(data):
+                bad.append(f"not one whole version: {len(data)} bytes, tag {data[:8]!r}, "
+                           f"{len(data) - len(data.rstrip(bytes(1)))} zero bytes at the end")
+
+    reader = threading.Thread(target=read_until_saved)
+    reader.start()
+    try:
+        for n in range(1, 201):
+            (d / ".tmp").write_bytes(saved_version(n))
+            os.rename(d / ".tmp", d / "f")
+    finally:
+        saves_done.set()
+        reader.join()
+    assert not bad, f"{len(bad)} bad reads of {reads + len(bad)}: {bad[:5]}"
+    assert reads > 0
+    assert (d / "f").read_bytes() == saved_version(200)

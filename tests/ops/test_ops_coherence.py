@@ -242,3 +242,80 @@ def test_attributes_asked_for_while_the_object_is_replaced_are_those_of_the_inod
         await env.ops.release(reader.fh)
 
     ops_env(body, setup=one_object)
+
+
+def test_an_atomic_save_in_this_mount_is_seen_whole_by_opens_and_lookups_racing_it(ops_env, monkeypatch):
+    """rename(2) of a stored `.tmp` over `f` by this mount, held after its publishes (the index shows the
+    renamed object at `f` and nothing at `.tmp`) and before it is done; meanwhile the kernel, through the
+    names it caches, opens and stats the replaced inode, opens the renamed one, and revalidates `f`. On a
+    local disk each sees the old or the new file, whole. Here: an open of the replaced inode must not pin
+    the new version on it (the kernel caches the old size for it, and would read the new bytes cut to or
+    padded with zeros up to that size): it gets ESTALE, on which the kernel walks the path again. The
+    renamed inode opens (never ENOENT) and reads the new version; `f` looks up as the renamed inode."""
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await store.create_bucket("alpha")
+        await put_object(ms, "alpha", "f", OLD)
+        await put_object(ms, "alpha", ".tmp", NEW)
+
+    async def body(env: Env):
+        bucket = (await env.lookup("alpha")).st_ino
+        replaced = await env.lookup("alpha/f")
+        renamed = await env.lookup("alpha/.tmp")
+        hold = Held(monkeypatch, env.store, "purge_chunks_later_if_needed")  # the replaced object's chunks
+        outcome: dict[str, Any] = {}
+
+        async def attempt(what: str, op: Callable[[], Awaitable[Any]]) -> None:
+            try:
+                outcome[what] = await op()
+            except pyfuse3.FUSEError as e:
+                outcome[what] = errno.errorcode[e.errno]
+
+        async def stat_size(ino: int) -> int:
+            return (await env.ops.getattr(ino, None)).st_size
+
+        async def looked_up() -> tuple[int, int]:
+            attr = await env.ops.lookup(bucket, b"f", None)
+            return attr.st_ino, attr.st_size
+
+        async with trio.open_nursery() as racing:
+            racing.start_soon(env.ops.rename, bucket, b".tmp", bucket, b"f", 0, CTX)
+            await hold.held.wait()
+            racing.start_soon(attempt, "open replaced", lambda: env.read_all(replaced.st_ino))
+            racing.start_soon(attempt, "stat replaced", lambda: stat_size(replaced.st_ino))
+            racing.start_soon(attempt, "open renamed", lambda: env.read_all(renamed.st_ino))
+            racing.start_soon(attempt, "lookup f", looked_up)
+            await env.settle()
+            hold.release()
+
+        assert outcome["open replaced"] in ("ESTALE", OLD)  # never NEW on the inode the kernel sizes as OLD
+        assert outcome["stat replaced"] in ("ESTALE", len(OLD))
+        assert outcome["open renamed"] == NEW
+        assert outcome["lookup f"] == (renamed.st_ino, len(NEW))
+        assert await env.cat("alpha/f") == NEW
+
+    ops_env(body, setup=setup)
+
+
+def test_an_open_pinning_a_version_the_kernel_has_another_size_for_bypasses_the_page_cache(ops_env, monkeypatch):
+    """Another client replaces the object while an open of its inode is under way: the open pins the new
+    version, but the kernel still holds the old size for the inode (its invalidation waits until the open
+    is answered). Read through the page cache, the new bytes would come back cut to the old size or padded
+    with zeros up to it; the handle is direct_io instead, so its reads are exactly the new version. Once
+    the kernel has asked for the attributes again, opens use the page cache as before."""
+    async def body(env: Env):
+        ino = (await env.lookup("alpha/moving.bin")).st_ino  # the kernel now sizes the inode len(OLD)
+        plain = await env.ops.open(ino, os.O_RDONLY, CTX)
+        assert not plain.direct_io  # the version the kernel has the size of
+        await env.ops.release(plain.fh)
+
+        held = await held_open(Held(monkeypatch, env.ns, "resolve"), env, ino, lambda: replace(env))
+
+        assert held.direct_io and not held.keep_cache
+        assert await read(env, held, 2 * len(NEW)) == NEW
+        await env.ops.release(held.fh)
+        assert (await env.ops.getattr(ino, None)).st_size == len(NEW)  # the kernel asks again
+        again = await env.ops.open(ino, os.O_RDONLY, CTX)
+        assert not again.direct_io
+        await env.ops.release(again.fh)
+
+    ops_env(body, setup=one_object)
