@@ -569,6 +569,19 @@ def cpu_seconds(pid: int, stat_path: str = "") -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_idle(pids: Sequence[int], busy_below: float = 0.05, window: float = 0.25, limit: float = 15.0) -> float:
+    """Seconds waited until each of `pids` used less than `busy_below` of a core over `window` s (at
+    most `limit` s): a timed write starts on a quiet server, not while it still removes the chunks of
+    the write deleted before it (a purge's work goes on after its reply)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit:
+        before = [cpu_seconds(p) for p in pids]
+        time.sleep(window)
+        if all(cpu_seconds(p) - b < busy_below * window for p, b in zip(pids, before, strict=True)):
+            break
+    return time.perf_counter() - t0
+
+
 class CpuMeter:
     """CPU use of some processes over a block, in % of one core: named pids, plus "self" and "children"
     (this process, and the children it reaped during the block, e.g. `cat`)."""
