@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -314,3 +316,40 @@ def whole_version(data: bytes) -> bool:
     """Whether `data` is exactly one `saved_version`: its tag throughout, and that version's size."""
     tag = data[:32].split(b":")[0]
     return tag.isdigit() and data == saved_version(int(tag))
+
+
+def race_atomic_saves(save_dir: Path, read_dir: Path, saves: int, allowed: tuple[int, ...] = ()
+                      ) -> tuple[dict[str, int], list[str]]:
+    """`saves` atomic saves (write `.tmp`, rename it over `f`, as editors do) in `save_dir` while a thread
+    reads `f` in `read_dir` again and again. Returns the outcomes (`whole` reads, and errnos in `allowed`
+    by name) and the bad reads: failures not allowed, and data that is not one whole `saved_version`."""
+    saves_done = threading.Event()
+    bad: list[str] = []
+    outcomes = {"whole": 0, **{errno.errorcode[e]: 0 for e in allowed}}
+
+    def read_until_saved() -> None:
+        while not saves_done.is_set():
+            try:
+                data = (read_dir / "f").read_bytes()
+            except OSError as e:
+                if e.errno in allowed:
+                    outcomes[errno.errorcode[e.errno]] += 1
+                else:
+                    bad.append(f"open/read failed: {e!r}")
+                continue
+            if whole_version(data):
+                outcomes["whole"] += 1
+            else:
+                bad.append(f"not one whole version: {len(data)} bytes, tag {data[:8]!r}, "
+                           f"{len(data) - len(data.rstrip(bytes(1)))} zero bytes at the end")
+
+    reader = threading.Thread(target=read_until_saved)
+    reader.start()
+    try:
+        for n in range(1, saves + 1):
+            (save_dir / ".tmp").write_bytes(saved_version(n))
+            os.rename(save_dir / ".tmp", save_dir / "f")
+    finally:
+        saves_done.set()
+        reader.join()
+    return outcomes, bad

@@ -22,10 +22,10 @@ from helpers import (
     check_daemon_logs,
     create_bucket,
     nats_py_put,
+    race_atomic_saves,
     raw_put,
     saved_version,
     wait_for,
-    whole_version,
     with_nats,
     with_store,
 )
@@ -362,35 +362,7 @@ def test_a_reader_in_another_mount_racing_atomic_saves_reads_whole_versions(nats
     w, r = writer.path / bucket_name, reader.path / bucket_name
     (w / "f").write_bytes(saved_version(0))
     assert wait_for(lambda: read_or_none(r / "f") == saved_version(0), T)
-    saves_done = threading.Event()
-    bad: list[str] = []
-    outcomes = {"whole": 0, "ESTALE": 0}
-
-    def read_until_saved() -> None:
-        while not saves_done.is_set():
-            try:
-                data = (r / "f").read_bytes()
-            except OSError as e:
-                if e.errno == errno.ESTALE:
-                    outcomes["ESTALE"] += 1
-                else:
-                    bad.append(f"open/read failed: {e!r}")
-                continue
-            if whole_version(data):
-                outcomes["whole"] += 1
-            else:
-                bad.append(f"not one whole version: {len(data)} bytes, tag {data[:8]!r}, "
-                           f"{len(data) - len(data.rstrip(bytes(1)))} zero bytes at the end")
-
-    thread = threading.Thread(target=read_until_saved)
-    thread.start()
-    try:
-        for n in range(1, 301):
-            (w / ".tmp").write_bytes(saved_version(n))
-            os.rename(w / ".tmp", w / "f")
-    finally:
-        saves_done.set()
-        thread.join()
+    outcomes, bad = race_atomic_saves(w, r, 300, allowed=(errno.ESTALE,))
     assert not bad, f"{len(bad)} bad reads ({outcomes}): {bad[:5]}"
     assert outcomes["whole"] > 0
     assert wait_for(lambda: read_or_none(r / "f") == saved_version(300), T)

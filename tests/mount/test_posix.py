@@ -13,11 +13,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
-from helpers import create_bucket, nats_py_get, raw_put, saved_version, wait_for, whole_version, with_store
+from helpers import create_bucket, nats_py_get, race_atomic_saves, raw_put, saved_version, wait_for, with_store
 
 
 @pytest.fixture()
@@ -497,32 +496,7 @@ def test_a_reader_racing_atomic_saves_in_the_same_mount_reads_whole_versions(pb)
     padded with zeros up to, the old size; and opens failed with ENOENT.)"""
     _, d = pb
     (d / "f").write_bytes(saved_version(0))
-    saves_done = threading.Event()
-    bad: list[str] = []
-    reads = 0
-
-    def read_until_saved() -> None:
-        nonlocal reads
-        while not saves_done.is_set():
-            try:
-                data = (d / "f").read_bytes()
-            except OSError as e:
-                bad.append(f"open/read failed: {e!r}")
-                continue
-            reads += 1
-            if not whole_version(data):
-                bad.append(f"not one whole version: {len(data)} bytes, tag {data[:8]!r}, "
-                           f"{len(data) - len(data.rstrip(bytes(1)))} zero bytes at the end")
-
-    reader = threading.Thread(target=read_until_saved)
-    reader.start()
-    try:
-        for n in range(1, 201):
-            (d / ".tmp").write_bytes(saved_version(n))
-            os.rename(d / ".tmp", d / "f")
-    finally:
-        saves_done.set()
-        reader.join()
-    assert not bad, f"{len(bad)} bad reads of {reads + len(bad)}: {bad[:5]}"
-    assert reads > 0
+    outcomes, bad = race_atomic_saves(d, d, 200)
+    assert not bad, f"{len(bad)} bad reads ({outcomes}): {bad[:5]}"
+    assert outcomes["whole"] > 0
     assert (d / "f").read_bytes() == saved_version(200)
