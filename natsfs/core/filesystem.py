@@ -71,7 +71,7 @@ from ..names import NAME_MAX, placement
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from ..openers import Openers, ProcOpeners
 from ..secrecy import redact_urls
-from ..staging import StagedFile, Staging, WriteState
+from ..staging import StagedFile, Staging
 from ..status import recent_problems
 from ..streams import Payload
 from .openfiles import OpenFileTable
@@ -974,7 +974,9 @@ class Filesystem:
             if not self.ns.store.connected and sf.interrupt_upload():
                 log.info("%s/%s: its write-back upload, waiting for an unreachable server, was interrupted by "
                          "a change of the file; it is uploaded again after its next close", sf.bucket, sf.name)
-            recheck = CHANGE_RECHECK_S if sf.state is WriteState.UPLOADING and self.writeback is not None else math.inf
+            # (Also while the file is not UPLOADING yet: a write-back attempt waiting for the lock ahead of
+            # this change takes it next, and may then wait for the unreachable server.)
+            recheck = CHANGE_RECHECK_S if self.writeback is not None else math.inf
             with trio.move_on_after(recheck):
                 await sf.lock.acquire()
                 break

@@ -510,3 +510,60 @@ def test_a_write_does_not_wait_for_a_write_back_upload_stuck_on_an_unreachable_s
 
     # (A flush deadline no test reaches: the attempt never gives up by itself.)
     ops_env(body, setup=bucket_b, bucket="b", write_back=0.0, flush_timeout=3600.0)
+
+
+def test_a_write_queued_behind_a_write_back_upload_that_then_gets_stuck_offline_interrupts_it(ops_env, monkeypatch,
+                                                                                                caplog):
+    """The write waits for the file's lock while another write holds it and the uploader waits too (the
+    file DIRTY: nothing to interrupt yet); the server is gone. The other write ends, the lock goes to the
+    uploader (first in line), whose attempt then waits for the unreachable server. The waiting write
+    must still interrupt that attempt: it waited for the attempt's flush deadline, as it only looked
+    again while the file was UPLOADING when it began to wait."""
+    caplog.set_level(logging.INFO, logger="natsfs")
+    path = "d/f"
+    tail = b"B" * 1000
+
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        from natsfs.staging import StagedFile, WriteState
+
+        fi = await written(env, path, V2)
+        await env.ops.flush(fi.fh)  # journalled; its upload is due only much later
+        sf = env.fs.staging.get((await env.lookup(path)).st_ino)
+        assert sf is not None
+        hold_write = Held(monkeypatch, StagedFile, "write")
+        hold_put = Held(monkeypatch, env.store, "put_file")
+        done: list[str] = []
+
+        async def waiting_for(sf: StagedFile, tasks: int) -> None:
+            while sf.lock.statistics().tasks_waiting < tasks:
+                await trio.sleep(0.01)
+
+        async def write(what: str, data: bytes) -> None:
+            assert await env.ops.write(fi.fh, 0, data) == len(data)
+            done.append(what)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write, "first", NEW)
+            await hold_write.held.wait()  # the first write holds the file's lock
+            env.fs.writeback.schedule(sf, 0.0)
+            await waiting_for(sf, 1)  # the uploader waits for the lock (after the burst pause), the file DIRTY
+            assert sf.state is WriteState.DIRTY
+            env.streams.go_offline(3600.0)  # (the attempt never gives up by itself)
+            nursery.start_soon(write, "second", tail)
+            await waiting_for(sf, 2)  # the second write waits for the lock, behind the uploader
+            hold_write.release()
+            await hold_put.held.wait()  # the uploader has the lock: its attempt waits (for the server)
+            with trio.move_on_after(30):  # (only ends a failing run)
+                while "second" not in done:
+                    await trio.sleep(0.05)
+            assert done == ["first", "second"]  # not held until the attempt's flush deadline
+            hold_put.release()
+        env.streams.go_online()
+        await close(env, fi)()
+        await env.fs.writeback.drain(30)
+        assert await stored(env, path) == tail + NEW[len(tail):]
+        assert lost_and_found(env) == []
+        assert len([r for r in caplog.records if "was interrupted by a change of the file" in r.getMessage()]) == 1
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=3600.0, flush_timeout=3600.0)
