@@ -1139,8 +1139,11 @@ class Filesystem:
             return
         self.staging.remove(sf)
         self.mut.discard(sf)
-        if ino in self.inodes and self.inodes.lookup_count(ino) == 0:
-            self.inodes.forget(ino, 0)  # it was kept only for the upload
+        if ino in self.inodes and self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
+            # It was kept only for the upload: what is kept per inode for the kernel goes with it, as on
+            # a forget.
+            self.files.forget_cached_version(ino)
+            self._told_sizes.pop(ino, None)
 
     async def _store_in_time(self, ino: InodeNo) -> None:
         """`_upload` under one deadline for the whole store (every request, retry and fallback in it):
