@@ -59,6 +59,7 @@ from ..errors import (
     NotFound,
     NotKept,
     ReadOnly,
+    Stale,
     Unavailable,
 )
 from ..handles import DirHandle, FileHandle, HandleNo, HandleTable
@@ -589,8 +590,7 @@ class Filesystem:
                     # entry there; or a change by another client, before its invalidation landed).
                     # ESTALE, not ENOENT: open(2) and stat(2) then walk the path again, revalidating
                     # every name with us, and reach what the name shows now.
-                    raise NatsFSError(f"inode {ino} was replaced or deleted", errno=errno.ESTALE,
-                                      log_level=logging.DEBUG) from None
+                    raise Stale(f"inode {ino} was replaced or deleted", log_level=logging.DEBUG) from None
                 if not readers or not self._nameless(ino):
                     raise
                 # Deleted or replaced while open (by this mount or another client): what its handles hold.
@@ -903,7 +903,7 @@ class Filesystem:
             ino = self.inodes.lookup(path)
             try:
                 info = await self.open(ino, flags, caller)
-            except NotFound:
+            except (NotFound, Stale):  # (Stale: its inode was detached, `_node`)
                 if await self._maybe_node(path) is not None:
                     raise
                 # Unlinked (or renamed away) while this open awaited: the name is free, create it.

@@ -567,3 +567,37 @@ def test_a_write_queued_behind_a_write_back_upload_that_then_gets_stuck_offline_
         assert len([r for r in caplog.records if "was interrupted by a change of the file" in r.getMessage()]) == 1
 
     ops_env(body, setup=bucket_b, bucket="b", write_back=3600.0, flush_timeout=3600.0)
+
+
+def test_an_o_creat_open_of_a_file_unlinked_while_it_opens_creates_the_file(ops_env, monkeypatch):
+    """open(O_CREAT) of an existing name opens that file; unlinked while the open awaited, the name is
+    free and the file is created, as on a local disk. The open of the unlinked (detached) inode answers
+    ESTALE now (the kernel walks the path again), and create took that for its answer: ESTALE instead
+    of a new file."""
+    async def body(env: Env):
+        reached, go = trio.Event(), trio.Event()
+        real_open = env.fs.open
+
+        async def held_open(*args: Any, **kwargs: Any) -> Any:
+            reached.set()
+            await go.wait()
+            return await real_open(*args, **kwargs)
+
+        monkeypatch.setattr(env.fs, "open", held_open)
+        created: list[pyfuse3.FileInfo] = []
+
+        async def create() -> None:
+            fi, _ = await env.ops.create(ROOT, b"old", 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+            created.append(fi)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(create)
+            await reached.wait()  # create found "old" and opens it
+            await unlink(env, "old")()
+            go.set()
+        assert await env.ops.write(created[0].fh, 0, b"created anew") == len(b"created anew")
+        await close(env, created[0])()
+        assert await stored(env, "old") == b"created anew"
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")
