@@ -1335,6 +1335,10 @@ class Filesystem:
         sf, current = await self._unless_staged(inode, lambda: self._node(inode))
         if sf is None:
             assert current is not None
+            if current.kind != FILE:
+                # Read again: another client replaced the file meanwhile (by a directory, a link). The
+                # change was for the file, not for what is there now.
+                raise Conflict(f"{'/'.join(node.rel)} was replaced by another client meanwhile")
             await self._store_posix(inode, current, changes)
             return
         # An upload under way has taken the attributes it stores, and stores at the revision it read:
