@@ -20,7 +20,6 @@ import dataclasses
 import errno
 import json
 import logging
-import math
 import os
 import stat
 import time
@@ -970,20 +969,34 @@ class Filesystem:
         becomes so while the change waits, checked every `CHANGE_RECHECK_S`): that attempt could only
         end at its deadline, so it is interrupted (`StagedFile.interrupt_upload`) and the change goes
         on at once; the file is uploaded again after its next close."""
-        while True:
-            if not self.ns.store.connected and sf.interrupt_upload():
-                log.info("%s/%s: its write-back upload, waiting for an unreachable server, was interrupted by "
-                         "a change of the file; it is uploaded again after its next close", sf.bucket, sf.name)
-            # (Also while the file is not UPLOADING yet: a write-back attempt waiting for the lock ahead of
-            # this change takes it next, and may then wait for the unreachable server.)
-            recheck = CHANGE_RECHECK_S if self.writeback is not None else math.inf
-            with trio.move_on_after(recheck):
-                await sf.lock.acquire()
-                break
+        if self.writeback is None:
+            await sf.lock.acquire()
+        else:
+            self._interrupt_if_offline(sf)
+            try:
+                sf.lock.acquire_nowait()
+            except trio.WouldBlock:
+                # Waits in line, looking again meanwhile whatever the file's state now: an attempt ahead
+                # of this change (UPLOADING, or DIRTY and waiting for the lock too) may come to wait for
+                # a server that went away.
+                async with trio.open_nursery() as watching:
+                    watching.start_soon(self._interrupt_while_offline, sf)
+                    await sf.lock.acquire()
+                    watching.cancel_scope.cancel()
         try:
             yield
         finally:
             sf.lock.release()
+
+    def _interrupt_if_offline(self, sf: StagedFile) -> None:
+        if not self.ns.store.connected and sf.interrupt_upload():
+            log.info("%s/%s: its write-back upload, waiting for an unreachable server, was interrupted by a "
+                     "change of the file; it is uploaded again after its next close", sf.bucket, sf.name)
+
+    async def _interrupt_while_offline(self, sf: StagedFile) -> None:
+        while True:
+            await trio.sleep(CHANGE_RECHECK_S)
+            self._interrupt_if_offline(sf)
 
     async def _version_of(self, handle: FileHandle) -> Node:
         """What a handle's first write starts from: the object now at the inode's path if it is still
