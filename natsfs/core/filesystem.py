@@ -267,18 +267,23 @@ class _DirRenameGate:
         self._changed = trio.Event()
 
     @contextlib.asynccontextmanager
-    async def adding(self, directory: Callable[[], tuple[str, ...]]) -> AsyncIterator[tuple[str, ...]]:
-        """Held while an entry is added: yields the path `directory()` has once no rename moves it."""
-        while any(_under(directory(), moved) for moved in self._renaming):
+    async def adding(self, *directories: Callable[[], tuple[str, ...]]
+                     ) -> AsyncIterator[tuple[tuple[str, ...], ...]]:
+        """Held while an entry is added (a rename: moved out of one directory into another): yields the
+        paths the `directories()` have once no rename moves any of them (all at once: one held while
+        waiting for another could hold up the rename that one waits for)."""
+        while any(_under(directory(), moved) for directory in directories for moved in self._renaming):
             await self._wait()
-        path = directory()
-        self._adding[path] += 1
+        paths = tuple(directory() for directory in directories)
+        for path in paths:
+            self._adding[path] += 1
         try:
-            yield path
+            yield paths
         finally:
-            self._adding[path] -= 1
-            if not self._adding[path]:
-                del self._adding[path]
+            for path in paths:
+                self._adding[path] -= 1
+                if not self._adding[path]:
+                    del self._adding[path]
             if self._renaming:  # (only renames wait for entries being added)
                 self._notify()
 
@@ -635,7 +640,7 @@ class Filesystem:
             if self.inodes.path_of(parent_inode) == path[:-1]:
                 raise
             # (renamed while checking: the answer was about the old path)
-        async with self._dir_renames.adding(lambda: self.inodes.path_of(parent_inode)) as directory:
+        async with self._dir_renames.adding(lambda: self.inodes.path_of(parent_inode)) as (directory,):
             yield checked and directory == path[:-1]
 
     async def _maybe_node(self, path: tuple[str, ...]) -> Node | None:
@@ -1579,7 +1584,26 @@ class Filesystem:
         bucket_new, rel_new = self.ns.split(new)
         if bucket_old is None or bucket_new is None or not rel_old or not rel_new or bucket_old != bucket_new:
             raise NatsFSError("rename across buckets (or of a bucket)", errno=errno.EXDEV, log_level=logging.DEBUG)
-        bucket = bucket_old
+        if old != new and _under(new, old):
+            raise InvalidArgument("cannot move a directory into itself")
+        # A directory the entry leaves or enters may be being renamed: this rename waits for that one
+        # and then takes the directory's new path, and one that starts meanwhile waits for this one
+        # (`_DirRenameGate`, as for an entry made there). Else a file moved into the renamed directory
+        # stayed behind under its old path and brought the old directory back. (Not where a directory
+        # of the rename lies under its own paths: renamed onto its ancestor, refused below.)
+        if _under(old[:-1], new):
+            await self._rename_now(bucket_old, old, new, rel_old, rel_new, noreplace)
+            return
+        async with self._dir_renames.adding(lambda: self.inodes.path_of(parent_inode_old),
+                                            lambda: self.inodes.path_of(parent_inode_new)) as directories:
+            if directories == (old[:-1], new[:-1]):
+                await self._rename_now(bucket_old, old, new, rel_old, rel_new, noreplace)
+                return
+        # (a directory of the rename was renamed meanwhile: the entry goes by its new path)
+        await self.rename(parent_inode_old, name_old, parent_inode_new, name_new, noreplace=noreplace)
+
+    async def _rename_now(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...], rel_old: tuple[str, ...],
+                          rel_new: tuple[str, ...], noreplace: bool) -> None:
         src = await self._path_node(old)
         dst = await self._maybe_node(new)
         if dst is not None and noreplace:
