@@ -196,6 +196,9 @@ class KernelNotifier:
             lost = len(self._unanswered_items)
             self._queue = {**dict.fromkeys(self._unanswered_items), **self._queue}
             self._unanswered_items.clear()
+            # (First: a child that ran long enough ends a streak of failed restarts, and its death is
+            # an ordinary one, said at WARNING.)
+            pause = self.restarts.died()
             if child is not None:
                 if self.restarts.failing:
                     log.debug("kernel notifier (pid %d) died (%s)", child.pid, describe_exit(status))
@@ -211,7 +214,6 @@ class KernelNotifier:
                 self._parked.clear()
                 return
             while not self._closing:
-                pause = self.restarts.died()
                 if self.restarts.newly_failing():
                     log.error("kernel notifier failed %d times in a row: other clients' changes show after "
                               "at most %g s (the kernel's timeouts are shortened); trying again every %g s at "
@@ -225,6 +227,7 @@ class KernelNotifier:
                 except OSError as e:
                     if not self.restarts.failing:
                         log.warning("kernel notifier not started (%s)", e)
+                    pause = self.restarts.died()
 
     async def close(self) -> None:
         """Stop asking (shutdown): the child ends at the end of its input. Never waits for it, since it

@@ -105,12 +105,15 @@ class UploadWorker:
                 status = await child.proc.wait()  # reaped: no zombie
                 if self._closing:
                     return
+            # (First: a worker that ran long enough ends a streak of failed restarts, and its death is an
+            # ordinary one, said at WARNING.)
+            pause = self.restarts.died()
+            if child is not None:
                 if self.restarts.failing:
                     log.debug("upload worker (pid %d) died (%s)", child.proc.pid, describe_exit(status))
                 else:
                     log.warning("upload worker (pid %d) died (%s); starting a new one (puts it was sending "
                                 "are sent again in-process)", child.proc.pid, describe_exit(status))
-            pause = self.restarts.died()
             if self.restarts.newly_failing():
                 log.error("upload worker failed %d times in a row; publishing in-process, trying again "
                           "every %g s at most", self.restarts.failures, self.restarts.cap)

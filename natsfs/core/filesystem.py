@@ -20,7 +20,6 @@ import dataclasses
 import errno
 import json
 import logging
-import math
 import os
 import stat
 import time
@@ -59,6 +58,7 @@ from ..errors import (
     NotFound,
     NotKept,
     ReadOnly,
+    Stale,
     Unavailable,
 )
 from ..handles import DirHandle, FileHandle, HandleNo, HandleTable
@@ -71,7 +71,7 @@ from ..names import NAME_MAX, placement
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from ..openers import Openers, ProcOpeners
 from ..secrecy import redact_urls
-from ..staging import StagedFile, Staging, WriteState
+from ..staging import StagedFile, Staging
 from ..status import recent_problems
 from ..streams import Payload
 from .openfiles import OpenFileTable
@@ -267,18 +267,23 @@ class _DirRenameGate:
         self._changed = trio.Event()
 
     @contextlib.asynccontextmanager
-    async def adding(self, directory: Callable[[], tuple[str, ...]]) -> AsyncIterator[tuple[str, ...]]:
-        """Held while an entry is added: yields the path `directory()` has once no rename moves it."""
-        while any(_under(directory(), moved) for moved in self._renaming):
+    async def adding(self, *directories: Callable[[], tuple[str, ...]]
+                     ) -> AsyncIterator[tuple[tuple[str, ...], ...]]:
+        """Held while an entry is added (a rename: moved out of one directory into another): yields the
+        paths the `directories()` have once no rename moves any of them (all at once: one held while
+        waiting for another could hold up the rename that one waits for)."""
+        while any(_under(directory(), moved) for directory in directories for moved in self._renaming):
             await self._wait()
-        path = directory()
-        self._adding[path] += 1
+        paths = tuple(directory() for directory in directories)
+        for path in paths:
+            self._adding[path] += 1
         try:
-            yield path
+            yield paths
         finally:
-            self._adding[path] -= 1
-            if not self._adding[path]:
-                del self._adding[path]
+            for path in paths:
+                self._adding[path] -= 1
+                if not self._adding[path]:
+                    del self._adding[path]
             if self._renaming:  # (only renames wait for entries being added)
                 self._notify()
 
@@ -589,8 +594,7 @@ class Filesystem:
                     # entry there; or a change by another client, before its invalidation landed).
                     # ESTALE, not ENOENT: open(2) and stat(2) then walk the path again, revalidating
                     # every name with us, and reach what the name shows now.
-                    raise NatsFSError(f"inode {ino} was replaced or deleted", errno=errno.ESTALE,
-                                      log_level=logging.DEBUG) from None
+                    raise Stale(f"inode {ino} was replaced or deleted", log_level=logging.DEBUG) from None
                 if not readers or not self._nameless(ino):
                     raise
                 # Deleted or replaced while open (by this mount or another client): what its handles hold.
@@ -636,7 +640,7 @@ class Filesystem:
             if self.inodes.path_of(parent_inode) == path[:-1]:
                 raise
             # (renamed while checking: the answer was about the old path)
-        async with self._dir_renames.adding(lambda: self.inodes.path_of(parent_inode)) as directory:
+        async with self._dir_renames.adding(lambda: self.inodes.path_of(parent_inode)) as (directory,):
             yield checked and directory == path[:-1]
 
     async def _maybe_node(self, path: tuple[str, ...]) -> Node | None:
@@ -903,7 +907,7 @@ class Filesystem:
             ino = self.inodes.lookup(path)
             try:
                 info = await self.open(ino, flags, caller)
-            except NotFound:
+            except (NotFound, Stale):  # (Stale: its inode was detached, `_node`)
                 if await self._maybe_node(path) is not None:
                     raise
                 # Unlinked (or renamed away) while this open awaited: the name is free, create it.
@@ -970,18 +974,34 @@ class Filesystem:
         becomes so while the change waits, checked every `CHANGE_RECHECK_S`): that attempt could only
         end at its deadline, so it is interrupted (`StagedFile.interrupt_upload`) and the change goes
         on at once; the file is uploaded again after its next close."""
-        while True:
-            if not self.ns.store.connected and sf.interrupt_upload():
-                log.info("%s/%s: its write-back upload, waiting for an unreachable server, was interrupted by "
-                         "a change of the file; it is uploaded again after its next close", sf.bucket, sf.name)
-            recheck = CHANGE_RECHECK_S if sf.state is WriteState.UPLOADING and self.writeback is not None else math.inf
-            with trio.move_on_after(recheck):
-                await sf.lock.acquire()
-                break
+        if self.writeback is None:
+            await sf.lock.acquire()
+        else:
+            self._interrupt_if_offline(sf)
+            try:
+                sf.lock.acquire_nowait()
+            except trio.WouldBlock:
+                # Waits in line, looking again meanwhile whatever the file's state now: an attempt ahead
+                # of this change (UPLOADING, or DIRTY and waiting for the lock too) may come to wait for
+                # a server that went away.
+                async with trio.open_nursery() as watching:
+                    watching.start_soon(self._interrupt_while_offline, sf)
+                    await sf.lock.acquire()
+                    watching.cancel_scope.cancel()
         try:
             yield
         finally:
             sf.lock.release()
+
+    def _interrupt_if_offline(self, sf: StagedFile) -> None:
+        if not self.ns.store.connected and sf.interrupt_upload():
+            log.info("%s/%s: its write-back upload, waiting for an unreachable server, was interrupted by a "
+                     "change of the file; it is uploaded again after its next close", sf.bucket, sf.name)
+
+    async def _interrupt_while_offline(self, sf: StagedFile) -> None:
+        while True:
+            await trio.sleep(CHANGE_RECHECK_S)
+            self._interrupt_if_offline(sf)
 
     async def _version_of(self, handle: FileHandle) -> Node:
         """What a handle's first write starts from: the object now at the inode's path if it is still
@@ -1137,8 +1157,11 @@ class Filesystem:
             return
         self.staging.remove(sf)
         self.mut.discard(sf)
-        if ino in self.inodes and self.inodes.lookup_count(ino) == 0:
-            self.inodes.forget(ino, 0)  # it was kept only for the upload
+        if ino in self.inodes and self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
+            # It was kept only for the upload: what is kept per inode for the kernel goes with it, as on
+            # a forget.
+            self.files.forget_cached_version(ino)
+            self._told_sizes.pop(ino, None)
 
     async def _store_in_time(self, ino: InodeNo) -> None:
         """`_upload` under one deadline for the whole store (every request, retry and fallback in it):
@@ -1330,6 +1353,10 @@ class Filesystem:
         sf, current = await self._unless_staged(inode, lambda: self._node(inode))
         if sf is None:
             assert current is not None
+            if current.kind != FILE:
+                # Read again: another client replaced the file meanwhile (by a directory, a link). The
+                # change was for the file, not for what is there now.
+                raise Conflict(f"{'/'.join(node.rel)} was replaced by another client meanwhile")
             await self._store_posix(inode, current, changes)
             return
         # An upload under way has taken the attributes it stores, and stores at the revision it read:
@@ -1557,7 +1584,26 @@ class Filesystem:
         bucket_new, rel_new = self.ns.split(new)
         if bucket_old is None or bucket_new is None or not rel_old or not rel_new or bucket_old != bucket_new:
             raise NatsFSError("rename across buckets (or of a bucket)", errno=errno.EXDEV, log_level=logging.DEBUG)
-        bucket = bucket_old
+        if old != new and _under(new, old):
+            raise InvalidArgument("cannot move a directory into itself")
+        # A directory the entry leaves or enters may be being renamed: this rename waits for that one
+        # and then takes the directory's new path, and one that starts meanwhile waits for this one
+        # (`_DirRenameGate`, as for an entry made there). Else a file moved into the renamed directory
+        # stayed behind under its old path and brought the old directory back. (Not where a directory
+        # of the rename lies under its own paths: renamed onto its ancestor, refused below.)
+        if _under(old[:-1], new):
+            await self._rename_now(bucket_old, old, new, rel_old, rel_new, noreplace)
+            return
+        async with self._dir_renames.adding(lambda: self.inodes.path_of(parent_inode_old),
+                                            lambda: self.inodes.path_of(parent_inode_new)) as directories:
+            if directories == (old[:-1], new[:-1]):
+                await self._rename_now(bucket_old, old, new, rel_old, rel_new, noreplace)
+                return
+        # (a directory of the rename was renamed meanwhile: the entry goes by its new path)
+        await self.rename(parent_inode_old, name_old, parent_inode_new, name_new, noreplace=noreplace)
+
+    async def _rename_now(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...], rel_old: tuple[str, ...],
+                          rel_new: tuple[str, ...], noreplace: bool) -> None:
         src = await self._path_node(old)
         dst = await self._maybe_node(new)
         if dst is not None and noreplace:

@@ -126,3 +126,38 @@ def test_a_directory_renamed_while_an_entry_is_made_in_it_takes_the_entry_along(
         await landed_in_the_renamed_directory(env, stored_as)
 
     ops_env(body, setup=dir_with_a_file, bucket="b")
+
+
+@pytest.mark.parametrize("way", ["into", "out of"])
+def test_a_file_renamed_into_or_out_of_a_directory_being_renamed_moves_with_it(ops_env, monkeypatch, way):
+    """`mv old d/` (or `mv d/f .`) while `mv d e` runs: the kernel lets both through at once (the
+    directory rename locks only its parent). Moved into d while the rename ran, the file stayed behind
+    as d/g and brought d back; moved out of it, it raced the rename's own move of d/f. As on a local
+    disk, the file lands in (or leaves) the renamed directory, and d does not come back."""
+    async def body(env: Env):
+        d = await ino_of(env, "d")
+        root = await ino_of(env, "")
+        await ino_of(env, "old")
+        await ino_of(env, "d/f")
+        hold = Held(monkeypatch, env.store, "rename")  # the directory rename's first move (d/f)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rename(env, "d", "e"))
+            await hold.held.wait()
+            if way == "into":
+                nursery.start_soon(env.ops.rename, root, b"old", d, b"g", 0, CTX)
+            else:
+                nursery.start_soon(env.ops.rename, d, b"f", root, b"g", 0, CTX)
+            await env.settle()  # (it waits for the directory rename)
+            hold.release()
+        await env.settle()
+        if way == "into":
+            assert stored_names(env) == {"e/", "e/f", "e/g"}
+            assert (await env.listdir(root)).names == ["e"]
+            assert (await env.listdir(await ino_of(env, "e"))).names == ["f", "g"]
+        else:
+            assert stored_names(env) == {"e/", "g", "old"}
+            assert (await env.listdir(root)).names == ["e", "g", "old"]
+            assert (await env.listdir(await ino_of(env, "e"))).names == []
+            assert await env.cat("g") == b"in d"
+
+    ops_env(body, setup=dir_with_a_file, bucket="b")

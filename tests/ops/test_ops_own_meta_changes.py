@@ -9,6 +9,7 @@ writer through the kernel's still-valid entry got the old version, whose upload 
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -436,3 +437,46 @@ def test_a_close_landing_while_a_meta_change_is_published_is_stored_after_it(ops
         await both_stored(env, ino, change, LINE1)
 
     ops_env(body, setup=an_empty_log)
+
+
+@pytest.mark.parametrize("replacement", ["directory", "symlink"])
+def test_a_chmod_of_a_file_another_client_replaces_meanwhile_is_a_clear_error(ops_env, monkeypatch, replacement):
+    """The chmod read the file, then awaited; meanwhile another client replaced it by a directory (or an
+    ADR-20 link). The change, read again before it is stored, must not be applied to what is there now
+    as if it were the file: a clear errno, no traceback (it was an AssertionError, EIO)."""
+    from gowriters import delete_object
+
+    async def body(env: Env):
+        ino = (await env.lookup("app.log")).st_ino
+        real_node = env.fs._node
+        reached, go = trio.Event(), trio.Event()
+
+        async def first_read_held(inode: Any) -> Any:
+            node = await real_node(inode)
+            if not reached.is_set():
+                reached.set()
+                await go.wait()
+            return node
+
+        monkeypatch.setattr(env.fs, "_node", first_read_held)
+        errnos: list[int] = []
+
+        async def change() -> None:
+            try:
+                await chmod(env, ino, 0o600)
+            except pyfuse3.FUSEError as e:
+                errnos.append(e.errno)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(change)
+            await reached.wait()
+            await delete_object(env.streams, "b", "app.log")
+            if replacement == "directory":
+                await put_object(env.streams, "b", "app.log/inner", b"x")
+            else:
+                await env.store.add_link("b", "app.log", "b", "other")
+            await env.settle()
+            go.set()
+        assert len(errnos) == 1 and errnos[0] != errno.EIO, errnos
+
+    ops_env(body, setup=a_log_file, bucket="b")

@@ -510,3 +510,94 @@ def test_a_write_does_not_wait_for_a_write_back_upload_stuck_on_an_unreachable_s
 
     # (A flush deadline no test reaches: the attempt never gives up by itself.)
     ops_env(body, setup=bucket_b, bucket="b", write_back=0.0, flush_timeout=3600.0)
+
+
+def test_a_write_queued_behind_a_write_back_upload_that_then_gets_stuck_offline_interrupts_it(ops_env, monkeypatch,
+                                                                                                caplog):
+    """The write waits for the file's lock while another write holds it and the uploader waits too (the
+    file DIRTY: nothing to interrupt yet); the server is gone. The other write ends, the lock goes to the
+    uploader (first in line), whose attempt then waits for the unreachable server. The waiting write
+    must still interrupt that attempt: it waited for the attempt's flush deadline, as it only looked
+    again while the file was UPLOADING when it began to wait."""
+    caplog.set_level(logging.INFO, logger="natsfs")
+    path = "d/f"
+    tail = b"B" * 1000
+
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        from natsfs.staging import StagedFile, WriteState
+
+        fi = await written(env, path, V2)
+        await env.ops.flush(fi.fh)  # journalled; its upload is due only much later
+        sf = env.fs.staging.get((await env.lookup(path)).st_ino)
+        assert sf is not None
+        hold_write = Held(monkeypatch, StagedFile, "write")
+        hold_put = Held(monkeypatch, env.store, "put_file")
+        done: list[str] = []
+
+        async def waiting_for(sf: StagedFile, tasks: int) -> None:
+            while sf.lock.statistics().tasks_waiting < tasks:
+                await trio.sleep(0.01)
+
+        async def write(what: str, data: bytes) -> None:
+            assert await env.ops.write(fi.fh, 0, data) == len(data)
+            done.append(what)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write, "first", NEW)
+            await hold_write.held.wait()  # the first write holds the file's lock
+            env.fs.writeback.schedule(sf, 0.0)
+            await waiting_for(sf, 1)  # the uploader waits for the lock (after the burst pause), the file DIRTY
+            assert sf.state is WriteState.DIRTY
+            env.streams.go_offline(3600.0)  # (the attempt never gives up by itself)
+            nursery.start_soon(write, "second", tail)
+            await waiting_for(sf, 2)  # the second write waits for the lock, behind the uploader
+            hold_write.release()
+            await hold_put.held.wait()  # the uploader has the lock: its attempt waits (for the server)
+            with trio.move_on_after(30):  # (only ends a failing run)
+                while "second" not in done:
+                    await trio.sleep(0.05)
+            assert done == ["first", "second"]  # not held until the attempt's flush deadline
+            hold_put.release()
+        env.streams.go_online()
+        await close(env, fi)()
+        await env.fs.writeback.drain(30)
+        assert await stored(env, path) == tail + NEW[len(tail):]
+        assert lost_and_found(env) == []
+        assert len([r for r in caplog.records if "was interrupted by a change of the file" in r.getMessage()]) == 1
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=3600.0, flush_timeout=3600.0)
+
+
+def test_an_o_creat_open_of_a_file_unlinked_while_it_opens_creates_the_file(ops_env, monkeypatch):
+    """open(O_CREAT) of an existing name opens that file; unlinked while the open awaited, the name is
+    free and the file is created, as on a local disk. The open of the unlinked (detached) inode answers
+    ESTALE now (the kernel walks the path again), and create took that for its answer: ESTALE instead
+    of a new file."""
+    async def body(env: Env):
+        reached, go = trio.Event(), trio.Event()
+        real_open = env.fs.open
+
+        async def held_open(*args: Any, **kwargs: Any) -> Any:
+            reached.set()
+            await go.wait()
+            return await real_open(*args, **kwargs)
+
+        monkeypatch.setattr(env.fs, "open", held_open)
+        created: list[pyfuse3.FileInfo] = []
+
+        async def create() -> None:
+            fi, _ = await env.ops.create(ROOT, b"old", 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+            created.append(fi)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(create)
+            await reached.wait()  # create found "old" and opens it
+            await unlink(env, "old")()
+            go.set()
+        assert await env.ops.write(created[0].fh, 0, b"created anew") == len(b"created anew")
+        await close(env, created[0])()
+        assert await stored(env, "old") == b"created anew"
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")

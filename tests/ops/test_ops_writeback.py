@@ -9,7 +9,7 @@ from pathlib import Path
 
 import trio
 from gowriters import put_object
-from opskit import ROOT, Env
+from opskit import CTX, ROOT, Env
 from test_ops_write import stored, write_file
 
 from natsfs.adr20 import ObjectStore
@@ -340,3 +340,26 @@ def test_unmount_leaves_no_spool_file_created_ahead(ops_env, tmp_path):
             assert await stored(env, f"s{i}.txt") == b"spooled"
 
     ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)
+
+
+def test_an_inode_the_kernel_forgot_before_its_upload_leaves_nothing_behind_once_stored(ops_env):
+    """The kernel forgets the inodes of files written in write-back mode (tar -x of many files) while
+    their uploads wait: each inode is kept for its upload and dropped when it settles. What the mount
+    kept about the inode for the kernel (the size it was told, the version its pages held) went with it
+    on a forget, but stayed for good when the inode was dropped at the upload: memory growing by one
+    entry per file for the life of the mount."""
+    async def body(env: Env):
+        for i in range(3):
+            fi, attr = await env.ops.create(ROOT, f"f{i}".encode(), 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+            await env.ops.write(fi.fh, 0, b"bytes %d" % i)
+            await env.ops.flush(fi.fh)
+            await env.ops.release(fi.fh)
+            env.ops.forget([(attr.st_ino, 1)])  # (create counted one lookup)
+        assert env.fs.writeback is not None
+        await env.fs.writeback.drain(30)
+        for i in range(3):
+            assert await stored(env, f"f{i}") == b"bytes %d" % i
+        assert env.fs._told_sizes == {}
+        assert len(env.fs.files) == 0
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=LATER)

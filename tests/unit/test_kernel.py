@@ -7,6 +7,7 @@ import os
 import struct
 from pathlib import Path
 
+import pytest
 import trio
 
 from natsfs.kernel import FUSE_NOTIFY_INVAL_ENTRY, FUSE_NOTIFY_INVAL_INODE, KernelNotifier, notify_message
@@ -131,3 +132,59 @@ def test_a_dead_child_is_reaped_and_replaced_and_what_it_had_not_answered_is_sen
         (FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 5, 0, 0)),
         (FUSE_NOTIFY_INVAL_ENTRY, struct.pack("=QII", 1, 9, 0) + b"meanwhile\0"),
     ]
+
+
+@pytest.mark.expect_log("kernel notifier failed 2 times in a row")
+def test_a_child_that_runs_again_after_failed_restarts_is_said_at_warning_when_it_dies(caplog):
+    """Restarts that failed in a row are said once at ERROR, and their deaths only at DEBUG. Once a child
+    ran long enough again, its death is an ordinary one: one WARNING (it was said at DEBUG, as if the
+    streak of failures still went on)."""
+    import logging
+    import signal
+
+    from natsfs.retry import Restarts
+
+    caplog.set_level(logging.DEBUG, logger="natsfs")
+    read_end, device = os.pipe()
+    now = [100.0]
+    refusals = [2]  # the first two new devices cannot be opened
+
+    def reopen() -> int:
+        if refusals[0]:
+            refusals[0] -= 1
+            raise OSError(24, "Too many open files")
+        return os.dup(device)
+
+    notifier = KernelNotifier(restarts=Restarts(first=0.01, cap=0.02, stable=10, give_up_after=2,
+                                                clock=lambda: now[0]))
+
+    async def wait_for_a_child_other_than(pid: int | None) -> int:
+        with trio.fail_after(10):
+            while notifier.pid == pid or not notifier.running:
+                await trio.sleep(0.01)
+        assert notifier.pid is not None
+        return notifier.pid
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            notifier.start(nursery)
+            notifier.attach(os.dup(device), reopen=reopen)
+            first = notifier.pid
+            assert first is not None
+            os.kill(first, signal.SIGKILL)  # dies at once; then two starts fail: said at ERROR
+            second = await wait_for_a_child_other_than(first)
+            assert notifier.restarts.failing
+            now[0] += 60  # it runs a minute
+            os.kill(second, signal.SIGKILL)
+            await wait_for_a_child_other_than(second)
+            await notifier.close()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        os.close(read_end)
+        os.close(device)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "died" in r.getMessage()
+            or "failed" in r.getMessage()]
+    assert [level for level, _ in said] == [logging.WARNING, logging.ERROR, logging.WARNING], said
