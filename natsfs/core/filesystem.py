@@ -202,14 +202,10 @@ def _new_name(raw: bytes) -> str:
     return _name(raw)
 
 
-class _DirTimeGate:
-    """Directory renames, rmdirs and attribute changes publish markers at revisions they read; a
-    directory-time store in between would make them fail as conflicts. They run together; a store
-    of directory times runs alone."""
+class _Gate:
+    """What the gates below share: waiters wait for the next change of the gate's state and look again."""
 
     def __init__(self) -> None:
-        self._users = 0
-        self._storing = False
         self._changed = trio.Event()
 
     async def _wait(self) -> None:
@@ -218,6 +214,17 @@ class _DirTimeGate:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+
+
+class _DirTimeGate(_Gate):
+    """Directory renames, rmdirs and attribute changes publish markers at revisions they read; a
+    directory-time store in between would make them fail as conflicts. They run together; a store
+    of directory times runs alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._users = 0
+        self._storing = False
 
     @contextlib.asynccontextmanager
     async def changing(self) -> AsyncIterator[None]:
@@ -246,7 +253,7 @@ def _under(path: tuple[str, ...], directory: tuple[str, ...]) -> bool:
     return path[: len(directory)] == directory
 
 
-class _DirRenameGate:
+class _DirRenameGate(_Gate):
     """A directory rename and the entries added in the directories it moves (create, mkdir, symlink,
     mknod) run one after the other. A rename moves the objects it finds when it starts; an entry
     published under the old path meanwhile stayed behind and brought the old directory back. So an
@@ -255,16 +262,9 @@ class _DirRenameGate:
     moves them along."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._adding: Counter[tuple[str, ...]] = Counter()  # directory -> entries being added in it
         self._renaming: Counter[tuple[str, ...]] = Counter()  # directories being renamed (old and new path)
-        self._changed = trio.Event()
-
-    async def _wait(self) -> None:
-        await self._changed.wait()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
 
     @contextlib.asynccontextmanager
     async def adding(self, *directories: Callable[[], tuple[str, ...]]
