@@ -344,9 +344,9 @@ class Filesystem:
         # The size last handed to the kernel for each file inode (the kernel's i_size, as far as we
         # know): an open pinning a version of another size is not served through the page cache.
         self._told_sizes: dict[InodeNo, int] = {}
-        # Inodes an open was refused `ESTALE` for since their last open that found the kernel's size right
-        # (see `_kernel_size_stale`): the next open of one of them is never refused again.
-        self._size_revalidations: set[InodeNo] = set()
+        # Per inode, the calling threads an open of it was refused `ESTALE` for, whose retry has not come
+        # yet (see `_kernel_size_stale`): their next open of it is never refused.
+        self._size_revalidations: dict[InodeNo, set[int]] = {}
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         # Directory entries already logged as skipped by readdir (path, revision): one line each.
@@ -726,7 +726,7 @@ class Filesystem:
             if self.inodes.forget(ino, nlookup):
                 self.files.forget_cached_version(ino)
                 self._told_sizes.pop(ino, None)
-                self._size_revalidations.discard(ino)
+                self._size_revalidations.pop(ino, None)
 
     async def readlink(self, inode: InodeNo) -> bytes:
         node = await self._node(inode)
@@ -769,7 +769,7 @@ class Filesystem:
                 if self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
                     self.files.forget_cached_version(ino)
                     self._told_sizes.pop(ino, None)
-                    self._size_revalidations.discard(ino)
+                    self._size_revalidations.pop(ino, None)
                 if accepted is None:
                     continue
                 return
@@ -805,7 +805,7 @@ class Filesystem:
             # inode shows now, or the kernel would serve two versions from one page cache.
             if self._shows_now(inode, node.info):
                 break
-        if revalidate and self._kernel_size_stale(inode, node.info, flags):
+        if revalidate and self._kernel_size_stale(inode, node.info, flags, caller.pid if caller else 0):
             raise KernelSizeStale(f"{'/'.join(self.inodes.path_of(inode))}: the kernel holds "
                                   f"{self._told_sizes.get(inode)} bytes for a version of {node.info.size}")
         if flags & os.O_TRUNC:
@@ -853,32 +853,36 @@ class Filesystem:
         shown = current.info if current is not None and current.kind == FILE else None
         return shown is not None and (shown is info or (bool(info.nuid) and shown.nuid == info.nuid))
 
-    def _kernel_size_stale(self, inode: InodeNo, info: ObjectInfo, flags: int) -> bool:
-        """Whether an open of `inode` pinning `info` is refused with `ESTALE`, for the kernel to learn the
-        version's size before it reads a byte of it.
+    def _kernel_size_stale(self, inode: InodeNo, info: ObjectInfo, flags: int, thread: int) -> bool:
+        """Whether an open of `inode` pinning `info`, by the calling `thread`, is refused with `ESTALE`, for
+        the kernel to learn the version's size before it reads a byte of it.
 
         The kernel keeps one size per inode and reads through its page cache up to it (read, mmap, and
         splice, which sendfile and copy_file_range use, even on a direct_io handle). When another client
-        replaced the object and the kernel has not taken the invalidation yet (it waits while a request
-        on the inode is answered, or the notifier is behind), the size it holds is the old version's:
-        the new bytes would come back cut to it, or padded with zeros up to it. `open(2)` answered
-        `ESTALE` walks its path again with LOOKUP_REVAL, which sends a LOOKUP of each name; its reply
-        carries the attributes of the version the path shows (`_attr` records the size told), the
-        kernel takes the new size and drops the inode's pages, and the retried open finds the sizes
-        equal. The kernel retries only once: an open of an inode refused since its last open that found
-        the sizes equal (the retry, or a concurrent open) is never refused, it is answered direct_io
-        (`_open_handle`).
+        replaced the object and the kernel has not asked for its attributes since (its invalidation
+        waits while a request on the inode is answered, or the notifier is behind; and once it lands,
+        the kernel asks only at its next stat or read, not at an open or a splice), the size it holds is
+        the old version's: the new bytes would come back cut to it, or padded with zeros up to it.
+        `open(2)` answered `ESTALE` walks its path again with LOOKUP_REVAL, which sends a LOOKUP of each
+        name; its reply carries the attributes of the version the path shows (`_attr` records the size
+        told), the kernel takes the new size and drops the inode's pages, and the retried open finds the
+        sizes equal. The kernel retries once, in the same thread: that thread's next open of the inode
+        is never refused (if its sizes still differ, e.g. the object was replaced again meanwhile, or
+        the open walked no name, as one of /proc/PID/fd/N, it is answered direct_io, `_open_handle`).
         """
         told = self._told_sizes.get(inode)
-        if told is None or told == info.size or flags & os.O_TRUNC:
-            self._size_revalidations.discard(inode)
+        refused = self._size_revalidations.get(inode)
+        retry = refused is not None and thread in refused
+        if retry:
+            assert refused is not None
+            refused.discard(thread)
+            if not refused:
+                del self._size_revalidations[inode]
+        if told is None or told == info.size or flags & os.O_TRUNC or retry:
             return False
-        sf = self.staging.get(inode)
-        if sf is not None:
+        if self.staging.get(inode) is not None:
             return False  # every byte of a staged file went through this kernel: its size is the kernel's
-        if inode in self._size_revalidations:
-            return False
-        self._size_revalidations.add(inode)
+        self._size_revalidations.setdefault(inode, set()).add(thread)
         return True
 
     def _open_handle(self, inode: InodeNo, node: Node, writing: bool, caller: Caller | None) -> Opened:
@@ -1208,7 +1212,7 @@ class Filesystem:
             # a forget.
             self.files.forget_cached_version(ino)
             self._told_sizes.pop(ino, None)
-            self._size_revalidations.discard(ino)
+            self._size_revalidations.pop(ino, None)
 
     async def _store_in_time(self, ino: InodeNo) -> None:
         """`_upload` under one deadline for the whole store (every request, retry and fallback in it):

@@ -18,7 +18,7 @@ import pyfuse3
 import pytest
 import trio
 from gowriters import put_object
-from opskit import CTX, Env, Listing
+from opskit import CTX, Ctx, Env, Listing
 
 from natsfs.adr20 import ObjectStore
 from natsfs.handles import FileHandle
@@ -356,30 +356,41 @@ def test_an_open_pinning_a_version_the_kernel_has_another_size_for_is_refused_fo
     ops_env(body, setup=one_object)
 
 
-def test_an_open_refused_for_the_size_is_refused_once_then_bypasses_the_page_cache_until_the_kernel_asks(
+def test_the_retry_of_an_open_refused_for_the_size_is_never_refused_and_bypasses_the_page_cache(
         ops_env, monkeypatch):
-    """The kernel retries a refused open only once. If its walk again did not bring it the new size (an
-    open through /proc/PID/fd, or the object replaced again meanwhile), the next opens are not refused:
-    they are answered direct_io, each of them (also the second open of the version, which reads nothing
-    the first one put in the page cache), so reads return the version whole. Once the kernel asked for the
-    attributes again, opens use the page cache as before."""
+    """The kernel retries a refused open once, in the same thread. If its walk again did not bring it the
+    new size (an open of /proc/PID/fd/N walks no name; the object replaced again meanwhile), the retry is
+    not refused but answered direct_io, so reads return the version whole; so is the retry of every later
+    open (each refused once, never keep_cache: also the second open of the version, which reads nothing a
+    direct_io open put in the page cache). Another thread's open in between is refused for itself. Once
+    the kernel asked for the attributes again, opens use the page cache as before."""
     async def body(env: Env):
         ino = (await env.lookup("alpha/moving.bin")).st_ino
         assert await env.read_all(ino) == OLD
 
-        await refused_open(monkeypatch, env, ino)
+        await refused_open(monkeypatch, env, ino)  # by CTX's thread
 
-        for _ in range(2):  # no lookup between: the kernel still holds len(OLD)
-            fallback = await env.ops.open(ino, os.O_RDONLY, CTX)
+        other = Ctx()
+        other.pid = CTX.pid + 1
+        assert await estale(env.ops.open(ino, os.O_RDONLY, other))  # not CTX's retry
+        for _ in range(2):  # no lookup in between: the kernel still holds len(OLD)
+            fallback = await env.ops.open(ino, os.O_RDONLY, CTX)  # the retry
             assert fallback.direct_io and not fallback.keep_cache
             assert await read(env, fallback, 2 * len(NEW)) == NEW
             await env.ops.release(fallback.fh)
+            assert await estale(env.ops.open(ino, os.O_RDONLY, CTX))  # the next open(2), refused once
+        retried = await env.ops.open(ino, os.O_RDONLY, other)  # the other thread's retry
+        assert retried.direct_io and not retried.keep_cache
+        await env.ops.release(retried.fh)
 
         assert (await env.ops.getattr(ino, None)).st_size == len(NEW)  # the kernel asks again
-        again = await env.ops.open(ino, os.O_RDONLY, CTX)
+        again = await env.ops.open(ino, os.O_RDONLY, CTX)  # CTX's pending retry, now with the sizes equal
         assert not again.direct_io and not again.keep_cache  # direct_io handles vouched for no page
         assert await read(env, again, 2 * len(NEW)) == NEW
         await env.ops.release(again.fh)
+        kept = await env.ops.open(ino, os.O_RDONLY, CTX)
+        assert kept.keep_cache and not kept.direct_io
+        await env.ops.release(kept.fh)
 
         # The kernel learned the size: a later change of size is refused once again.
         await refused_open(monkeypatch, env, ino, data=OLD)
