@@ -87,6 +87,14 @@ class Stale(NatsFSError):
     log_level = logging.WARNING
 
 
+class KernelSizeStale(NatsFSError):
+    """An open pinned a version of another size than the one the kernel holds for the inode: the kernel
+    walks the path again, asking for fresh attributes, and retries the open (see `FileSystem.open`)."""
+
+    errno = _errno.ESTALE
+    log_level = logging.DEBUG
+
+
 class Corrupt(NatsFSError):
     """Data read back does not match its meta (digest, size, chunk count)."""
 

@@ -213,7 +213,8 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         self._first_open()
-        opened = await self.fs.open(InodeNo(inode), flags, _caller(ctx) if ctx is not None else None)
+        opened = await self.fs.open(InodeNo(inode), flags, _caller(ctx) if ctx is not None else None,
+                                    revalidate=True)
         return pyfuse3.FileInfo(fh=opened.fh, keep_cache=opened.keep_cache, direct_io=opened.direct_io)
 
     @_boundary

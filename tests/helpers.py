@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import errno
 import os
 import re
@@ -353,3 +354,18 @@ def race_atomic_saves(save_dir: Path, read_dir: Path, saves: int, allowed: tuple
         saves_done.set()
         reader.join()
     return outcomes, bad
+
+
+def daemon_children(pid: int) -> dict[str, int]:
+    """The daemon's live child processes by role (upload worker, kernel notifier); zombies left out."""
+    found = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                with contextlib.suppress(OSError), open(f"/proc/{child}/cmdline", "rb") as g:
+                    cmdline = g.read()
+                    role = "worker" if b"upload-worker" in cmdline else \
+                        "notifier" if b"natsfs.notifier" in cmdline else ""
+                    if role:
+                        found[role] = int(child)
+    return found

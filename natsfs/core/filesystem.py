@@ -51,6 +51,7 @@ from ..errors import (
     Corrupt,
     InvalidArgument,
     IsADirectory,
+    KernelSizeStale,
     NameTooLong,
     NatsFSError,
     NotADirectory,
@@ -343,6 +344,9 @@ class Filesystem:
         # The size last handed to the kernel for each file inode (the kernel's i_size, as far as we
         # know): an open pinning a version of another size is not served through the page cache.
         self._told_sizes: dict[InodeNo, int] = {}
+        # Per inode, the calling threads an open of it was refused `ESTALE` for, whose retry has not come
+        # yet (see `_kernel_size_stale`): their next open of it is never refused.
+        self._size_revalidations: dict[InodeNo, set[int]] = {}
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         # Directory entries already logged as skipped by readdir (path, revision): one line each.
@@ -722,6 +726,7 @@ class Filesystem:
             if self.inodes.forget(ino, nlookup):
                 self.files.forget_cached_version(ino)
                 self._told_sizes.pop(ino, None)
+                self._size_revalidations.pop(ino, None)
 
     async def readlink(self, inode: InodeNo) -> bytes:
         node = await self._node(inode)
@@ -764,6 +769,7 @@ class Filesystem:
                 if self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
                     self.files.forget_cached_version(ino)
                     self._told_sizes.pop(ino, None)
+                    self._size_revalidations.pop(ino, None)
                 if accepted is None:
                     continue
                 return
@@ -782,7 +788,10 @@ class Filesystem:
         self.handles.pop(fh)
 
     # ------------------------------------------------------------------ files
-    async def open(self, inode: InodeNo, flags: int, caller: Caller | None = None) -> Opened:
+    async def open(self, inode: InodeNo, flags: int, caller: Caller | None = None, *, revalidate: bool = False
+                   ) -> Opened:
+        """Open `inode`. `revalidate`: the kernel walked a path to it (FUSE_OPEN) and walks it again, asking
+        for fresh attributes, if this open fails with `ESTALE` (see `_kernel_size_stale`)."""
         writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
         while True:
             node = await self._node(inode)
@@ -796,6 +805,9 @@ class Filesystem:
             # inode shows now, or the kernel would serve two versions from one page cache.
             if self._shows_now(inode, node.info):
                 break
+        if revalidate and self._kernel_size_stale(inode, node.info, flags, caller.pid if caller else 0):
+            raise KernelSizeStale(f"{'/'.join(self.inodes.path_of(inode))}: the kernel holds "
+                                  f"{self._told_sizes.get(inode)} bytes for a version of {node.info.size}")
         if flags & os.O_TRUNC:
             sf = self._stage(inode, node)
             async with self._changing(sf):
@@ -841,6 +853,38 @@ class Filesystem:
         shown = current.info if current is not None and current.kind == FILE else None
         return shown is not None and (shown is info or (bool(info.nuid) and shown.nuid == info.nuid))
 
+    def _kernel_size_stale(self, inode: InodeNo, info: ObjectInfo, flags: int, thread: int) -> bool:
+        """Whether an open of `inode` pinning `info`, by the calling `thread`, is refused with `ESTALE`, for
+        the kernel to learn the version's size before it reads a byte of it.
+
+        The kernel keeps one size per inode and reads through its page cache up to it (read, mmap, and
+        splice, which sendfile and copy_file_range use, even on a direct_io handle). When another client
+        replaced the object and the kernel has not asked for its attributes since (its invalidation
+        waits while a request on the inode is answered, or the notifier is behind; and once it lands,
+        the kernel asks only at its next stat or read, not at an open or a splice), the size it holds is
+        the old version's: the new bytes would come back cut to it, or padded with zeros up to it.
+        `open(2)` answered `ESTALE` walks its path again with LOOKUP_REVAL, which sends a LOOKUP of each
+        name; its reply carries the attributes of the version the path shows (`_attr` records the size
+        told), the kernel takes the new size and drops the inode's pages, and the retried open finds the
+        sizes equal. The kernel retries once, in the same thread: that thread's next open of the inode
+        is never refused (if its sizes still differ, e.g. the object was replaced again meanwhile, or
+        the open walked no name, as one of /proc/PID/fd/N, it is answered direct_io, `_open_handle`).
+        """
+        told = self._told_sizes.get(inode)
+        refused = self._size_revalidations.get(inode)
+        retry = refused is not None and thread in refused
+        if retry:
+            assert refused is not None
+            refused.discard(thread)
+            if not refused:
+                del self._size_revalidations[inode]
+        if told is None or told == info.size or flags & os.O_TRUNC or retry:
+            return False
+        if self.staging.get(inode) is not None:
+            return False  # every byte of a staged file went through this kernel: its size is the kernel's
+        self._size_revalidations.setdefault(inode, set()).add(thread)
+        return True
+
     def _open_handle(self, inode: InodeNo, node: Node, writing: bool, caller: Caller | None) -> Opened:
         info = node.info
         assert info is not None
@@ -853,17 +897,23 @@ class Filesystem:
         if self.staging.get(inode) is not None:
             keep = True  # every byte of a staged file went through this kernel's page cache
         else:
-            # Unchanged since the kernel last cached it: let the page cache serve rereads.
-            keep = self.files.cached_version(inode) == info.nuid
-            self.files.set_cached_version(inode, info.nuid)
             # A version the kernel has not been told the size of (another client replaced the object
-            # and this open came before the kernel took the invalidation, which waits for this open to
-            # be answered): the kernel reads through its page cache up to the size it holds, so the
-            # new bytes would come back cut to the old size, or padded with zeros up to it. This handle
-            # bypasses the page cache instead: its reads return exactly the version it pinned, whole,
-            # whatever size the kernel holds (until the kernel asks for the attributes again).
+            # and this open came before the kernel took the invalidation, and the kernel's walk again
+            # did not bring the size, `_kernel_size_stale`): the kernel reads through its page cache
+            # up to the size it holds, so the new bytes would come back cut to the old size, or padded
+            # with zeros up to it. This handle bypasses the page cache instead: its reads return exactly
+            # the version it pinned, whole, whatever size the kernel holds (until the kernel asks for
+            # the attributes again). Every open of it does, also after one that pinned it before.
             told = self._told_sizes.get(inode)
-            direct_io = not keep and told is not None and told != info.size
+            direct_io = told is not None and told != info.size
+            # Unchanged since the kernel last cached it (and sized for it): let the page cache serve
+            # rereads.
+            keep = self.files.cached_version(inode) == info.nuid and not direct_io
+            if direct_io:
+                # Its reads fill no page; a splice of it fills pages under the old size: none vouched for.
+                self.files.forget_cached_version(inode)
+            else:
+                self.files.set_cached_version(inode, info.nuid)
         return Opened(fh, keep, direct_io)
 
     def _stage(self, inode: InodeNo, node: Node) -> StagedFile:
@@ -1162,6 +1212,7 @@ class Filesystem:
             # a forget.
             self.files.forget_cached_version(ino)
             self._told_sizes.pop(ino, None)
+            self._size_revalidations.pop(ino, None)
 
     async def _store_in_time(self, ino: InodeNo) -> None:
         """`_upload` under one deadline for the whole store (every request, retry and fallback in it):
@@ -1266,6 +1317,8 @@ class Filesystem:
                     del self._written_mtimes[next(iter(self._written_mtimes))]
                 self._written_mtimes[(info.bucket, info.nuid, info.revision)] = sf.mtime_ns
             self.files.set_cached_version(ino, info.nuid)
+            # The kernel sized the inode by the writes (and truncates) that made these bytes.
+            self._told_sizes[ino] = info.size
             self.counters["uploads"] += 1
             self.counters["upload_bytes"] += info.size
 

@@ -17,21 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import Mount, create_bucket, nats_py_get, nats_py_put, wait_for
-
-
-def _children(pid: int) -> dict[str, int]:
-    """The daemon's live child processes by role (upload worker, kernel notifier); zombies left out."""
-    found = {}
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
-            for child in f.read().split():
-                with contextlib.suppress(OSError), open(f"/proc/{child}/cmdline", "rb") as g:
-                    cmdline = g.read()
-                    role = "worker" if b"upload-worker" in cmdline else \
-                        "notifier" if b"natsfs.notifier" in cmdline else ""
-                    if role:
-                        found[role] = int(child)
-    return found
+from helpers import daemon_children as _children
 
 
 def _reaped(pid: int) -> bool:

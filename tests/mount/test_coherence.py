@@ -8,8 +8,12 @@ up eventually (generous timeouts), never how fast; the bench measures the latenc
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import random
+import shutil
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -21,6 +25,8 @@ from helpers import (
     Mount,
     check_daemon_logs,
     create_bucket,
+    daemon_children,
+    nats_py_get,
     nats_py_put,
     race_atomic_saves,
     raw_put,
@@ -366,3 +372,63 @@ def test_a_reader_in_another_mount_racing_atomic_saves_reads_whole_versions(nats
     assert not bad, f"{len(bad)} bad reads ({outcomes}): {bad[:5]}"
     assert outcomes["whole"] > 0
     assert wait_for(lambda: read_or_none(r / "f") == saved_version(300), T)
+
+
+def _read_by(how: str, p: Path, scratch: Path) -> bytes:
+    """Read all of `p` the way `how` does (each to end of file, never stopping at a size `stat` gave)."""
+    if how == "reopen":
+        os.close(os.open(p, os.O_RDONLY))  # pins the version, reads nothing
+        return p.read_bytes()
+    if how == "sendfile":
+        out = scratch / "sendfile.out"
+        with open(p, "rb") as src, open(out, "wb") as dst:
+            offset = 0
+            while sent := os.sendfile(dst.fileno(), src.fileno(), offset, 1 << 20):
+                offset += sent
+        return out.read_bytes()
+    if how == "copyfile":  # fstat, then sendfile
+        return Path(shutil.copyfile(p, scratch / "copyfile.out")).read_bytes()
+    if how == "mmap":
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return bytes(mapped)
+    assert how == "cp"  # copy_file_range, which falls back to splice, inside the mount
+    subprocess.run(["cp", str(p), str(p) + ".copy"], check=True)
+    return Path(str(p) + ".copy").read_bytes()
+
+
+@pytest.mark.parametrize("new_size", [300_000, 40_000])
+@pytest.mark.parametrize("how", ["reopen", "sendfile", "copyfile", "mmap", "cp"])
+def test_a_reader_in_another_mount_whose_kernel_holds_the_old_size_reads_a_whole_version(
+        nats_url, bucket_name, mounter, tmp_path, how, new_size):
+    """Mount A replaces `f` by a bigger (or smaller) version while mount B's kernel still holds the old size for its
+    inode (B's notifier, stopped here, has not delivered the invalidation: as when it is behind). B's
+    daemon knows of the new version. Reading `f` in B to end of file by reopen and read, sendfile,
+    shutil.copyfile, mmap, or `cp` inside B, gives the old version or the new one, whole: never the new
+    bytes cut to the old size, or padded with zeros up to it. `cp`'s copy, as other clients read it, is whole too."""
+    create_bucket(nats_url, bucket_name)
+    writer, reader = mounter(nats_url), mounter(nats_url)
+    w, r = writer.path / bucket_name, reader.path / bucket_name
+    old, new = random.Random(1).randbytes(100_000), random.Random(2).randbytes(new_size)
+    (w / "f").write_bytes(old)
+    (w / "sync").mkdir()
+    assert wait_for(lambda: read_or_none(r / "f") == old, T)
+    assert os.stat(r / "f").st_size == len(old)  # B's kernel caches the attributes (60 s)
+    assert reader.proc is not None
+    notifier = daemon_children(reader.proc.pid)["notifier"]
+    os.kill(notifier, signal.SIGSTOP)
+    try:
+        (w / "f.tmp").write_bytes(new)
+        os.rename(w / "f.tmp", w / "f")
+        (w / "sync" / "after").write_bytes(b"")
+        # B's watch applies the bucket's changes in order: once it lists `after` (a directory of its own,
+        # so that the listing hands B's kernel no attributes of `f`), it knows of the new `f`.
+        assert wait_for(lambda: "after" in os.listdir(r / "sync"), T)
+        assert os.stat(r / "f").st_size == len(old)  # the kernel still holds the old size
+        got = _read_by(how, r / "f", tmp_path)
+        assert got in (old, new), f"{len(got)} bytes, neither version ({len(old)} or {len(new)}) whole"
+        if how == "cp":
+            stored = nats_py_get(nats_url, bucket_name, "f.copy")
+            assert stored in (old, new), f"cp stored {len(stored)} bytes, neither version whole"
+    finally:
+        os.kill(notifier, signal.SIGCONT)
+    assert wait_for(lambda: read_or_none(r / "f") == new, T)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from natsfs.chunk_cache import ChunkCache
 from natsfs.config import Config
 from natsfs.core.filesystem import Filesystem
 from natsfs.fs import Operations
+from natsfs.inodes import InodeNo
 from natsfs.memstreams import MemoryStreams
 from natsfs.namespace import Namespace
 
@@ -98,6 +100,17 @@ class Env:
             attr = await self.ops.lookup(ino, os.fsencode(seg), None)
             ino = attr.st_ino
         return attr
+
+    async def open(self, ino: int, flags: int = os.O_RDONLY) -> pyfuse3.FileInfo:
+        """Open `ino` as open(2) does: answered `ESTALE`, the kernel walks the path again asking for fresh
+        attributes of each name (LOOKUP_REVAL) and retries the open once, on the inode the walk reached."""
+        try:
+            return await self.ops.open(ino, flags, CTX)
+        except pyfuse3.FUSEError as e:
+            if e.errno != errno.ESTALE:
+                raise
+        walked = await self.lookup("/".join(self.fs.inodes.path_of(InodeNo(ino))))
+        return await self.ops.open(walked.st_ino, flags, CTX)
 
     async def listdir(self, ino: int, *, start: int = 0, limit: int = 1 << 30) -> Listing:
         fh = await self.ops.opendir(ino, None)

@@ -18,7 +18,7 @@ import pyfuse3
 import pytest
 import trio
 from gowriters import put_object
-from opskit import CTX, Env, Listing
+from opskit import CTX, Ctx, Env, Listing
 
 from natsfs.adr20 import ObjectStore
 from natsfs.handles import FileHandle
@@ -56,12 +56,13 @@ class Held:
 
 
 async def held_open(hold: Held, env: Env, ino: int, meanwhile: Callable[[], Awaitable[None]],
-                    flags: int = os.O_RDONLY) -> pyfuse3.FileInfo:
-    """Open `ino`, with `meanwhile()` run (and the watch settled) while the open is held by `hold`."""
+                    flags: int = os.O_RDONLY, *, retried: bool = True) -> pyfuse3.FileInfo:
+    """Open `ino`, with `meanwhile()` run (and the watch settled) while the open is held by `hold`; as
+    open(2) does (`Env.open`, walked again and retried once if answered `ESTALE`) unless not `retried`."""
     opened: list[pyfuse3.FileInfo] = []
 
     async def open_it() -> None:
-        opened.append(await env.ops.open(ino, flags, CTX))
+        opened.append(await (env.open(ino, flags) if retried else env.ops.open(ino, flags, CTX)))
 
     env.nursery.start_soon(open_it)
     await hold.held.wait()
@@ -296,26 +297,141 @@ def test_an_atomic_save_in_this_mount_is_seen_whole_by_opens_and_lookups_racing_
     ops_env(body, setup=setup)
 
 
-def test_an_open_pinning_a_version_the_kernel_has_another_size_for_bypasses_the_page_cache(ops_env, monkeypatch):
+async def estale(call: Awaitable[Any]) -> bool:
+    try:
+        await call
+    except pyfuse3.FUSEError as e:
+        return e.errno == errno.ESTALE
+    return False
+
+
+async def refused_open(monkeypatch: pytest.MonkeyPatch, env: Env, ino: int, data: bytes = NEW) -> None:
+    """An open of `ino` (the kernel sized it for OLD) held while another client replaces the object: it
+    pins NEW, of another size than the kernel holds, and is answered `ESTALE` for the kernel to ask again."""
+    opened: list[pyfuse3.FileInfo] = []
+    hold = Held(monkeypatch, env.ns, "resolve")
+
+    async def open_it() -> None:
+        with pytest.raises(pyfuse3.FUSEError) as refused:
+            opened.append(await env.ops.open(ino, os.O_RDONLY, CTX))
+        assert refused.value.errno == errno.ESTALE
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(open_it)
+        await hold.held.wait()
+        await put_object(env.streams, "alpha", "moving.bin", data)
+        await env.settle()
+        hold.release()
+    assert not opened and versions_on(env, ino) == set()
+
+
+def test_an_open_pinning_a_version_the_kernel_has_another_size_for_is_refused_for_the_kernel_to_ask_again(
+        ops_env, monkeypatch):
     """Another client replaces the object while an open of its inode is under way: the open pins the new
     version, but the kernel still holds the old size for the inode (its invalidation waits until the open
-    is answered). Read through the page cache, the new bytes would come back cut to the old size or padded
-    with zeros up to it; the handle is direct_io instead, so its reads are exactly the new version. Once
-    the kernel has asked for the attributes again, opens use the page cache as before."""
+    is answered, or the notifier is behind). Read through the page cache, and by splice (sendfile,
+    copy_file_range) even on a direct_io handle, the new bytes would come back cut to the old size or
+    padded with zeros up to it. The open is answered ESTALE: open(2) walks the path again with fresh
+    lookups, whose reply gives the kernel the new size, and its retried open then reads the new version
+    through the page cache, at its size."""
     async def body(env: Env):
         ino = (await env.lookup("alpha/moving.bin")).st_ino  # the kernel now sizes the inode len(OLD)
         plain = await env.ops.open(ino, os.O_RDONLY, CTX)
         assert not plain.direct_io  # the version the kernel has the size of
+        assert await read(env, plain, 2 * len(OLD)) == OLD  # its pages hold OLD
         await env.ops.release(plain.fh)
 
-        held = await held_open(Held(monkeypatch, env.ns, "resolve"), env, ino, lambda: replace(env))
+        await refused_open(monkeypatch, env, ino)
 
-        assert held.direct_io and not held.keep_cache
-        assert await read(env, held, 2 * len(NEW)) == NEW
-        await env.ops.release(held.fh)
-        assert (await env.ops.getattr(ino, None)).st_size == len(NEW)  # the kernel asks again
+        walked = await env.lookup("alpha/moving.bin")  # the kernel's walk again (LOOKUP_REVAL)
+        assert walked.st_ino == ino and walked.st_size == len(NEW)
+        retried = await env.ops.open(ino, os.O_RDONLY, CTX)
+        assert not retried.direct_io and not retried.keep_cache  # OLD's pages go
+        assert await read(env, retried, 2 * len(NEW)) == NEW
+        await env.ops.release(retried.fh)
         again = await env.ops.open(ino, os.O_RDONLY, CTX)
-        assert not again.direct_io
+        assert again.keep_cache and not again.direct_io  # pages filled by NEW, at NEW's size
+        await env.ops.release(again.fh)
+
+    ops_env(body, setup=one_object)
+
+
+def test_the_retry_of_an_open_refused_for_the_size_is_never_refused_and_bypasses_the_page_cache(
+        ops_env, monkeypatch):
+    """The kernel retries a refused open once, in the same thread. If its walk again did not bring it the
+    new size (an open of /proc/PID/fd/N walks no name; the object replaced again meanwhile), the retry is
+    not refused but answered direct_io, so reads return the version whole; so is the retry of every later
+    open (each refused once, never keep_cache: also the second open of the version, which reads nothing a
+    direct_io open put in the page cache). Another thread's open in between is refused for itself. Once
+    the kernel asked for the attributes again, opens use the page cache as before."""
+    async def body(env: Env):
+        ino = (await env.lookup("alpha/moving.bin")).st_ino
+        assert await env.read_all(ino) == OLD
+
+        await refused_open(monkeypatch, env, ino)  # by CTX's thread
+
+        other = Ctx()
+        other.pid = CTX.pid + 1
+        assert await estale(env.ops.open(ino, os.O_RDONLY, other))  # not CTX's retry
+        for _ in range(2):  # no lookup in between: the kernel still holds len(OLD)
+            fallback = await env.ops.open(ino, os.O_RDONLY, CTX)  # the retry
+            assert fallback.direct_io and not fallback.keep_cache
+            assert await read(env, fallback, 2 * len(NEW)) == NEW
+            await env.ops.release(fallback.fh)
+            assert await estale(env.ops.open(ino, os.O_RDONLY, CTX))  # the next open(2), refused once
+        retried = await env.ops.open(ino, os.O_RDONLY, other)  # the other thread's retry
+        assert retried.direct_io and not retried.keep_cache
+        await env.ops.release(retried.fh)
+
+        assert (await env.ops.getattr(ino, None)).st_size == len(NEW)  # the kernel asks again
+        again = await env.ops.open(ino, os.O_RDONLY, CTX)  # CTX's pending retry, now with the sizes equal
+        assert not again.direct_io and not again.keep_cache  # direct_io handles vouched for no page
+        assert await read(env, again, 2 * len(NEW)) == NEW
+        await env.ops.release(again.fh)
+        kept = await env.ops.open(ino, os.O_RDONLY, CTX)
+        assert kept.keep_cache and not kept.direct_io
+        await env.ops.release(kept.fh)
+
+        # The kernel learned the size: a later change of size is refused once again.
+        await refused_open(monkeypatch, env, ino, data=OLD)
+        assert (await env.cat("alpha/moving.bin")) == OLD
+
+    ops_env(body, setup=one_object)
+
+
+def test_an_open_after_a_replace_the_kernel_was_told_of_but_not_sized_for_is_refused_once(ops_env):
+    """The replace's invalidation reached the kernel, but it keeps the old size until it asks for the
+    attributes again, and an open asks for none (a sendfile right after it would stop at the old size):
+    the open is refused once, the walk again brings the size."""
+    async def body(env: Env):
+        ino = (await env.lookup("alpha/moving.bin")).st_ino
+        await replace(env)
+        await env.settle()
+        assert ("inode", ino, None) in env.fs.kernel.sent
+        assert await estale(env.ops.open(ino, os.O_RDONLY, CTX))
+        assert (await env.lookup("alpha/moving.bin")).st_size == len(NEW)  # open(2)'s walk again
+        fi = await env.ops.open(ino, os.O_RDONLY, CTX)  # and its retry
+        assert not fi.direct_io
+        assert await read(env, fi, 2 * len(NEW)) == NEW
+        await env.ops.release(fi.fh)
+
+    ops_env(body, setup=one_object)
+
+
+def test_reopening_a_file_this_mount_wrote_keeps_its_pages_and_is_never_refused(ops_env):
+    """Every byte of a file this mount wrote went through its kernel, which sized the inode by the writes:
+    after the upload, a reopen is neither refused nor direct_io, and keeps the pages the writes filled."""
+    async def body(env: Env):
+        bucket = (await env.lookup("alpha")).st_ino
+        fi, attr = await env.ops.create(bucket, b"written.bin", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+        assert attr.st_size == 0
+        await env.ops.write(fi.fh, 0, NEW)
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        await env.settle()
+        again = await env.ops.open(attr.st_ino, os.O_RDONLY, CTX)
+        assert again.keep_cache and not again.direct_io
+        assert await read(env, again, 2 * len(NEW)) == NEW
         await env.ops.release(again.fh)
 
     ops_env(body, setup=one_object)
