@@ -161,6 +161,7 @@ class UploadWorker:
                 child.hung = True
                 if child.proc.returncode is None:
                     child.proc.kill()
+                nursery.cancel_scope.cancel()  # its output ends only when it exits (later, if it is stuck)
                 return
             nursery.start_soon(self._ping, child)  # (its own task: a stuck pipe must not hold the watch)
             await trio.sleep(min(self.ping_every, child.silence.due()))
