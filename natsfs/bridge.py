@@ -1320,7 +1320,8 @@ def _parse_api_reply(data: bytes | bytearray, subject: str) -> dict[str, Any]:
 # pipelined, so that work runs on other cores. It speaks newline-delimited JSON on stdin/stdout
 # (see natsfs.uploader for the daemon's side): `send` (a range of a session; the reply counts its
 # chunks and says the most publishes of the session that were unacknowledged at once, never above its
-# window), `digest`, `drop`; ranges of one session are sent in offset order. Its connection is a
+# window), `digest`, `drop`, `ping` (answered at once: the daemon kills a worker that stops answering);
+# ranges of one session are sent in offset order. Its connection is a
 # `_Link` too: when it is lost, the chunks in flight fail at once (their outcome unknown), the rest of
 # the session is refused, and the next put uses the new connection.
 
@@ -1621,6 +1622,8 @@ async def _worker_main(connection: Connection) -> None:
                 body = {"digest": s.hasher.digest().hex(), "bytes": s.next_start}
             elif op == "drop":
                 sessions.pop(session, None)
+                body = {}
+            elif op == "ping":  # the daemon's check that this loop still runs (see natsfs.uploader)
                 body = {}
             else:
                 body = {"error": {"description": f"unknown op {op}", "code": 400, "err_code": 0}}

@@ -29,6 +29,10 @@ A child that dies while the mount is live (a kill, the OOM killer) is reaped at 
 (`retry.Restarts` paces it) on a new clone of the device; the messages it had not answered are sent
 again by the new one and those asked meanwhile are queued for it. While none runs (`degraded`), the
 kernel is given short timeouts (`DEGRADED_TIMEOUT`) so that it asks again soon.
+A child that stops answering (stopped by SIGSTOP, stuck in a system call) is treated as dead: once an
+invalidation has waited `HUNG_AFTER` seconds with no answer meanwhile (`retry.Silence`), it is killed
+(SIGKILL), said once at WARNING, and replaced the same way. While an answer is overdue by more than
+`DEGRADED_TIMEOUT`, the kernel gets the short timeouts too.
 Without a mounted kernel (tests of the operations class) invalidations are only recorded.
 """
 
@@ -46,7 +50,7 @@ from collections.abc import Callable
 
 import trio
 
-from .retry import Restarts, describe_exit
+from .retry import Restarts, Silence, describe_exit
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,13 @@ _QUIET_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ENOTCONN, errno
 # The kernel's entry and attribute timeouts (seconds) while no notifier runs (`KernelNotifier.degraded`):
 # nothing can tell the kernel of other clients' changes then, so it must ask again soon.
 DEGRADED_TIMEOUT = 1.0
+# A child that leaves an invalidation unanswered this many seconds (no answer at all meanwhile) is hung: it
+# is killed and replaced. Answers take microseconds; an invalidation never waits on a lock of ours for
+# long (the rules above), so this only catches a stopped or stuck child.
+HUNG_AFTER = 5.0
+# How long a killed (hung) child is waited for before the next one starts anyway (it is reaped later):
+# SIGKILL takes effect only when a system call it is stuck in ends.
+_REAP_WAIT = 1.0
 
 Item = tuple[str, int, bytes | None]
 
@@ -104,9 +115,14 @@ def clone_device(session_fd: int) -> int:
 
 
 class KernelNotifier:
-    def __init__(self, busy: Callable[[int], bool] = lambda ino: False, restarts: Restarts | None = None) -> None:
+    def __init__(self, busy: Callable[[int], bool] = lambda ino: False, restarts: Restarts | None = None, *,
+                 hung_after: float = HUNG_AFTER) -> None:
         self.busy = busy
         self.restarts = restarts or Restarts()
+        self.hung_after = hung_after
+        self._silence = Silence(hung_after)  # of the running child's unanswered invalidations
+        self._asked = trio.Event()  # an invalidation was handed to the child (wakes its watchdog)
+        self._hung = False  # the running child was killed because it did not answer
         self.attached = False  # a kernel to talk to (invalidations are queued, even while no child runs)
         self.running = False  # a child is running
         self.sent: list[Item] = []  # what was asked, for tests
@@ -133,7 +149,8 @@ class KernelNotifier:
     def degraded(self) -> bool:
         """Attached, but no child runs now (between a death and its restart, or after failed restarts):
         the kernel should not keep what it caches for long (`Filesystem` shortens its timeouts)."""
-        return self.attached and not self.running and not self._closing
+        return self.attached and not self._closing and (
+            not self.running or self._silence.silent_for > DEGRADED_TIMEOUT)
 
     def start(self, nursery: trio.Nursery) -> None:
         """Remember where to run; invalidations start once `attach` found a kernel to talk to."""
@@ -171,6 +188,8 @@ class KernelNotifier:
         self._to_child = trio.lowlevel.FdStream(to_child_w)
         self._from_child = trio.lowlevel.FdStream(from_child_r)
         self._unanswered = trio.Semaphore(_IN_FLIGHT)
+        self._silence = Silence(self.hung_after)
+        self._hung = False
         self.running = True
         self.restarts.started()
         self._wake.set()  # what was queued meanwhile goes out now
@@ -182,6 +201,7 @@ class KernelNotifier:
         while True:
             async with trio.open_nursery() as one_child:
                 one_child.start_soon(self._send_loop)
+                one_child.start_soon(self._watch, one_child.cancel_scope)
                 await self._read_answers()  # until the child's output ends: it died, or was closed
                 one_child.cancel_scope.cancel()
             if self._closing:
@@ -192,7 +212,13 @@ class KernelNotifier:
             if stream is not None:
                 with trio.CancelScope(shield=True):
                     await stream.aclose()
-            status = await _reap(child) if child is not None else None
+            status = None
+            if child is not None:
+                with trio.move_on_after(_REAP_WAIT if self._hung else float("inf")):
+                    status = await _reap(child)
+                if child.returncode is None:  # killed while stuck in a system call: it exits when that ends
+                    assert self._nursery is not None
+                    self._nursery.start_soon(_reap, child)
             lost = len(self._unanswered_items)
             self._queue = {**dict.fromkeys(self._unanswered_items), **self._queue}
             self._unanswered_items.clear()
@@ -200,8 +226,14 @@ class KernelNotifier:
             # an ordinary one, said at WARNING.)
             pause = self.restarts.died()
             if child is not None:
-                if self.restarts.failing:
-                    log.debug("kernel notifier (pid %d) died (%s)", child.pid, describe_exit(status))
+                if self._hung and not self.restarts.failing:
+                    log.warning("kernel notifier (pid %d) did not answer for %g s (stopped, or stuck); killed it%s",
+                                child.pid, self.hung_after,
+                                f", starting a new one ({lost} invalidations it had not answered are sent again)"
+                                if self._reopen is not None else "; the kernel's caches now expire on their own")
+                elif self.restarts.failing:
+                    log.debug("kernel notifier (pid %d) %s (%s)", child.pid,
+                              "did not answer" if self._hung else "died", describe_exit(status))
                 elif self._reopen is None:
                     log.warning("kernel notifier (pid %d) died (%s); the kernel's caches now expire on their "
                                 "own", child.pid, describe_exit(status))
@@ -291,6 +323,8 @@ class KernelNotifier:
                 continue
             self._unanswered_items.append(item)  # (before any wait: a death re-queues it)
             await self._unanswered.acquire()
+            self._silence.asked()
+            self._asked.set()
             message = notify_message(item)
             stream = self._to_child
             if stream is None:
@@ -299,6 +333,23 @@ class KernelNotifier:
                 await stream.send_all(_FRAME.pack(len(message)) + message)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 return  # the child is gone: `_supervise` notices at the end of its output
+
+    async def _watch(self, this_child: trio.CancelScope) -> None:
+        """Kill the running child when an invalidation has waited `hung_after` s with no answer meanwhile,
+        and stop serving it (`this_child`: its output ends only once it exits, which a system call it is
+        stuck in may delay): `_supervise` replaces it like a dead one."""
+        while self.running:
+            if not self._silence.waiting:
+                self._asked = trio.Event()
+                await self._asked.wait()
+                continue
+            if self._silence.hung:
+                self._hung = True
+                if self._child is not None and self._child.poll() is None:
+                    self._child.kill()
+                this_child.cancel()
+                return
+            await trio.sleep(self._silence.due())
 
     async def _read_answers(self) -> None:
         stream = self._from_child
@@ -314,6 +365,7 @@ class KernelNotifier:
                     if self._unanswered_items:
                         self._unanswered_items.popleft()
                     self._unanswered.release()
+                    self._silence.answered()
                     if code and code not in _QUIET_ERRNOS:
                         log.debug("invalidation failed: %s", os.strerror(code))
         except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError):

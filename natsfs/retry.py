@@ -110,3 +110,50 @@ def describe_exit(returncode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit status {returncode}"
+
+
+class Silence:
+    """Whether a helper child has stopped answering: hung (stopped by SIGSTOP, stuck in a system call)
+    rather than dead, which its exit would say.
+
+    The caller says when it asks the child something (`asked`), when any answer comes (`answered`) and
+    when it withdraws a question (`withdrawn`: cancelled, it expects no answer). The child is `hung` once
+    something has waited `limit` seconds with no answer of any kind meanwhile. That measures progress,
+    not how long one question takes: a child busy with a long request is not hung as long as it answers
+    something (the upload worker's event loop answers pings while it sends). Only computes, like
+    `Backoff`: the caller sleeps (`due`) and kills."""
+
+    def __init__(self, limit: float, clock: Callable[[], float] = trio.current_time):
+        self.limit = limit
+        self._clock = clock
+        self.waiting = 0  # questions asked and neither answered nor withdrawn
+        self._since: float | None = None  # when the current wait for an answer began (None: nothing waits)
+
+    def asked(self) -> None:
+        if self.waiting == 0:
+            self._since = self._clock()
+        self.waiting += 1
+
+    def answered(self) -> None:
+        """An answer came: the child is alive; what still waits is timed from now."""
+        self.waiting = max(0, self.waiting - 1)
+        self._since = self._clock() if self.waiting else None
+
+    def withdrawn(self) -> None:
+        """A question that will get no answer we wait for (it was cancelled): no progress."""
+        self.waiting = max(0, self.waiting - 1)
+        if not self.waiting:
+            self._since = None
+
+    @property
+    def silent_for(self) -> float:
+        """Seconds something has waited with no answer meanwhile (0 when nothing waits)."""
+        return 0.0 if self._since is None else max(0.0, self._clock() - self._since)
+
+    @property
+    def hung(self) -> bool:
+        return self._since is not None and self.silent_for >= self.limit
+
+    def due(self) -> float:
+        """Seconds until it would be `hung` if no answer came (inf when nothing waits)."""
+        return float("inf") if self._since is None else max(0.0, self.limit - self.silent_for)

@@ -13,6 +13,12 @@ it had not answered fail with `Unavailable`, and their callers send those files 
 new put session (the old one's chunks are purged). A put session stays with the worker process it began
 on, which holds its hash: after a restart, what is left of it is refused (`Unavailable`) too.
 
+A worker that stops answering (stopped by SIGSTOP, stuck in a system call) is treated as dead: while
+requests wait for it, it is asked a `ping` every `PING_EVERY` seconds, which its event loop answers at
+once even while it sends a large range; when nothing at all has come back from it for `HUNG_AFTER`
+seconds (`retry.Silence`) it is killed (SIGKILL), said once at WARNING (it did not answer: not that the
+server is slow), and replaced as above, its requests failing with `Unavailable`.
+
 The worker runs isolated (`-I`: neither the working directory nor `$PYTHON*` variables shape its
 imports), inherits no descriptors but its pipes and no `$NATS_URL`, and gets the server URLs (which
 may carry credentials) and the credentials (`auth.Connection` as JSON) as the first line on its stdin,
@@ -34,27 +40,39 @@ from . import affinity
 from .auth import Connection
 from .errors import JetStreamAPIError, NatsFSError, OutcomeUnknown, Unavailable
 from .jetstream import map_publish_error
-from .retry import Restarts, describe_exit
+from .retry import Restarts, Silence, describe_exit
 from .secrecy import child_environment
 
 log = logging.getLogger(__name__)
+
+# A worker that answers nothing (not even a ping) for this many seconds while requests wait for it is hung:
+# it is killed and replaced. Its event loop answers a ping within milliseconds, busy or not.
+HUNG_AFTER = 5.0
+# While requests wait for the worker, it is pinged this often (so a busy worker keeps answering something).
+PING_EVERY = 1.0
 
 
 class _Child:
     """One started worker process and the requests waiting for its replies."""
 
-    def __init__(self, proc: trio.Process, generation: int):
+    def __init__(self, proc: trio.Process, generation: int, hung_after: float):
         self.proc = proc
         self.generation = generation
         self.alive = True
         self.waiting: dict[int, tuple[trio.Event, list[dict[str, Any]]]] = {}
         self.send_lock = trio.Lock()
+        self.silence = Silence(hung_after)  # of the requests in `waiting`: answered by any reply
+        self.asked = trio.Event()  # a request was made (wakes the watchdog of an idle worker)
+        self.hung = False  # killed because it did not answer (said so instead of its death)
 
 
 class UploadWorker:
-    def __init__(self, connection: Connection, restarts: Restarts | None = None):
+    def __init__(self, connection: Connection, restarts: Restarts | None = None, *,
+                 hung_after: float = HUNG_AFTER, ping_every: float = PING_EVERY):
         self.connection = connection
         self.restarts = restarts or Restarts()
+        self.hung_after = hung_after
+        self.ping_every = ping_every
         self.generation = 0  # of the worker process running now (each start is a new one)
         self._child: _Child | None = None
         self._closing = False
@@ -94,14 +112,17 @@ class UploadWorker:
             pass  # it died at once: its exit is reported like any other death
         self.generation += 1
         self.restarts.started()
-        return _Child(proc, self.generation)
+        return _Child(proc, self.generation, self.hung_after)
 
     async def _supervise(self, child: _Child | None) -> None:
         """Serve the worker's replies; when it dies, reap it at once, fail what waited for it (the callers
         send those files in-process), and start a new one after `restarts` says how long to pause."""
         while True:
             if child is not None:
-                await self._read_replies(child)
+                async with trio.open_nursery() as this_child:
+                    this_child.start_soon(self._watch, child, this_child)
+                    await self._read_replies(child)
+                    this_child.cancel_scope.cancel()
                 status = await child.proc.wait()  # reaped: no zombie
                 if self._closing:
                     return
@@ -109,8 +130,13 @@ class UploadWorker:
             # ordinary one, said at WARNING.)
             pause = self.restarts.died()
             if child is not None:
-                if self.restarts.failing:
-                    log.debug("upload worker (pid %d) died (%s)", child.proc.pid, describe_exit(status))
+                if child.hung and not self.restarts.failing:
+                    log.warning("upload worker (pid %d) did not answer for %g s (stopped, or stuck); killed it, "
+                                "starting a new one (puts it was sending are sent again in-process)",
+                                child.proc.pid, self.hung_after)
+                elif self.restarts.failing:
+                    log.debug("upload worker (pid %d) %s (%s)", child.proc.pid,
+                              "did not answer" if child.hung else "died", describe_exit(status))
                 else:
                     log.warning("upload worker (pid %d) died (%s); starting a new one (puts it was sending "
                                 "are sent again in-process)", child.proc.pid, describe_exit(status))
@@ -122,6 +148,28 @@ class UploadWorker:
                 return
             child = self._child = await self._spawn()
 
+    async def _watch(self, child: _Child, nursery: trio.Nursery) -> None:
+        """While requests wait for `child`, ping it every `ping_every` s; kill it when nothing at all came
+        back for `hung_after` s (its output then ends, and `_supervise` replaces it). A worker busy sending
+        a large range still answers pings: only a stopped or stuck one is killed."""
+        while True:
+            if not child.silence.waiting:
+                child.asked = trio.Event()
+                await child.asked.wait()
+                continue
+            if child.silence.hung:
+                child.hung = True
+                if child.proc.returncode is None:
+                    child.proc.kill()
+                nursery.cancel_scope.cancel()  # its output ends only when it exits (later, if it is stuck)
+                return
+            nursery.start_soon(self._ping, child)  # (its own task: a stuck pipe must not hold the watch)
+            await trio.sleep(min(self.ping_every, child.silence.due()))
+
+    async def _ping(self, child: _Child) -> None:
+        with contextlib.suppress(Unavailable):
+            await self._request(child, {"op": "ping"})
+
     async def _read_replies(self, child: _Child) -> None:
         assert child.proc.stdout is not None
         buf = b""
@@ -132,6 +180,8 @@ class UploadWorker:
                     line, buf = buf.split(b"\n", 1)
                     reply = json.loads(line)
                     waiter = child.waiting.pop(reply.get("id", -1), None)
+                    if waiter is not None:
+                        child.silence.answered()
                     if waiter is not None:
                         waiter[1].append(reply)
                         waiter[0].set()
@@ -156,20 +206,7 @@ class UploadWorker:
             began_on = self._sessions[session] = child.generation
         if session is not None and began_on != child.generation:
             raise Unavailable("upload worker was restarted since this put began")
-        self._next += 1
-        rid = body["id"] = self._next
-        event, box = trio.Event(), list[dict[str, Any]]()
-        child.waiting[rid] = (event, box)
-        try:
-            async with child.send_lock:
-                await child.proc.stdin.send_all(json.dumps(body).encode() + b"\n")
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            child.waiting.pop(rid, None)
-            raise Unavailable("upload worker is gone") from None
-        await event.wait()
-        if not box:
-            raise Unavailable("upload worker is gone")
-        reply = box[0]
+        reply = await self._request(child, body)
         error = reply.get("error")
         if error and error.get("kind") in ("unavailable", "outcome_unknown"):
             # The worker's connection was lost or replaced: callers fall back to publishing in-process.
@@ -183,6 +220,30 @@ class UploadWorker:
             raise map_publish_error(JetStreamAPIError(error.get("description", "error"), code=int(error.get("code", 0)),
                                                       err_code=int(error.get("err_code", 0))), body.get("subject", ""))
         return reply
+
+    async def _request(self, child: _Child, body: dict[str, Any]) -> dict[str, Any]:
+        """Send `body` to `child` and wait for its reply (`Unavailable` when it is gone first)."""
+        if not child.alive or child.proc.stdin is None:
+            raise Unavailable("upload worker is not running")
+        self._next += 1
+        rid = body["id"] = self._next
+        event, box = trio.Event(), list[dict[str, Any]]()
+        child.waiting[rid] = (event, box)
+        child.silence.asked()
+        child.asked.set()
+        try:
+            try:
+                async with child.send_lock:
+                    await child.proc.stdin.send_all(json.dumps(body).encode() + b"\n")
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise Unavailable("upload worker is gone") from None
+            await event.wait()
+        finally:
+            if child.waiting.pop(rid, None) is not None:  # not answered (cancelled, or it is gone)
+                child.silence.withdrawn()
+        if not box:
+            raise Unavailable("upload worker is gone")
+        return box[0]
 
     async def send_range(self, session: str, subject: str, path: str, start: int, end: int, chunk_size: int,
                          window: int) -> None:

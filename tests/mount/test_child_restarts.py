@@ -1,5 +1,6 @@
 """The daemon's helper children die (kill -9, as the OOM killer would): the upload worker and the kernel
 notifier are reaped at once, said once at WARNING, and started again; nothing they were doing is lost.
+Children that stop answering (SIGSTOP) are killed after a few seconds and then handled the same way.
 
 Checked by what other clients see (nats-py reads the stored bytes back and verifies their digest), by
 /proc (new pids, no zombie) and by the daemon log (one WARNING per death, no ERROR: the mounter
@@ -179,3 +180,66 @@ def test_a_put_session_never_continues_on_a_restarted_worker(nats_url, bucket_na
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def _hung_warnings(m: Mount, what: str, pid: int) -> list[str]:
+    return re.findall(rf"^.* WARNING .*{what} \(pid {pid}\) did not answer .*$", m.log(), re.MULTILINE)
+
+
+@contextlib.contextmanager
+def _stopped(pid: int):
+    """`pid` stopped (SIGSTOP) for the block, and never left stopped after it (SIGCONT if it still exists)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_stopped_upload_worker_is_killed_and_replaced_and_the_close_succeeds(nats_url, bucket_name, wb, tmp_path):
+    """The worker exists but answers nothing: the close does not wait out the flush deadline and fail,
+    blamed on the server; the worker is killed (it did not answer a ping), the file is sent in-process on a
+    fresh nuid, and a new worker started."""
+    m, b = wb
+    assert m.proc is not None
+    assert wait_for(lambda: "worker" in _children(m.proc.pid))
+    old = _children(m.proc.pid)["worker"]
+    data = random.Random(34).randbytes(4 * 1024 * 1024)
+    src = tmp_path / "mid.bin"
+    src.write_bytes(data)
+    with _stopped(old):
+        done = subprocess.run(["cp", str(src), str(b / "mid.bin")], capture_output=True, timeout=120)
+        assert done.returncode == 0, (done.stderr, m.log()[-3000:])
+        new = _restarted(m, "worker", old)
+    assert nats_py_get(nats_url, bucket_name, "mid.bin") == data  # byte-exact, digest verified
+    assert new != old
+    assert len(_hung_warnings(m, "upload worker", old)) == 1, m.log()[-3000:]
+    assert not _death_warnings(m, "upload worker", old) and "unreachable or too slow" not in m.log()
+    # The new worker takes the next file.
+    (b / "next.bin").write_bytes(data[::-1])
+    assert nats_py_get(nats_url, bucket_name, "next.bin") == data[::-1]
+    assert _children(m.proc.pid)["worker"] == new
+
+
+def test_a_stopped_notifier_is_killed_and_replaced_and_other_clients_changes_show_through(nats_url, bucket_name,
+                                                                                         wb):
+    """The mount cached an object (kernel timeouts 60 s); its notifier is stopped; another client
+    overwrites the object: the invalidation goes unanswered, the notifier is killed and replaced, and
+    the new one tells the kernel: the mount shows the new size and bytes long before the 60 s."""
+    m, b = wb
+    assert m.proc is not None
+    nats_py_put(nats_url, bucket_name, "shared.txt", b"version one\n")
+    assert wait_for(lambda: _overwritten_shows(b / "shared.txt", b"version one\n"))
+    old = _children(m.proc.pid)["notifier"]
+    second = b"version two, longer than the first\n"
+    with _stopped(old):
+        assert (b / "shared.txt").stat().st_size == 12  # cached while the notifier is stopped
+        nats_py_put(nats_url, bucket_name, "shared.txt", second)
+        # Polled, bounded well below the 60 s the kernel may keep what it cached when nobody invalidates it.
+        assert wait_for(lambda: (b / "shared.txt").stat().st_size == len(second), 20), m.log()[-3000:]
+        assert (b / "shared.txt").read_bytes() == second
+        new = _restarted(m, "notifier", old)
+    assert new != old
+    assert len(_hung_warnings(m, "kernel notifier", old)) == 1, m.log()[-3000:]
+    assert not _death_warnings(m, "kernel notifier", old)

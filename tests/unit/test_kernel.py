@@ -3,6 +3,7 @@ messages the kernel would get, one per change, none while a request on the inode
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from pathlib import Path
@@ -188,3 +189,113 @@ def test_a_child_that_runs_again_after_failed_restarts_is_said_at_warning_when_i
     said = [(r.levelno, r.getMessage()) for r in caplog.records if "died" in r.getMessage()
             or "failed" in r.getMessage()]
     assert [level for level, _ in said] == [logging.WARNING, logging.ERROR, logging.WARNING], said
+
+
+def _full_pipe() -> tuple[int, int]:
+    """A pipe nobody reads, filled up: a child writing to it blocks in the system call."""
+    stuck_read, stuck = os.pipe()
+    os.set_blocking(stuck, False)
+    try:
+        while True:
+            os.write(stuck, b"x" * 65536)
+    except BlockingIOError:
+        pass
+    os.set_blocking(stuck, True)
+    return stuck_read, stuck
+
+
+def test_a_child_stuck_in_a_write_is_killed_and_replaced_and_the_kernel_gets_short_timeouts_meanwhile(caplog):
+    """The first child blocks writing to its device and never answers. Once its answer is overdue by
+    more than DEGRADED_TIMEOUT the notifier counts as degraded (the kernel gets 1 s timeouts) although the
+    child still runs; after `hung_after` with no answer it is killed, reaped, said once at WARNING as not
+    answering, and the next child writes the invalidation it had not answered."""
+    import logging
+
+    from natsfs.kernel import DEGRADED_TIMEOUT
+    from natsfs.retry import Restarts
+
+    caplog.set_level(logging.DEBUG, logger="natsfs")
+    stuck_read, stuck = _full_pipe()
+    read_end, device = os.pipe()
+    notifier = KernelNotifier(restarts=Restarts(first=0.01), hung_after=DEGRADED_TIMEOUT + 1.5)
+
+    async def main() -> tuple[int, int | None, bool]:
+        async with trio.open_nursery() as nursery:
+            notifier.start(nursery)
+            notifier.attach(stuck, reopen=lambda: os.dup(device))
+            first = notifier.pid
+            assert first is not None and not notifier.degraded
+            notifier.inode(5)  # handed to the first child, which blocks writing it
+            with trio.fail_after(10):
+                while not notifier.degraded:
+                    await trio.sleep(0.01)
+            degraded_while_running = notifier.running and notifier.pid == first
+            with trio.fail_after(20):
+                while notifier.done < 1:
+                    await trio.sleep(0.01)
+            assert not notifier.degraded
+            second = notifier.pid
+            await notifier.close()
+            nursery.cancel_scope.cancel()
+        return first, second, degraded_while_running
+
+    try:
+        first, second, degraded_while_running = trio.run(main)
+        written = os.read(read_end, 4096)
+    finally:
+        for fd in (stuck_read, read_end, device):
+            os.close(fd)
+    assert degraded_while_running and second != first
+    assert _parse(written) == [(FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 5, 0, 0))]
+    stat = Path(f"/proc/{first}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(") ", 1)[1][0] != "Z"  # reaped
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if f"(pid {first})" in r.getMessage()
+            and r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "did not answer" in said[0][1] and "killed it" in said[0][1], said
+
+
+def test_a_stopped_child_is_killed_and_replaced_and_a_child_that_answers_is_left_alone():
+    """SIGSTOP: the child exists but answers nothing. Answered invalidations never make a child hung,
+    however long it runs idle between them."""
+    import signal
+
+    from natsfs.retry import Restarts
+
+    read_end, device = os.pipe()
+    notifier = KernelNotifier(restarts=Restarts(first=0.01), hung_after=0.5)
+
+    async def main() -> tuple[int, int | None, int | None]:
+        async with trio.open_nursery() as nursery:
+            notifier.start(nursery)
+            notifier.attach(os.dup(device), reopen=lambda: os.dup(device))
+            first = notifier.pid
+            assert first is not None
+            notifier.inode(1)
+            with trio.fail_after(10):
+                while notifier.done < 1:
+                    await trio.sleep(0.01)
+            await trio.sleep(1.0)  # idle, longer than hung_after: nothing waits, so not hung
+            still = notifier.pid
+            os.kill(first, signal.SIGSTOP)
+            try:
+                notifier.inode(2)
+                with trio.fail_after(20):
+                    while notifier.done < 2:
+                        await trio.sleep(0.01)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(first, signal.SIGCONT)
+            second = notifier.pid
+            await notifier.close()
+            nursery.cancel_scope.cancel()
+        return first, still, second
+
+    try:
+        first, still, second = trio.run(main)
+        written = os.read(read_end, 4096)
+    finally:
+        os.close(read_end)
+        os.close(device)
+    assert still == first and second != first
+    assert _parse(written) == [(FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 1, 0, 0)),
+                               (FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 2, 0, 0))]

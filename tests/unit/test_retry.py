@@ -1,10 +1,11 @@
-"""natsfs.retry: Backoff (the one retry policy) and Restarts (when a dead helper child is started again)."""
+"""natsfs.retry: Backoff (the one retry policy), Restarts (when a dead helper child is started again) and
+Silence (when a helper child that answers nothing is hung)."""
 
 from __future__ import annotations
 
 import signal
 
-from natsfs.retry import Backoff, Restarts, describe_exit
+from natsfs.retry import Backoff, Restarts, Silence, describe_exit
 
 
 class Clock:
@@ -75,3 +76,64 @@ def test_a_child_that_cannot_be_started_counts_as_a_failed_restart():
 def test_exits_are_described_for_the_log():
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
     assert describe_exit(1) == "exit status 1" and describe_exit(None) == "still running"
+
+
+def test_a_child_with_nothing_asked_is_never_hung_however_long_it_is_quiet():
+    clock = Clock()
+    s = Silence(5.0, clock=clock)
+    clock.now += 1000
+    assert not s.hung and s.silent_for == 0 and s.due() == float("inf")
+
+
+def test_a_question_unanswered_for_the_limit_makes_the_child_hung():
+    clock = Clock()
+    s = Silence(5.0, clock=clock)
+    s.asked()
+    clock.now += 4.9
+    assert not s.hung and abs(s.due() - 0.1) < 1e-9
+    clock.now += 0.1
+    assert s.hung and s.silent_for == 5.0 and s.due() == 0
+
+
+def test_a_busy_child_that_keeps_answering_something_is_not_hung():
+    """One long request (a large range) waits far longer than the limit; pings asked meanwhile are
+    answered: progress, so the child is not hung. Once answers stop, it is, `limit` after the last one."""
+    clock = Clock()
+    s = Silence(5.0, clock=clock)
+    s.asked()  # the long send
+    for _ in range(30):
+        clock.now += 1
+        s.asked()  # a ping ...
+        s.answered()  # ... answered at once
+        assert not s.hung and s.waiting == 1
+    s.asked()  # a ping the child never answers
+    clock.now += 4.99
+    assert not s.hung
+    clock.now += 0.01
+    assert s.hung
+
+
+def test_each_answer_restarts_the_wait_of_what_is_still_out_and_the_last_one_ends_it():
+    clock = Clock()
+    s = Silence(5.0, clock=clock)
+    s.asked(), s.asked()
+    clock.now += 4
+    s.answered()
+    clock.now += 4
+    assert not s.hung and s.silent_for == 4
+    s.answered()
+    clock.now += 100
+    assert not s.hung and s.waiting == 0
+
+
+def test_withdrawn_questions_are_not_waited_for():
+    clock = Clock()
+    s = Silence(5.0, clock=clock)
+    s.asked()
+    clock.now += 3
+    s.withdrawn()  # (cancelled: no answer expected)
+    clock.now += 10
+    assert not s.hung
+    s.asked()  # a new question is timed from now
+    clock.now += 4
+    assert not s.hung

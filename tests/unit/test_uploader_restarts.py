@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,3 +63,97 @@ def test_a_worker_that_runs_again_after_failed_restarts_is_said_at_warning_when_
     said = [(r.levelno, r.getMessage()) for r in caplog.records if "died" in r.getMessage()
             or "failed" in r.getMessage()]
     assert [level for level, _ in said] == [logging.WARNING, logging.ERROR, logging.WARNING], said
+
+
+# A stand-in worker that answers pings at once and holds every other request until it has answered
+# `hold_for` pings since (then answers it); with `hold_for` < 0 it answers nothing at all (hung).
+_STAND_IN = r"""
+import json, sys
+hold_for = int(sys.argv[1])
+held = []
+sys.stdin.readline()  # the connection
+while line := sys.stdin.readline():
+    req = json.loads(line)
+    if hold_for < 0:
+        continue
+    if req["op"] == "ping":
+        print(json.dumps({"id": req["id"]}), flush=True)
+        held = [[rid, left - 1] for rid, left in held]
+        for rid, left in held:
+            if left <= 0:
+                print(json.dumps({"id": rid, "chunks": 1}), flush=True)
+        held = [h for h in held if h[1] > 0]
+    else:
+        held.append([req["id"], hold_for])
+"""
+
+
+def _stand_in_workers(monkeypatch: pytest.MonkeyPatch, hold_for: list[int]) -> None:
+    """Each worker started is the stand-in with the next of `hold_for` (the last one repeats)."""
+    real_open_process = trio.lowlevel.open_process
+
+    async def stand_in(argv: list[str], **kwargs: Any) -> trio.Process:
+        this = hold_for.pop(0) if len(hold_for) > 1 else hold_for[0]
+        return await real_open_process([sys.executable, "-c", _STAND_IN, str(this)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    monkeypatch.setattr(uploader.trio.lowlevel, "open_process", stand_in)
+
+
+def test_a_worker_that_answers_nothing_is_killed_replaced_and_said_once_as_not_answering(monkeypatch, caplog):
+    """Stopped or stuck: the request waiting for it fails with Unavailable (the caller publishes in-process)
+    once nothing came back for `hung_after` s; the worker is killed and reaped and a new one started; one
+    WARNING says it did not answer."""
+    caplog.set_level(logging.DEBUG, logger="natsfs")
+    _stand_in_workers(monkeypatch, [-1, 0])
+    worker = uploader.UploadWorker(Connection(servers=("nats://127.0.0.1:1",)), Restarts(first=0.01),
+                                   hung_after=0.5, ping_every=0.1)
+
+    async def main() -> tuple[int, int]:
+        async with trio.open_nursery() as nursery:
+            await worker.start(nursery)
+            first = worker.pid
+            assert first is not None
+            with trio.fail_after(20), pytest.raises(uploader.Unavailable):
+                await worker.send_range("S", "$O.b.C.S", "/dev/null", 0, 1, 1, 1)
+            with trio.fail_after(10):
+                while worker.pid == first or not worker.alive:
+                    await trio.sleep(0.01)
+            second = worker.pid
+            assert second is not None
+            await worker.send_range("T", "$O.b.C.T", "/dev/null", 0, 1, 1, 1)  # the new one answers
+            await worker.close()
+            nursery.cancel_scope.cancel()
+        return first, second
+
+    first, second = trio.run(main)
+    assert second != first and not Path(f"/proc/{first}").exists()  # reaped
+    said = [r.getMessage() for r in caplog.records if f"(pid {first})" in r.getMessage()
+            and r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "did not answer" in said[0] and "killed it" in said[0], said
+
+
+def test_a_busy_worker_that_answers_pings_is_not_killed_however_long_its_request_takes(monkeypatch, caplog):
+    """A large range legitimately takes longer than `hung_after`: the worker's event loop answers pings
+    meanwhile, so it is not hung."""
+    _stand_in_workers(monkeypatch, [20])  # the send is answered after 20 pings: 2 s, four times hung_after
+    worker = uploader.UploadWorker(Connection(servers=("nats://127.0.0.1:1",)), Restarts(first=0.01),
+                                   hung_after=0.5, ping_every=0.1)
+
+    async def main() -> tuple[int, int | None, float]:
+        async with trio.open_nursery() as nursery:
+            await worker.start(nursery)
+            first = worker.pid
+            assert first is not None
+            began = trio.current_time()
+            with trio.fail_after(30):
+                await worker.send_range("S", "$O.b.C.S", "/dev/null", 0, 1, 1, 1)
+            took = trio.current_time() - began
+            pid = worker.pid
+            await worker.close()
+            nursery.cancel_scope.cancel()
+        return first, pid, took
+
+    first, pid, took = trio.run(main)
+    assert pid == first and took > worker.hung_after
+    assert "did not answer" not in caplog.text
