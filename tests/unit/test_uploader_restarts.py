@@ -136,9 +136,11 @@ def test_a_worker_that_answers_nothing_is_killed_replaced_and_said_once_as_not_a
 def test_a_busy_worker_that_answers_pings_is_not_killed_however_long_its_request_takes(monkeypatch, caplog):
     """A large range legitimately takes longer than `hung_after`: the worker's event loop answers pings
     meanwhile, so it is not hung."""
-    _stand_in_workers(monkeypatch, [20])  # the send is answered after 20 pings: 2 s, four times hung_after
+    # The send is answered after 40 pings: 4 s, over twice hung_after (which is long enough that a loaded
+    # machine's scheduling never makes a ping's answer that late).
+    _stand_in_workers(monkeypatch, [40])
     worker = uploader.UploadWorker(Connection(servers=("nats://127.0.0.1:1",)), Restarts(first=0.01),
-                                   hung_after=0.5, ping_every=0.1)
+                                   hung_after=1.5, ping_every=0.1)
 
     async def main() -> tuple[int, int | None, float]:
         async with trio.open_nursery() as nursery:
