@@ -9,7 +9,10 @@ Every write has a known outcome. Each publish carries `Nats-Msg-Id` (chunk `i` o
 `<nuid>.<i>`, its meta `<nuid>.meta`, any other meta rewrite a fresh id), so a retry can never store a
 message twice. A meta publish whose ack does not come back is settled by reading the name's meta back:
 our exact document there is success, anything else means "not stored" and the same publish is retried
-until the server answers or `settle_timeout` passes (then `OutcomeUnknown`). A put's chunks are purged
+until the server answers or `settle_timeout` passes (then `OutcomeUnknown`). A read-back only counts
+after a barrier (`earlier_publishes_processed`): nats-server stores a stream's publishes in order from the
+stream's inbound queue but answers reads elsewhere, so a meta sent without an answer may still sit in that
+queue while a read says "not there" and be stored right after. A put's chunks are purged
 only once its meta is known not to be stored; puts that end otherwise are handed to the `PutLog`, which
 settles them later (see `natsfs.staging.PutJournal`). Names are checked before anything is sent: valid
 UTF-8 (`BadName`), no request subject over `max_subject_bytes` (`NameTooLong`: an oversize control line
@@ -63,6 +66,7 @@ import trio
 from .errors import (
     ERR_ATOMIC_DISABLED,
     ERR_BATCH_DUPLICATE_ID,
+    ERR_STREAM_MISMATCH,
     AlreadyExists,
     BadName,
     Conflict,
@@ -73,6 +77,7 @@ from .errors import (
     NatsFSError,
     NotFound,
     OutcomeUnknown,
+    ReadOnly,
     TooBig,
     Unavailable,
     WrongLastMsgId,
@@ -83,6 +88,7 @@ from .streams import (
     BATCH_MAX_MSGS,
     EXPECTED_LAST_MSG_ID,
     EXPECTED_LAST_SUBJECT_SEQ,
+    EXPECTED_STREAM,
     MSG_ID,
     ROLLUP,
     AccountLimits,
@@ -889,6 +895,7 @@ class ObjectStore:
         backoff = Backoff(timeout=max(0.0, deadline - trio.current_time()))
         while True:
             try:
+                await self.earlier_publishes_processed(bucket)
                 msg = await self.streams.last_msg(stream_name(bucket), subject)
             except Unavailable as e:
                 if backoff.expired:
@@ -899,6 +906,32 @@ class ObjectStore:
             if msg is not None and msg.data == data and (expected_revision is None or msg.seq > expected_revision):
                 return msg
             return None
+
+    async def earlier_publishes_processed(self, bucket: str) -> None:
+        """Return once the server has processed (stored or refused) every publish sent on this store's
+        connection to `bucket`'s stream before the call: only then can a read say that such a publish
+        whose answer never came was not stored. `Unavailable` (or `NotFound`) when the server does not
+        answer: then a publish sent earlier may still be stored later.
+
+        The barrier is a publish the server refuses in the same place and order in which it stores
+        publishes (the stream's inbound queue, `processJetStreamMsg`; verified on nats-server 2.15):
+        `Nats-Expected-Stream` names a stream that cannot exist. Its refusal ("expected stream does not
+        match", 10060) comes after every earlier publish of the connection to that stream was handled.
+        It goes to a fresh chunk subject, so that even a server that ignored the header would only leave
+        an empty orphan message, which is purged."""
+        subject = chunk_subject(bucket, new_nuid())
+        try:
+            await self.streams.publish(subject, b"", {EXPECTED_STREAM: _NO_SUCH_STREAM})
+        except JetStreamAPIError as e:
+            if e.err_code == ERR_STREAM_MISMATCH:
+                return
+            raise
+        except ReadOnly:
+            return  # sealed: refused in the same place (and nothing sent earlier can be stored any more)
+        # Stored (a server without the header): still processed in order, so the barrier holds.
+        log.warning("bucket %s: the server stored a publish expecting stream %r; removing it", bucket,
+                    _NO_SUCH_STREAM)
+        await self.streams.purge_subject(stream_name(bucket), subject)
 
     def start_put(self, bucket: str, chunk_size: int | None = None, window: int = 64, name: str = "") -> PutSession:
         """Begin a put (of `name`, if known yet) whose chunks can be sent as they become available."""
@@ -1438,6 +1471,9 @@ class PutLog(Protocol):
     def orphaned(self, bucket: str, nuid: str, name: str) -> None:
         """Chunks of a version that was `name` (replaced or deleted) could not be purged: settle later."""
 
+
+# A stream name no stream can have (stream names may not contain "."): see `earlier_publishes_processed`.
+_NO_SUCH_STREAM = "natsfs.barrier"
 
 # Where a put's meta stands: not sent yet, sent without a known outcome, refused by the server, stored.
 _META_UNSENT, _META_SENT, _META_REFUSED, _META_STORED = range(4)

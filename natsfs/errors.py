@@ -215,6 +215,7 @@ ERR_STORAGE_RESOURCES_EXCEEDED = 10047
 ERR_MSG_TOO_BIG = 10054  # message size exceeds maximum allowed
 ERR_STREAM_NAME_IN_USE = 10058
 ERR_STREAM_NOT_FOUND = 10059
+ERR_STREAM_MISMATCH = 10060  # Nats-Expected-Stream names another stream
 # A batch refused because the stream does not allow atomic publish.
 ERR_ATOMIC_DISABLED = 10174
 # A batch refused because a message id in it was seen within the stream's duplicate window.

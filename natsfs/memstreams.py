@@ -14,8 +14,10 @@ without the count of messages after each, `pending` -1), headers-only subject sc
 ordered watches (last per subject, or everything, then live). It raises the `natsfs.errors` exceptions
 `natsfs.jetstream.JetStreams` raises for the same causes. Every operation is a trio checkpoint, so
 concurrent callers interleave as they would over a network. Tests can count calls (`calls`), inject
-failures (`fail_next`, `fail_next_publish`), lose the ack of a publish that was stored (`lose_next_ack`)
-and restart watches (`reset_watches`).
+failures (`fail_next`, `fail_next_publish`), lose the ack of a publish that was stored (`lose_next_ack`),
+hold plain publishes in the server's queue while reads and purges are answered (`hold_publishes`,
+`release_held`: as nats-server, which stores a stream's publishes in order from its inbound queue but
+answers `STREAM.MSG.GET`, direct gets and purges elsewhere) and restart watches (`reset_watches`).
 
 Objects are written into it the way nats.go does by the test-only writers in `tests/gowriters.py`.
 """
@@ -34,6 +36,7 @@ from .errors import (
     ERR_ATOMIC_DISABLED,
     ERR_BATCH_DUPLICATE_ID,
     ERR_MSG_TOO_BIG,
+    ERR_STREAM_MISMATCH,
     AlreadyExists,
     Conflict,
     InvalidArgument,
@@ -60,6 +63,11 @@ from .streams import (
     WatchBatch,
 )
 
+
+class _HeldPublish(Unavailable):
+    """A publish held in the server's queue (`MemoryStreams.hold_publishes`): sent, not answered."""
+
+
 # Defaults nats-server fills into a stream config (so equal configs compare equal however they were written).
 _CONFIG_DEFAULTS: dict[str, Any] = {
     "retention": "limits", "max_consumers": -1, "max_msgs": -1, "max_bytes": -1, "max_age": 0,
@@ -68,7 +76,6 @@ _CONFIG_DEFAULTS: dict[str, Any] = {
     "allow_rollup_hdrs": False, "allow_direct": False, "compression": "none", "allow_atomic": False,
 }
 ERR_STREAM_SUBJECT_OVERLAP = 10065
-ERR_STREAM_MISMATCH = 10060
 ERR_ROLLUP_NOT_PERMITTED = 10115
 ERR_BATCH_TOO_LARGE = 10199
 ERR_BATCH_TOO_MANY = 10210
@@ -190,6 +197,9 @@ class MemoryStreams:
         self.max_open_batches = 50
         self.open_batches = 0
         self._offline_wait: float | None = None  # see `go_offline`
+        self._holding = False  # see `hold_publishes`
+        self._hold_from: str | None = None
+        self._held: list[tuple[str, bytes, dict[str, str] | None]] = []
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, op: str, exc: BaseException, *, subject: str | None = None, times: int = 1) -> None:
@@ -214,6 +224,35 @@ class MemoryStreams:
                 del self._lost_acks[i]
                 return True
         return False
+
+    def hold_publishes(self, *, from_subject: str | None = None) -> None:
+        """From now on (with `from_subject`: from the first publish matching that pattern on) plain
+        publishes (`publish`, `publish_many`, `publish_each`) are queued, not processed, and their
+        publisher gets no ack (`Unavailable`), until `release_held`: a server that has read them from
+        the connection but not yet stored them (or refused them), while it answers reads and purges at
+        once. Atomic batches are not held."""
+        self._holding = True
+        self._hold_from = from_subject
+
+    def release_held(self, count: int | None = None) -> list[int | NatsFSError]:
+        """Process the first `count` held publishes (all, and stop holding, when None), in the order
+        they were sent, as the server would; returns each one's outcome (its ack went nowhere)."""
+        if count is None:
+            self._holding = False
+            count = len(self._held)
+        taken, self._held = self._held[:count], self._held[count:]
+        outcomes: list[int | NatsFSError] = []
+        for subject, data, headers in taken:
+            try:
+                outcomes.append(self._store(subject, data, headers))
+            except NatsFSError as e:
+                outcomes.append(e)
+        return outcomes
+
+    @property
+    def held(self) -> list[tuple[str, bytes, dict[str, str] | None]]:
+        """The publishes held so far (see `hold_publishes`), oldest first."""
+        return list(self._held)
 
     def go_offline(self, wait: float) -> None:
         """Behave like a client whose server is away: every call waits `wait` seconds (trio time, the
@@ -328,7 +367,16 @@ class MemoryStreams:
     async def publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]],
                            window: int = 32) -> list[int]:
         await self._enter("publish_many")
-        return [self._acked(subject, self._publish(subject, bytes(data), headers)) for subject, data, headers in msgs]
+        seqs: list[int] = []
+        held: _HeldPublish | None = None
+        for subject, data, headers in msgs:
+            try:
+                seqs.append(self._acked(subject, self._publish(subject, bytes(data), headers)))
+            except _HeldPublish as e:  # (all of them are sent: the rest are held behind it)
+                held = held or e
+        if held is not None:
+            raise held
+        return seqs
 
     async def publish_each(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]]
                            ) -> list[int | NatsFSError]:
@@ -388,7 +436,7 @@ class MemoryStreams:
         seq = 0
         try:
             for subj, data, headers in received:
-                seq = self._publish(subj, data, headers)
+                seq = self._store(subj, data, headers)
         except BaseException:
             st.msgs, st.by_subject, st.last_seq, st.last_ts, st.bytes, st.msg_ids, st.last_msg_id = saved
             raise
@@ -400,6 +448,12 @@ class MemoryStreams:
         return seq
 
     def _publish(self, subject: str, data: bytes, headers: dict[str, str] | None) -> int:
+        if self._holding and (self._held or self._hold_from is None or subject_matches(self._hold_from, subject)):
+            self._held.append((subject, data, dict(headers) if headers else None))
+            raise _HeldPublish(f"publish to {subject}: no ack (held in the server's queue, injected)")
+        return self._store(subject, data, headers)
+
+    def _store(self, subject: str, data: bytes, headers: dict[str, str] | None) -> int:
         self._fault("publish", subject)
         st = next((s for s in self._streams.values() if s.takes(subject)), None)
         if st is None:

@@ -261,6 +261,10 @@ class Mutations:
 
     async def _settle_put(self, bucket: str, nuid: str, put: UnfinishedPut) -> bool:
         if put.purged_at is None:
+            if put.meta_unknown:
+                # The meta may still be in the server's queue, stored after a read that did not see it:
+                # only a read after the barrier's answer tells (no answer: the next pass tries again).
+                await self.store.earlier_publishes_processed(bucket)
             if put.meta_unknown and await self._nuid_in_use(bucket, nuid, put.name):
                 log.info("bucket %s: the put of %r (nuid %s) whose outcome was unknown was stored", bucket,
                          put.name, nuid)

@@ -1823,6 +1823,7 @@ class Filesystem:
             "server_calls": dict(self.ns.store.streams.calls),
             "writeback": dict(self.writeback.counters) if self.writeback is not None else None,
             "staged_files": len(self.staging),
+            "unfinished_puts": len(self.mut.journal.pending),  # chunks left to settle (kept or purged)
             "spool_bytes": self.staging.spool.used,
             "inodes": len(self.inodes),
             "handles": len(self.handles),

@@ -363,3 +363,33 @@ def test_a_rename_retries_the_purge_of_the_old_name(ops_env):
         assert await stored(env, "new.txt") == b"old content"
 
     ops_env(body, setup=one_bucket)
+
+
+@pytest.mark.expect_log("flush: .*(no ack|not stored within)", "b/f: closed without a successful upload")
+@pytest.mark.parametrize("size", [1000, len(DATA)], ids=["one-chunk", "four-chunks"])
+def test_a_meta_still_queued_at_the_server_is_not_taken_for_unstored_and_its_chunks_stay(ops_env, size):
+    # The server read the put's chunks and meta but has not stored the meta yet (a stopped server that
+    # continues): it answers reads and purges at once, but stores publishes in order from the stream's
+    # queue. A settle pass that read "no meta" then would purge the chunks, and the meta land after them.
+    async def body(env: Env):
+        env.store.settle_timeout = 0.3
+        data = DATA[:size]
+        fi = await create_and_write(env, "f", data)
+        env.streams.hold_publishes(from_subject="$O.b.M.>" if size > 1000 else None)
+        assert await err(env.ops.flush(fi.fh)) == errno.EIO
+        await env.ops.release(fi.fh)
+        # The server stores everything before the meta, then the settle pass runs before the meta is stored.
+        metas = [i for i, (s, _, _) in enumerate(env.streams.held) if ".M." in s]
+        assert metas, "the meta was sent"
+        env.streams.release_held(metas[0])
+        assert await env.store.get_info("b", "f") is None
+        await env.fs.mut.settle_puts()  # no answer to the barrier behind the meta: nothing is decided
+        env.streams.release_held()  # the server stores the rest (and refuses the barriers)
+        await env.fs.mut.settle_puts()
+        await env.fs.mut.settle_puts()
+        info = await env.store.get_info("b", "f")
+        assert info is not None, "the meta was stored"
+        assert await stored(env, "f") == data  # every chunk there, bytes match
+        assert not env.fs.mut.journal.pending
+
+    ops_env(body, setup=one_bucket, purge_check_delay=0.0, flush_timeout=0.5)
