@@ -790,6 +790,22 @@ class ObjectStore:
         doc = json.loads(own[1])
         return own[0] if isinstance(doc, dict) and doc.get("deleted") else 0
 
+    async def _free_or_deleted_at(self, bucket: str, name: str, tried: int | None) -> int | None:
+        """After a publish of a new object at `name` (one that may replace a deleted object) was refused
+        on its expected sequence `tried`: read the name's meta subject back. The sequence to expect
+        instead when the subject holds a tombstone (its revision) or nothing (0: purged by another
+        client, perhaps the tombstone this store remembers writing), or None when a retry would not
+        help (a live meta is there, or that is what was tried already)."""
+        subject = self._meta_subject(bucket, name)
+        current = await self.get_info(bucket, name)
+        if current is not None and not current.deleted:
+            return None
+        revision = current.revision if current is not None else 0
+        own = self._own_metas.get(subject)
+        if own is not None and own[0] != revision:
+            del self._own_metas[subject]  # gone from the server (purged): never expected again
+        return None if revision == tried else revision
+
     async def _doc_at(self, bucket: str, name: str, expected_revision: int | None
                       ) -> tuple[dict[str, Any], int] | None:
         """`get_meta_doc`, or without a round trip the meta this store stored itself at exactly
@@ -1112,10 +1128,10 @@ class ObjectStore:
                         raise
                     if not (replace_tombstone and expected_revision == 0 and attempt == 1):
                         raise
-                    current = await self.get_info(bucket, name)
-                    if current is None or not current.deleted:
+                    retry_on = await self._free_or_deleted_at(bucket, name, expected)
+                    if retry_on is None:
                         raise
-                    expected = current.revision
+                    expected = retry_on
                     continue
                 except JetStreamAPIError as e:
                     if ambiguous is not None:
@@ -1133,7 +1149,7 @@ class ObjectStore:
                              bucket, name, e.description)
                     sent.clear()  # that batch was refused: nothing of it can be stored
                     return await self._put_in_order(bucket, name, chunks_of, chunk_size, window, base=base,
-                                                    expected_revision=expected, old_nuid=old_nuid, extra=extra,
+                                                    expected_revision=expected_revision, old_nuid=old_nuid, extra=extra,
                                                     replace_tombstone=replace_tombstone, timestamp=timestamp)
                 except Unavailable:
                     if ambiguous is None:
@@ -1222,10 +1238,10 @@ class ObjectStore:
         except Conflict:
             if not (replace_tombstone and expected_revision == 0):
                 raise
-            current = await self.get_info(bucket, doc["name"])
-            if current is None or not current.deleted:
+            retry_on = await self._free_or_deleted_at(bucket, doc["name"], own_tombstone or expected_revision)
+            if retry_on is None:
                 raise
-            return await self.publish_meta(bucket, doc, expected_revision=current.revision, msg_id=msg_id,
+            return await self.publish_meta(bucket, doc, expected_revision=retry_on, msg_id=msg_id,
                                            timestamp=timestamp)
 
     async def delete(self, bucket: str, name: str, *, expected_revision: int | None = None,

@@ -175,6 +175,11 @@ class BucketWatcher:
 
     # ------------------------------------------------------------------ applying metas
     def _apply(self, index: BucketIndex, m: StoredMsg) -> None:
+        if self._verified is not None and m.seq <= self._verified[1]:
+            # A check verified a stream state that already held this meta, against an index that did
+            # not: its count matched by chance (a subject purged behind the watch's back standing in for
+            # this one). Not verified after all: the next check counts, and lists, again.
+            self._verified = None
         try:
             info = parse_meta(self.bucket, m, self._ignored)
         except MalformedMeta as e:

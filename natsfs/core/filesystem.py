@@ -326,6 +326,7 @@ class Filesystem:
         self.openers = openers if openers is not None else ProcOpeners(config.mountpoint)
         self._mount_root = str(config.mountpoint.resolve())  # resolved before mounting, never after
         self.signer = SymlinkSigner(config.cache_dir / "symlink.key")
+        self._link_refusal_logged = False  # the first refused link() of this mount is logged at INFO
         # (bucket, nuid, revision) -> mtime: versions this mount stored keep showing the time of their
         # last write, not the later time of their meta message, so a stored file's mtime and ctime do
         # not jump at close (tar's placeholder check compares them). Bounded; lost at unmount.
@@ -1760,7 +1761,13 @@ class Filesystem:
 
     async def link(self, inode: InodeNo, new_parent_inode: InodeNo, new_name: bytes) -> Attributes:
         self._refuse_if_read_only()
-        raise NatsFSError("hard links are not supported", errno=errno.EPERM, log_level=logging.INFO)
+        # One line per mount, not one per call: git tries link() for every object it writes (then falls
+        # back to rename), which flooded the log with one INFO line each.
+        if self._link_refusal_logged:
+            raise NatsFSError("hard links are not supported", errno=errno.EPERM, log_level=logging.DEBUG)
+        self._link_refusal_logged = True
+        raise NatsFSError("hard links are not supported (EPERM; further link() calls are logged at DEBUG only)",
+                          errno=errno.EPERM, log_level=logging.INFO)
 
     async def mknod(self, parent_inode: InodeNo, name: bytes, mode: int, caller: Caller, rdev: int = 0
                     ) -> Attributes:
