@@ -2018,6 +2018,10 @@ class Filesystem:
 
         sf, stored = await self._unless_staged(inode, lambda: self._index_info(self.inodes.path_of(inode)))
         if sf is None:
+            if stored is not None and (stored.link is not None) != (node.kind == LINK):
+                # Another client replaced the file by a link (or the link by a file) since it was read:
+                # the change was meant for what is gone, not for what holds the name now.
+                raise Conflict(f"{bucket}/{stored.name}: replaced by another client meanwhile")
             await self._store_xattr(inode, node.bucket, change, stored)
             return
         # Under the file's lock: after an upload under way, which stores at the revision it read (and

@@ -480,3 +480,46 @@ def test_a_chmod_of_a_file_another_client_replaces_meanwhile_is_a_clear_error(op
         assert len(errnos) == 1 and errnos[0] != errno.EIO, errnos
 
     ops_env(body, setup=a_log_file, bucket="b")
+
+
+def test_a_setxattr_of_a_file_another_client_replaced_by_a_link_meanwhile_is_a_conflict(ops_env, monkeypatch):
+    """The setxattr read the file, then awaited; meanwhile another client replaced it by an ADR-20 link.
+    Read again before it is stored, the name holds the link: the attribute must not land on the link's
+    meta as if it were the file (ESTALE, as for a chmod)."""
+    from gowriters import delete_object
+
+    async def body(env: Env):
+        ino = (await env.lookup("app.log")).st_ino
+        real_node = env.fs._node
+        reached, go = trio.Event(), trio.Event()
+
+        async def first_read_held(inode: Any) -> Any:
+            node = await real_node(inode)
+            if not reached.is_set():
+                reached.set()
+                await go.wait()
+            return node
+
+        monkeypatch.setattr(env.fs, "_node", first_read_held)
+        errnos: list[int] = []
+
+        async def change() -> None:
+            try:
+                await setxattr(env, ino)
+            except pyfuse3.FUSEError as e:
+                errnos.append(e.errno)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(change)
+            await reached.wait()
+            await delete_object(env.streams, "b", "app.log")
+            await env.store.add_link("b", "app.log", "b", "other")
+            placed = await env.store.get_info("b", "app.log")
+            await env.settle()
+            go.set()
+        assert errnos == [errno.ESTALE], errnos
+        link = await env.store.get_info("b", "app.log")
+        assert placed is not None and link is not None and link.link is not None
+        assert link.revision == placed.revision  # the link's meta was not changed
+
+    ops_env(body, setup=a_log_file, bucket="b")
