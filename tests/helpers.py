@@ -8,6 +8,7 @@ import contextlib
 import errno
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -369,3 +370,18 @@ def daemon_children(pid: int) -> dict[str, int]:
                     if role:
                         found[role] = int(child)
     return found
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP `pid` and wait until every thread of it has stopped (until the thread the kernel picked
+    runs and starts the group stop, the others go on serving)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        return all(state in "tT" for state in states)
+
+    assert wait_for(stopped, timeout=10, interval=0.005)

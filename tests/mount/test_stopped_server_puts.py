@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import create_bucket, wait_for, with_nats
+from helpers import create_bucket, stop_process, wait_for, with_nats
 
 ROUNDS = 6
 
@@ -52,19 +52,6 @@ print(" ".join(out), flush=True)
 # worker, two small ones put with one round trip).
 FILES = {"a": (4 * 1024 * 1024, False), "b": (100_000, True), "c": (1000, False)}
 
-
-def _stop(pid: int) -> None:
-    """SIGSTOP `pid` and wait until every thread of it has stopped."""
-    os.kill(pid, signal.SIGSTOP)
-
-    def stopped() -> bool:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        return all(state in "tT" for state in states)
-
-    assert wait_for(stopped, timeout=10, interval=0.005)
 
 
 def _unfinished_puts(mountpoint: Path) -> int:
@@ -119,7 +106,7 @@ def test_closes_while_the_server_is_stopped_leave_no_meta_without_its_chunks(pri
         for name, (size, _) in FILES.items():
             want[name] = os.urandom(size)
             (tmp_path / f"want.{name}").write_bytes(want[name])
-        _stop(server_pid)
+        stop_process(server_pid)
         try:
             writers = {name: subprocess.Popen(
                 [sys.executable, "-c", _WRITER, str(m.path / "b" / f"r{r}" / name), str(tmp_path / f"want.{name}"),

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from helpers import Mount, create_bucket, nats_py_put, wait_for, with_store
+from helpers import Mount, create_bucket, nats_py_put, stop_process, wait_for, with_store
 
 # Opens the file, says so, and at the next input line reads (argv[2] == "read") or just exits.
 _HOLDER = """
@@ -38,20 +38,6 @@ def _served(mountpoint: Path, op: str) -> int:
     return int(stats["ops"].get(op, 0))
 
 
-def _stop(pid: int) -> None:
-    """SIGSTOP `pid` and wait until every thread of it has stopped (until the thread the kernel picked
-    runs and starts the group stop, the others go on serving)."""
-    os.kill(pid, signal.SIGSTOP)
-
-    def stopped() -> bool:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        return all(state in "tT" for state in states)
-
-    assert wait_for(stopped, timeout=10, interval=0.005)
-
 
 def _unmount_while_served(server: Any, m: Mount, path: Path, op: str,
                           before_stop: Callable[[], None] = lambda: None) -> None:
@@ -68,7 +54,7 @@ def _unmount_while_served(server: Any, m: Mount, path: Path, op: str,
         before_stop()
         before = _served(m.path, op)
         try:
-            _stop(server.proc.pid)
+            stop_process(server.proc.pid)
             holder.stdin.write("\n")
             holder.stdin.flush()
             if op == "read":

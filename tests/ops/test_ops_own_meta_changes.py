@@ -439,6 +439,23 @@ def test_a_close_landing_while_a_meta_change_is_published_is_stored_after_it(ops
     ops_env(body, setup=an_empty_log)
 
 
+def _hold_first_node_read(env: Env, monkeypatch: Any) -> tuple[trio.Event, trio.Event]:
+    """The core's next read of a node waits after it read: `reached` is set then, and it goes on once
+    `go` is set (what it read is then out of date, as when another client changed it meanwhile)."""
+    real_node = env.fs._node
+    reached, go = trio.Event(), trio.Event()
+
+    async def first_read_held(inode: Any) -> Any:
+        node = await real_node(inode)
+        if not reached.is_set():
+            reached.set()
+            await go.wait()
+        return node
+
+    monkeypatch.setattr(env.fs, "_node", first_read_held)
+    return reached, go
+
+
 @pytest.mark.parametrize("replacement", ["directory", "symlink"])
 def test_a_chmod_of_a_file_another_client_replaces_meanwhile_is_a_clear_error(ops_env, monkeypatch, replacement):
     """The chmod read the file, then awaited; meanwhile another client replaced it by a directory (or an
@@ -448,17 +465,7 @@ def test_a_chmod_of_a_file_another_client_replaces_meanwhile_is_a_clear_error(op
 
     async def body(env: Env):
         ino = (await env.lookup("app.log")).st_ino
-        real_node = env.fs._node
-        reached, go = trio.Event(), trio.Event()
-
-        async def first_read_held(inode: Any) -> Any:
-            node = await real_node(inode)
-            if not reached.is_set():
-                reached.set()
-                await go.wait()
-            return node
-
-        monkeypatch.setattr(env.fs, "_node", first_read_held)
+        reached, go = _hold_first_node_read(env, monkeypatch)
         errnos: list[int] = []
 
         async def change() -> None:
@@ -490,17 +497,7 @@ def test_a_setxattr_of_a_file_another_client_replaced_by_a_link_meanwhile_is_a_c
 
     async def body(env: Env):
         ino = (await env.lookup("app.log")).st_ino
-        real_node = env.fs._node
-        reached, go = trio.Event(), trio.Event()
-
-        async def first_read_held(inode: Any) -> Any:
-            node = await real_node(inode)
-            if not reached.is_set():
-                reached.set()
-                await go.wait()
-            return node
-
-        monkeypatch.setattr(env.fs, "_node", first_read_held)
+        reached, go = _hold_first_node_read(env, monkeypatch)
         errnos: list[int] = []
 
         async def change() -> None:
