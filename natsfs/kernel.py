@@ -28,7 +28,8 @@ The child answers each message with its errno (0 on success). Nothing waits for 
 A child that dies while the mount is live (a kill, the OOM killer) is reaped at once and replaced
 (`retry.Restarts` paces it) on a new clone of the device; the messages it had not answered are sent
 again by the new one and those asked meanwhile are queued for it. While none runs (`degraded`), the
-kernel is given short timeouts (`DEGRADED_TIMEOUT`) so that it asks again soon.
+kernel is given short timeouts (`DEGRADED_TIMEOUT`) so that it asks again soon, and what waits is
+capped (`QUEUE_CAP`, oldest dropped first).
 A child that stops answering (stopped by SIGSTOP, stuck in a system call) is treated as dead: once an
 invalidation has waited `HUNG_AFTER` seconds with no answer meanwhile (`retry.Silence`), it is killed
 (SIGKILL), said once at WARNING, and replaced the same way. While an answer is overdue by more than
@@ -72,6 +73,12 @@ DEGRADED_TIMEOUT = 1.0
 # is killed and replaced. Answers take microseconds; an invalidation never waits on a lock of ours for
 # long (the rules above), so this only catches a stopped or stuck child.
 HUNG_AFTER = 5.0
+# Invalidations queued while no child takes them (restarts failing): beyond this many, the oldest are
+# dropped. An entry or attribute the kernel cached expires on its own (after `DEGRADED_TIMEOUT`
+# for what it was told meanwhile, the ordinary timeout for what it was told before), and a replaced
+# object gets a new inode, so a dropped invalidation leaves a cache stale for a bounded time, while an
+# unbounded queue would grow with every change other clients make for as long as restarts fail.
+QUEUE_CAP = 65536
 # How long a killed (hung) child is waited for before the next one starts anyway (it is reaped later):
 # SIGKILL takes effect only when a system call it is stuck in ends.
 _REAP_WAIT = 1.0
@@ -116,8 +123,11 @@ def clone_device(session_fd: int) -> int:
 
 class KernelNotifier:
     def __init__(self, busy: Callable[[int], bool] = lambda ino: False, restarts: Restarts | None = None, *,
-                 hung_after: float = HUNG_AFTER) -> None:
+                 hung_after: float = HUNG_AFTER, queue_cap: int = QUEUE_CAP) -> None:
         self.busy = busy
+        self.queue_cap = queue_cap
+        self.dropped = 0  # invalidations dropped from a full queue (`QUEUE_CAP`)
+        self._drop_said = False  # (once per child that is not running)
         self.restarts = restarts or Restarts()
         self.hung_after = hung_after
         self._silence = Silence(hung_after)  # of the running child's unanswered invalidations
@@ -144,6 +154,11 @@ class KernelNotifier:
     @property
     def pid(self) -> int | None:
         return self._child.pid if self._child is not None else None
+
+    @property
+    def queued(self) -> list[Item]:
+        """What waits for a child to take it, oldest first."""
+        return list(self._queue)
 
     @property
     def degraded(self) -> bool:
@@ -190,6 +205,7 @@ class KernelNotifier:
         self._unanswered = trio.Semaphore(_IN_FLIGHT)
         self._silence = Silence(self.hung_after)
         self._hung = False
+        self._drop_said = False
         self.running = True
         self.restarts.started()
         self._wake.set()  # what was queued meanwhile goes out now
@@ -298,6 +314,14 @@ class KernelNotifier:
             del self.sent[:500]
         if not self.attached or self._closing or item in self._queue:
             return
+        if len(self._queue) >= self.queue_cap:
+            del self._queue[next(iter(self._queue))]
+            self.dropped += 1
+            if not self._drop_said:
+                self._drop_said = True
+                log.warning("kernel notifier: %d invalidations wait for a notifier to take them; the oldest are "
+                            "dropped from now on (the kernel's caches of those expire on their own)",
+                            self.queue_cap)
         self._queue[item] = None
         self._wake.set()
 

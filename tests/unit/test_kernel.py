@@ -300,3 +300,45 @@ def test_a_stopped_child_is_killed_and_replaced_and_a_child_that_answers_is_left
     assert still == first and second != first
     assert _parse(written) == [(FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 1, 0, 0)),
                                (FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 2, 0, 0))]
+
+
+def test_invalidations_queued_while_no_child_runs_are_capped_oldest_first(caplog):
+    """While restarts keep failing, other clients' changes keep asking for invalidations: the queue keeps
+    the newest `queue_cap` of them, and says once at WARNING that it drops the oldest."""
+    import logging
+    import signal
+
+    from natsfs.retry import Restarts
+
+    caplog.set_level(logging.DEBUG, logger="natsfs")
+    read_end, device = os.pipe()
+
+    def reopen() -> int:
+        raise OSError(24, "Too many open files")
+
+    notifier = KernelNotifier(restarts=Restarts(first=0.01, cap=0.02, stable=10, give_up_after=2), queue_cap=4)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            notifier.start(nursery)
+            notifier.attach(os.dup(device), reopen=reopen)
+            pid = notifier.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            with trio.fail_after(10):
+                while notifier.running:
+                    await trio.sleep(0.01)
+            for ino in range(10, 20):
+                notifier.inode(ino)
+            assert notifier.queued == [("inode", ino, None) for ino in range(16, 20)]
+            assert notifier.dropped == 6
+            await notifier.close()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        os.close(read_end)
+        os.close(device)
+    said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(said) == 1 and "4 invalidations wait" in said[0], said
