@@ -315,7 +315,17 @@ class Mutations:
             if index is None or not index.shared_tombstones:
                 continue
             purged: list[str] = []
-            for name, (revision, _nuid) in list(index.shared_tombstones.items()):
+            for name, (revision, nuid) in list(index.shared_tombstones.items()):
+                try:
+                    live_holder = await self._live_holder(bucket, index, name, nuid)
+                except NatsFSError as e:
+                    log.debug("bucket %s: reading back the names sharing %r's nuid failed (%s); retrying", bucket,
+                              name, e)
+                    continue
+                if not live_holder:
+                    # Shared only with a name gone from the bucket meanwhile: an ordinary tombstone.
+                    index.shared_tombstones.pop(name, None)
+                    continue
                 try:
                     await self.store.purge_tombstone(bucket, name, revision)
                 except (ReadOnly, JetStreamAPIError) as e:
@@ -333,6 +343,20 @@ class Mutations:
                 log.warning("bucket %s: purged %d tombstone(s) carrying the nuid of a live object under another "
                             "name (left by renames of an earlier natsfs; other clients' delete of those names "
                             "would have destroyed the objects): %s", bucket, len(purged), shown)
+
+    async def _live_holder(self, bucket: str, index: BucketIndex, name: str, nuid: str) -> bool:
+        """Does a name the index holds live with `nuid` (other than `name`) still hold it in the bucket?
+        The index learns of another client's rename (its new meta, then a purge of the old subject, which
+        no watch delivers) only when it reads the old name back a moment later: until then a tombstone
+        under the new name (deleted since) seems to share the nuid of the old one."""
+        for holder in index.other_names_with_nuid(nuid, name):
+            try:
+                got = await self.store.get_meta_doc(bucket, holder, index.odd_subjects.get(holder))
+            except MalformedMeta:
+                continue
+            if got is not None and not got[0].get("deleted") and got[0].get("nuid") == nuid:
+                return True
+        return False
 
     # ------------------------------------------------------------------ streaming uploads
     def after_write(self, sf: StagedFile, offset: int) -> None:

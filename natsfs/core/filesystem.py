@@ -256,11 +256,12 @@ def _under(path: tuple[str, ...], directory: tuple[str, ...]) -> bool:
 
 class _DirRenameGate(_Gate):
     """A directory rename and the entries added in the directories it moves (create, mkdir, symlink,
-    mknod) run one after the other. A rename moves the objects it finds when it starts; an entry
-    published under the old path meanwhile stayed behind and brought the old directory back. So an
-    entry waits while a directory it is added to (or one above) is being renamed, and then goes under
-    the directory's new path; a rename waits for the entries being added there to be stored, and
-    moves them along."""
+    mknod) or removed from them (unlink, rmdir) run one after the other. A rename moves the objects it
+    finds when it starts; an entry published under the old path meanwhile stayed behind and brought the
+    old directory back, and one removed by its old path between the rename's two steps for it left a
+    tombstone carrying the renamed object's nuid. So an entry waits while a directory it is added to or
+    removed from (or one above) is being renamed, and then goes by the directory's new path; a rename
+    waits for the entries being added or removed there, and moves what is left."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1507,7 +1508,17 @@ class Filesystem:
     # ------------------------------------------------------------------ namespace changes
     async def unlink(self, parent_inode: InodeNo, name: bytes) -> None:
         self._refuse_if_read_only()
-        path = (*self.inodes.path_of(parent_inode), _name(name))
+        # A rename of the directory (or one above) may be under way: the unlink waits for it and removes
+        # the entry under the directory's new path, and a rename that starts meanwhile waits for the
+        # unlink (`_DirRenameGate`). Between a rename's two steps for the entry (its meta published under
+        # the new name, the old name's not purged yet) an unlink by the old path wrote a tombstone there
+        # carrying the renamed object's nuid (and purged its chunks): other clients' Delete or Put of
+        # the old name then purge the live object's chunks.
+        async with self._dir_renames.adding(lambda: self.inodes.path_of(parent_inode)) as (directory,):
+            await self._unlink(directory, name)
+
+    async def _unlink(self, directory: tuple[str, ...], name: bytes) -> None:
+        path = (*directory, _name(name))
         bucket, _ = self._in_bucket(path)
         node = await self._path_node(path)
         if node.kind in (DIR, BUCKET, ROOT):
@@ -1607,7 +1618,14 @@ class Filesystem:
 
     async def rmdir(self, parent_inode: InodeNo, name: bytes) -> None:
         self._refuse_if_read_only()
-        path = (*self.inodes.path_of(parent_inode), _name(name))
+        # (As an unlink: a rename of the directory above under way is waited for, and the marker is
+        # deleted under the new path, never by a tombstone under the old one carrying the moved marker's
+        # nuid.)
+        async with self._dir_renames.adding(lambda: self.inodes.path_of(parent_inode)) as (directory,):
+            await self._rmdir(directory, name)
+
+    async def _rmdir(self, directory: tuple[str, ...], name: bytes) -> None:
+        path = (*directory, _name(name))
         bucket, rel = self.ns.split(path)
         node = await self._path_node(path)
         if node.kind not in (DIR, BUCKET):

@@ -6,6 +6,9 @@ or `mknod` in it that checked its path before the rename ended stored its marker
 path (`d/x`): the rename had not seen it, so `d` came back with `x` in it (and `e` lacked it). Both
 interleavings are pinned: the new entry arriving while the rename is held half way (one object moved),
 and the rename arriving while the new entry's check or its publish is held.
+
+An entry removed there meanwhile (`unlink`, `rmdir`) is removed from the renamed directory: removed by
+its old path between the rename's two steps for it, it left a tombstone carrying the moved object's nuid.
 """
 
 from __future__ import annotations
@@ -161,3 +164,88 @@ def test_a_file_renamed_into_or_out_of_a_directory_being_renamed_moves_with_it(o
             assert await env.cat("g") == b"in d"
 
     ops_env(body, setup=dir_with_a_file, bucket="b")
+
+
+def stored_metas(env: Env) -> list[Any]:
+    """The last meta of every meta subject the bucket's stream holds (tombstones included)."""
+    last = {}
+    for msg in env.streams.messages(stream_name("b")):
+        if msg.subject.startswith("$O.b.M."):
+            last[msg.subject] = msg
+    return [parse_meta("b", msg) for msg in last.values()]
+
+
+def tombstones_sharing_a_live_nuid(env: Env) -> list[str]:
+    """Tombstones whose nuid a live object holds: another client's Delete or Put of such a name would
+    purge the live object's chunks."""
+    metas = stored_metas(env)
+    live = {info.nuid for info in metas if not info.deleted}
+    return [info.name for info in metas if info.deleted and info.nuid in live]
+
+
+async def dir_with_a_subdirectory(ms: MemoryStreams, store: ObjectStore) -> None:
+    await bucket_b(ms, store)
+    await store.put("b", "d/s/", BytesSource(b""), expected_revision=0)
+
+
+async def remove_file(env: Env, d: int) -> None:
+    await env.ops.unlink(d, b"f", CTX)
+
+
+async def remove_subdirectory(env: Env, d: int) -> None:
+    await env.ops.rmdir(d, b"s", CTX)
+
+
+REMOVALS: dict[str, tuple[Callable[[Env, int], Awaitable[None]], Callable[[MemoryStreams, ObjectStore],
+                                                                           Awaitable[None]]]] = {
+    "unlink": (remove_file, dir_with_a_file), "rmdir": (remove_subdirectory, dir_with_a_subdirectory)}
+
+
+@pytest.mark.parametrize("watch", ["seen", "late"])
+@pytest.mark.parametrize("op", REMOVALS)
+def test_an_entry_removed_while_its_directory_is_renamed_is_removed_from_the_renamed_directory(
+        ops_env, monkeypatch, op, watch):
+    """`rm d/f` (or `rmdir d/s`) while `mv d e` runs, as git's clean-up of a failed clone does while its
+    directory is renamed: the kernel lets both through at once (the directory rename locks only its
+    parent). Held between the rename's two steps for that entry (its meta published under e/, the old
+    subject not purged yet), the removal answered 0 while e/f (e/s) lived on; and where the watch had
+    not delivered the new meta yet ("late"), it wrote its tombstone on the old name, carrying the nuid
+    of the live e/f (other clients' Delete or Put of d/f then purge e/f's chunks) and purged e/f's
+    chunks too. As on a local disk, the entry is removed from the renamed directory, and no tombstone
+    carries a live nuid."""
+    async def body(env: Env):
+        remove, _ = REMOVALS[op]
+        d = await ino_of(env, "d")
+        await ino_of(env, "d/f" if op == "unlink" else "d/s")
+        index = env.ns.loaded_index("b")
+        assert index is not None
+        real_apply = index.apply
+        deferred: list[Any] = []
+        watch_late = watch == "late"
+
+        def apply(info: Any) -> bool:
+            if watch_late and info.name.startswith("e/"):
+                deferred.append(info)  # the watch has not delivered the renamed metas yet
+                return False
+            return real_apply(info)
+
+        monkeypatch.setattr(index, "apply", apply)
+        # The rename's first purge of an old name (d/f, or the marker d/s/; the marker d/ is last): its
+        # new meta is published already.
+        hold = Held(monkeypatch, env.store, "_purge_settled")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rename(env, "d", "e"))
+            await hold.held.wait()
+            nursery.start_soon(remove, env, d)
+            await env.settle()  # (it waits for the rename)
+            watch_late = False
+            for info in deferred:
+                real_apply(info)
+            hold.release()
+        await env.settle()
+        assert tombstones_sharing_a_live_nuid(env) == []
+        assert stored_names(env) == {"old", "e/"}
+        assert (await env.listdir(await ino_of(env, ""))).names == ["e", "old"]
+        assert (await env.listdir(await ino_of(env, "e"))).names == []
+
+    ops_env(body, setup=REMOVALS[op][1], bucket="b")

@@ -243,6 +243,41 @@ def test_a_tombstone_sharing_a_live_nuid_is_purged_when_the_index_meets_it(ops_e
     ops_env(body, setup=setup)
 
 
+def test_a_tombstone_sharing_a_nuid_only_with_a_name_renamed_away_meanwhile_is_left_alone(ops_env, monkeypatch,
+                                                                                           caplog):
+    """Another client renames d/a to e/a (the new meta, then a purge of the old subject, which no watch
+    delivers) and deletes e/a. Until the watch notices the purge, the index still holds d/a live, so
+    e/a's tombstone looks as if it shared a live nuid: the clean-up read nothing back, purged that
+    ordinary tombstone and logged a warning about a danger that was not there (every `git clone` into a
+    directory another mount renamed showed it). It reads the live name back first."""
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        assert (await env.listdir(b)).names == ["d", "old.txt"]
+        index = await env.ns.index("b")
+        # The watch reads a suspected old name back only a moment later (`CONFIRM_DELAYS`): not yet.
+        monkeypatch.setattr(env.ns._buckets["b"], "_suspect", lambda name: None)
+        doc = json.loads((await env.streams.last_msg(stream_name("b"), meta_subject("b", "d/a"))).data)
+        await env.streams.publish(meta_subject("b", "e/a"), meta_json(dict(doc, name="e/a")), {ROLLUP: "sub"})
+        await env.streams.purge_subject(stream_name("b"), meta_subject("b", "d/a"))
+        tomb = dict(doc, name="e/a", deleted=True, size=0, chunks=0, digest="")
+        await env.streams.publish(meta_subject("b", "e/a"), meta_json(tomb), {ROLLUP: "sub"})
+        await env.settle()
+        assert index.objects["d/a"].nuid == doc["nuid"]  # (not noticed yet)
+        assert "e/a" in index.shared_tombstones
+        caplog.clear()
+        await env.fs.mut.purge_shared_tombstones()
+        tombstone = await env.store.get_info("b", "e/a")
+        assert tombstone is not None and tombstone.deleted  # left alone
+        assert not index.shared_tombstones
+        assert not [r for r in caplog.records if r.levelno >= 30]
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await one_bucket(ms, store)
+        await put_object(ms, "b", "d/a", DATA)
+
+    ops_env(body, setup=setup)
+
+
 def test_names_are_refused_before_anything_is_stored(ops_env):
     async def body(env: Env):
         b = (await env.lookup("b")).st_ino
