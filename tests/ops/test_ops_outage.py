@@ -291,3 +291,31 @@ def test_a_change_waits_for_a_write_back_upload_stuck_on_a_stopped_server_only_b
 
     ops_env(body, setup=unatomic_bucket_b, bucket="b", write_back=0.0, flush_timeout=3600.0,
             clock=mock_clock())
+
+
+def test_an_fsync_or_close_neither_waits_for_nor_interrupts_a_write_back_upload_stuck_on_a_stopped_server(
+        ops_env, monkeypatch):
+    """A close or fsync in write-back mode writes its journal record beside an upload attempt that waits
+    for a stopped server (the attempt's bytes cannot change meanwhile): it returns at once and the attempt
+    goes on, storing the file once the server answers."""
+    no_worker_threads(monkeypatch)
+
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        fi = await written(env, "f", V2)
+        stuck = env.streams.stop()
+        await env.ops.flush(fi.fh)
+        await stuck.wait()
+        sf = env.fs.staging.get(await ino_of(env, "f"))
+        assert sf is not None and sf.state is WriteState.UPLOADING
+        started = trio.current_time()
+        await env.ops.fsync(fi.fh, False)
+        await close(env, fi)()
+        assert trio.current_time() == started  # no wait at all (mock clock)
+        assert sf.state is WriteState.UPLOADING  # the attempt goes on
+        env.streams.go_on()
+        await env.fs.writeback.drain(60)
+        assert await stored(env, "f") == V2
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=unatomic_bucket_b, bucket="b", write_back=0.0, flush_timeout=3600.0, clock=mock_clock())
