@@ -319,3 +319,32 @@ def test_an_fsync_or_close_neither_waits_for_nor_interrupts_a_write_back_upload_
         assert lost_and_found(env) == []
 
     ops_env(body, setup=unatomic_bucket_b, bucket="b", write_back=0.0, flush_timeout=3600.0, clock=mock_clock())
+
+
+def test_a_change_waits_for_a_write_back_upload_that_lands_within_the_bound(ops_env, monkeypatch, caplog):
+    """The trade-off of `CHANGE_WAIT_MAX_S`: an upload attempt that lands within it is not interrupted,
+    so a file rewritten again and again is still stored between its rewrites."""
+    caplog.set_level(logging.INFO, logger="natsfs")
+    no_worker_threads(monkeypatch)
+    assert CHANGE_WAIT_MAX_S >= 1.0
+
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        fi = await written(env, "f", V2)
+        stuck = env.streams.stop()
+        await env.ops.flush(fi.fh)
+        await stuck.wait()
+
+        async def answers_soon() -> None:
+            await trio.sleep(0.5)  # (the server answers again well within the bound)
+            env.streams.go_on()
+
+        env.nursery.start_soon(answers_soon)
+        assert await env.ops.write(fi.fh, 0, NEW) == len(NEW)  # waited for the upload, which landed
+        assert await stored(env, "f") == V2
+        await close(env, fi)()
+        await env.fs.writeback.drain(60)
+        assert await stored(env, "f") == NEW
+        assert not [r for r in caplog.records if "interrupted" in r.getMessage()]
+
+    ops_env(body, setup=unatomic_bucket_b, bucket="b", write_back=0.0, flush_timeout=3600.0, clock=mock_clock())
