@@ -200,6 +200,9 @@ class MemoryStreams:
         self._holding = False  # see `hold_publishes`
         self._hold_from: str | None = None
         self._held: list[tuple[str, bytes, dict[str, str] | None]] = []
+        self._stopped: trio.Event | None = None  # see `stop`
+        self._stop_from: str | None = None
+        self._stop_reached = trio.Event()
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, op: str, exc: BaseException, *, subject: str | None = None, times: int = 1) -> None:
@@ -266,6 +269,34 @@ class MemoryStreams:
     def connected(self) -> bool:
         return self._offline_wait is None
 
+    def stop(self, *, from_subject: str | None = None) -> trio.Event:
+        """Behave like a server that was stopped (SIGSTOP) while the connection stays open: `connected`
+        stays True and every call waits, unanswered, until `go_on` (then it is answered as usual). With
+        `from_subject`: from the first publish matching that pattern on (the messages published before
+        it, also earlier ones of the same `publish_many`, are stored). Returns an event set once a call
+        waits."""
+        self._stopped = trio.Event()
+        self._stop_from = from_subject
+        self._stop_reached = trio.Event()
+        return self._stop_reached
+
+    def go_on(self) -> None:
+        """The stopped server goes on (SIGCONT): the calls waiting since `stop` are answered."""
+        stopped, self._stopped, self._stop_from = self._stopped, None, None
+        if stopped is not None:
+            stopped.set()
+
+    async def _wait_while_stopped(self, subject: str | None = None) -> None:
+        stopped = self._stopped
+        if stopped is None:
+            return
+        if self._stop_from is not None:
+            if subject is None or not subject_matches(self._stop_from, subject):
+                return
+            self._stop_from = None  # stopped here: every call from now on waits
+        self._stop_reached.set()
+        await stopped.wait()
+
     def _fault(self, op: str, subject: str | None = None) -> None:
         for i, (fop, pattern, exc) in enumerate(self._faults):
             if fop == op and (pattern is None or subject is None or subject_matches(pattern, subject)):
@@ -274,6 +305,7 @@ class MemoryStreams:
 
     async def _enter(self, op: str) -> None:
         self.calls[op] += 1
+        await self._wait_while_stopped()
         wait = self._offline_wait
         if wait is not None:
             await trio.sleep(wait)
@@ -361,6 +393,7 @@ class MemoryStreams:
 
     # ------------------------------------------------------------------ messages
     async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
+        await self._wait_while_stopped(subject)
         await self._enter("publish")
         return self._acked(subject, self._publish(subject, bytes(data), headers))
 
@@ -370,6 +403,7 @@ class MemoryStreams:
         seqs: list[int] = []
         held: _HeldPublish | None = None
         for subject, data, headers in msgs:
+            await self._wait_while_stopped(subject)
             try:
                 seqs.append(self._acked(subject, self._publish(subject, bytes(data), headers)))
             except _HeldPublish as e:  # (all of them are sent: the rest are held behind it)
@@ -383,6 +417,7 @@ class MemoryStreams:
         await self._enter("publish_each")
         outcomes: list[int | NatsFSError] = []
         for subject, data, headers in msgs:
+            await self._wait_while_stopped(subject)
             try:
                 outcomes.append(self._acked(subject, self._publish(subject, bytes(data), headers)))
             except NatsFSError as e:
@@ -407,6 +442,7 @@ class MemoryStreams:
     async def _publish_batch(self, batch_id: str, msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]]) -> int:
         received: list[tuple[str, bytes, dict[str, str]]] = []
         async for subject, data, headers in msgs:
+            await self._wait_while_stopped(subject)
             if received:
                 try:
                     self._fault("publish", received[-1][0])

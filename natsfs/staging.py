@@ -23,20 +23,21 @@ The questions the filesystem asks are properties of the state: `unstored` (DIRTY
 must store it, and a second close waits for the first), `shadows_index` (lookups show the staged file),
 `shown`, `ended`, `serves_reads`, `never_stored`. The content changes only under `lock`, which an upload
 holds for its whole put, so it never changes while UPLOADING: a change that must not wait for the network
-(a write while the write-back uploader's attempt waits for an unreachable server) interrupts the attempt
-instead (`interrupt_upload`: it ends as a cancelled one, UPLOADING -> DIRTY, and releases the lock), and
-the file is uploaded again after its next close. DIRTY never goes straight to DISCARDED: unstored bytes
-are stored or kept, never dropped. UNKEPT is not an end: its bytes stay where they were (the spool or
-memory file, still charged to the budgets; in write-back mode also the journal record) until a retry
-of `keep` writes them to lost+found; lost+found never holds a partial copy (written under a temporary
-name, renamed once complete). Copy-on-write progress (`copied`) and a streaming upload (the session
-and the offset claimed so far, a part of DIRTY: `may_stream`, `claim_stream`, `break_stream`) are the
-other facts a resumed upload needs. The write-back journal (`natsfs.journal`) persists exactly this
-(`journal_entry`): the spool file's id, bucket, name, base version and revision, the stored object it
-replaces (`replaces`: renamed over one before its first upload), the state's value (a
-plain string), `copied`, the POSIX attributes and the xattr changes (data, not callbacks); after a crash
-(`resume`) DIRTY resumes as DIRTY, UPLOADING too (the put journal settles a put whose meta may have been
-stored: `Mutations.upload` recognises its nuid), and only files that are DIRTY or UPLOADING are recorded.
+(a write while the write-back uploader's attempt waits for an unreachable server, or has kept it waiting
+over a second) interrupts the attempt instead (`interrupt_upload`: it ends as a cancelled one, UPLOADING
+-> DIRTY, and releases the lock), and the file is uploaded again after its next close. DIRTY never goes
+straight to DISCARDED: unstored bytes are stored or kept, never dropped. UNKEPT is not an end: its bytes
+stay where they were (the spool or memory file, still charged to the budgets; in write-back mode also the
+journal record) until a retry of `keep` writes them to lost+found; lost+found never holds a partial copy
+(written under a temporary name, renamed once complete). Copy-on-write progress (`copied`) and a
+streaming upload (the session and the offset claimed so far, a part of DIRTY: `may_stream`,
+`claim_stream`, `break_stream`) are the other facts a resumed upload needs. The write-back journal
+(`natsfs.journal`) persists exactly this (`journal_entry`): the spool file's id, bucket, name, base
+version and revision, the stored object it replaces (`replaces`: renamed over one before its first
+upload), the state's value (a plain string), `copied`, the POSIX attributes and the xattr changes (data,
+not callbacks); after a crash (`resume`) DIRTY resumes as DIRTY, UPLOADING too (the put journal settles a
+put whose meta may have been stored: `Mutations.upload` recognises its nuid), and only files that are
+DIRTY or UPLOADING are recorded.
 
 Disk I/O of more than a small write, and all reading and hashing for uploads, runs on worker threads.
 """

@@ -87,8 +87,15 @@ DIR_TIME_MAX_S = 5.0
 # Bytes that could not be written to lost+found (a full local disk) are tried again this often.
 KEEP_RETRY_S = 10.0
 # A change of a file waiting for its write-back upload checks this often whether the server went away
-# meanwhile (then the upload is interrupted: see `Filesystem._changing`).
+# meanwhile, and once more when it has waited `CHANGE_WAIT_MAX_S` (then the upload is interrupted: see
+# `Filesystem._changing`).
 CHANGE_RECHECK_S = 0.5
+# The longest a change of a file (write, truncate, O_TRUNC open) waits for its write-back upload attempt
+# while the server still counts as connected (a stopped or overloaded server keeps the connection open and
+# answers nothing): past it, the attempt is interrupted and the change goes on. Long enough for the put of
+# a file rewritten in a loop to land between its rewrites, short enough that a write never waits for the
+# network like a synchronous close would.
+CHANGE_WAIT_MAX_S = 1.0
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
@@ -1022,22 +1029,25 @@ class Filesystem:
     @contextlib.asynccontextmanager
     async def _changing(self, sf: StagedFile) -> AsyncIterator[None]:
         """Hold `sf.lock` to change its content. An upload holds that lock for its whole put; a change
-        waits for it, except for a write-back upload attempt while the server is unreachable (or
-        becomes so while the change waits, checked every `CHANGE_RECHECK_S`): that attempt could only
-        end at its deadline, so it is interrupted (`StagedFile.interrupt_upload`) and the change goes
-        on at once; the file is uploaded again after its next close."""
+        waits for it, except for a write-back upload attempt, which a change never waits for on the
+        network: while the server is unreachable (or becomes so while the change waits, checked every
+        `CHANGE_RECHECK_S`) the attempt could only end at its deadline, and a server that keeps the
+        connection but answers nothing (stopped, overloaded) would hold it as long; so the attempt is
+        interrupted (`StagedFile.interrupt_upload`) at once when the server is unreachable, else once
+        the change has waited `CHANGE_WAIT_MAX_S`, and the change goes on; the file is uploaded again
+        after its next close."""
         if self.writeback is None:
             await sf.lock.acquire()
         else:
-            self._interrupt_if_offline(sf)
+            self._interrupt_stuck_upload(sf, waited_out=False)
             try:
                 sf.lock.acquire_nowait()
             except trio.WouldBlock:
                 # Waits in line, looking again meanwhile whatever the file's state now: an attempt ahead
                 # of this change (UPLOADING, or DIRTY and waiting for the lock too) may come to wait for
-                # a server that went away.
+                # a server that went away or stopped answering.
                 async with trio.open_nursery() as watching:
-                    watching.start_soon(self._interrupt_while_offline, sf)
+                    watching.start_soon(self._interrupt_while_stuck, sf)
                     await sf.lock.acquire()
                     watching.cancel_scope.cancel()
         try:
@@ -1045,15 +1055,27 @@ class Filesystem:
         finally:
             sf.lock.release()
 
-    def _interrupt_if_offline(self, sf: StagedFile) -> None:
-        if not self.ns.store.connected and sf.interrupt_upload():
-            log.info("%s/%s: its write-back upload, waiting for an unreachable server, was interrupted by a "
-                     "change of the file; it is uploaded again after its next close", sf.bucket, sf.name)
+    def _interrupt_stuck_upload(self, sf: StagedFile, *, waited_out: bool) -> None:
+        """Interrupt `sf`'s write-back upload attempt if the server is unreachable, or if a change of the
+        file has waited `CHANGE_WAIT_MAX_S` for it (`waited_out`); one info line either way."""
+        if not self.ns.store.connected:
+            if sf.interrupt_upload():
+                log.info("%s/%s: its write-back upload, waiting for an unreachable server, was interrupted by a "
+                         "change of the file; it is uploaded again after its next close", sf.bucket, sf.name)
+        elif waited_out and sf.interrupt_upload():
+            log.info("%s/%s: its write-back upload was interrupted by a change of the file, which waited "
+                     "%g s for it (the server answers slowly or not at all); it is uploaded again after its "
+                     "next close", sf.bucket, sf.name, CHANGE_WAIT_MAX_S)
 
-    async def _interrupt_while_offline(self, sf: StagedFile) -> None:
+    async def _interrupt_while_stuck(self, sf: StagedFile) -> None:
+        waited_out_at = trio.current_time() + CHANGE_WAIT_MAX_S
         while True:
-            await trio.sleep(CHANGE_RECHECK_S)
-            self._interrupt_if_offline(sf)
+            now = trio.current_time()
+            # (Wakes exactly at `waited_out_at` once, then keeps looking every CHANGE_RECHECK_S: the attempt
+            # holding the lock then may be one that began after this change started waiting.)
+            await trio.sleep_until(min(now + CHANGE_RECHECK_S, waited_out_at) if now < waited_out_at
+                                   else now + CHANGE_RECHECK_S)
+            self._interrupt_stuck_upload(sf, waited_out=trio.current_time() >= waited_out_at)
 
     async def _version_of(self, handle: FileHandle) -> Node:
         """What a handle's first write starts from: the object now at the inode's path if it is still

@@ -327,8 +327,9 @@ class WriteBack:
                 with trio.fail_after(limit), sf.interruptible_upload() as interrupt:
                     await self.fs.store_staged(sf)
                 if interrupt.cancelled_caught:
-                    # A write went on while the server was away (`Filesystem._changing`, which logs it):
-                    # the file is DIRTY and its record open; its next close queues it again.
+                    # A write went on instead of waiting for this attempt (the server away, or not
+                    # answering within `CHANGE_WAIT_MAX_S`: `Filesystem._changing`, which logs it): the
+                    # file is DIRTY and its record open; its next close queues it again.
                     return
             except Conflict:
                 pass  # kept in lost+found, one log line (the core's conflict path)

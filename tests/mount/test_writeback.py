@@ -5,15 +5,18 @@ uploads. Bytes are checked with nats-py, a client that is not natsfs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from helpers import Mount, create_bucket, nats_py_get, nats_py_put, wait_for, with_nats
+from helpers import Mount, create_bucket, nats_py_get, nats_py_put, stop_process, wait_for, with_nats
 
 from natsfs.compose import WRITE_BACK_JOURNAL, spool_root
 from natsfs.journal import WriteBackJournal, read_records
@@ -187,6 +190,78 @@ def test_a_server_restart_during_write_back_uploads_loses_nothing(private_server
     assert "8 of 8 write-back upload(s) done" in err
     for name, data in files.items():
         assert nats_py_get(url, bucket_name, name) == data
+    assert " ERROR " not in m.log()
+
+
+def _stats(m: Mount) -> dict[str, Any]:
+    return dict(json.loads(os.getxattr(m.path, "user.natsfs.stats")))
+
+
+def _stream_messages(url: str, bucket: str) -> int:
+    async def fn(nc: Any, js: Any) -> int:
+        return int((await js.stream_info(f"OBJ_{bucket}")).state.messages)
+
+    return int(with_nats(url, fn))
+
+
+def _publishes(m: Mount) -> int:
+    return sum(n for call, n in _stats(m)["server_calls"].items() if call.startswith("publish"))
+
+
+def test_a_write_and_close_do_not_wait_for_an_upload_stuck_on_a_stopped_server(private_server, bucket_name,
+                                                                              mounter):
+    """The server is stopped (SIGSTOP: the connection stays open, nothing is answered; the mount notices
+    only at its ping timeout, a minute or more) while the write-back uploader's put of a file still open
+    is under way (started by an fsync, its first publish sent). A write of that file and its close still
+    return at once (within the 1 s a change waits for an upload attempt, plus the interrupted put's
+    cleanup; bounded here by 10 s, far below the put's deadline of 300 s and the ping timeout). Once
+    the server goes on, a fresh client reads the newest bytes, and the interrupted put leaves no chunk
+    behind (the server stores its chunk once it goes on; the put journal purges it)."""
+    url = private_server.url
+    create_bucket(url, bucket_name)
+    m = mounter(url, "--bucket", bucket_name, "--write-back", "--flush-timeout", "300s")
+    # (One chunk, put in-process: its publish is counted in the mount's stats.)
+    first, second = os.urandom(100_000), os.urandom(100_000)
+    path = m / "f.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)  # (opened with the server up: no sealed-state check later)
+    assert private_server.proc is not None
+    server_pid = private_server.proc.pid
+    took: dict[str, float] = {}
+    changing: threading.Thread | None = None
+    try:
+        os.write(fd, first)
+        stop_process(server_pid)
+        published = _publishes(m)
+        os.fsync(fd)  # durable locally; the uploader's put starts and gets no answer
+        assert wait_for(lambda: _publishes(m) > published, timeout=30), m.log()[-3000:]
+
+        def change() -> None:
+            start = time.monotonic()
+            os.pwrite(fd, second, 0)
+            took["write"] = time.monotonic() - start
+            os.close(fd)
+            took["write+close"] = time.monotonic() - start
+
+        changing = threading.Thread(target=change, daemon=True)
+        changing.start()
+        changing.join(60)  # (a bound only for a failing run: it returns after SIGCONT then)
+        assert not changing.is_alive(), "the write or close waited for the stopped server"
+        assert took["write+close"] < 10, took
+        assert "was interrupted by a change of the file, which waited" in m.log()
+        assert path.read_bytes() == second  # the mount shows the newest bytes meanwhile
+    finally:
+        os.kill(server_pid, signal.SIGCONT)
+        if changing is None:
+            os.close(fd)
+        else:
+            changing.join(120)  # (a failing run's change ends once the server answers again)
+    assert wait_for(lambda: in_bucket(url, bucket_name, "f.bin") == second, timeout=120, interval=0.5), \
+        m.log()[-3000:]
+    # The interrupted put's chunk is purged once settled: the stream holds the object's chunk and its
+    # meta, nothing else.
+    assert wait_for(lambda: _stats(m)["unfinished_puts"] == 0, timeout=120, interval=0.2), m.log()[-3000:]
+    assert wait_for(lambda: _stream_messages(url, bucket_name) == 1 + 1, timeout=60, interval=0.5), \
+        _stream_messages(url, bucket_name)
     assert " ERROR " not in m.log()
 
 

@@ -9,25 +9,31 @@ fails with `NoConnection`, as the bridge does): how long operations wait, measur
   for the server: in write-back mode the close succeeds offline and the upload lands later.
 - A close/fsync without write-back fails with EIO at its flush deadline plus at most the put's
   cleanup margin (`ABORT_CLEANUP_S`), not after the cleanup's own wait for the server.
+- In write-back mode a change of a file whose upload attempt waits for a stopped server (connected,
+  nothing answered) waits for it at most `CHANGE_WAIT_MAX_S`, and its close does not wait at all.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 
+import pyfuse3
 import pytest
 import trio
 import trio.testing
-from opskit import CTX, ROOT, Env
+from opskit import CTX, ROOT, Env, Fields
 from test_ops import DATA, fuse_error, two_buckets
-from test_ops_upload_races import lost_and_found
-from test_ops_write import stored, write_file
+from test_ops_upload_races import NEW, V2, close, ino_of, lost_and_found, written
+from test_ops_write import Ctx, stored, write_file
 from test_ops_writeback import LATER, bucket_b
 
 from natsfs import chunk_cache
 from natsfs.adr20 import ABORT_CLEANUP_S, stream_name
+from natsfs.core.filesystem import CHANGE_WAIT_MAX_S
 from natsfs.errors import Unavailable
+from natsfs.staging import WriteState
 
 
 def mock_clock() -> trio.testing.MockClock:
@@ -232,3 +238,113 @@ def test_a_put_stored_as_its_deadline_passes_is_no_failure(ops_env, monkeypatch)
         assert lost_and_found(env) == []
 
     ops_env(body, setup=bucket_b, bucket="b", clock=mock_clock(), flush_timeout=2.0)
+
+
+@pytest.mark.parametrize("stopped_at", ["put", "meta"])
+@pytest.mark.parametrize("what", ["write", "truncate"])
+def test_a_change_waits_for_a_write_back_upload_stuck_on_a_stopped_server_only_briefly(ops_env, monkeypatch, caplog,
+                                                                                      what, stopped_at):
+    """The server stops (SIGSTOP: the connection stays open, nothing is answered, the mount still counts
+    it connected) while the write-back uploader's put of a still open file is under way: at its first
+    request, or at its meta once its chunks are stored. A write (or truncate) of the file waits for that
+    attempt at most `CHANGE_WAIT_MAX_S`, then interrupts it and goes on, and the close after it returns,
+    while the server is still stopped (the attempt itself would wait for its flush deadline, an hour
+    here). Once the server goes on, the newest bytes are stored, the interrupted attempt's chunks are
+    purged (its meta, in flight, is settled by reading back) and nothing goes to lost+found."""
+    caplog.set_level(logging.INFO, logger="natsfs")
+    no_worker_threads(monkeypatch)
+    second = NEW if what == "write" else V2[:1000]
+
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        fi = await written(env, "f", V2)
+        stuck = env.streams.stop(from_subject=None if stopped_at == "put" else "$O.b.M.>")
+        await env.ops.flush(fi.fh)  # journalled: the uploader starts its upload, which gets no answer
+        await stuck.wait()
+        sf = env.fs.staging.get(await ino_of(env, "f"))
+        assert sf is not None and sf.state is WriteState.UPLOADING
+        chunks = {s for s in env.streams.subjects(stream_name("b")) if ".C." in s}
+        assert len(chunks) == (1 if stopped_at == "meta" else 0)  # the attempt's chunks, stored
+        started = trio.current_time()
+        if what == "write":
+            assert await env.ops.write(fi.fh, 0, second) == len(second)
+        else:
+            attrs = pyfuse3.EntryAttributes()
+            attrs.st_size = len(second)
+            await env.ops.setattr(await ino_of(env, "f"), attrs, Fields(update_size=True), fi.fh, Ctx())
+        await close(env, fi)()
+        # Returned while the server is still stopped (mock clock: the attempt's deadline is an hour): the
+        # change waited CHANGE_WAIT_MAX_S, the interrupted put's cleanup at most ABORT_CLEANUP_S more.
+        assert trio.current_time() - started <= min(CHANGE_WAIT_MAX_S + ABORT_CLEANUP_S, 10.0)
+        assert await env.cat("f") == second  # the mount shows the newest bytes meanwhile
+        env.streams.go_on()
+        await env.fs.writeback.drain(60)
+        assert await stored(env, "f") == second
+        info = await env.store.get_info("b", "f")
+        assert info is not None
+        await trio.sleep(3 * env.config.settle_interval + env.config.purge_check_delay)
+        # The interrupted attempt's chunks (stored, when it stopped at its meta) were purged.
+        assert {s for s in env.streams.subjects(stream_name("b")) if ".C." in s} == {f"$O.b.C.{info.nuid}"}
+        assert lost_and_found(env) == []
+        assert len([r for r in caplog.records if "was interrupted by a change of the file, which waited"
+                    in r.getMessage()]) == 1
+
+    ops_env(body, setup=unatomic_bucket_b, bucket="b", write_back=0.0, flush_timeout=3600.0,
+            clock=mock_clock())
+
+
+def test_an_fsync_or_close_neither_waits_for_nor_interrupts_a_write_back_upload_stuck_on_a_stopped_server(
+        ops_env, monkeypatch):
+    """A close or fsync in write-back mode writes its journal record beside an upload attempt that waits
+    for a stopped server (the attempt's bytes cannot change meanwhile): it returns at once and the attempt
+    goes on, storing the file once the server answers."""
+    no_worker_threads(monkeypatch)
+
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        fi = await written(env, "f", V2)
+        stuck = env.streams.stop()
+        await env.ops.flush(fi.fh)
+        await stuck.wait()
+        sf = env.fs.staging.get(await ino_of(env, "f"))
+        assert sf is not None and sf.state is WriteState.UPLOADING
+        started = trio.current_time()
+        await env.ops.fsync(fi.fh, False)
+        await close(env, fi)()
+        assert trio.current_time() == started  # no wait at all (mock clock)
+        assert sf.state is WriteState.UPLOADING  # the attempt goes on
+        env.streams.go_on()
+        await env.fs.writeback.drain(60)
+        assert await stored(env, "f") == V2
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=unatomic_bucket_b, bucket="b", write_back=0.0, flush_timeout=3600.0, clock=mock_clock())
+
+
+def test_a_change_waits_for_a_write_back_upload_that_lands_within_the_bound(ops_env, monkeypatch, caplog):
+    """The trade-off of `CHANGE_WAIT_MAX_S`: an upload attempt that lands within it is not interrupted,
+    so a file rewritten again and again is still stored between its rewrites."""
+    caplog.set_level(logging.INFO, logger="natsfs")
+    no_worker_threads(monkeypatch)
+    assert CHANGE_WAIT_MAX_S >= 1.0
+
+    async def body(env: Env):
+        assert env.fs.writeback is not None
+        fi = await written(env, "f", V2)
+        stuck = env.streams.stop()
+        await env.ops.flush(fi.fh)
+        await stuck.wait()
+
+        async def answers_soon() -> None:
+            await trio.sleep(0.5)  # (the server answers again well within the bound)
+            env.streams.go_on()
+
+        env.nursery.start_soon(answers_soon)
+        assert await env.ops.write(fi.fh, 0, NEW) == len(NEW)  # waited for the upload, which landed
+        assert await stored(env, "f") == V2
+        await close(env, fi)()
+        await env.fs.writeback.drain(60)
+        assert await stored(env, "f") == NEW
+        assert not [r for r in caplog.records if "interrupted" in r.getMessage()]
+
+    ops_env(body, setup=unatomic_bucket_b, bucket="b", write_back=0.0, flush_timeout=3600.0, clock=mock_clock())
