@@ -67,6 +67,10 @@ Path = tuple[str, ...]
 STREAM_BATCH = 4 * 1024 * 1024
 STREAM_PARALLEL = 3
 RENAME_DIR_PARALLEL = 8  # objects of a directory renamed at once
+# How long a check of a bucket's sealed state waits for the server when a state is known already (a server
+# answers STREAM.INFO within milliseconds; one that is connected but stopped would cost the request
+# timeout at every open for writing).
+SEALED_REFRESH_WAIT_S = 0.25
 
 
 def _digest_of_file(fd: int, size: int) -> bytes:
@@ -96,6 +100,7 @@ class Mutations:
         self.file_defaults = PosixAttrs(config.file_mode, config.uid, config.gid, None)
         self.dir_defaults = PosixAttrs(config.dir_mode, config.uid, config.gid, None)
         self._sealed: dict[str, tuple[float, bool]] = {}
+        self._sealed_reads: dict[str, trio.Event] = {}  # a background read of a bucket's sealed state
         self._nursery: trio.Nursery | None = None
         # Meta-only changes (attributes, xattrs) this mount is making itself, per (bucket, name), and an
         # event set whenever one ends: an upload finding such a change stored waits for it (`_upload`).
@@ -119,7 +124,11 @@ class Mutations:
         that creating or opening a file for writing never waits on an unreachable server: a close then
         fails as it would anyway (`EIO`), and a write-back upload of a bucket found sealed later goes
         to lost+found like any refused upload. The state its watch found when it started counts as
-        known; only a bucket never asked about waits (at most the request timeout) and fails."""
+        known; only a bucket never asked about waits (at most the request timeout) and fails.
+
+        With a known state, the read runs in the background (when a nursery is there) and is waited
+        for at most `SEALED_REFRESH_WAIT_S`: a server that answers gives the fresh state, one that is
+        connected but does not answer (stopped) costs that bound, not the request timeout, per open."""
         now = time.monotonic()
         cached = self._sealed.get(bucket)
         if cached is not None and now - cached[0] < self.config.sealed_ttl:
@@ -128,20 +137,44 @@ class Mutations:
             cached = (-math.inf, watched)  # what the bucket's watch found when it started: known, not fresh
         if cached is not None and not self.store.connected:
             return cached[1]
+        if cached is None or self._nursery is None:
+            return await self._read_sealed(bucket, known=cached)
+        done = self._sealed_reads.get(bucket)
+        if done is None:
+            done = self._sealed_reads[bucket] = trio.Event()
+            self._nursery.start_soon(self._read_sealed_in_background, bucket, cached, done)
+        with trio.move_on_after(SEALED_REFRESH_WAIT_S):
+            await done.wait()
+        fresh = self._sealed.get(bucket)
+        return fresh[1] if fresh is not None else cached[1]
+
+    async def _read_sealed_in_background(self, bucket: str, known: tuple[float, bool],
+                                         done: trio.Event) -> None:
+        try:
+            await self._read_sealed(bucket, known=known)
+        except NatsFSError as e:
+            log.debug("bucket %s: sealed state not read again (%s); the last known one stands", bucket, e)
+        finally:
+            self._sealed_reads.pop(bucket, None)
+            done.set()
+
+    async def _read_sealed(self, bucket: str, known: tuple[float, bool] | None) -> bool:
+        """STREAM.INFO of the bucket, within the request timeout; the state it gives is remembered."""
+        asked_at = time.monotonic()
         try:
             with trio.fail_after(self.config.request_timeout):
                 sealed = (await self.store.bucket_status(bucket)).sealed
         except NotFound:
             sealed = False
         except (Unavailable, trio.TooSlowError) as e:
-            if cached is None:
+            if known is None:
                 if isinstance(e, trio.TooSlowError):
                     raise Unavailable(f"bucket {bucket}: no answer to STREAM.INFO within "
                                       f"{self.config.request_timeout:g}s") from None
                 raise
             log.debug("bucket %s: sealed state not read again (%s); the last known one stands", bucket, e)
-            return cached[1]
-        self._sealed[bucket] = (now, sealed)
+            return known[1]
+        self._sealed[bucket] = (asked_at, sealed)
         return sealed
 
     def known_sealed(self, bucket: str) -> bool | None:

@@ -348,3 +348,29 @@ def test_a_change_waits_for_a_write_back_upload_that_lands_within_the_bound(ops_
         assert not [r for r in caplog.records if "interrupted" in r.getMessage()]
 
     ops_env(body, setup=unatomic_bucket_b, bucket="b", write_back=0.0, flush_timeout=3600.0, clock=mock_clock())
+
+
+def test_opening_for_writing_waits_for_a_stopped_server_only_briefly_and_sees_a_seal_at_once(ops_env, monkeypatch):
+    """A bucket whose sealed state is known is asked again in the background: a server that answers gives
+    the fresh state (a seal made meanwhile refuses the next open for writing), one that is connected but
+    stopped costs each open `SEALED_REFRESH_WAIT_S`, not the request timeout."""
+    from natsfs.mutations import SEALED_REFRESH_WAIT_S
+
+    no_worker_threads(monkeypatch)
+
+    async def body(env: Env):
+        await write_file(env, ROOT, "old.txt", b"old")
+        ino = (await env.lookup("old.txt")).st_ino
+        stuck = env.streams.stop()
+        for flags in (os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_APPEND, os.O_WRONLY):
+            start = trio.current_time()
+            fi = await env.ops.open(ino, flags, None)
+            assert trio.current_time() - start <= SEALED_REFRESH_WAIT_S < env.config.request_timeout
+            await env.ops.release(fi.fh)
+        assert stuck.is_set()
+        env.streams.go_on()
+        await env.store.seal_bucket("b")
+        await trio.sleep(0.01)  # (sealed_ttl=0: the next check asks again)
+        assert await fuse_error(env.ops.open(ino, os.O_WRONLY | os.O_TRUNC, None)) == errno.EROFS
+
+    ops_env(body, setup=bucket_b, bucket="b", sealed_ttl=0, clock=mock_clock())
