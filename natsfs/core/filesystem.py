@@ -968,7 +968,11 @@ class Filesystem:
         the retry, as if open: a rename or unlink of this mount that replaces it keeps its version's
         chunks (and marks them to be purged once nothing holds or opens it), and the retry opens that
         version, whole, at the size the lookup handed the kernel. The hold ends at the thread's next
-        open (the retry), its next such lookup, or when the kernel forgets the inode."""
+        open (the retry), its next such lookup, or when the kernel forgets the inode.
+
+        (Rather than renames waiting for the retry: a writer would then wait on a reader whose retry may
+        never come. Nor does the retry get the newest version on the inode its walk reached: that
+        version's chunks belong to another inode, whose replacement would purge them under it.)"""
         if self._refused_opens.get(thread) != path:
             return None
         ended = self._retry_holds.pop(thread, None)
