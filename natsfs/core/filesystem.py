@@ -620,10 +620,16 @@ class Filesystem:
                 if not readers and self._nameless(ino):
                     # Replaced or deleted, and nothing holds its version: the kernel reached it through
                     # a name it still caches (a rename's target, before the kernel moved the renamed
-                    # entry there; or a change by another client, before its invalidation landed).
-                    # ESTALE, not ENOENT: open(2) and stat(2) then walk the path again, revalidating
-                    # every name with us, and reach what the name shows now.
-                    raise Stale(f"inode {ino} was replaced or deleted", log_level=logging.DEBUG) from None
+                    # entry there; or a change by another client, before its invalidation landed), or
+                    # through a descriptor that holds no handle (`O_PATH`).
+                    if await self._former_path_empty(ino):
+                        # Deleted: what a stat of the name gives, with nothing to walk to (a local disk
+                        # would show an `O_PATH` descriptor's unlinked file with no link; the two come
+                        # as the same request).
+                        raise NotFound(f"inode {ino} was deleted") from None
+                    # Replaced: ESTALE, not ENOENT: open(2) and stat(2) then walk the path again,
+                    # revalidating every name with us, and reach what the name shows now.
+                    raise Stale(f"inode {ino} was replaced", log_level=logging.DEBUG) from None
                 if not readers or not self._nameless(ino):
                     raise
                 # Deleted or replaced while open (by this mount or another client): what its handles hold.
@@ -633,6 +639,13 @@ class Filesystem:
                 return node
             # Renamed, or detached (replaced while open) while the index was awaited: what the path
             # shows now may be another inode's.
+
+    async def _former_path_empty(self, ino: InodeNo) -> bool:
+        """Whether the path detached `ino` had shows nothing now (its file was deleted, not replaced)."""
+        former = self.inodes.detached_from(ino)
+        if former is None or self._being_renamed(former):
+            return False  # (a rename onto it is under way: something shows there once it is done)
+        return await self._maybe_node(former) is None and not self._being_renamed(former)
 
     async def _path_node(self, path: tuple[str, ...]) -> Node:
         sf = self.staging.at_path(path)

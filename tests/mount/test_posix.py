@@ -550,3 +550,18 @@ def test_a_reader_racing_two_writers_saving_the_same_file_never_gets_estale(pb):
     assert [w.returncode for w in writers] == [0, 0]
     assert not failures, f"{len(failures)} failures in {reads} reads: {failures[:5]}"
     assert whole_version((d / "f").read_bytes())
+
+
+def test_fstat_of_an_o_path_descriptor_of_a_file_this_mount_deleted_is_enoent(pb):
+    """An `O_PATH` descriptor holds no handle. Once this mount unlinks its file, its fstat is ENOENT, as a
+    stat of the name (was ESTALE). (The same for a file another client deleted, once the kernel asks
+    again: until then it answers from the attributes it caches.)"""
+    _, d = pb
+    (d / "f").write_bytes(b"x" * 100)
+    fd = os.open(d / "f", os.O_PATH)
+    try:
+        os.unlink(d / "f")
+        with pytest.raises(FileNotFoundError):
+            os.fstat(fd)
+    finally:
+        os.close(fd)

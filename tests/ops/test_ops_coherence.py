@@ -17,7 +17,7 @@ from typing import Any
 import pyfuse3
 import pytest
 import trio
-from gowriters import put_object
+from gowriters import delete_object, put_object
 from opskit import CTX, Ctx, Env, Listing
 
 from natsfs.adr20 import ObjectStore, stream_name
@@ -536,3 +536,56 @@ def test_another_thread_does_not_open_a_version_held_for_a_retry(ops_env):
         await env.ops.release(retried.fh)
 
     ops_env(body, setup=two_saves_ready)
+
+
+async def stat_errno(env: Env, ino: int) -> int | None:
+    """`fstat` of an `O_PATH` descriptor of `ino` (a GETATTR with no handle): its errno, None if it succeeds."""
+    try:
+        await env.ops.getattr(ino, None)
+    except pyfuse3.FUSEError as e:
+        return e.errno
+    return None
+
+
+def test_fstat_of_an_o_path_descriptor_of_a_file_this_mount_deleted_is_enoent(ops_env):
+    """An `O_PATH` descriptor holds the inode but no handle. Once this mount unlinks the file, its stat is
+    ENOENT, as for the name (was ESTALE, which a program's fstat gets as is: there is no path to walk)."""
+    async def body(env: Env) -> None:
+        bucket = (await env.lookup("alpha")).st_ino
+        held = await env.ops.lookup(bucket, b"moving.bin", CTX)
+        await env.ops.unlink(bucket, b"moving.bin", CTX)
+        assert await stat_errno(env, held.st_ino) == errno.ENOENT
+
+    ops_env(body, setup=one_object)
+
+
+def test_fstat_of_an_o_path_descriptor_of_a_file_another_client_deleted_while_open_here_is_enoent(ops_env):
+    """Another client deletes the file while this mount reads it (its inode is detached, kept for that
+    handle); after that handle's close, the stat through an `O_PATH` descriptor is ENOENT, as for an inode
+    that had no handle (was ESTALE)."""
+    async def body(env: Env) -> None:
+        held = await env.lookup("alpha/moving.bin")
+        reader = await env.ops.open(held.st_ino, os.O_RDONLY, CTX)
+        await delete_object(env.streams, "alpha", "moving.bin")
+        await env.settle()
+        assert (await env.ops.getattr(held.st_ino, None)).st_size == len(OLD)  # the handle's version
+        await env.ops.release(reader.fh)
+        assert await stat_errno(env, held.st_ino) == errno.ENOENT
+
+    ops_env(body, setup=one_object)
+
+
+def test_stat_of_an_inode_whose_file_was_replaced_is_estale_for_the_kernel_to_walk_again(ops_env):
+    """Replaced (here by another client, while this mount read it) rather than deleted: the name shows
+    another file, so a stat reaching the old inode through a name the kernel still caches is ESTALE, and
+    stat(2) walks the path again to the new file."""
+    async def body(env: Env) -> None:
+        held = await env.lookup("alpha/moving.bin")
+        reader = await env.ops.open(held.st_ino, os.O_RDONLY, CTX)
+        await put_object(env.streams, "alpha", "moving.bin", NEW)
+        await env.settle()
+        await env.ops.release(reader.fh)
+        assert await stat_errno(env, held.st_ino) == errno.ESTALE
+        assert (await env.lookup("alpha/moving.bin")).st_size == len(NEW)
+
+    ops_env(body, setup=one_object)
