@@ -161,7 +161,7 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
                      ) -> pyfuse3.EntryAttributes:
-        return entry_attributes(await self.fs.lookup(InodeNo(parent_inode), name))
+        return entry_attributes(await self.fs.lookup(InodeNo(parent_inode), name, ctx.pid if ctx is not None else 0))
 
     @_boundary
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:

@@ -23,7 +23,10 @@ Owns the bucket check and its report. What it looks at, in one pass:
   and count;
 - names sharing a live object's nuid: a TOMBSTONE carrying a live nuid (other clients' Delete or Put
   of that name purge the nuid, destroying the live object) and two live names on one nuid (a rename
-  interrupted between its steps);
+  interrupted between its steps); and, as a note, a tombstone carrying only the nuid of a hidden alias
+  (the holders a mount keeps chunks for, `BucketIndex.hidden_alias_holders`): other clients' Delete or
+  Put of its name would purge that alias's chunks, but a hidden alias names no object, so it makes no
+  tombstone dangerous (as in a mount: nothing is repaired for it);
 - with `verify`, every intact object's bytes against its meta's SHA-256 digest.
 
 `repair` purges orphan chunk subjects (checked young again just before) and neutralises dangerous
@@ -71,12 +74,13 @@ HIDDEN = "name a mount cannot show"
 ALIAS = "hidden alias"
 DAMAGED = "damaged object"
 SHARED_TOMBSTONE = "tombstone sharing a live nuid"
+ALIAS_TOMBSTONE = "tombstone sharing a hidden alias's nuid"
 SHARED_NAMES = "names sharing one nuid"
 BAD_NAME = "unusable name"
 BAD_META = "unreadable meta"
 BAD_FIELD = "ignored meta field"
 DIGEST = "digest mismatch"
-NOTES = (IN_PROGRESS, HIDDEN, ALIAS)
+NOTES = (IN_PROGRESS, HIDDEN, ALIAS, ALIAS_TOMBSTONE)
 
 
 @dataclass
@@ -214,6 +218,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     canonical_tombstones = {i.name for i, subject in tombstones.values() if subject == meta_subject(bucket, i.name)}
     shown: dict[str, tuple[str, ObjectInfo]] = {n: (meta_subject(bucket, n), i) for n, i in canonical.items()}
     hidden_aliases = 0
+    hidden_live: dict[tuple[str, str], ObjectInfo] = {}  # (alias subject, name) -> its live meta, not shown
     for name, held_by in aliases.items():
         live_ones = [(subject, i) for subject, i in held_by.items() if not i.deleted]
         if name not in canonical and name not in canonical_tombstones and live_ones:
@@ -223,6 +228,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                 continue
             hidden_aliases += 1
             if not info.deleted:
+                hidden_live[(subject, name)] = info
                 holder = "a live meta" if name in canonical else "a tombstone"
                 report.findings.append(Finding(ALIAS, subject, f"a meta of {_short(name)!r} that a mount does not "
                                                f"show (its canonical subject holds {holder}); its chunks "
@@ -251,6 +257,15 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
         # tombstone would only bring that name back.)
         owners = [i.name for i in by_nuid.get(t.nuid, ()) if i.name != t.name] if t.nuid else []
         if not owners:
+            holders = [key for key, alias in hidden_live.items() if t.nuid and alias.nuid == t.nuid]
+            if holders:
+                alias_subject, name = holders[0]
+                report.findings.append(Finding(
+                    ALIAS_TOMBSTONE, t.name,
+                    f"carries the nuid of {alias_subject}, a hidden alias of {_short(name)!r}: a Delete or Put of "
+                    "this name by another client would purge the chunks that alias names (a mount keeps them "
+                    "while it exists); left alone, as a mount does: a hidden alias names no object, and purging "
+                    "the tombstone could bring a name back from an alias"))
             continue
         owner = owners[0]
         f = Finding(SHARED_TOMBSTONE, t.name, f"carries the nuid of live {owner!r}: a Delete or Put of this name "

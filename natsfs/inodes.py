@@ -35,6 +35,8 @@ class InodeTable:
         self._lookups: dict[InodeNo, int] = {}
         self._next = ROOT_INODE + 1
         self._retired: dict[Path, InodeNo] = {}  # forgotten, not deleted: the path's number if it comes back
+        # Detached inodes: the path each had when its name went away (until the kernel forgets it).
+        self._detached_from: dict[InodeNo, Path] = {}
         # An inode whose file still waits for its write-back upload keeps its number and path when the
         # kernel forgets it: the staged file is found by that number, and the next lookup gets it again.
         self.pinned: Callable[[InodeNo], bool] = lambda ino: False
@@ -81,6 +83,7 @@ class InodeTable:
         if ino == ROOT_INODE or self.pinned(ino):
             return False
         path = self._path_of.pop(ino, None)
+        self._detached_from.pop(ino, None)
         if path is not None and self._ino_of.get(path) == ino:
             del self._ino_of[path]
             if len(self._retired) >= RETIRED_MAX:
@@ -100,6 +103,7 @@ class InodeTable:
             ino = self._ino_of.pop(p)
             # Kept in _path_of under a path nobody can look up, until the kernel forgets it.
             self._path_of[ino] = (DETACHED, str(ino))
+            self._detached_from[ino] = p
         moving = [p for p in self._ino_of if p[: len(old)] == old]
         for p in moving:
             ino = self._ino_of.pop(p)
@@ -122,4 +126,9 @@ class InodeTable:
         ino = self._ino_of.pop(path, None)
         if ino is not None:
             self._path_of[ino] = (DETACHED, str(ino))
+            self._detached_from[ino] = path
         return ino
+
+    def detached_from(self, ino: InodeNo) -> Path | None:
+        """The path a detached inode had when its name went away (None: not detached, or forgotten)."""
+        return self._detached_from.get(ino)

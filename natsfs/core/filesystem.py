@@ -139,6 +139,21 @@ class Caller:
 
 
 @dataclass(frozen=True, slots=True)
+class _RetryHold:
+    """The inode a kernel retry of an open refused `ESTALE` reached by walking the path again, and the
+    version its lookup showed there: held for the retried open as if open (see `_hold_for_retry`)."""
+
+    ino: InodeNo
+    bucket: str
+    info: ObjectInfo
+
+
+# Threads remembered at once as waiting for the kernel's retry of their refused open (one that never
+# comes, a thread that died, leaves its entry behind: the oldest go first).
+RETRIES_KEPT = 1024
+
+
+@dataclass(frozen=True, slots=True)
 class AttrChanges:
     """setattr: the fields to change (None: leave as is)."""
 
@@ -356,6 +371,11 @@ class Filesystem:
         # Per inode, the calling threads an open of it was refused `ESTALE` for, whose retry has not come
         # yet (see `_kernel_size_stale`): their next open of it is never refused.
         self._size_revalidations: dict[InodeNo, set[int]] = {}
+        # Per thread whose open of an inode this mount replaced or deleted (nothing held its version) was
+        # refused `ESTALE`: the path that inode had. The kernel walks it again and retries the open once;
+        # the inode the walk reaches is held for that retry (`_retry_holds`, see `_hold_for_retry`).
+        self._refused_opens: dict[int, tuple[str, ...]] = {}
+        self._retry_holds: dict[int, _RetryHold] = {}
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         # Directory entries already logged as skipped by readdir (path, revision): one line each.
@@ -586,8 +606,9 @@ class Filesystem:
     def _known_sealed(self, bucket: str) -> bool:
         return bool(self.mut.known_sealed(bucket))
 
-    async def _node(self, ino: InodeNo) -> Node:
-        """What an inode is now: its staged state while that differs from the bucket, else the index."""
+    async def _node(self, ino: InodeNo, hold: _RetryHold | None = None) -> Node:
+        """What an inode is now: its staged state while that differs from the bucket, else the index.
+        `hold`: the calling open is a kernel retry whose walk reached `ino` (see `_hold_for_retry`)."""
         while True:
             sf = self.staging.get(ino)
             if sf is not None and sf.shown:
@@ -601,13 +622,22 @@ class Filesystem:
                 if self._being_renamed(path):
                     continue  # a rename of this mount started meanwhile: answered as after it
                 readers = self._readers(ino)
+                if not readers and hold is not None and self._held_version_kept(hold, ino):
+                    # Replaced or deleted by this mount after the retry's walk reached it: that version.
+                    return Node(FILE, hold.bucket, (), None, hold.info, hold.info.mtime_ns)
                 if not readers and self._nameless(ino):
                     # Replaced or deleted, and nothing holds its version: the kernel reached it through
                     # a name it still caches (a rename's target, before the kernel moved the renamed
-                    # entry there; or a change by another client, before its invalidation landed).
-                    # ESTALE, not ENOENT: open(2) and stat(2) then walk the path again, revalidating
-                    # every name with us, and reach what the name shows now.
-                    raise Stale(f"inode {ino} was replaced or deleted", log_level=logging.DEBUG) from None
+                    # entry there; or a change by another client, before its invalidation landed), or
+                    # through a descriptor that holds no handle (`O_PATH`).
+                    if await self._former_path_empty(ino):
+                        # Deleted: what a stat of the name gives, with nothing to walk to (a local disk
+                        # would show an `O_PATH` descriptor's unlinked file with no link; the two come
+                        # as the same request).
+                        raise NotFound(f"inode {ino} was deleted") from None
+                    # Replaced: ESTALE, not ENOENT: open(2) and stat(2) then walk the path again,
+                    # revalidating every name with us, and reach what the name shows now.
+                    raise Stale(f"inode {ino} was replaced", log_level=logging.DEBUG) from None
                 if not readers or not self._nameless(ino):
                     raise
                 # Deleted or replaced while open (by this mount or another client): what its handles hold.
@@ -617,6 +647,13 @@ class Filesystem:
                 return node
             # Renamed, or detached (replaced while open) while the index was awaited: what the path
             # shows now may be another inode's.
+
+    async def _former_path_empty(self, ino: InodeNo) -> bool:
+        """Whether the path detached `ino` had shows nothing now (its file was deleted, not replaced)."""
+        former = self.inodes.detached_from(ino)
+        if former is None or self._being_renamed(former):
+            return False  # (a rename onto it is under way: something shows there once it is done)
+        return await self._maybe_node(former) is None and not self._being_renamed(former)
 
     async def _path_node(self, path: tuple[str, ...]) -> Node:
         sf = self.staging.at_path(path)
@@ -679,7 +716,9 @@ class Filesystem:
         return bucket, rel
 
     # ------------------------------------------------------------------ lookups
-    async def lookup(self, parent_inode: InodeNo, name: bytes) -> Attributes:
+    async def lookup(self, parent_inode: InodeNo, name: bytes, thread: int = 0) -> Attributes:
+        """`thread`: the calling thread (0: unknown), for the kernel's walk again after an open refused
+        `ESTALE` (see `_hold_for_retry`)."""
         parent = self.inodes.path_of(parent_inode)
         if len(name) > NAME_MAX:
             raise NameTooLong(f"lookup of a {len(name)}-byte name")
@@ -698,7 +737,13 @@ class Filesystem:
                 break
         if node.kind == BUCKET and node.bucket is not None:
             await self._refresh_sealed(node.bucket)
-        return self._attr(self.inodes.lookup(path), node)
+        ino = self.inodes.lookup(path)
+        # (No await since the renames were waited for: a rename that starts now finds the hold.)
+        ended = self._hold_for_retry(thread, ino, path, node) if thread else None
+        attrs = self._attr(ino, node)
+        if ended is not None:
+            await self._hold_ended(ended)
+        return attrs
 
     async def _refresh_sealed(self, bucket: str) -> None:
         """Whether a bucket is sealed (it then shows without write bits) is read in the background: a
@@ -736,6 +781,11 @@ class Filesystem:
                 self.files.forget_cached_version(ino)
                 self._told_sizes.pop(ino, None)
                 self._size_revalidations.pop(ino, None)
+                # A retry that held it never came (the kernel opens no inode it forgot).
+                for thread in [t for t, h in self._retry_holds.items() if h.ino == ino]:
+                    hold = self._retry_holds.pop(thread)
+                    if self._nursery is not None:
+                        self._nursery.start_soon(self._hold_ended, hold)
 
     async def readlink(self, inode: InodeNo) -> bytes:
         node = await self._node(inode)
@@ -800,10 +850,30 @@ class Filesystem:
     async def open(self, inode: InodeNo, flags: int, caller: Caller | None = None, *, revalidate: bool = False
                    ) -> Opened:
         """Open `inode`. `revalidate`: the kernel walked a path to it (FUSE_OPEN) and walks it again, asking
-        for fresh attributes, if this open fails with `ESTALE` (see `_kernel_size_stale`)."""
+        for fresh attributes, if this open fails with `ESTALE` (see `_kernel_size_stale`, `_hold_for_retry`)."""
+        thread = caller.pid if revalidate and caller is not None else 0
+        # This thread's open after one refused `ESTALE` is the kernel's retry: whatever it opens, the
+        # inode its walk reached stays held while it is answered (a rename meanwhile keeps its version),
+        # and no longer.
+        hold = self._retry_holds.get(thread) if thread else None
+        if thread:
+            self._refused_opens.pop(thread, None)
+        try:
+            return await self._open(inode, flags, caller, revalidate, hold)
+        except Stale:
+            if thread:
+                self._refused(thread, inode)
+            raise
+        finally:
+            if hold is not None and self._retry_holds.get(thread) is hold:
+                del self._retry_holds[thread]
+                await self._hold_ended(hold)
+
+    async def _open(self, inode: InodeNo, flags: int, caller: Caller | None, revalidate: bool,
+                    hold: _RetryHold | None) -> Opened:
         writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
         while True:
-            node = await self._node(inode)
+            node = await self._node(inode, hold)
             if node.kind != FILE:
                 raise NatsFSError("not a regular file", errno=errno.EISDIR if node.kind != LINK else errno.ELOOP,
                                   log_level=logging.DEBUG)
@@ -893,6 +963,70 @@ class Filesystem:
             return False  # every byte of a staged file went through this kernel: its size is the kernel's
         self._size_revalidations.setdefault(inode, set()).add(thread)
         return True
+
+    def _refused(self, thread: int, inode: InodeNo) -> None:
+        """`thread`'s open of `inode` was refused `ESTALE`: if this mount replaced or deleted the file it
+        was, the kernel walks that path again and retries, and the walk's inode is held for the retry."""
+        path = self.inodes.detached_from(inode)
+        if path is None:
+            return
+        self._refused_opens.pop(thread, None)
+        self._refused_opens[thread] = path
+        while len(self._refused_opens) > RETRIES_KEPT:
+            del self._refused_opens[next(iter(self._refused_opens))]
+
+    def _hold_for_retry(self, thread: int, ino: InodeNo, path: tuple[str, ...], node: Node) -> _RetryHold | None:
+        """A lookup by `thread` answered `ino`, showing `node`, at `path`; returns a hold of that thread's
+        that ends now (the caller settles it, `_hold_ended`).
+
+        An open of an inode this mount replaced by a rename (an atomic save: write `f.tmp`, rename it
+        over `f`) reaches it through the name the kernel cached before the rename, and nothing holds its
+        version (purged at the rename): it is refused `ESTALE` (`_node`), and the kernel walks the path
+        again (LOOKUP_REVAL) and retries the open once, on the inode the walk reached. With several
+        writers saving the same file, another rename could replace that inode too between the walk's
+        lookup and the retry; refused again, the `ESTALE` would reach the program, where a local disk
+        opens the file the walk found. So the walk's lookup of that path holds the inode it answers for
+        the retry, as if open: a rename or unlink of this mount that replaces it keeps its version's
+        chunks (and marks them to be purged once nothing holds or opens it), and the retry opens that
+        version, whole, at the size the lookup handed the kernel. The hold ends at the thread's next
+        open (the retry), its next such lookup, or when the kernel forgets the inode.
+
+        (Rather than renames waiting for the retry: a writer would then wait on a reader whose retry may
+        never come. Nor does the retry get the newest version on the inode its walk reached: that
+        version's chunks belong to another inode, whose replacement would purge them under it.)"""
+        if self._refused_opens.get(thread) != path:
+            return None
+        ended = self._retry_holds.pop(thread, None)
+        if node.kind == FILE and node.info is not None and node.info.nuid and node.bucket is not None \
+                and self.staging.get(ino) is None:  # (a staged file is not replaced away: it is served)
+            self._retry_holds[thread] = _RetryHold(ino, node.bucket, node.info)
+            while len(self._retry_holds) > RETRIES_KEPT:
+                dropped = self._retry_holds.pop(next(iter(self._retry_holds)))
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._hold_ended, dropped)
+        return ended
+
+    def _held(self, ino: InodeNo | None) -> bool:
+        return ino is not None and any(h.ino == ino for h in self._retry_holds.values())
+
+    def _open_here(self, ino: InodeNo | None) -> bool:
+        """Whether handles of this mount read `ino`'s version, or a kernel retry of an open is about to."""
+        return self.files.is_open(ino) or self._held(ino)
+
+    def _held_version_kept(self, hold: _RetryHold, ino: InodeNo) -> bool:
+        """Whether `hold` of `ino` kept its version when this mount replaced or deleted it (its chunks are
+        purged once nothing holds or opens it, not at the replacement)."""
+        rec = self.files.get(ino)
+        return hold.ino == ino and rec is not None and rec.purge_later == (hold.bucket, hold.info.nuid)
+
+    async def _hold_ended(self, hold: _RetryHold) -> None:
+        """`hold` ended: the version it kept, if its inode was replaced or deleted meanwhile and nothing
+        else holds or opens it, is purged now (as at the last close of a file unlinked while open)."""
+        if self._held(hold.ino):
+            return
+        left = self.files.unheld(hold.ino)
+        if left is not None and left.purge_later is not None:
+            await self.mut.purge_unused(*left.purge_later)
 
     def _open_handle(self, inode: InodeNo, node: Node, writing: bool, caller: Caller | None) -> Opened:
         info = node.info
@@ -1353,7 +1487,10 @@ class Filesystem:
         last = self.files.released(handle.ino, writing=handle.writable)
         if last is None:
             return
-        if last.purge_later is not None:
+        if last.purge_later is not None and self._held(handle.ino):
+            # A kernel retry of an open is about to open it (`_hold_for_retry`): purged when that ends.
+            self.files.unlinked_while_open(handle.ino, last.purge_later)
+        elif last.purge_later is not None:
             await self.mut.purge_unused(*last.purge_later)
         sf = self.staging.get(handle.ino)
         if sf is None:
@@ -1551,7 +1688,7 @@ class Filesystem:
             ino = self.inodes.known(path)
             sf = self.staging.get(ino) if ino is not None else None
             stored = await self._index_info(path)
-            open_here = self.files.is_open(ino)
+            open_here = self._open_here(ino)
             with self.files.changing(path):
                 if stored is not None:
                     await self.mut.delete(bucket, stored, keep_chunks=open_here)
@@ -1744,7 +1881,7 @@ class Filesystem:
         stored = await self._index_info(old)
         target = await self._index_info(new)
         dst_ino = self.inodes.known(new)
-        target_open = self.files.is_open(dst_ino)
+        target_open = self._open_here(dst_ino)
         # The path may show another name's object (escaped: object `q\0` shows as `q%00`). The rename
         # stores the literal name, which then holds that path; the object shown there is replaced, as
         # POSIX says, by deleting it once the rename is stored (its own subject is not the new name's).

@@ -117,6 +117,17 @@ class OpenFileTable:
         if purge_later is not None:
             rec.purge_later = purge_later
 
+    def unheld(self, ino: InodeNo) -> OpenFile | None:
+        """Nothing is about to open `ino` any more (a kernel retry's hold ended): if no handle has it open,
+        its unlinked state and purge-later version end now. Returns the record as it was then."""
+        rec = self._files.get(ino)
+        if rec is None or rec.opens:
+            return None
+        left = OpenFile(ino, unlinked=rec.unlinked, purge_later=rec.purge_later)
+        rec.unlinked, rec.purge_later = False, None
+        self._drop_if_idle(rec)
+        return left
+
     def is_unlinked(self, ino: InodeNo) -> bool:
         rec = self._files.get(ino)
         return rec is not None and rec.unlinked

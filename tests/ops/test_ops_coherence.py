@@ -17,11 +17,12 @@ from typing import Any
 import pyfuse3
 import pytest
 import trio
-from gowriters import put_object
+from gowriters import delete_object, put_object
 from opskit import CTX, Ctx, Env, Listing
 
-from natsfs.adr20 import ObjectStore
+from natsfs.adr20 import ObjectStore, stream_name
 from natsfs.handles import FileHandle
+from natsfs.inodes import InodeNo
 from natsfs.memstreams import MemoryStreams
 
 OLD = b"the old version\n" * 4096  # 64 KiB: one chunk
@@ -433,5 +434,158 @@ def test_reopening_a_file_this_mount_wrote_keeps_its_pages_and_is_never_refused(
         assert again.keep_cache and not again.direct_io
         assert await read(env, again, 2 * len(NEW)) == NEW
         await env.ops.release(again.fh)
+
+    ops_env(body, setup=one_object)
+
+
+SAVED = [b"version %d of an atomically saved file\n" % n * (1000 * (n + 1)) for n in range(3)]
+
+
+async def two_saves_ready(ms: MemoryStreams, store: ObjectStore) -> None:
+    """`f` and two saved temporary files, `.tmp1` and `.tmp2`, each of its own size."""
+    await store.create_bucket("alpha")
+    for name, data in (("f", SAVED[0]), (".tmp1", SAVED[1]), (".tmp2", SAVED[2])):
+        await put_object(ms, "alpha", name, data)
+
+
+def chunk_nuids(env: Env) -> set[str]:
+    """The nuids of the objects whose chunks bucket alpha holds."""
+    return {s.rsplit(".", 1)[1] for s in env.streams.subjects(stream_name("alpha")) if ".C." in s}
+
+
+async def read_handle(env: Env, fh: int) -> bytes:
+    out, off = [], 0
+    while piece := await env.ops.read(fh, off, 128 * 1024):
+        out.append(piece)
+        off += len(piece)
+    return b"".join(out)
+
+
+def test_a_retried_open_racing_a_second_atomic_save_opens_the_version_its_walk_reached(ops_env):
+    """Two writers of this mount save `f` atomically (write a temporary file, rename it over `f`) while a
+    reader opens `f`. The reader's open reaches the inode the first save replaced (through the name the
+    kernel cached) and is refused ESTALE; the kernel walks the path again (its lookup reaches the inode
+    the first save renamed there) and retries the open, but the second save replaces that inode between
+    the lookup and the retry. On a local disk the open opens the file its walk found. Here too: the retry
+    opens that version, whole, never ESTALE (before: ESTALE reached the program); its chunks, kept for
+    it, are purged at its close."""
+    async def body(env: Env) -> None:
+        bucket = (await env.lookup("alpha")).st_ino
+        cached = await env.ops.lookup(bucket, b"f", CTX)
+        first = (await env.store.get_info("alpha", ".tmp1")).nuid
+        await env.ops.rename(bucket, b".tmp1", bucket, b"f", 0, CTX)
+        with pytest.raises(pyfuse3.FUSEError) as refused:
+            await env.ops.open(cached.st_ino, os.O_RDONLY, CTX)
+        assert refused.value.errno == errno.ESTALE
+        walked = await env.ops.lookup(bucket, b"f", CTX)  # the walk again, in the same thread
+        assert walked.st_size == len(SAVED[1])
+        await env.ops.rename(bucket, b".tmp2", bucket, b"f", 0, CTX)
+        await env.settle()
+        assert first in chunk_nuids(env)  # kept for the retry
+        retried = await env.ops.open(walked.st_ino, os.O_RDONLY, CTX)
+        assert await read_handle(env, retried.fh) == SAVED[1]
+        await env.ops.release(retried.fh)
+        await env.settle()
+        assert first not in chunk_nuids(env)
+        assert await env.cat("alpha/f") == SAVED[2]
+        assert not env.fs._retry_holds
+
+    ops_env(body, setup=two_saves_ready)
+
+
+def test_a_walk_again_whose_retry_never_opens_keeps_nothing_once_the_kernel_forgets_the_inode(ops_env):
+    """As above, but the retry never opens the inode its walk reached (the kernel gave up before, e.g. a
+    permission check): once the kernel forgets that inode, the version kept for it is purged."""
+    async def body(env: Env) -> None:
+        bucket = (await env.lookup("alpha")).st_ino
+        cached = await env.ops.lookup(bucket, b"f", CTX)
+        first = (await env.store.get_info("alpha", ".tmp1")).nuid
+        await env.ops.rename(bucket, b".tmp1", bucket, b"f", 0, CTX)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.open(cached.st_ino, os.O_RDONLY, CTX)
+        walked = await env.ops.lookup(bucket, b"f", CTX)
+        await env.ops.rename(bucket, b".tmp2", bucket, b"f", 0, CTX)
+        await env.settle()
+        assert first in chunk_nuids(env)
+        env.ops.forget([(walked.st_ino, env.fs.inodes.lookup_count(InodeNo(walked.st_ino)))])
+        await env.settle()
+        assert first not in chunk_nuids(env)
+        assert not env.fs._retry_holds and not env.fs.files.get(InodeNo(walked.st_ino))
+
+    ops_env(body, setup=two_saves_ready)
+
+
+def test_another_thread_does_not_open_a_version_held_for_a_retry(ops_env):
+    """Only the thread the kernel retries in opens the held version: another thread reaching that inode
+    through a cached name is refused ESTALE and walks the path itself (to the newest save)."""
+    async def body(env: Env) -> None:
+        bucket = (await env.lookup("alpha")).st_ino
+        cached = await env.ops.lookup(bucket, b"f", CTX)
+        await env.ops.rename(bucket, b".tmp1", bucket, b"f", 0, CTX)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.open(cached.st_ino, os.O_RDONLY, CTX)
+        walked = await env.ops.lookup(bucket, b"f", CTX)
+        await env.ops.rename(bucket, b".tmp2", bucket, b"f", 0, CTX)
+        other = Ctx()
+        other.pid = CTX.pid + 1
+        with pytest.raises(pyfuse3.FUSEError) as refused:
+            await env.ops.open(walked.st_ino, os.O_RDONLY, other)
+        assert refused.value.errno == errno.ESTALE
+        retried = await env.ops.open(walked.st_ino, os.O_RDONLY, CTX)
+        assert await read_handle(env, retried.fh) == SAVED[1]
+        await env.ops.release(retried.fh)
+
+    ops_env(body, setup=two_saves_ready)
+
+
+async def stat_errno(env: Env, ino: int) -> int | None:
+    """`fstat` of an `O_PATH` descriptor of `ino` (a GETATTR with no handle): its errno, None if it succeeds."""
+    try:
+        await env.ops.getattr(ino, None)
+    except pyfuse3.FUSEError as e:
+        return e.errno
+    return None
+
+
+def test_fstat_of_an_o_path_descriptor_of_a_file_this_mount_deleted_is_enoent(ops_env):
+    """An `O_PATH` descriptor holds the inode but no handle. Once this mount unlinks the file, its stat is
+    ENOENT, as for the name (was ESTALE, which a program's fstat gets as is: there is no path to walk)."""
+    async def body(env: Env) -> None:
+        bucket = (await env.lookup("alpha")).st_ino
+        held = await env.ops.lookup(bucket, b"moving.bin", CTX)
+        await env.ops.unlink(bucket, b"moving.bin", CTX)
+        assert await stat_errno(env, held.st_ino) == errno.ENOENT
+
+    ops_env(body, setup=one_object)
+
+
+def test_fstat_of_an_o_path_descriptor_of_a_file_another_client_deleted_while_open_here_is_enoent(ops_env):
+    """Another client deletes the file while this mount reads it (its inode is detached, kept for that
+    handle); after that handle's close, the stat through an `O_PATH` descriptor is ENOENT, as for an inode
+    that had no handle (was ESTALE)."""
+    async def body(env: Env) -> None:
+        held = await env.lookup("alpha/moving.bin")
+        reader = await env.ops.open(held.st_ino, os.O_RDONLY, CTX)
+        await delete_object(env.streams, "alpha", "moving.bin")
+        await env.settle()
+        assert (await env.ops.getattr(held.st_ino, None)).st_size == len(OLD)  # the handle's version
+        await env.ops.release(reader.fh)
+        assert await stat_errno(env, held.st_ino) == errno.ENOENT
+
+    ops_env(body, setup=one_object)
+
+
+def test_stat_of_an_inode_whose_file_was_replaced_is_estale_for_the_kernel_to_walk_again(ops_env):
+    """Replaced (here by another client, while this mount read it) rather than deleted: the name shows
+    another file, so a stat reaching the old inode through a name the kernel still caches is ESTALE, and
+    stat(2) walks the path again to the new file."""
+    async def body(env: Env) -> None:
+        held = await env.lookup("alpha/moving.bin")
+        reader = await env.ops.open(held.st_ino, os.O_RDONLY, CTX)
+        await put_object(env.streams, "alpha", "moving.bin", NEW)
+        await env.settle()
+        await env.ops.release(reader.fh)
+        assert await stat_errno(env, held.st_ino) == errno.ESTALE
+        assert (await env.lookup("alpha/moving.bin")).st_size == len(NEW)
 
     ops_env(body, setup=one_object)

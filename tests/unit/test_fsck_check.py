@@ -230,3 +230,48 @@ def test_metas_under_an_alias_subject_neither_hide_nor_make_findings_of_canonica
         assert (fsck.SHARED_TOMBSTONE, "own-alias.t") not in found
 
     run(body)
+
+
+def test_a_tombstone_carrying_a_hidden_alias_nuid_is_noted_and_left_alone():
+    """A tombstone whose nuid no live object carries but a hidden alias does (the holders a mount keeps
+    chunks for, `BucketIndex.hidden_alias_holders`): another client's Delete or Put of its name would purge
+    that alias's chunks. fsck notes it (before: nothing), and, as a mount, repairs nothing for it: a hidden
+    alias names no object (its own name's tombstone kept it hidden; purged, it would bring the name back)."""
+    def alias(name: str) -> str:
+        subject = meta_subject("b", name)
+        assert subject.endswith("=")
+        return subject.rstrip("=")
+
+    async def body(ms, store, clock):
+        async def doc_of(name: str) -> dict:
+            return json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", name))).data)
+
+        # "holder.txt" is live (its own nuid); its alias subject holds a meta of another nuid: hidden.
+        await store.put("b", "holder.txt", BytesSource(b"h" * 10))
+        await put_object(ms, "b", "scratch", b"alias bytes")
+        hidden = dict(await doc_of("scratch"), name="holder.txt")
+        await ms.publish(alias("holder.txt"), json.dumps(hidden).encode(), {ROLLUP: "sub"})
+        await ms.purge_subject(stream_name("b"), meta_subject("b", "scratch"))
+        tomb = {"name": "gone", "bucket": "b", "nuid": hidden["nuid"], "mtime": "0001-01-01T00:00:00Z",
+                "deleted": True}
+        await ms.publish(meta_subject("b", "gone"), json.dumps(tomb).encode(), {ROLLUP: "sub"})
+        # A canonical tombstone whose nuid only its own name's alias carries.
+        await store.put("b", "own-alias.t", BytesSource(b"o" * 10))
+        own = await doc_of("own-alias.t")
+        await ms.publish(alias("own-alias.t"), json.dumps(own).encode(), {ROLLUP: "sub"})
+        await ms.publish(meta_subject("b", "own-alias.t"), json.dumps(dict(own, deleted=True)).encode(),
+                         {ROLLUP: "sub"})
+
+        report = await fsck.check_bucket(store, "b", repair=True)
+        found = kinds(report)
+        assert (fsck.ALIAS_TOMBSTONE, "gone") in found
+        assert (fsck.ALIAS_TOMBSTONE, "own-alias.t") in found
+        assert not any(kind == fsck.SHARED_TOMBSTONE for kind, _ in found)
+        assert report.problems_left == [] and not any(f.repaired for f in report.findings)
+        note = next(f for f in report.findings if f.where == "gone")
+        assert alias("holder.txt") in note.detail
+        # Both tombstones are still there.
+        assert json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "gone"))).data)["deleted"]
+        assert json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "own-alias.t"))).data)["deleted"]
+
+    run(body)
