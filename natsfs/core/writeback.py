@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import resource
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,9 +104,11 @@ class WriteBack:
         self._spool_file_to_drop: StagedFile | None = None
 
     # ------------------------------------------------------------------ closes
-    async def closed(self, sf: StagedFile) -> None:
+    async def closed(self, sf: StagedFile, *, replaced: Sequence[StagedFile] = ()) -> None:
         """A close (or fsync) in write-back mode: returns once the bytes and their journal record are
-        durable on local disk; the upload follows in the background."""
+        durable on local disk; the upload follows in the background. `replaced`: pending files a rename
+        of `sf` just replaced (see `unlinked`), their records closed in the same sync, before its own."""
+        entry: dict[str, Any] | None = None
         if sf.state is WriteState.UPLOADING:
             # The uploader is storing it (holding its lock for the whole put): its bytes cannot change
             # meanwhile and were made durable with the record that queued this upload. The record is
@@ -113,16 +116,19 @@ class WriteBack:
             entry = sf.journal_entry(sf.read_all() if sf.size <= INLINE_BYTES else None)
         else:
             async with sf.lock:
-                if not sf.unstored:
-                    return
-                await self.fs.fill_staged(sf)
-                if sf.size <= INLINE_BYTES:
-                    entry = sf.journal_entry(sf.read_all())
-                else:
-                    await trio.to_thread.run_sync(os.fsync, sf.fd)
-                    self.counters["spool_fsyncs"] += 1
-                    entry = sf.journal_entry()
-        await self._record(entry)
+                if sf.unstored:
+                    await self.fs.fill_staged(sf)
+                    if sf.size <= INLINE_BYTES:
+                        entry = sf.journal_entry(sf.read_all())
+                    else:
+                        await trio.to_thread.run_sync(os.fsync, sf.fd)
+                        self.counters["spool_fsyncs"] += 1
+                        entry = sf.journal_entry()
+        if entry is None:
+            await self.unlinked(replaced)
+            return
+        await self._record([*self._done_records(replaced), {**entry, "op": "put"}])
+        self._settle_unlinked(replaced)
         if "data" in entry:
             self._to_memory(sf)
         self._last_close = trio.current_time()
@@ -144,11 +150,36 @@ class WriteBack:
         except OSError as e:  # (no memory file: it stays in its spool file)
             log.debug("%s/%s: staged bytes not moved to memory: %s", sf.bucket, sf.name, e)
 
-    async def _record(self, entry: dict[str, Any]) -> None:
-        """Append `entry` to the journal and return once it is synced (group commit, see the module
-        docstring); `OSError` if the write or the sync failed."""
+    async def unlinked(self, files: Sequence[StagedFile]) -> None:
+        """Pending files (closed, not uploaded yet) unlinked, or replaced by a rename: their journal
+        records are closed (`done`) and that is synced before this returns (group commit), so that no
+        replay after a crash brings back what a program saw removed, nor puts an older version over a
+        newer one. Then they leave the queue, and their staged bytes go unless a handle holds them
+        open. `OSError` if the journal could not be written or synced (the records stay open)."""
+        records = self._done_records(files)
+        if records:
+            await self._record(records)
+        self._settle_unlinked(files)
+
+    def _done_records(self, files: Sequence[StagedFile]) -> list[dict[str, Any]]:
+        """`done` records for those of `files` that may have a live record: one in the journal, or one
+        in a sync under way (the journal leaves out a `done` that finds none, see `WriteBackJournal.commit`)."""
+        return [{"op": "done", "id": sf.entry_id} for sf in files
+                if sf.entry_id in self.journal.pending or self._syncing]
+
+    def _settle_unlinked(self, files: Sequence[StagedFile]) -> None:
+        """Queued files unlinked: nothing to upload (their entries in `_due` are skipped when popped)."""
+        for sf in files:
+            if self._queue.pop(sf.entry_id, None) is not None:
+                self._attempts.pop(sf.entry_id, None)
+                if sf.entry_id not in self._running:  # (an upload ending settles it itself)
+                    self.fs.upload_settled(sf)
+
+    async def _record(self, records: list[dict[str, Any]]) -> None:
+        """Append `records` (`put` and `done`) to the journal, in this order, and return once they are
+        synced (group commit, see the module docstring); `OSError` if the write or the sync failed."""
         synced = _Synced()
-        self._to_sync.append((entry, synced))
+        self._to_sync.extend((record, synced) for record in records)
         if not self._syncing:
             self._syncing = True
             try:
@@ -174,11 +205,11 @@ class WriteBack:
         if synced.error is not None:
             raise synced.error
 
-    async def _sync_records(self, entries: list[dict[str, Any]]) -> None:
-        """`record_many` on a worker thread: the trio loop never waits for the disk, however slow it is
-        (a sync of a few KiB written in place usually takes a fraction of a millisecond; the thread's
-        round trip costs about as much again)."""
-        await trio.to_thread.run_sync(self.journal.record_many, entries)
+    async def _sync_records(self, records: list[dict[str, Any]]) -> None:
+        """`WriteBackJournal.commit` on a worker thread: the trio loop never waits for the disk, however
+        slow it is (a sync of a few KiB written in place usually takes a fraction of a millisecond; the
+        thread's round trip costs about as much again)."""
+        await trio.to_thread.run_sync(self.journal.commit, records)
 
     def schedule(self, sf: StagedFile, delay: float) -> None:
         self._queue.pop(sf.entry_id, None)  # a newer close takes the place of a queued one
