@@ -234,10 +234,21 @@ class WriteBack:
         if not self.journal.pending:
             return
         resumed = 0
-        for entry in list(self.journal.pending.values()):
+        entries = [(entry, self.fs.ns.mount_path(str(entry["bucket"]), tuple(str(entry["name"]).split("/"))))
+                   for entry in self.journal.pending.values()]
+        # Several live records of one path (a journal of a version that left the record of a pending file
+        # open when it was unlinked or replaced by a rename): the latest one, in journal order, is what the
+        # program saw last; the older ones are closed without an upload, and their spool files go.
+        latest = {(entry["bucket"], path): entry["id"] for entry, path in entries}
+        for entry, path in entries:
             bucket, name = str(entry["bucket"]), str(entry["name"])
-            path = self.fs.ns.mount_path(bucket, tuple(name.split("/")))
             spool_file = self.fs.staging.spool.dir / str(entry["id"])
+            if latest[bucket, path] != entry["id"]:
+                log.info("%s/%s: an older write-back record, replaced by a later one of the same name, is "
+                         "not replayed", bucket, name)
+                self.journal.done(str(entry["id"]))
+                spool_file.unlink(missing_ok=True)
+                continue
             if "data" not in entry and not spool_file.is_file():
                 log.error("write-back journal: the spool file of %s/%s is missing; nothing to upload", bucket, name)
                 self.journal.done(str(entry["id"]))
@@ -252,8 +263,8 @@ class WriteBack:
                           "restored (%s); its record stays in the journal for the next mount", bucket, name,
                           e.strerror or e)
                 continue
-            if self.fs.ns.single_bucket not in (None, bucket) or self.fs.staging.get(ino) is not None:
-                # Not reachable through this mount (another --bucket), or a second record for one path.
+            if self.fs.ns.single_bucket not in (None, bucket):
+                # Not reachable through this mount (another --bucket).
                 kept = self.fs.keep_staged(sf)
                 if kept is None:
                     continue  # (logged) its record stays open until a retry keeps it (`record_kept`)

@@ -4,6 +4,8 @@ upload is retried, and a later mount with the same cache dir replays what an ear
 
 from __future__ import annotations
 
+import base64
+import logging
 import os
 from pathlib import Path
 
@@ -476,3 +478,31 @@ def test_a_stored_object_renamed_over_a_pending_file_stays_after_a_crash(ops_env
     ops_env(second, bucket="b", streams=ms, write_back=0.0)
     assert not lost_found(tmp_path).exists()
 
+
+def test_a_replay_of_two_live_records_of_one_name_keeps_the_later_one_only(ops_env, tmp_path, caplog):
+    """A journal an earlier version left (it did not close the record of a pending file replaced by a
+    rename): the later record is what the program saw; the older one is closed without an upload and
+    without lost+found, and its spool file goes."""
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "f.txt", os.urandom(100_000))  # (a spool file holds its bytes)
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    root = spool_root(tmp_path / "cache", Path("/nonexistent"))
+    journal = WriteBackJournal(root / WRITE_BACK_JOURNAL)
+    [older] = journal.pending.values()
+    assert (spool_dir(tmp_path) / older["id"]).is_file()
+    newer = {**older, "id": "f" * 24, "size": 3, "data": base64.b64encode(b"NEW").decode()}
+    journal.record(newer)
+    journal.close()
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "f.txt") == b"NEW"
+        assert await env.cat("f.txt") == b"NEW"
+
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+    assert not (spool_dir(tmp_path) / older["id"]).exists()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "f.txt" in r.getMessage()]
