@@ -18,9 +18,11 @@ lost+found (the core logs it); any other refusal (a full bucket, a sealed or mis
 a name the bucket refuses) keeps the bytes in lost+found with one log line. Either way the journal
 record is closed (`done`), once the bytes are in lost+found: if the local disk cannot take them (full),
 they stay staged and the record stays open until the core's retry keeps them (`record_kept`), or the
-next mount replays it. `resume` turns the records an earlier run left into queued staged files
-before the mount serves; `drain` is the wait of an unmount, with progress in the log and in a small
-progress file that `natsfs umount` prints.
+next mount replays it. A pending file unlinked, or replaced by a rename, has its record closed by a
+`done` in the group commit before the unlink or rename returns (`unlinked`): no replay brings it back.
+`resume` turns the records an earlier run left into queued staged files before the mount serves (of
+several records of one path, the latest only); `drain` is the wait of an unmount, with progress in
+the log and in a small progress file that `natsfs umount` prints.
 """
 
 from __future__ import annotations
