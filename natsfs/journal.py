@@ -14,7 +14,9 @@ zero header ends the records. One writer (the daemon, holding the mount) appends
 chooses when to sync: `record_many` writes the records of several closes at once and fsyncs them
 together (group commit: one sync for every close that arrived while the previous one ran); `done` is
 written without a sync of its own (the next sync covers it; a `done` lost to a crash of the machine
-only makes the replay find the object already stored, see `core.writeback`). A record cut short by a crash or
+only makes the replay find the object already stored, see `core.writeback`). A pending file unlinked, or
+replaced by a rename, before its upload is closed by a `done` that is synced like a close's record
+(`commit`: a crash must not bring back what a program saw removed). A record cut short by a crash or
 a failed CRC ends the readable journal: that torn record and whatever follows it is skipped (one log
 line), everything before it is used. The journal is rewritten with only its live records (compaction:
 temporary file, fsync, rename, fsync of the directory) when it is opened after a torn tail or once
@@ -25,7 +27,8 @@ writes: bucket, name, base version, state, attributes, xattr changes, and for a 
 (`data`, base64: then the record alone makes the close durable, no sync of the spool file is needed,
 and the replay restores the spool file from it). A newer record of the same id
 replaces the older one (a rewrite of a pending file merges into one upload), and replay order is the
-order in which each id's latest record was written.
+order in which each id's latest record was written (where two live records name one path, the replay
+keeps the later one only, see `core.writeback.WriteBack.resume`).
 """
 
 from __future__ import annotations
@@ -160,7 +163,25 @@ class WriteBackJournal:
     def record_many(self, entries: list[dict[str, Any]], *, compact: bool = True) -> None:
         """`record` of several files with one write and one sync (group commit). With `compact` False
         the caller compacts (on a worker thread) once `wants_compaction` says so."""
-        self._append([{**entry, "op": "put"} for entry in entries], sync=True, compact=compact)
+        self.commit([{**entry, "op": "put"} for entry in entries], compact=compact)
+
+    def commit(self, records: list[dict[str, Any]], *, compact: bool = True) -> None:
+        """Append `put` and `done` records in this order with one write and one sync (group commit): a
+        `done` here closes a record that must not replay (a pending file unlinked, or replaced by a
+        rename), durably. A `done` of an id with no live record at its place in the order is left out
+        (nothing to close); nothing left: no write, no sync."""
+        live = set(self.pending)
+        wanted = []
+        for rec in records:
+            if rec["op"] == "put":
+                live.add(rec["id"])
+            elif rec["id"] in live:
+                live.discard(rec["id"])
+            else:
+                continue
+            wanted.append(rec)
+        if wanted:
+            self._append(wanted, sync=True, compact=compact)
 
     def done(self, entry_id: str, *, compact: bool = True) -> None:
         """The file was stored (or kept in lost+found): nothing to replay for it. Not synced here: one

@@ -1276,13 +1276,26 @@ class Filesystem:
         if self.writeback is not None and self.writeback.queued(sf):
             await self._journal(sf)
 
-    async def _journal(self, sf: StagedFile) -> None:
+    async def _journal(self, sf: StagedFile, *, replaced: Sequence[StagedFile] = ()) -> None:
         assert self.writeback is not None
         try:
-            await self.writeback.closed(sf)
+            await self.writeback.closed(sf, replaced=replaced)
         except OSError as e:
             raise NatsFSError(f"{sf.bucket}/{sf.name}: the staged bytes could not be made durable on local disk: "
                               f"{e}", errno=e.errno or errno.EIO) from None
+
+    async def _journal_unlinked(self, files: Sequence[StagedFile]) -> None:
+        """Write-back mode: staged files just unlinked or replaced by a rename replay no more after a
+        crash (their pending records are closed durably, see `WriteBack.unlinked`)."""
+        if self.writeback is None or not files:
+            return
+        try:
+            await self.writeback.unlinked(files)
+        except OSError as e:
+            names = ", ".join(f"{sf.bucket}/{sf.name}" for sf in files)
+            raise NatsFSError(f"{names}: removed, but the write-back journal could not record it ({e}); a crash "
+                              "before its next sync would bring the pending upload back", errno=e.errno or errno.EIO
+                              ) from None
 
     # ------------------------------------------------------------------ write-back (see core/writeback.py)
     def _upload_pending(self, ino: InodeNo) -> bool:
@@ -1697,10 +1710,13 @@ class Filesystem:
             self._forget_open_version(ino, bucket, stored, open_here)
             # (Read again: an open with O_TRUNC may have staged the file while the delete awaited.)
             sf = self.staging.get(ino) if ino is not None else None
+            unlinked = []
             if sf is not None and not sf.ended:
                 sf.unlink()
+                unlinked.append(sf)
             self._detach(path)
         self._entries_changed(path[:-1])
+        await self._journal_unlinked(unlinked)
 
     @contextlib.asynccontextmanager
     async def _uploads_settled(self, *paths: tuple[str, ...], subtree: bool = False) -> AsyncIterator[None]:
@@ -1851,20 +1867,25 @@ class Filesystem:
             dst = await self._maybe_node(new)
             with self._moving(old, new):
                 with self.files.changing(old, new):
-                    await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
+                    replaced = await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
                 staged_moved = self._move_staged(bucket, old, new)
                 self.inodes.move(old, new)
         if self.writeback is not None:
+            # A pending file replaced here replays no more after a crash: its record is closed in the same
+            # sync as the moved file's new record, before it (one sync for an atomic save).
             for sf in staged_moved:
                 if self.writeback.queued(sf):
-                    await self._journal(sf)  # the record names the new path
+                    await self._journal(sf, replaced=replaced)  # the record names the new path
+                    replaced = []
+            await self._journal_unlinked(replaced)
         for moved in [p for p in self._dir_mtimes if p[: len(old)] == old]:
             self._dir_mtimes[new + moved[len(old):]] = self._dir_mtimes.pop(moved)
         self._entries_changed(old[:-1])
         self._entries_changed(new[:-1])
 
     async def _rename(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...], rel_old: tuple[str, ...],
-                      rel_new: tuple[str, ...], src: Node, dst: Node | None) -> None:
+                      rel_new: tuple[str, ...], src: Node, dst: Node | None) -> list[StagedFile]:
+        """The rename in the bucket; returns the staged file it replaced (unlinked), if any."""
         if src.kind == DIR:
             if dst is not None and dst.kind != DIR:
                 raise NotADirectory("/".join(new))
@@ -1874,7 +1895,7 @@ class Filesystem:
                 raise NotEmpty("/".join(new))  # files being written there count
             assert src.dir is not None
             await self.mut.rename_dir(bucket, rel_old, src.dir, rel_new, dst.dir if dst is not None else None)
-            return
+            return []
         if dst is not None and dst.kind == DIR:
             raise IsADirectory("/".join(new))
         self.ns.store.check_name(bucket, "/".join(rel_new))
@@ -1918,6 +1939,8 @@ class Filesystem:
         dst_sf = self.staging.get(dst_ino) if dst_ino is not None else None
         if dst_sf is not None and not dst_sf.ended:
             dst_sf.unlink()
+            return [dst_sf]
+        return []
 
     def _move_staged(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...]) -> list[StagedFile]:
         """Staged files at or under `old` now belong to `new` (and to the renamed objects' revisions)."""

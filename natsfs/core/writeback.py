@@ -18,9 +18,11 @@ lost+found (the core logs it); any other refusal (a full bucket, a sealed or mis
 a name the bucket refuses) keeps the bytes in lost+found with one log line. Either way the journal
 record is closed (`done`), once the bytes are in lost+found: if the local disk cannot take them (full),
 they stay staged and the record stays open until the core's retry keeps them (`record_kept`), or the
-next mount replays it. `resume` turns the records an earlier run left into queued staged files
-before the mount serves; `drain` is the wait of an unmount, with progress in the log and in a small
-progress file that `natsfs umount` prints.
+next mount replays it. A pending file unlinked, or replaced by a rename, has its record closed by a
+`done` in the group commit before the unlink or rename returns (`unlinked`): no replay brings it back.
+`resume` turns the records an earlier run left into queued staged files before the mount serves (of
+several records of one path, the latest only); `drain` is the wait of an unmount, with progress in
+the log and in a small progress file that `natsfs umount` prints.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import logging
 import math
 import os
 import resource
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,9 +106,11 @@ class WriteBack:
         self._spool_file_to_drop: StagedFile | None = None
 
     # ------------------------------------------------------------------ closes
-    async def closed(self, sf: StagedFile) -> None:
+    async def closed(self, sf: StagedFile, *, replaced: Sequence[StagedFile] = ()) -> None:
         """A close (or fsync) in write-back mode: returns once the bytes and their journal record are
-        durable on local disk; the upload follows in the background."""
+        durable on local disk; the upload follows in the background. `replaced`: pending files a rename
+        of `sf` just replaced (see `unlinked`), their records closed in the same sync, before its own."""
+        entry: dict[str, Any] | None = None
         if sf.state is WriteState.UPLOADING:
             # The uploader is storing it (holding its lock for the whole put): its bytes cannot change
             # meanwhile and were made durable with the record that queued this upload. The record is
@@ -113,16 +118,19 @@ class WriteBack:
             entry = sf.journal_entry(sf.read_all() if sf.size <= INLINE_BYTES else None)
         else:
             async with sf.lock:
-                if not sf.unstored:
-                    return
-                await self.fs.fill_staged(sf)
-                if sf.size <= INLINE_BYTES:
-                    entry = sf.journal_entry(sf.read_all())
-                else:
-                    await trio.to_thread.run_sync(os.fsync, sf.fd)
-                    self.counters["spool_fsyncs"] += 1
-                    entry = sf.journal_entry()
-        await self._record(entry)
+                if sf.unstored:
+                    await self.fs.fill_staged(sf)
+                    if sf.size <= INLINE_BYTES:
+                        entry = sf.journal_entry(sf.read_all())
+                    else:
+                        await trio.to_thread.run_sync(os.fsync, sf.fd)
+                        self.counters["spool_fsyncs"] += 1
+                        entry = sf.journal_entry()
+        if entry is None:
+            await self.unlinked(replaced)
+            return
+        await self._record([*self._done_records(replaced), {**entry, "op": "put"}])
+        self._settle_unlinked(replaced)
         if "data" in entry:
             self._to_memory(sf)
         self._last_close = trio.current_time()
@@ -144,11 +152,36 @@ class WriteBack:
         except OSError as e:  # (no memory file: it stays in its spool file)
             log.debug("%s/%s: staged bytes not moved to memory: %s", sf.bucket, sf.name, e)
 
-    async def _record(self, entry: dict[str, Any]) -> None:
-        """Append `entry` to the journal and return once it is synced (group commit, see the module
-        docstring); `OSError` if the write or the sync failed."""
+    async def unlinked(self, files: Sequence[StagedFile]) -> None:
+        """Pending files (closed, not uploaded yet) unlinked, or replaced by a rename: their journal
+        records are closed (`done`) and that is synced before this returns (group commit), so that no
+        replay after a crash brings back what a program saw removed, nor puts an older version over a
+        newer one. Then they leave the queue, and their staged bytes go unless a handle holds them
+        open. `OSError` if the journal could not be written or synced (the records stay open)."""
+        records = self._done_records(files)
+        if records:
+            await self._record(records)
+        self._settle_unlinked(files)
+
+    def _done_records(self, files: Sequence[StagedFile]) -> list[dict[str, Any]]:
+        """`done` records for those of `files` that may have a live record: one in the journal, or one
+        in a sync under way (the journal leaves out a `done` that finds none, see `WriteBackJournal.commit`)."""
+        return [{"op": "done", "id": sf.entry_id} for sf in files
+                if sf.entry_id in self.journal.pending or self._syncing]
+
+    def _settle_unlinked(self, files: Sequence[StagedFile]) -> None:
+        """Queued files unlinked: nothing to upload (their entries in `_due` are skipped when popped)."""
+        for sf in files:
+            if self._queue.pop(sf.entry_id, None) is not None:
+                self._attempts.pop(sf.entry_id, None)
+                if sf.entry_id not in self._running:  # (an upload ending settles it itself)
+                    self.fs.upload_settled(sf)
+
+    async def _record(self, records: list[dict[str, Any]]) -> None:
+        """Append `records` (`put` and `done`) to the journal, in this order, and return once they are
+        synced (group commit, see the module docstring); `OSError` if the write or the sync failed."""
         synced = _Synced()
-        self._to_sync.append((entry, synced))
+        self._to_sync.extend((record, synced) for record in records)
         if not self._syncing:
             self._syncing = True
             try:
@@ -174,11 +207,11 @@ class WriteBack:
         if synced.error is not None:
             raise synced.error
 
-    async def _sync_records(self, entries: list[dict[str, Any]]) -> None:
-        """`record_many` on a worker thread: the trio loop never waits for the disk, however slow it is
-        (a sync of a few KiB written in place usually takes a fraction of a millisecond; the thread's
-        round trip costs about as much again)."""
-        await trio.to_thread.run_sync(self.journal.record_many, entries)
+    async def _sync_records(self, records: list[dict[str, Any]]) -> None:
+        """`WriteBackJournal.commit` on a worker thread: the trio loop never waits for the disk, however
+        slow it is (a sync of a few KiB written in place usually takes a fraction of a millisecond; the
+        thread's round trip costs about as much again)."""
+        await trio.to_thread.run_sync(self.journal.commit, records)
 
     def schedule(self, sf: StagedFile, delay: float) -> None:
         self._queue.pop(sf.entry_id, None)  # a newer close takes the place of a queued one
@@ -203,10 +236,21 @@ class WriteBack:
         if not self.journal.pending:
             return
         resumed = 0
-        for entry in list(self.journal.pending.values()):
+        entries = [(entry, self.fs.ns.mount_path(str(entry["bucket"]), tuple(str(entry["name"]).split("/"))))
+                   for entry in self.journal.pending.values()]
+        # Several live records of one path (a journal of a version that left the record of a pending file
+        # open when it was unlinked or replaced by a rename): the latest one, in journal order, is what the
+        # program saw last; the older ones are closed without an upload, and their spool files go.
+        latest = {(entry["bucket"], path): entry["id"] for entry, path in entries}
+        for entry, path in entries:
             bucket, name = str(entry["bucket"]), str(entry["name"])
-            path = self.fs.ns.mount_path(bucket, tuple(name.split("/")))
             spool_file = self.fs.staging.spool.dir / str(entry["id"])
+            if latest[bucket, path] != entry["id"]:
+                log.info("%s/%s: an older write-back record, replaced by a later one of the same name, is "
+                         "not replayed", bucket, name)
+                self.journal.done(str(entry["id"]))
+                spool_file.unlink(missing_ok=True)
+                continue
             if "data" not in entry and not spool_file.is_file():
                 log.error("write-back journal: the spool file of %s/%s is missing; nothing to upload", bucket, name)
                 self.journal.done(str(entry["id"]))
@@ -221,8 +265,8 @@ class WriteBack:
                           "restored (%s); its record stays in the journal for the next mount", bucket, name,
                           e.strerror or e)
                 continue
-            if self.fs.ns.single_bucket not in (None, bucket) or self.fs.staging.get(ino) is not None:
-                # Not reachable through this mount (another --bucket), or a second record for one path.
+            if self.fs.ns.single_bucket not in (None, bucket):
+                # Not reachable through this mount (another --bucket).
                 kept = self.fs.keep_staged(sf)
                 if kept is None:
                     continue  # (logged) its record stays open until a retry keeps it (`record_kept`)

@@ -325,3 +325,43 @@ def test_an_atomic_save_leaves_the_old_version_readable_for_other_clients_until_
     assert umount(m).returncode == 0
     assert in_bucket(nats_url, bucket_name, "doc.txt") == b"new version\n" * 1200
     assert in_bucket(nats_url, bucket_name, "doc.txt.tmp") is None
+
+
+def test_kill_9_after_pending_files_were_replaced_unlinked_or_moved_replays_what_programs_saw(
+        nats_url, bucket_name, mounter):
+    """Pending files replaced by a rename (atomic saves), unlinked and created again, unlinked, and moved,
+    then `kill -9`: the replay stores exactly what programs read before the crash (a fresh nats-py client
+    checks), brings back nothing unlinked, and keeps nothing in lost+found."""
+    create_bucket(nats_url, bucket_name)
+    nats_py_put(nats_url, bucket_name, "stored.txt", b"version 1", create=False)
+    m = mounter(nats_url, "--bucket", bucket_name, LATER)
+    rng = random.Random(7)
+    (m / "f.txt").write_bytes(b"OLD")
+    (m / "tmp").write_bytes(b"NEW")
+    os.rename(m / "tmp", m / "f.txt")  # an atomic save over a pending file
+    (m / "stored.txt").write_bytes(b"rewritten, pending")
+    saved = rng.randbytes(200_000)  # (a spool file, not its record, holds these bytes)
+    (m / "tmp2").write_bytes(saved)
+    os.rename(m / "tmp2", m / "stored.txt")
+    (m / "u.bin").write_bytes(rng.randbytes(150_000))
+    os.unlink(m / "u.bin")
+    (m / "u.bin").write_bytes(b"SECOND")
+    (m / "gone.txt").write_bytes(b"GONE")
+    os.unlink(m / "gone.txt")
+    (m / "draft.txt").write_bytes(b"MOVED")
+    os.rename(m / "draft.txt", m / "final.txt")
+    (m / "later.txt").write_bytes(b"a later close")
+    expected = {"f.txt": b"NEW", "stored.txt": saved, "u.bin": b"SECOND", "final.txt": b"MOVED",
+                "later.txt": b"a later close"}
+    assert {name: (m / name).read_bytes() for name in expected} == expected
+    assert in_bucket(nats_url, bucket_name, "stored.txt") == b"version 1"
+    kill_daemon(m)
+    remount(m, "--write-back")
+    assert wait_for(lambda: all(in_bucket(nats_url, bucket_name, n) == d for n, d in expected.items()), 60)
+    for name in ("tmp", "tmp2", "gone.txt", "draft.txt"):
+        assert in_bucket(nats_url, bucket_name, name) is None
+    assert {name: (m / name).read_bytes() for name in expected} == expected
+    assert sorted(p.name for p in m.path.iterdir()) == sorted(expected)
+    assert "5 file(s) closed by an earlier run" in m.log()
+    assert "not reachable" not in m.log() and " ERROR " not in m.log()
+    assert not (spool_root(m.cache_dir, m.path.resolve()) / "lost+found").exists()

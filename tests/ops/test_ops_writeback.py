@@ -4,6 +4,8 @@ upload is retried, and a later mount with the same cache dir replays what an ear
 
 from __future__ import annotations
 
+import base64
+import logging
 import os
 from pathlib import Path
 
@@ -363,3 +365,144 @@ def test_an_inode_the_kernel_forgot_before_its_upload_leaves_nothing_behind_once
         assert len(env.fs.files) == 0
 
     ops_env(body, setup=bucket_b, bucket="b", write_back=LATER)
+
+
+# ---------------------------------------------------------------------- unlinked or replaced before upload
+def lost_found(tmp_path: Path) -> Path:
+    return spool_root(tmp_path / "cache", Path("/nonexistent")) / "lost+found"
+
+
+def spool_dir(tmp_path: Path) -> Path:
+    return spool_root(tmp_path / "cache", Path("/nonexistent")) / "spool"
+
+
+async def replayed(env: Env) -> None:
+    """Wait until the replay of what the dead run left is done."""
+    with trio.fail_after(10):
+        while journal_of(env).pending:
+            await trio.sleep(0.01)
+
+
+def test_a_pending_file_unlinked_before_a_crash_never_comes_back(ops_env, tmp_path):
+    ms = MemoryStreams()
+    big = os.urandom(200_000)  # (past INLINE_BYTES: a spool file, not its record, holds its bytes)
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "gone.txt", b"unlinked before its upload")
+        await write_file(env, ROOT, "gone.bin", big)
+        await env.ops.unlink(ROOT, b"gone.txt", None)
+        await env.ops.unlink(ROOT, b"gone.bin", None)
+        assert journal_of(env).pending == {}
+        assert list(spool_dir(tmp_path).iterdir()) == []  # (its staged bytes went with it)
+        # The daemon dies here, before the uploader's turn.
+
+    async def second(env: Env):
+        await replayed(env)
+        assert not {"gone.txt", "gone.bin"} & set((await env.listdir(ROOT)).names)
+        assert await env.store.get_info("b", "gone.txt") is None
+        assert await env.store.get_info("b", "gone.bin") is None
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+
+
+def test_a_pending_file_unlinked_and_created_again_replays_its_new_content_only(ops_env, tmp_path, caplog):
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "f.txt", b"FIRST")
+        await env.ops.unlink(ROOT, b"f.txt", None)
+        await write_file(env, ROOT, "f.txt", b"SECOND")
+        assert await env.cat("f.txt") == b"SECOND"
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "f.txt") == b"SECOND"
+        assert await env.cat("f.txt") == b"SECOND"
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+    assert not [r for r in caplog.records if "not reachable" in r.getMessage()]
+
+
+def test_a_pending_file_replaced_by_a_rename_replays_the_new_content_only(ops_env, tmp_path):
+    """The atomic save over a pending file (write a temporary file, rename it over), twice: over a new
+    file, and over a rewrite of a stored object."""
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "f.txt", b"OLD")
+        await write_file(env, ROOT, "tmp", b"NEW")
+        await env.ops.rename(ROOT, b"tmp", ROOT, b"f.txt", 0, None)
+        fi = await env.ops.open((await env.lookup("old.txt")).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+        await env.ops.write(fi.fh, 0, b"rewritten, pending")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        await write_file(env, ROOT, "tmp2", os.urandom(100) + b"saved over it")
+        await env.ops.rename(ROOT, b"tmp2", ROOT, b"old.txt", 0, None)
+        assert await env.cat("f.txt") == b"NEW"
+        assert [r["name"] for r in journal_of(env).pending.values()] == ["f.txt", "old.txt"]
+        saved[:] = [await env.cat("old.txt")]
+
+    saved: list[bytes] = []
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "f.txt") == b"NEW"
+        assert await stored(env, "old.txt") == saved[0]
+        assert await env.cat("f.txt") == b"NEW"
+        assert not {"tmp", "tmp2"} & set((await env.listdir(ROOT)).names)
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+
+
+def test_a_stored_object_renamed_over_a_pending_file_stays_after_a_crash(ops_env, tmp_path):
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "f.txt", b"pending, then replaced")
+        await env.ops.rename(ROOT, b"old.txt", ROOT, b"f.txt", 0, None)
+        assert await env.cat("f.txt") == b"old content"
+        assert journal_of(env).pending == {}
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "f.txt") == b"old content"
+        assert await env.cat("f.txt") == b"old content"
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+
+
+def test_a_replay_of_two_live_records_of_one_name_keeps_the_later_one_only(ops_env, tmp_path, caplog):
+    """A journal an earlier version left (it did not close the record of a pending file replaced by a
+    rename): the later record is what the program saw; the older one is closed without an upload and
+    without lost+found, and its spool file goes."""
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "f.txt", os.urandom(100_000))  # (a spool file holds its bytes)
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    root = spool_root(tmp_path / "cache", Path("/nonexistent"))
+    journal = WriteBackJournal(root / WRITE_BACK_JOURNAL)
+    [older] = journal.pending.values()
+    assert (spool_dir(tmp_path) / older["id"]).is_file()
+    newer = {**older, "id": "f" * 24, "size": 3, "data": base64.b64encode(b"NEW").decode()}
+    journal.record(newer)
+    journal.close()
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "f.txt") == b"NEW"
+        assert await env.cat("f.txt") == b"NEW"
+
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+    assert not (spool_dir(tmp_path) / older["id"]).exists()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "f.txt" in r.getMessage()]

@@ -198,3 +198,19 @@ def test_a_record_written_without_compaction_leaves_it_to_the_caller(tmp_path: P
     assert [r["id"] for r in read_records(path.read_bytes())[0]] == ["live"]
     j.close()
     assert list(WriteBackJournal(path).pending) == ["live"]
+
+
+def test_commit_closes_records_in_order_with_one_write_and_leaves_out_dones_of_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "wb.journal"
+    j = WriteBackJournal(path)
+    j.record(entry("a", "f"))
+    # A pending file replaced by a rename: its record closed before the replacing file's, in one commit.
+    j.commit([{"op": "done", "id": "a"}, {"op": "put", **entry("b", "f")}])
+    before = read_records(path.read_bytes())[0]
+    j.commit([{"op": "done", "id": "a"}, {"op": "done", "id": "never"}])  # nothing live: nothing written
+    assert read_records(path.read_bytes())[0] == before
+    j.commit([{"op": "put", **entry("c", "g")}, {"op": "done", "id": "c"}])  # (a put closed later in one batch)
+    j.close()
+    assert [(r["op"], r["id"]) for r in read_records(path.read_bytes())[0]] == [
+        ("put", "a"), ("done", "a"), ("put", "b"), ("put", "c"), ("done", "c")]
+    assert list(WriteBackJournal(path).pending) == ["b"]
