@@ -1681,11 +1681,13 @@ class Filesystem:
             raise NatsFSError("rename across buckets (or of a bucket)", errno=errno.EXDEV, log_level=logging.DEBUG)
         if old != new and _under(new, old):
             raise InvalidArgument("cannot move a directory into itself")
-        # A directory the entry leaves or enters may be being renamed: this rename waits for that one
-        # and then takes the directory's new path, and one that starts meanwhile waits for this one
-        # (`_DirRenameGate`, as for an entry made there). Else a file moved into the renamed directory
-        # stayed behind under its old path and brought the old directory back. (Not where a directory
-        # of the rename lies under its own paths: renamed onto its ancestor, refused below.)
+        # A directory the entry leaves or enters (or is renamed within) may be being renamed: this rename
+        # waits for that one and then takes the directory's new path, and one that starts meanwhile waits
+        # for this one (`_DirRenameGate`, as for an entry made there). Else a file moved into the renamed
+        # directory stayed behind under its old path and brought the old directory back, and one renamed
+        # within it (git's HEAD.lock over HEAD) read its names before the directory rename moved them
+        # and failed ESTALE. (Not where a directory of the rename lies under its own paths: renamed onto
+        # its ancestor, refused below.)
         if _under(old[:-1], new):
             await self._rename_now(bucket_old, old, new, rel_old, rel_new, noreplace)
             return

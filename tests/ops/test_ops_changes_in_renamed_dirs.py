@@ -14,7 +14,9 @@ under way (`_DirRenameGate`).
 
 The other order (the change arriving while the rename is held half way: it waits, as every request by
 an inode there does, and changes the renamed entry) and the close of a file open for writing there (its
-bytes are stored under the new name only) are pinned here too.
+bytes are stored under the new name only) are pinned here too, and so is a rename within the directory
+being renamed (git's `rename(d/.git/HEAD.lock, d/.git/HEAD)`), which failed with ESTALE while renames
+did not pass the gate.
 """
 
 from __future__ import annotations
@@ -293,3 +295,58 @@ def test_the_close_of_a_file_written_in_a_directory_being_renamed_stores_it_unde
 def chunk_used(env: Env, subject: str) -> bool:
     """Whether a live object's nuid owns the chunk subject (no orphan left by a put under the old name)."""
     return any(not info.deleted and subject.endswith(f".{info.nuid}") for info in stored_metas(env))
+
+
+INNER_ORDERS = ["directory rename between its steps for HEAD.lock", "directory rename between its steps for HEAD",
+                "inner rename first"]
+
+
+@pytest.mark.parametrize("order", INNER_ORDERS)
+def test_a_rename_within_a_directory_being_renamed_succeeds_in_the_renamed_directory(ops_env, monkeypatch, order):
+    """git's `rename(d/.git/HEAD.lock, d/.git/HEAD)` while `mv d e` runs (a git clone into d while d is
+    renamed): the kernel lets both through at once (each locks only its own parent). Ungated, the inner
+    rename read HEAD.lock and HEAD by their old names while the directory rename moved them, and failed
+    with ESTALE ("changed since it was read"), an answer no program expects of rename(2); or it stored
+    HEAD under the old path after the move, bringing d back. On a local disk it succeeds (the kernel
+    reached .git by its inode, which the directory rename keeps). Here it waits for a directory rename
+    under way and renames e/.git/HEAD.lock over e/.git/HEAD, or the directory rename waits for it."""
+    async def body(env: Env):
+        git = await ino_of(env, "d/.git")
+        await ino_of(env, "d/.git/HEAD")
+        await ino_of(env, "d/.git/HEAD.lock")
+        failures: list[BaseException] = []
+
+        async def inner() -> None:
+            try:
+                await env.ops.rename(git, b"HEAD.lock", git, b"HEAD", 0, CTX)
+            except pyfuse3.FUSEError as e:
+                failures.append(e)
+
+        async with trio.open_nursery() as nursery:
+            if order == "inner rename first":
+                hold = HeldWhen(monkeypatch, env.store, "rename", lambda *_: True)
+                nursery.start_soon(inner)
+                await hold.held.wait()
+                nursery.start_soon(rename(env, "d", "e"))
+            else:
+                moved_first = "d/.git/HEAD.lock" if order.endswith("HEAD.lock") else "d/.git/HEAD"
+                hold = between_the_steps_for(monkeypatch, env, moved_first)
+                nursery.start_soon(rename(env, "d", "e"))
+                await hold.held.wait()
+                nursery.start_soon(inner)
+            await env.settle()  # (the one that came second waits for the other)
+            hold.release()
+        await env.settle()
+        assert failures == []
+        assert stored_names(env) == {"old", "e/", "e/.git/HEAD"}
+        assert tombstones_sharing_a_live_nuid(env) == []
+        assert (await env.listdir(await ino_of(env, ""))).names == ["e", "old"]
+        assert (await env.listdir(await ino_of(env, "e/.git"))).names == ["HEAD"]
+        assert await env.cat("e/.git/HEAD") == b"ref: main"
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await bucket_b(ms, store)
+        await store.put("b", "d/.git/HEAD", BytesSource(b"ref: old"), expected_revision=0)
+        await store.put("b", "d/.git/HEAD.lock", BytesSource(b"ref: main"), expected_revision=0)
+
+    ops_env(body, setup=setup, bucket="b")
