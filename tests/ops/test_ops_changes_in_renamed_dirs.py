@@ -28,6 +28,7 @@ from typing import Any
 import pyfuse3
 import pytest
 import trio
+import trio.testing
 from opskit import CTX, Env, Fields
 from test_ops_entries_in_renamed_dirs import stored_metas, stored_names, tombstones_sharing_a_live_nuid
 from test_ops_upload_races import bucket_b, ino_of, rename
@@ -350,3 +351,31 @@ def test_a_rename_within_a_directory_being_renamed_succeeds_in_the_renamed_direc
         await store.put("b", "d/.git/HEAD.lock", BytesSource(b"ref: main"), expected_revision=0)
 
     ops_env(body, setup=setup, bucket="b")
+
+
+@pytest.mark.parametrize("entry", ["", "s"])
+def test_a_directory_time_is_never_stored_between_the_steps_of_a_directory_rename(ops_env, monkeypatch, entry):
+    """An entry changed in d (or d/s) a moment before `mv d e`: its directory's time is stored to the
+    marker a moment later (coalesced), by the path it had then. Coming due while the rename is held
+    between its two steps for that marker, it waits for the rename (the directory-time gate), and then
+    finds the time moved to the new path: nothing is written under d/ (or d/s/), which would bring d back
+    holding the moved marker's nuid."""
+    async def body(env: Env):
+        directory = ("d", entry) if entry else ("d",)
+        await ino_of(env, "d/f")
+        hold = between_the_steps_for(monkeypatch, env, old_name(entry))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rename(env, "d", "e"))
+            await hold.held.wait()
+            env.fs._dir_mtimes[directory] = 1_600_000_000_000_000_000
+            nursery.start_soon(env.fs._persist_dir_time, directory)
+            await trio.sleep(10)  # (past DIR_TIME_MAX_S: the store is due, and waits for the rename)
+            await env.settle()
+            hold.release()
+        await env.settle()
+        assert stored_names(env) == {"old", "e/", "e/f", "e/s/"}
+        assert tombstones_sharing_a_live_nuid(env) == []
+        assert (await env.listdir(await ino_of(env, ""))).names == ["e", "old"]
+
+    ops_env(body, setup=dir_with_a_file_and_a_subdirectory, bucket="b",
+            clock=trio.testing.MockClock(autojump_threshold=0))
