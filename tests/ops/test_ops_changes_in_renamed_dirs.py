@@ -254,24 +254,31 @@ def test_a_change_arriving_while_its_directory_is_renamed_half_way_goes_by_the_n
     ops_env(body, setup=dir_with_a_file_and_a_subdirectory, bucket="b")
 
 
-@pytest.mark.parametrize("held", ["rename", "upload"])
+@pytest.mark.parametrize("held", ["rename", "upload", "first write"])
 def test_the_close_of_a_file_written_in_a_directory_being_renamed_stores_it_under_the_new_name_only(
         ops_env, monkeypatch, held):
     """`echo new > d/f` closed while `mv d e` runs. The rename holds the file's upload lock from before
     its first step until the inode table follows ("rename": the close arrives while the rename is held
     between its two steps for d/f), and waits for an upload under way ("upload": the close's put is held
-    when the rename starts): either way the bytes are stored under e/f only, and no meta under d/f."""
+    when the rename starts); a file opened before the rename but first written while it runs ("first
+    write": staged only then, so not among the files whose locks the rename holds) reads its version
+    after the rename: either way the bytes are stored under e/f only, and no meta under d/f."""
     async def body(env: Env):
         f = await ino_of(env, "d/f")
-        fi = await env.ops.open(f, os.O_WRONLY | os.O_TRUNC, CTX)
-        await env.ops.write(fi.fh, 0, b"new bytes")
+        if held == "first write":
+            fi = await env.ops.open(f, os.O_WRONLY, CTX)
+        else:
+            fi = await env.ops.open(f, os.O_WRONLY | os.O_TRUNC, CTX)
+            await env.ops.write(fi.fh, 0, b"new bytes")
 
         async def close() -> None:
+            if held == "first write":
+                await env.ops.write(fi.fh, 0, b"new bytes")
             await env.ops.flush(fi.fh)
             await env.ops.release(fi.fh)
 
         async with trio.open_nursery() as nursery:
-            if held == "rename":
+            if held != "upload":
                 hold = between_the_steps_for(monkeypatch, env, "d/f")
                 nursery.start_soon(rename(env, "d", "e"))
                 await hold.held.wait()
