@@ -278,12 +278,17 @@ def _under(path: tuple[str, ...], directory: tuple[str, ...]) -> bool:
 
 class _DirRenameGate(_Gate):
     """A directory rename and the entries added in the directories it moves (create, mkdir, symlink,
-    mknod) or removed from them (unlink, rmdir) run one after the other. A rename moves the objects it
-    finds when it starts; an entry published under the old path meanwhile stayed behind and brought the
-    old directory back, and one removed by its old path between the rename's two steps for it left a
-    tombstone carrying the renamed object's nuid. So an entry waits while a directory it is added to or
-    removed from (or one above) is being renamed, and then goes by the directory's new path; a rename
-    waits for the entries being added or removed there, and moves what is left."""
+    mknod, a rename into, out of or within them) or removed from them (unlink, rmdir), or changed in
+    place there (chmod, chown, utimens, truncate, setxattr, removexattr; also of the moved directory
+    itself) run one after the other. A rename moves the objects it finds when it starts, each in two
+    steps (its meta under the new name, then a purge of the old name's meta up to the revision it read);
+    an entry published under the old path meanwhile stayed behind and brought the old directory back,
+    one removed by its old path between the two steps left a tombstone carrying the renamed object's
+    nuid, and one changed by its old path between them got a live meta there again (the purge leaves a
+    newer one alone): the object under both names, two live metas with one nuid. So an entry waits while
+    a directory it is added to, removed from or changed in (or one above) is being renamed, and then
+    goes by the directory's new path; a rename waits for the entries being added, removed or changed
+    there, and moves what is left."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -293,9 +298,11 @@ class _DirRenameGate(_Gate):
     @contextlib.asynccontextmanager
     async def adding(self, *directories: Callable[[], tuple[str, ...]]
                      ) -> AsyncIterator[tuple[tuple[str, ...], ...]]:
-        """Held while an entry is added (a rename: moved out of one directory into another): yields the
-        paths the `directories()` have once no rename moves any of them (all at once: one held while
-        waiting for another could hold up the rename that one waits for)."""
+        """Held while an entry is added, removed or changed (a rename: moved out of one directory into
+        another; a change in place: `directories()` is the entry's own path): yields the paths the
+        `directories()` have once no rename moves any of them (all at once: one held while waiting for
+        another could hold up the rename that one waits for). Never entered again while held: a rename
+        that started meanwhile waits for the outer one, which would wait for that rename."""
         while any(_under(directory(), moved) for directory in directories for moved in self._renaming):
             await self._wait()
         paths = tuple(directory() for directory in directories)
@@ -1531,8 +1538,24 @@ class Filesystem:
             self.mut.discard(sf)
 
     # ------------------------------------------------------------------ attributes
+    @contextlib.asynccontextmanager
+    async def _changed_in_place(self, inode: InodeNo) -> AsyncIterator[None]:
+        """Held while an attribute, xattr or truncate change of `inode` reads and stores it. A rename of
+        a directory above it (or of the inode itself, a directory) under way is waited for first, and the
+        change then goes by the inode's new path; a directory rename that starts meanwhile waits for the
+        change (`_DirRenameGate`). Else a change that read the old path stored there between the rename's
+        two steps for the entry: a live meta under the old name again, holding the nuid of the renamed
+        object (other clients' Delete of the old name purge its chunks; a truncate's put replaced that
+        nuid and purged them itself), and a directory's marker brought the old directory back."""
+        async with self._dir_renames.adding(lambda: self.inodes.path_of(inode)):
+            yield
+
     async def setattr(self, inode: InodeNo, changes: AttrChanges) -> Attributes:
         self._refuse_if_read_only()
+        async with self._changed_in_place(inode):
+            return await self._setattr(inode, changes)
+
+    async def _setattr(self, inode: InodeNo, changes: AttrChanges) -> Attributes:
         node = await self._node(inode)
         if node.kind in (ROOT, BUCKET):
             if changes.size is not None:
@@ -1833,11 +1856,13 @@ class Filesystem:
             raise NatsFSError("rename across buckets (or of a bucket)", errno=errno.EXDEV, log_level=logging.DEBUG)
         if old != new and _under(new, old):
             raise InvalidArgument("cannot move a directory into itself")
-        # A directory the entry leaves or enters may be being renamed: this rename waits for that one
-        # and then takes the directory's new path, and one that starts meanwhile waits for this one
-        # (`_DirRenameGate`, as for an entry made there). Else a file moved into the renamed directory
-        # stayed behind under its old path and brought the old directory back. (Not where a directory
-        # of the rename lies under its own paths: renamed onto its ancestor, refused below.)
+        # A directory the entry leaves or enters (or is renamed within) may be being renamed: this rename
+        # waits for that one and then takes the directory's new path, and one that starts meanwhile waits
+        # for this one (`_DirRenameGate`, as for an entry made there). Else a file moved into the renamed
+        # directory stayed behind under its old path and brought the old directory back, and one renamed
+        # within it (git's HEAD.lock over HEAD) read its names before the directory rename moved them
+        # and failed ESTALE. (Not where a directory of the rename lies under its own paths: renamed onto
+        # its ancestor, refused below.)
         if _under(old[:-1], new):
             await self._rename_now(bucket_old, old, new, rel_old, rel_new, noreplace)
             return
@@ -2183,11 +2208,13 @@ class Filesystem:
 
     async def setxattr(self, inode: InodeNo, name: bytes, value: bytes) -> None:
         self._refuse_if_read_only()
-        await self._change_xattr(inode, os.fsdecode(name), value)
+        async with self._changed_in_place(inode):
+            await self._change_xattr(inode, os.fsdecode(name), value)
 
     async def removexattr(self, inode: InodeNo, name: bytes) -> None:
         self._refuse_if_read_only()
-        await self._change_xattr(inode, os.fsdecode(name), None)
+        async with self._changed_in_place(inode):
+            await self._change_xattr(inode, os.fsdecode(name), None)
 
     async def _change_xattr(self, inode: InodeNo, key: str, value: bytes | None) -> None:
         node = await self._node(inode)

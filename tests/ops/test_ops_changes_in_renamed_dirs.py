@@ -1,0 +1,388 @@
+"""A change of an entry inside a directory while this mount renames that directory (d -> e) lands on the
+renamed entry only, as on a local disk.
+
+A directory rename moves each object in two steps: its meta under the new name (e/f), then a purge of the
+old name's meta subject up to the revision it read (d/f). A meta-only change (chmod, chown, utimens,
+setxattr, removexattr) or a truncate of d/f that read d/f before the rename started and stored after the
+rename's first step wrote a live meta under d/f again, one the purge left alone: the object showed under
+both names, two live metas held one nuid (another client's Delete of d/f purges the chunks e/f still
+reads), and a truncate's upload replaced d/f's nuid and purged its chunks, which e/f still used. A
+change of a subdirectory's marker (d/s/) or of the moved directory's own (d/) brought the old directory
+back the same way.
+Such a change now waits for a rename under way and goes by the new path, and a rename waits for a change
+under way (`_DirRenameGate`).
+
+The other order (the change arriving while the rename is held half way: it waits, as every request by
+an inode there does, and changes the renamed entry) and the close of a file open for writing there (its
+bytes are stored under the new name only) are pinned here too, and so is a rename within the directory
+being renamed (git's `rename(d/.git/HEAD.lock, d/.git/HEAD)`), which failed with ESTALE while renames
+did not pass the gate.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pyfuse3
+import pytest
+import trio
+import trio.testing
+from opskit import CTX, Env, Fields
+from test_ops_entries_in_renamed_dirs import stored_metas, stored_names, tombstones_sharing_a_live_nuid
+from test_ops_upload_races import bucket_b, ino_of, rename
+
+from natsfs.adr20 import BytesSource, ObjectStore, meta_subject, stream_name
+from natsfs.memstreams import MemoryStreams
+
+
+async def dir_with_a_file_and_a_subdirectory(ms: MemoryStreams, store: ObjectStore) -> None:
+    await bucket_b(ms, store)
+    await store.put("b", "d/f", BytesSource(b"in d"), expected_revision=0)
+    await store.put("b", "d/s/", BytesSource(b""), expected_revision=0)
+
+
+def mode_change(mode: int) -> Callable[[Env, int], Awaitable[None]]:
+    async def change(env: Env, ino: int) -> None:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode = mode
+        await env.ops.setattr(ino, attr, Fields(update_mode=True), None, CTX)
+    return change
+
+
+async def chown(env: Env, ino: int) -> None:
+    attr = pyfuse3.EntryAttributes()
+    attr.st_uid, attr.st_gid = 4321, 8765
+    await env.ops.setattr(ino, attr, Fields(update_uid=True, update_gid=True), None, CTX)
+
+
+async def utimens(env: Env, ino: int) -> None:
+    attr = pyfuse3.EntryAttributes()
+    attr.st_mtime_ns = 1_600_000_000_000_000_000
+    await env.ops.setattr(ino, attr, Fields(update_mtime=True), None, CTX)
+
+
+async def truncate(env: Env, ino: int) -> None:
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 2
+    await env.ops.setattr(ino, attr, Fields(update_size=True), None, CTX)
+
+
+async def setxattr(env: Env, ino: int) -> None:
+    await env.ops.setxattr(ino, b"user.color", b"blue", CTX)
+
+
+async def removexattr(env: Env, ino: int) -> None:
+    await env.ops.removexattr(ino, b"user.shape", CTX)
+
+
+async def st(env: Env, path: str) -> pyfuse3.EntryAttributes:
+    return await env.lookup(path)
+
+
+async def xattr_of(env: Env, path: str, name: bytes) -> bytes | None:
+    try:
+        return await env.ops.getxattr((await env.lookup(path)).st_ino, name, CTX)
+    except pyfuse3.FUSEError:
+        return None
+
+
+async def mode_is(env: Env, path: str, mode: int) -> None:
+    assert (await st(env, path)).st_mode & 0o7777 == mode
+
+
+async def owner_changed(env: Env, path: str) -> None:
+    attr = await st(env, path)
+    assert (attr.st_uid, attr.st_gid) == (4321, 8765)
+
+
+async def time_set(env: Env, path: str) -> None:
+    assert (await st(env, path)).st_mtime_ns == 1_600_000_000_000_000_000
+
+
+async def truncated(env: Env, path: str) -> None:
+    assert await env.cat(path) == b"in"
+
+
+async def colored(env: Env, path: str) -> None:
+    assert await xattr_of(env, path, b"user.color") == b"blue"
+
+
+async def shapeless(env: Env, path: str) -> None:
+    assert await xattr_of(env, path, b"user.shape") is None
+
+
+# op -> (the change, the entry it changes (under d), what shows under e afterwards)
+CHANGES: dict[str, tuple[Callable[[Env, int], Awaitable[None]], str, Callable[[Env, str], Awaitable[None]]]] = {
+    "chmod": (mode_change(0o100600), "f", lambda env, p: mode_is(env, p, 0o600)),
+    "chown": (chown, "f", owner_changed),
+    "utimens": (utimens, "f", time_set),
+    "truncate": (truncate, "f", truncated),
+    "setxattr": (setxattr, "f", colored),
+    "removexattr": (removexattr, "f", shapeless),
+    "chmod of a subdirectory": (mode_change(0o040700), "s", lambda env, p: mode_is(env, p, 0o700)),
+    "chmod of the directory itself": (mode_change(0o040711), "", lambda env, p: mode_is(env, p, 0o711)),
+}
+
+
+class HeldWhen:
+    """Holds the first call of the async method `obj.name` whose arguments `when(*args)` picks, until
+    `release()`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, obj: object, name: str, when: Callable[..., bool]) -> None:
+        self.held = trio.Event()
+        self._gate = trio.Event()
+        real = getattr(obj, name)
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            if not self.held.is_set() and when(*args):
+                self.held.set()
+                await self._gate.wait()
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(obj, name, held)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+def between_the_steps_for(monkeypatch: pytest.MonkeyPatch, env: Env, name: str) -> HeldWhen:
+    """Holds a rename's purge of `name`'s meta subject: its meta under the new name is published already."""
+    return HeldWhen(monkeypatch, env.store, "_purge_settled",
+                    lambda bucket, subject, *_: subject == meta_subject("b", name))
+
+
+def old_name(entry: str) -> str:
+    return {"f": "d/f", "s": "d/s/", "": "d/"}[entry]
+
+
+@pytest.mark.parametrize("op", CHANGES)
+def test_a_change_that_read_its_entry_before_the_directory_rename_lands_on_the_renamed_entry_only(
+        ops_env, monkeypatch, op):
+    """`chmod d/f` (chown, touch, truncate, setfattr...) while `mv d e` runs: the kernel lets both through
+    at once (the directory rename locks only d's parent, a setattr only d/f). The change has read d/f when
+    the rename starts; the rename publishes e/f and is held there, before it purges d/f. The change then
+    stored a live meta under d/f (a truncate: a new object there, whose put purged the chunks e/f uses),
+    which the purge left alone (for d itself: its marker d/, so d came back). Now the rename waits for
+    the change, and moves the changed entry."""
+    async def body(env: Env):
+        change, entry, changed = CHANGES[op]
+        path = f"d/{entry}" if entry else "d"
+        ino = await ino_of(env, path)
+        if op == "removexattr":
+            await env.ops.setxattr(ino, b"user.shape", b"round", CTX)
+        await ino_of(env, "d/f")
+        # The change has read its entry and is about to store: held at the store (a truncate: before
+        # it stages the file, once it has read the version it truncates).
+        if op == "truncate":
+            hold_change = HeldWhen(monkeypatch, env.fs.mut, "check_writable", lambda *_: True)
+        else:
+            hold_change = HeldWhen(monkeypatch, env.store, "update_meta", lambda *_: True)
+        hold_rename = between_the_steps_for(monkeypatch, env, old_name(entry))
+        failures: list[BaseException] = []
+
+        async def the_rename() -> None:
+            try:
+                await rename(env, "d", "e")()
+            except pyfuse3.FUSEError as e:
+                failures.append(e)
+
+        # Stored, or done: a truncate reads the bytes it keeps in a thread (not settled), and without the
+        # gate its answer (the attributes read after the upload) waits for the rename held here.
+        stored_here = trio.Event()
+        store_call = "put_file" if op == "truncate" else "update_meta"
+        real_store = getattr(env.store, store_call)
+
+        async def store_then_tell(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await real_store(*args, **kwargs)
+            finally:
+                stored_here.set()
+
+        monkeypatch.setattr(env.store, store_call, store_then_tell)
+
+        async def the_change() -> None:
+            await change(env, ino)
+            stored_here.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(the_change)
+            await hold_change.held.wait()
+            nursery.start_soon(the_rename)
+            await env.settle()  # (held between its steps for the entry; fixed: it waits for the change)
+            hold_change.release()
+            await stored_here.wait()
+            hold_rename.release()
+        await env.settle()
+        assert failures == []
+        assert stored_names(env) == {"old", "e/", "e/f", "e/s/"}  # nothing left under d/
+        assert tombstones_sharing_a_live_nuid(env) == []
+        assert (await env.listdir(await ino_of(env, ""))).names == ["e", "old"]
+        assert (await env.listdir(await ino_of(env, "e"))).names == ["f", "s"]
+        await changed(env, f"e/{entry}" if entry else "e")
+        if op != "truncate":
+            assert await env.cat("e/f") == b"in d"
+
+    ops_env(body, setup=dir_with_a_file_and_a_subdirectory, bucket="b")
+
+
+@pytest.mark.parametrize("op", CHANGES)
+def test_a_change_arriving_while_its_directory_is_renamed_half_way_goes_by_the_new_path(ops_env, monkeypatch, op):
+    """The other order: the rename is held between its two steps for d/f when the change arrives. The
+    change waits for the rename and then changes the renamed entry."""
+    async def body(env: Env):
+        change, entry, changed = CHANGES[op]
+        path = f"d/{entry}" if entry else "d"
+        ino = await ino_of(env, path)
+        if op == "removexattr":
+            await env.ops.setxattr(ino, b"user.shape", b"round", CTX)
+        await ino_of(env, "d/f")
+        hold = between_the_steps_for(monkeypatch, env, old_name(entry))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rename(env, "d", "e"))
+            await hold.held.wait()
+            nursery.start_soon(change, env, ino)
+            await env.settle()  # (it waits for the rename)
+            hold.release()
+        await env.settle()
+        assert stored_names(env) == {"old", "e/", "e/f", "e/s/"}
+        assert tombstones_sharing_a_live_nuid(env) == []
+        assert (await env.listdir(await ino_of(env, "e"))).names == ["f", "s"]
+        await changed(env, f"e/{entry}" if entry else "e")
+
+    ops_env(body, setup=dir_with_a_file_and_a_subdirectory, bucket="b")
+
+
+@pytest.mark.parametrize("held", ["rename", "upload", "first write"])
+def test_the_close_of_a_file_written_in_a_directory_being_renamed_stores_it_under_the_new_name_only(
+        ops_env, monkeypatch, held):
+    """`echo new > d/f` closed while `mv d e` runs. The rename holds the file's upload lock from before
+    its first step until the inode table follows ("rename": the close arrives while the rename is held
+    between its two steps for d/f), and waits for an upload under way ("upload": the close's put is held
+    when the rename starts); a file opened before the rename but first written while it runs ("first
+    write": staged only then, so not among the files whose locks the rename holds) reads its version
+    after the rename: either way the bytes are stored under e/f only, and no meta under d/f."""
+    async def body(env: Env):
+        f = await ino_of(env, "d/f")
+        if held == "first write":
+            fi = await env.ops.open(f, os.O_WRONLY, CTX)
+        else:
+            fi = await env.ops.open(f, os.O_WRONLY | os.O_TRUNC, CTX)
+            await env.ops.write(fi.fh, 0, b"new bytes")
+
+        async def close() -> None:
+            if held == "first write":
+                await env.ops.write(fi.fh, 0, b"new bytes")
+            await env.ops.flush(fi.fh)
+            await env.ops.release(fi.fh)
+
+        async with trio.open_nursery() as nursery:
+            if held != "upload":
+                hold = between_the_steps_for(monkeypatch, env, "d/f")
+                nursery.start_soon(rename(env, "d", "e"))
+                await hold.held.wait()
+                nursery.start_soon(close)
+            else:
+                hold = HeldWhen(monkeypatch, env.store, "put_file", lambda *_: True)
+                nursery.start_soon(close)
+                await hold.held.wait()
+                nursery.start_soon(rename(env, "d", "e"))
+            await env.settle()
+            hold.release()
+        await env.settle()
+        assert stored_names(env) == {"old", "e/", "e/f", "e/s/"}
+        assert tombstones_sharing_a_live_nuid(env) == []
+        assert await env.cat("e/f") == b"new bytes"
+        assert not [m for m in env.streams.messages(stream_name("b")) if m.subject.startswith("$O.b.C.")
+                    and not chunk_used(env, m.subject)]
+
+    ops_env(body, setup=dir_with_a_file_and_a_subdirectory, bucket="b")
+
+
+def chunk_used(env: Env, subject: str) -> bool:
+    """Whether a live object's nuid owns the chunk subject (no orphan left by a put under the old name)."""
+    return any(not info.deleted and subject.endswith(f".{info.nuid}") for info in stored_metas(env))
+
+
+INNER_ORDERS = ["directory rename between its steps for HEAD.lock", "directory rename between its steps for HEAD",
+                "inner rename first"]
+
+
+@pytest.mark.parametrize("order", INNER_ORDERS)
+def test_a_rename_within_a_directory_being_renamed_succeeds_in_the_renamed_directory(ops_env, monkeypatch, order):
+    """git's `rename(d/.git/HEAD.lock, d/.git/HEAD)` while `mv d e` runs (a git clone into d while d is
+    renamed): the kernel lets both through at once (each locks only its own parent). Ungated, the inner
+    rename read HEAD.lock and HEAD by their old names while the directory rename moved them, and failed
+    with ESTALE ("changed since it was read"), an answer no program expects of rename(2); or it stored
+    HEAD under the old path after the move, bringing d back. On a local disk it succeeds (the kernel
+    reached .git by its inode, which the directory rename keeps). Here it waits for a directory rename
+    under way and renames e/.git/HEAD.lock over e/.git/HEAD, or the directory rename waits for it."""
+    async def body(env: Env):
+        git = await ino_of(env, "d/.git")
+        await ino_of(env, "d/.git/HEAD")
+        await ino_of(env, "d/.git/HEAD.lock")
+        failures: list[BaseException] = []
+
+        async def inner() -> None:
+            try:
+                await env.ops.rename(git, b"HEAD.lock", git, b"HEAD", 0, CTX)
+            except pyfuse3.FUSEError as e:
+                failures.append(e)
+
+        async with trio.open_nursery() as nursery:
+            if order == "inner rename first":
+                hold = HeldWhen(monkeypatch, env.store, "rename", lambda *_: True)
+                nursery.start_soon(inner)
+                await hold.held.wait()
+                nursery.start_soon(rename(env, "d", "e"))
+            else:
+                moved_first = "d/.git/HEAD.lock" if order.endswith("HEAD.lock") else "d/.git/HEAD"
+                hold = between_the_steps_for(monkeypatch, env, moved_first)
+                nursery.start_soon(rename(env, "d", "e"))
+                await hold.held.wait()
+                nursery.start_soon(inner)
+            await env.settle()  # (the one that came second waits for the other)
+            hold.release()
+        await env.settle()
+        assert failures == []
+        assert stored_names(env) == {"old", "e/", "e/.git/HEAD"}
+        assert tombstones_sharing_a_live_nuid(env) == []
+        assert (await env.listdir(await ino_of(env, ""))).names == ["e", "old"]
+        assert (await env.listdir(await ino_of(env, "e/.git"))).names == ["HEAD"]
+        assert await env.cat("e/.git/HEAD") == b"ref: main"
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await bucket_b(ms, store)
+        await store.put("b", "d/.git/HEAD", BytesSource(b"ref: old"), expected_revision=0)
+        await store.put("b", "d/.git/HEAD.lock", BytesSource(b"ref: main"), expected_revision=0)
+
+    ops_env(body, setup=setup, bucket="b")
+
+
+@pytest.mark.parametrize("entry", ["", "s"])
+def test_a_directory_time_is_never_stored_between_the_steps_of_a_directory_rename(ops_env, monkeypatch, entry):
+    """An entry changed in d (or d/s) a moment before `mv d e`: its directory's time is stored to the
+    marker a moment later (coalesced), by the path it had then. Coming due while the rename is held
+    between its two steps for that marker, it waits for the rename (the directory-time gate), and then
+    finds the time moved to the new path: nothing is written under d/ (or d/s/), which would bring d back
+    holding the moved marker's nuid."""
+    async def body(env: Env):
+        directory = ("d", entry) if entry else ("d",)
+        await ino_of(env, "d/f")
+        hold = between_the_steps_for(monkeypatch, env, old_name(entry))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rename(env, "d", "e"))
+            await hold.held.wait()
+            env.fs._dir_mtimes[directory] = 1_600_000_000_000_000_000
+            nursery.start_soon(env.fs._persist_dir_time, directory)
+            await trio.sleep(10)  # (past DIR_TIME_MAX_S: the store is due, and waits for the rename)
+            await env.settle()
+            hold.release()
+        await env.settle()
+        assert stored_names(env) == {"old", "e/", "e/f", "e/s/"}
+        assert tombstones_sharing_a_live_nuid(env) == []
+        assert (await env.listdir(await ino_of(env, ""))).names == ["e", "old"]
+
+    ops_env(body, setup=dir_with_a_file_and_a_subdirectory, bucket="b",
+            clock=trio.testing.MockClock(autojump_threshold=0))
