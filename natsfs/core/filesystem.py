@@ -1730,7 +1730,7 @@ class Filesystem:
                     await self.mut.delete(bucket, stored, keep_chunks=open_here)
                 elif sf is None or sf.ended:
                     raise NotFound("/".join(path))
-            self._forget_open_version(ino, bucket, stored, open_here)
+            await self._forget_open_version(ino, bucket, stored, open_here)
             # (Read again: an open with O_TRUNC may have staged the file while the delete awaited.)
             sf = self.staging.get(ino) if ino is not None else None
             unlinked = []
@@ -1760,13 +1760,19 @@ class Filesystem:
                     yield
                     return
 
-    def _forget_open_version(self, ino: InodeNo | None, bucket: str, stored: ObjectInfo | None, open_here: bool
-                             ) -> None:
-        """An object this mount deleted or replaced while it holds it open: like a local disk, those
-        handles keep reading (its chunks are purged at the last close) and their writes go nowhere."""
+    async def _forget_open_version(self, ino: InodeNo | None, bucket: str, stored: ObjectInfo | None,
+                                   open_here: bool) -> None:
+        """An object this mount deleted or replaced while it holds it open (`open_here`: its chunks were
+        kept): like a local disk, those handles keep reading (its chunks are purged at the last close)
+        and their writes go nowhere. If the last of them closed while the delete or rename awaited,
+        that close found nothing to purge: the chunks go now, or nothing would ever purge them."""
         if ino is None or not open_here:
             return
-        self.files.unlinked_while_open(ino, (bucket, stored.nuid) if stored is not None and stored.nuid else None)
+        purge_later = (bucket, stored.nuid) if stored is not None and stored.nuid else None
+        if self._open_here(ino):
+            self.files.unlinked_while_open(ino, purge_later)
+        elif purge_later is not None:
+            await self.mut.purge_unused(*purge_later)
 
     async def _index_info(self, path: tuple[str, ...]) -> ObjectInfo | None:
         """The object the bucket (not the staging area) has at `path`, if any."""
@@ -1960,7 +1966,7 @@ class Filesystem:
         if shown_there is not None:
             await self.mut.delete(bucket, shown_there, keep_chunks=target_open)
             target = shown_there
-        self._forget_open_version(dst_ino, bucket, target, target_open)
+        await self._forget_open_version(dst_ino, bucket, target, target_open)
         dst_sf = self.staging.get(dst_ino) if dst_ino is not None else None
         if dst_sf is not None and not dst_sf.ended:
             dst_sf.unlink()

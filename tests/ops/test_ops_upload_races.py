@@ -601,3 +601,36 @@ def test_an_o_creat_open_of_a_file_unlinked_while_it_opens_creates_the_file(ops_
         assert lost_and_found(env) == []
 
     ops_env(body, setup=bucket_b, bucket="b")
+
+
+@pytest.mark.parametrize("change", ["rename over", "unlink"])
+def test_the_last_close_of_a_file_while_a_change_here_replaces_it_leaves_no_chunks_behind(
+        ops_env, monkeypatch, change):
+    """A reader's handle holds `old` when an atomic save renames over it (or an unlink deletes it): the
+    replaced version's chunks are kept for that handle. Its last close lands while the rename or delete
+    is stored: the chunks are purged once that is done (they were left behind for good, a leak of one
+    version per such save)."""
+    async def body(env: Env):
+        before = await env.store.get_info("b", "old")
+        assert before is not None
+        reader = await env.ops.open(await ino_of(env, "old"), os.O_RDONLY, Ctx())
+        if change == "rename over":
+            await close(env, await written(env, "old.tmp", V2))()
+            hold = Held(monkeypatch, env.fs.mut, "rename_object")
+            act = rename(env, "old.tmp", "old")
+        else:
+            hold = Held(monkeypatch, env.fs.mut, "delete")
+            act = unlink(env, "old")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(act)
+            await hold.held.wait()
+            await env.ops.release(reader.fh)  # the last close, while the change is under way
+            hold.release()
+        await env.settle()
+        assert await env.store.chunk_index("b", before.nuid) == []
+        if change == "rename over":
+            assert await stored(env, "old") == V2
+        else:
+            assert await gone_there(env, "old")
+
+    ops_env(body, setup=bucket_b, bucket="b")
