@@ -459,6 +459,11 @@ class StagedFile:
         self.state = WriteState.UNLINKED if unlinked else WriteState.DIRTY if new else WriteState.UNCHANGED
         self.copied = base is None  # copy-on-write: the base version's bytes are in the spool file
         self.lock = trio.Lock()  # held by uploads and by everything that changes the content
+        # Operations that staged or are changing it and settle it themselves when done (an open with
+        # O_TRUNC registers its handle, a truncate stores it): while any runs, a last close or the end of
+        # a write-back upload does not drop it (it would close `fd` under the change, or send the bytes
+        # the change just made to lost+found), see `FileSystem._pinned`.
+        self.pins = 0
         self.mode = attrs.mode
         self.uid = attrs.uid
         self.gid = attrs.gid

@@ -896,15 +896,36 @@ class Filesystem:
                                   f"{self._told_sizes.get(inode)} bytes for a version of {node.info.size}")
         if flags & os.O_TRUNC:
             sf = self._stage(inode, node)
-            async with self._changing(sf):
-                if sf.ended:
-                    # Dropped while this open waited (another handle's last close after its upload):
-                    # resolve and stage again, from the version that close stored.
-                    return await self.open(inode, flags, caller)
-                sf.skip_copy()
-                await sf.truncate(0)
-            self.mut.after_write(sf, 0)
+            # Pinned until its handle is registered (nothing awaited between the two): another handle's
+            # last close meanwhile leaves the file to this open's handle, instead of dropping it under the
+            # truncate (EBADF) or sending the emptied file to lost+found.
+            async with self._pinned(sf):
+                async with self._changing(sf):
+                    if sf.ended:
+                        # Dropped while this open waited (another handle's last close after its upload):
+                        # resolve and stage again, from the version that close stored.
+                        return await self.open(inode, flags, caller)
+                    sf.skip_copy()
+                    await sf.truncate(0)
+                self.mut.after_write(sf, 0)
+                return self._open_handle(inode, node, writing, caller)
         return self._open_handle(inode, node, writing, caller)
+
+    @contextlib.asynccontextmanager
+    async def _pinned(self, sf: StagedFile) -> AsyncIterator[None]:
+        """Held by an operation that stages `sf` (or changes it) and then settles it itself: an open with
+        O_TRUNC registers its handle, a truncate stores it. While it runs, a last close (or the end of a
+        write-back upload) leaves the staged file alone: dropping it would close its descriptor under the
+        change (EBADF), and keeping its bytes in lost+found would take the change's bytes away from the
+        name. If the operation ends with no handle open and nothing else pinning it (it failed), the
+        file is settled here as at a last close."""
+        sf.pins += 1
+        try:
+            yield
+        finally:
+            sf.pins -= 1
+            if not sf.pins and not self.files.is_open(InodeNo(sf.ino)) and self.staging.get(InodeNo(sf.ino)) is sf:
+                await self._settle_unused(sf)
 
     def _shows_now(self, inode: InodeNo, info: ObjectInfo) -> bool:
         """Whether a handle of version `info` may be registered on `inode` at this moment.
@@ -1381,8 +1402,8 @@ class Filesystem:
     def upload_settled(self, sf: StagedFile) -> None:
         """The write-back uploader is done with `sf`: drop it unless a handle still has it open."""
         ino = InodeNo(sf.ino)
-        if self.files.is_open(ino) or sf.ended:
-            return
+        if self.files.is_open(ino) or sf.ended or sf.pins:
+            return  # (a pinned file is settled by the operation pinning it, `_pinned`)
         self.staging.remove(sf)
         self.mut.discard(sf)
         if ino in self.inodes and self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
@@ -1523,6 +1544,12 @@ class Filesystem:
             sf = self.staging.get(handle.ino)
             if sf is None:
                 return
+        if sf.pins:
+            return  # an open or truncate under way settles it (`_pinned`)
+        await self._settle_unused(sf)
+
+    async def _settle_unused(self, sf: StagedFile) -> None:
+        """No handle has `sf` open any more and nothing works on it: store or keep its bytes, and drop it."""
         if self.writeback is not None and sf.unstored:
             if not self.writeback.queued(sf):
                 await self._journal(sf)
@@ -1563,27 +1590,33 @@ class Filesystem:
             return self._attr(inode, node)  # bucket directories keep no attributes: accepted, not stored
         assert node.bucket is not None
         await self.mut.check_writable(node.bucket)
-        if changes.size is not None:
-            if node.kind != FILE:
-                raise IsADirectory("/".join(node.rel))
+        if changes.size is None:
+            if changes.posix:
+                await self._set_posix(inode, node, changes)
+            return self._attr(inode, await self._node(inode))
+        if node.kind != FILE:
+            raise IsADirectory("/".join(node.rel))
+        while True:
             sf = self._stage(inode, node)
-            async with self._changing(sf):
-                await self._fill(sf, upto=changes.size)
-                await sf.truncate(changes.size)
-            self.mut.after_write(sf, changes.size)
-        if changes.posix:
-            await self._set_posix(inode, node, changes)
-        if changes.size is not None and not self.files.has_writers(inode):
-            # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
-            if self.writeback is not None:
-                await self._store_or_journal(inode)
-                return self._attr(inode, await self._node(inode))
-            await self._upload(inode)
-            left = self.staging.get(inode)
-            if left is not None and not self.files.is_open(inode):
-                self.staging.remove(left)
-                self.mut.discard(left)
-        return self._attr(inode, await self._node(inode))
+            # Pinned until stored (or left to a writer's close): a last close meanwhile leaves it to this
+            # truncate, and once none pins it and no handle has it open, `_pinned` drops it.
+            async with self._pinned(sf):
+                async with self._changing(sf):
+                    if not sf.ended:
+                        await self._fill(sf, upto=changes.size)
+                        await sf.truncate(changes.size)
+                if sf.ended:
+                    # Dropped while this truncate waited (stored and dropped by a close, another truncate,
+                    # or kept after a conflict): stage again from what the file is now.
+                    node = await self._node(inode)
+                    continue
+                self.mut.after_write(sf, changes.size)
+                if changes.posix:
+                    await self._set_posix(inode, node, changes)
+                if not self.files.has_writers(inode):
+                    # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
+                    await (self._upload(inode) if self.writeback is None else self._store_or_journal(inode))
+            return self._attr(inode, await self._node(inode))
 
     async def _set_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:
         assert node.bucket is not None
