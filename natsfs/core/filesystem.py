@@ -880,7 +880,16 @@ class Filesystem:
                     hold: _RetryHold | None) -> Opened:
         writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
         while True:
-            node = await self._node(inode, hold)
+            try:
+                node = await self._node(inode, hold)
+            except NotFound:
+                if not self._nameless(inode):
+                    raise
+                # Deleted (here, or by another client) after the kernel's walk reached it through a name
+                # it still cached: ESTALE, not ENOENT, so the kernel walks the path again and retries,
+                # as an open on a local disk that found the name: `open(O_CREAT)` (whose OPEN carries no
+                # O_CREAT) then creates the file, where ENOENT said the name it asked to create is gone.
+                raise Stale(f"inode {inode} was deleted while it was opened", log_level=logging.DEBUG) from None
             if node.kind != FILE:
                 raise NatsFSError("not a regular file", errno=errno.EISDIR if node.kind != LINK else errno.ELOOP,
                                   log_level=logging.DEBUG)
@@ -1129,9 +1138,8 @@ class Filesystem:
             try:
                 info = await self.open(ino, flags, caller)
             except (NotFound, Stale):  # (Stale: its inode was detached, `_node`)
-                if await self._maybe_node(path) is not None:
-                    raise
-                # Unlinked (or renamed away) while this open awaited: the name is free, create it.
+                # Unlinked (or renamed away) while this open awaited: the name is free, create it; or
+                # created again meanwhile (by another writer): open that file, as on a local disk.
                 return await self.create(parent_inode, name, mode, flags, caller)
             return info, self._attr(ino, await self._node(ino))
         async with self._new_entry(parent_inode, path, lambda: self._check_parent(path)) as here:

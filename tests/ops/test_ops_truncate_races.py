@@ -6,14 +6,15 @@ discarded -> dirty`)."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pyfuse3
 import pytest
 import trio
-from opskit import Env, Fields
+from opskit import ROOT, Env, Fields, errno_of
 from test_ops_coherence import Held
-from test_ops_upload_races import NEW, bucket_b, close, ino_of, lost_and_found, written
+from test_ops_upload_races import NEW, bucket_b, close, ino_of, lost_and_found, unlink, written
 from test_ops_write import Ctx, stored
 
 from natsfs.staging import StagedFile
@@ -74,6 +75,52 @@ def test_two_truncates_of_a_file_no_handle_has_open_both_apply(ops_env, monkeypa
             hold.release()
         await env.settle()
         assert await stored(env, "f") == NEW[:2] and await env.cat("f") == NEW[:2]
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+def test_an_open_of_a_file_deleted_after_the_kernel_reached_it_answers_estale(ops_env):
+    """The kernel's walk reached `old` through a cached name, then an unlink (of this mount) deleted it
+    before the OPEN came: ESTALE, so the kernel walks again and `open(O_CREAT)` (an OPEN carries no
+    O_CREAT) creates the file. ENOENT reached the program, where a local disk creates."""
+    async def body(env: Env):
+        ino = await ino_of(env, "old")
+        await unlink(env, "old")()
+        with pytest.raises(pyfuse3.FUSEError) as raised:
+            await env.ops.open(ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        assert errno_of(raised.value) == errno.ESTALE
+        # The kernel's retry: its walk finds no name, and creates it.
+        fi, _ = await env.ops.create(ROOT, b"old", 0o644, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, Ctx())
+        await env.ops.write(fi.fh, 0, b"anew")
+        await close(env, fi)()
+        assert await stored(env, "old") == b"anew"
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+def test_an_o_creat_open_of_a_file_unlinked_and_created_again_while_it_opens_opens_the_new_file(
+        ops_env, monkeypatch):
+    """open(O_CREAT|O_TRUNC) found `old`; while it opened it, another writer unlinked it and created it
+    again: the open opens that new file (as on a local disk), where it answered ENOENT."""
+    async def body(env: Env):
+        hold = Held(monkeypatch, env.fs, "open")
+        created: list[pyfuse3.FileInfo] = []
+
+        async def create() -> None:
+            fi, _ = await env.ops.create(ROOT, b"old", 0o644, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, Ctx())
+            created.append(fi)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(create)
+            await hold.held.wait()  # create found "old" and opens it
+            await unlink(env, "old")()
+            other = await written(env, "old", b"other writer")
+            hold.release()
+        await close(env, other)()
+        assert await env.ops.write(created[0].fh, 0, b"mine") == 4
+        await close(env, created[0])()
+        assert await stored(env, "old") == b"mine"
         assert lost_and_found(env) == []
 
     ops_env(body, setup=bucket_b, bucket="b")
