@@ -883,12 +883,11 @@ class Filesystem:
             try:
                 node = await self._node(inode, hold)
             except NotFound:
-                if not self._nameless(inode):
-                    raise
                 # Deleted (here, or by another client) after the kernel's walk reached it through a name
-                # it still cached: ESTALE, not ENOENT, so the kernel walks the path again and retries,
-                # as an open on a local disk that found the name: `open(O_CREAT)` (whose OPEN carries no
-                # O_CREAT) then creates the file, where ENOENT said the name it asked to create is gone.
+                # it still cached (or while an unlink here is still detaching it): ESTALE, not ENOENT, so
+                # the kernel walks the path again and retries, as an open on a local disk that found the
+                # name: `open(O_CREAT)` (whose OPEN carries no O_CREAT) then creates the file, where ENOENT
+                # said the name it asked to create is gone.
                 raise Stale(f"inode {inode} was deleted while it was opened", log_level=logging.DEBUG) from None
             if node.kind != FILE:
                 raise NatsFSError("not a regular file", errno=errno.EISDIR if node.kind != LINK else errno.ELOOP,
