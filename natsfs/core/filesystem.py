@@ -1623,6 +1623,10 @@ class Filesystem:
                 if not self.files.has_writers(inode):
                     # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
                     await (self._upload(inode) if self.writeback is None else self._store_or_journal(inode))
+                else:
+                    # Left to the writers' close; if they flushed already (their last release is all that
+                    # is left), that release stores it rather than taking it for a failed store.
+                    self.files.defer_store(inode, True)
             return self._attr(inode, await self._node(inode))
 
     async def _set_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:

@@ -124,3 +124,18 @@ def test_an_o_creat_open_of_a_file_unlinked_and_created_again_while_it_opens_ope
         assert lost_and_found(env) == []
 
     ops_env(body, setup=bucket_b, bucket="b")
+
+
+def test_a_truncate_between_a_writers_flush_and_its_release_is_stored(ops_env):
+    """close(2) of the last writer is a flush (stored), then a release; a truncate(2) in between left the
+    file to that release, which took the unstored bytes for a failed store: lost+found."""
+    async def body(env: Env):
+        fi = await written(env, "f", NEW)
+        await env.ops.flush(fi.fh)
+        await truncated(env, "f", 3)
+        await env.ops.release(fi.fh)
+        await env.settle()
+        assert await stored(env, "f") == NEW[:3] and await env.cat("f") == NEW[:3]
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")
