@@ -1768,13 +1768,19 @@ class Filesystem:
             ino = self.inodes.known(path)
             sf = self.staging.get(ino) if ino is not None else None
             stored = await self._index_info(path)
-            open_here = self._open_here(ino)
+            # The chunks of a file's version are kept through the delete, and purged after it unless a
+            # handle here reads them then (`_forget_open_version`): an open (or the lookup that makes its
+            # inode) may register while the delete awaits, until the tombstone reaches the index, and
+            # its version, purged under it, failed its reads ESTALE.
+            kept = self._open_here(ino) or (stored is not None and stored.link is None and stored.size > 0)
             with self.files.changing(path):
                 if stored is not None:
-                    await self.mut.delete(bucket, stored, keep_chunks=open_here)
+                    await self.mut.delete(bucket, stored, keep_chunks=kept)
                 elif sf is None or sf.ended:
                     raise NotFound("/".join(path))
-            await self._forget_open_version(ino, bucket, stored, open_here)
+            if ino is None:  # (a lookup may have made it while the delete awaited)
+                ino = self.inodes.known(path)
+            await self._forget_open_version(ino, bucket, stored, kept)
             # (Read again: an open with O_TRUNC may have staged the file while the delete awaited.)
             sf = self.staging.get(ino) if ino is not None else None
             unlinked = []
@@ -1809,11 +1815,13 @@ class Filesystem:
         """An object this mount deleted or replaced while it holds it open (`open_here`: its chunks were
         kept): like a local disk, those handles keep reading (its chunks are purged at the last close)
         and their writes go nowhere. If the last of them closed while the delete or rename awaited,
-        that close found nothing to purge: the chunks go now, or nothing would ever purge them."""
-        if ino is None or not open_here:
+        that close found nothing to purge (and an unlink keeps them even with no handle open, for one
+        that registers meanwhile): with no handle here now, the chunks go now, or nothing would ever
+        purge them."""
+        if not open_here:
             return
         purge_later = (bucket, stored.nuid) if stored is not None and stored.nuid else None
-        if self._open_here(ino):
+        if ino is not None and self._open_here(ino):
             self.files.unlinked_while_open(ino, purge_later)
         elif purge_later is not None:
             await self.mut.purge_unused(*purge_later)

@@ -634,3 +634,59 @@ def test_the_last_close_of_a_file_while_a_change_here_replaces_it_leaves_no_chun
             assert await gone_there(env, "old")
 
     ops_env(body, setup=bucket_b, bucket="b")
+
+
+@pytest.mark.parametrize("change", ["rename over", "unlink"])
+def test_an_open_while_a_change_here_replaces_the_file_opens_what_the_name_shows_after_it(
+        ops_env, monkeypatch, change):
+    """An open of `old` (through the inode the kernel's cached name gives) arrives while this mount's
+    unlink deletes it (or a rename replaces it), and reads a whole version as a local disk would: the
+    unlinked one (opened before its name went), or the renamed file (a rename is waited for). Its
+    chunks are purged at the close. The unlink counted the handles open before its delete awaited, not
+    one registered meanwhile: that handle's version was purged under it, and its reads failed ESTALE
+    ("chunks of version ... are gone")."""
+    async def body(env: Env):
+        before = await env.store.get_info("b", "old")
+        assert before is not None
+        old_ino = await ino_of(env, "old")
+        if change == "rename over":
+            await close(env, await written(env, "old.tmp", V2))()
+            hold = Held(monkeypatch, env.fs.mut, "rename_object")
+            act = rename(env, "old.tmp", "old")
+        else:
+            hold = Held(monkeypatch, env.fs.mut, "delete")
+            act = unlink(env, "old")
+        opened: list[pyfuse3.FileInfo | int] = []
+
+        async def open_it() -> None:
+            try:
+                try:
+                    opened.append(await env.ops.open(old_ino, os.O_RDONLY, Ctx()))
+                except pyfuse3.FUSEError as e:
+                    if errno_of(e) != errno.ESTALE:
+                        raise
+                    # (as the kernel does: it walks the path "old" again and retries the open once)
+                    opened.append(await env.ops.open(await ino_of(env, "old"), os.O_RDONLY, Ctx()))
+            except pyfuse3.FUSEError as e:
+                opened.append(errno_of(e))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(act)
+            await hold.held.wait()
+            nursery.start_soon(open_it)
+            await env.settle()  # the open runs as far as it can while the change is held
+            hold.release()
+        assert len(opened) == 1
+        fi = opened[0]
+        assert isinstance(fi, pyfuse3.FileInfo)  # (ESTALE or ENOENT would show here as an errno)
+        data, off = b"", 0
+        while piece := await env.ops.read(fi.fh, off, 128 * 1024):
+            data += piece
+            off += len(piece)
+        await env.ops.release(fi.fh)
+        # The unlinked version (opened before the name went), or the file renamed over it.
+        assert data == (V1 if change == "unlink" else V2)
+        await env.settle()
+        assert await env.store.chunk_index("b", before.nuid) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")
