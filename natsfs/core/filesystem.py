@@ -280,8 +280,7 @@ class _DirRenameGate(_Gate):
     """A directory rename and the entries added in the directories it moves (create, mkdir, symlink,
     mknod, a rename into, out of or within them) or removed from them (unlink, rmdir), or changed in
     place there (chmod, chown, utimens, truncate, setxattr, removexattr; also of the moved directory
-    itself), or staged there (an open with O_TRUNC, a handle's first write: `Filesystem._staged_here`)
-    run one after the other. A rename moves the objects it finds when it starts, each in two
+    itself) run one after the other. A rename moves the objects it finds when it starts, each in two
     steps (its meta under the new name, then a purge of the old name's meta up to the revision it read);
     an entry published under the old path meanwhile stayed behind and brought the old directory back,
     one removed by its old path between the two steps left a tombstone carrying the renamed object's
@@ -880,28 +879,6 @@ class Filesystem:
     async def _open(self, inode: InodeNo, flags: int, caller: Caller | None, revalidate: bool,
                     hold: _RetryHold | None) -> Opened:
         writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
-        if not flags & os.O_TRUNC:
-            node = await self._node_to_open(inode, flags, caller, revalidate, hold)
-            return self._open_handle(inode, node, writing, caller)
-        # An open that truncates stages the file: as any staging, it waits for a rename of a directory
-        # above under way, and a rename that starts meanwhile waits for it (`_staged_here`).
-        async with self._staged_here(inode):
-            node = await self._node_to_open(inode, flags, caller, revalidate, hold)
-            sf = self._stage(inode, node)
-        async with self._changing(sf):
-            if sf.ended:
-                # Dropped while this open waited (another handle's last close after its upload):
-                # resolve and stage again, from the version that close stored.
-                return await self.open(inode, flags, caller)
-            sf.skip_copy()
-            await sf.truncate(0)
-        self.mut.after_write(sf, 0)
-        return self._open_handle(inode, node, writing, caller)
-
-    async def _node_to_open(self, inode: InodeNo, flags: int, caller: Caller | None, revalidate: bool,
-                            hold: _RetryHold | None) -> Node:
-        """The file `inode` shows, for an open with `flags` to pin (see `open`)."""
-        writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
         while True:
             node = await self._node(inode, hold)
             if node.kind != FILE:
@@ -917,7 +894,17 @@ class Filesystem:
         if revalidate and self._kernel_size_stale(inode, node.info, flags, caller.pid if caller else 0):
             raise KernelSizeStale(f"{'/'.join(self.inodes.path_of(inode))}: the kernel holds "
                                   f"{self._told_sizes.get(inode)} bytes for a version of {node.info.size}")
-        return node
+        if flags & os.O_TRUNC:
+            sf = self._stage(inode, node)
+            async with self._changing(sf):
+                if sf.ended:
+                    # Dropped while this open waited (another handle's last close after its upload):
+                    # resolve and stage again, from the version that close stored.
+                    return await self.open(inode, flags, caller)
+                sf.skip_copy()
+                await sf.truncate(0)
+            self.mut.after_write(sf, 0)
+        return self._open_handle(inode, node, writing, caller)
 
     def _shows_now(self, inode: InodeNo, info: ObjectInfo) -> bool:
         """Whether a handle of version `info` may be registered on `inode` at this moment.
@@ -1079,23 +1066,8 @@ class Filesystem:
                 self.files.set_cached_version(inode, info.nuid)
         return Opened(fh, keep, direct_io)
 
-    @contextlib.asynccontextmanager
-    async def _staged_here(self, inode: InodeNo) -> AsyncIterator[None]:
-        """Held while a file is staged (an open with O_TRUNC, the first write of a handle): from reading
-        the version it starts from to its entry in the staging area. A rename of a directory above it
-        under way is waited for first (the file is then staged under its new path, from the renamed
-        object's revision), and a directory rename that starts meanwhile waits for the staging
-        (`_DirRenameGate`), so it finds the file staged and holds its upload lock while it moves the
-        objects (`_uploads_settled`). Else a file staged after the rename took those locks was put
-        while the rename moved it: under its old name, which failed as another client's change (ESTALE
-        at close, the bytes in lost+found) once the rename had moved the object, or landed between the
-        rename's two steps and brought the old directory back holding the new bytes."""
-        async with self._dir_renames.adding(lambda: self.inodes.path_of(inode)):
-            yield
-
     def _stage(self, inode: InodeNo, node: Node) -> StagedFile:
-        """The shared staged state of `inode`, created from the version `node` shows if there is none
-        (in `_staged_here`, or where a change in place is held, `_changed_in_place`)."""
+        """The shared staged state of `inode`, created from the version `node` shows if there is none."""
         sf = self.staging.get(inode)
         if sf is not None and not sf.ended:
             return sf
@@ -1183,10 +1155,7 @@ class Filesystem:
         while True:
             sf = self.staging.get(handle.ino)
             if sf is None or sf.ended:
-                async with self._staged_here(handle.ino):
-                    sf = self.staging.get(handle.ino)
-                    if sf is None or sf.ended:
-                        sf = self._stage(handle.ino, await self._version_of(handle))
+                sf = self._stage(handle.ino, await self._version_of(handle))
             async with self._changing(sf):
                 if sf.ended:
                     continue  # dropped while this write waited: stage again

