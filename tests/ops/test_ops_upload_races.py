@@ -603,6 +603,16 @@ def test_an_o_creat_open_of_a_file_unlinked_while_it_opens_creates_the_file(ops_
     ops_env(body, setup=bucket_b, bucket="b")
 
 
+async def held_replacement(env: Env, monkeypatch: pytest.MonkeyPatch, change: str
+                           ) -> tuple[Held, Callable[[], Awaitable[None]]]:
+    """A change of `old` by this mount ("rename over": an atomic save of V2; "unlink"), to be run, held
+    at its rename or delete of the stored object until the hold is released."""
+    if change == "rename over":
+        await close(env, await written(env, "old.tmp", V2))()
+        return Held(monkeypatch, env.fs.mut, "rename_object"), rename(env, "old.tmp", "old")
+    return Held(monkeypatch, env.fs.mut, "delete"), unlink(env, "old")
+
+
 @pytest.mark.parametrize("change", ["rename over", "unlink"])
 def test_the_last_close_of_a_file_while_a_change_here_replaces_it_leaves_no_chunks_behind(
         ops_env, monkeypatch, change):
@@ -614,13 +624,7 @@ def test_the_last_close_of_a_file_while_a_change_here_replaces_it_leaves_no_chun
         before = await env.store.get_info("b", "old")
         assert before is not None
         reader = await env.ops.open(await ino_of(env, "old"), os.O_RDONLY, Ctx())
-        if change == "rename over":
-            await close(env, await written(env, "old.tmp", V2))()
-            hold = Held(monkeypatch, env.fs.mut, "rename_object")
-            act = rename(env, "old.tmp", "old")
-        else:
-            hold = Held(monkeypatch, env.fs.mut, "delete")
-            act = unlink(env, "old")
+        hold, act = await held_replacement(env, monkeypatch, change)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(act)
             await hold.held.wait()
@@ -649,13 +653,7 @@ def test_an_open_while_a_change_here_replaces_the_file_opens_what_the_name_shows
         before = await env.store.get_info("b", "old")
         assert before is not None
         old_ino = await ino_of(env, "old")
-        if change == "rename over":
-            await close(env, await written(env, "old.tmp", V2))()
-            hold = Held(monkeypatch, env.fs.mut, "rename_object")
-            act = rename(env, "old.tmp", "old")
-        else:
-            hold = Held(monkeypatch, env.fs.mut, "delete")
-            act = unlink(env, "old")
+        hold, act = await held_replacement(env, monkeypatch, change)
         opened: list[pyfuse3.FileInfo | int] = []
 
         async def open_it() -> None:
