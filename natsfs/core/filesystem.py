@@ -288,7 +288,17 @@ class _DirRenameGate(_Gate):
     newer one alone): the object under both names, two live metas with one nuid. So an entry waits while
     a directory it is added to, removed from or changed in (or one above) is being renamed, and then
     goes by the directory's new path; a rename waits for the entries being added, removed or changed
-    there, and moves what is left."""
+    there, and moves what is left. A file staged there (an open with O_TRUNC, a handle's first write:
+    `Filesystem._staged_here`) counts as an entry changed: staged after the rename took the upload locks
+    of the files staged there, its close put it under the old name while the rename moved it.
+
+    Lock order: this gate (`adding`, `renaming`), then `_DirTimeGate`, then the locks of staged files
+    (`StagedFile.lock`, in inode order, `Filesystem._uploads_settled`). A rename holds the gate while it
+    waits for those locks and moves the objects; so nothing may wait for the gate while it holds a staged
+    file's lock. (An open with O_TRUNC that found its file dropped while it waited for the lock staged it
+    again from inside that lock: with staging behind this gate, it waited for a rename that waited for
+    that lock, and a real mount hung within seconds with two writers and a directory renamed in a loop.)
+    The operations holding a staged file's lock (a write, a truncate, an upload) wait for no gate."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -879,6 +889,36 @@ class Filesystem:
     async def _open(self, inode: InodeNo, flags: int, caller: Caller | None, revalidate: bool,
                     hold: _RetryHold | None) -> Opened:
         writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        if not flags & os.O_TRUNC:
+            node = await self._node_to_open(inode, flags, caller, revalidate, hold)
+            return self._open_handle(inode, node, writing, caller)
+        while True:
+            # An open that truncates stages the file: as any staging, it waits for a rename of a directory
+            # above under way, and a rename that starts meanwhile waits for it (`_staged_here`).
+            async with self._staged_here(inode):
+                node = await self._node_to_open(inode, flags, caller, revalidate, hold)
+                sf = self._stage(inode, node)
+            # Pinned until its handle is registered (nothing awaited between the two): another handle's
+            # last close meanwhile leaves the file to this open's handle, instead of dropping it under the
+            # truncate (EBADF) or sending the emptied file to lost+found.
+            async with self._pinned(sf):
+                async with self._changing(sf):
+                    ended = sf.ended
+                    if not ended:
+                        sf.skip_copy()
+                        await sf.truncate(0)
+                if not ended:
+                    self.mut.after_write(sf, 0)
+                    return self._open_handle(inode, node, writing, caller)
+            # Dropped while this open waited (another handle's last close after its upload): resolve and
+            # stage again, from the version that close stored. Not from inside `_changing`: staging waits
+            # for a directory rename, which may wait for that lock (see `_DirRenameGate`).
+            hold = None
+
+    async def _node_to_open(self, inode: InodeNo, flags: int, caller: Caller | None, revalidate: bool,
+                            hold: _RetryHold | None) -> Node:
+        """The file `inode` shows, for an open with `flags` to pin (see `open`)."""
+        writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
         while True:
             try:
                 node = await self._node(inode, hold)
@@ -902,22 +942,7 @@ class Filesystem:
         if revalidate and self._kernel_size_stale(inode, node.info, flags, caller.pid if caller else 0):
             raise KernelSizeStale(f"{'/'.join(self.inodes.path_of(inode))}: the kernel holds "
                                   f"{self._told_sizes.get(inode)} bytes for a version of {node.info.size}")
-        if flags & os.O_TRUNC:
-            sf = self._stage(inode, node)
-            # Pinned until its handle is registered (nothing awaited between the two): another handle's
-            # last close meanwhile leaves the file to this open's handle, instead of dropping it under the
-            # truncate (EBADF) or sending the emptied file to lost+found.
-            async with self._pinned(sf):
-                async with self._changing(sf):
-                    if sf.ended:
-                        # Dropped while this open waited (another handle's last close after its upload):
-                        # resolve and stage again, from the version that close stored.
-                        return await self.open(inode, flags, caller)
-                    sf.skip_copy()
-                    await sf.truncate(0)
-                self.mut.after_write(sf, 0)
-                return self._open_handle(inode, node, writing, caller)
-        return self._open_handle(inode, node, writing, caller)
+        return node
 
     @contextlib.asynccontextmanager
     async def _pinned(self, sf: StagedFile) -> AsyncIterator[None]:
@@ -1095,8 +1120,30 @@ class Filesystem:
                 self.files.set_cached_version(inode, info.nuid)
         return Opened(fh, keep, direct_io)
 
+    @contextlib.asynccontextmanager
+    async def _staged_here(self, inode: InodeNo) -> AsyncIterator[None]:
+        """Held while a file is staged (an open with O_TRUNC, the first write of a handle): from reading
+        the version it starts from to its entry in the staging area. A rename of a directory above it
+        under way is waited for first (the file is then staged under its new path, from the renamed
+        object's revision), and a directory rename that starts meanwhile waits for the staging
+        (`_DirRenameGate`), so it finds the file staged and holds its upload lock while it moves the
+        objects (`_uploads_settled`). Else a file staged after the rename took those locks was put
+        while the rename moved it: under its old name, which failed as another client's change (ESTALE
+        at close, the bytes in lost+found) once the rename had moved the object, or landed between the
+        rename's two steps and brought the old directory back holding the new bytes. Entered holding no
+        staged file's lock (the lock order of `_DirRenameGate`)."""
+        def path() -> tuple[str, ...]:
+            try:
+                return self.inodes.path_of(inode)
+            except Stale:
+                return ()  # (forgotten: under no directory; the staging then answers as before)
+
+        async with self._dir_renames.adding(path):
+            yield
+
     def _stage(self, inode: InodeNo, node: Node) -> StagedFile:
-        """The shared staged state of `inode`, created from the version `node` shows if there is none."""
+        """The shared staged state of `inode`, created from the version `node` shows if there is none
+        (in `_staged_here`, or where a change in place is held, `_changed_in_place`)."""
         sf = self.staging.get(inode)
         if sf is not None and not sf.ended:
             return sf
@@ -1183,7 +1230,10 @@ class Filesystem:
         while True:
             sf = self.staging.get(handle.ino)
             if sf is None or sf.ended:
-                sf = self._stage(handle.ino, await self._version_of(handle))
+                async with self._staged_here(handle.ino):  # (holding no staged file's lock: see _DirRenameGate)
+                    sf = self.staging.get(handle.ino)
+                    if sf is None or sf.ended:
+                        sf = self._stage(handle.ino, await self._version_of(handle))
             async with self._changing(sf):
                 if sf.ended:
                     continue  # dropped while this write waited: stage again
