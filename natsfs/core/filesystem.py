@@ -922,6 +922,10 @@ class Filesystem:
             # inode shows now, or the kernel would serve two versions from one page cache.
             if self._shows_now(inode, node.info, hold):
                 break
+            if self._unheld_nameless(inode, hold):
+                # Deleted or replaced meanwhile, and its last handle closed: nothing keeps it (its staged
+                # file is being dropped, its version purged): as above.
+                raise Stale(f"inode {inode} was deleted while it was opened", log_level=logging.DEBUG)
         if revalidate and self._kernel_size_stale(inode, node.info, flags, caller.pid if caller else 0):
             raise KernelSizeStale(f"{'/'.join(self.inodes.path_of(inode))}: the kernel holds "
                                   f"{self._told_sizes.get(inode)} bytes for a version of {node.info.size}")
@@ -973,13 +977,15 @@ class Filesystem:
         after another handle's close read the purged bytes: EIO); it resolves again, and is refused
         `ESTALE` (`_node`), for the kernel to walk the path again.
         """
+        if self._unheld_nameless(inode, hold):
+            return False
         sf = self.staging.get(inode)
         if sf is not None and sf.shown:
             return True  # reads come from the staged file, every byte of which went through this kernel
         if self._nameless(inode):
             readers = self._readers(inode)
             if not readers:
-                return hold is not None and self._held_version_kept(hold, inode) and hold.info.nuid == info.nuid
+                return hold is not None and hold.info.nuid == info.nuid
             return readers[0].info.nuid == info.nuid
         path = self.inodes.path_of(inode)
         if self._being_renamed(path):
@@ -997,6 +1003,15 @@ class Filesystem:
         current = self.ns.loaded_node(path)
         shown = current.info if current is not None and current.kind == FILE else None
         return shown is not None and (shown is info or (bool(info.nuid) and shown.nuid == info.nuid))
+
+    def _unheld_nameless(self, inode: InodeNo, hold: _RetryHold | None) -> bool:
+        """Whether `inode` was deleted or replaced and nothing keeps what it was: no handle open, and no
+        `hold` of the calling retry that kept its version. Its staged file, if any, is being dropped by
+        its last close, and its version purged; a handle registered on it now would write to a file
+        that no unlink has seen (stored over the name at its close: a false conflict, ESTALE) and read
+        the purged version (EIO)."""
+        return self._nameless(inode) and not self._readers(inode) and not (
+            hold is not None and self._held_version_kept(hold, inode))
 
     def _kernel_size_stale(self, inode: InodeNo, info: ObjectInfo, flags: int, thread: int) -> bool:
         """Whether an open of `inode` pinning `info`, by the calling `thread`, is refused with `ESTALE`, for
@@ -1587,6 +1602,8 @@ class Filesystem:
             self.files.unlinked_while_open(handle.ino, last.purge_later)
         elif last.purge_later is not None:
             await self.mut.purge_unused(*last.purge_later)
+            if self.files.is_open(handle.ino):
+                return  # (opened again meanwhile: that handle's last close settles the staged file)
         sf = self.staging.get(handle.ino)
         if sf is None:
             return

@@ -158,3 +158,35 @@ def test_an_o_trunc_open_that_resolved_a_file_unlinked_here_before_it_registered
         assert lost_and_found(env) == []
 
     ops_env(body, setup=bucket_b, bucket="b")
+
+
+def test_an_o_trunc_open_of_a_file_unlinked_here_while_its_last_close_ends_is_refused_estale(
+        ops_env, monkeypatch):
+    """A writer's file (stored by its flush) is unlinked here while it is open; its last close purges the
+    kept version. An `O_TRUNC` open of the inode (its walk found the name before the unlink) arrives while
+    that purge awaits: refused ESTALE (nothing keeps the file any more), and the kernel's second walk
+    creates the file. It registered on the staged file that close was dropping: the close dropped it
+    under the new handle, whose write then re-staged from the purged version (EIO); and a staged file
+    that no unlink had seen was stored over the name at its close, as a conflict (ESTALE, bytes in
+    lost+found): about one close per minute with 2 writers, a truncater and an unlinker."""
+    async def body(env: Env) -> None:
+        first, _ = await env.ops.create(ROOT, b"new", 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+        assert await env.ops.write(first.fh, 0, b"first writer") == len(b"first writer")
+        await env.ops.flush(first.fh)  # stored
+        ino = await ino_of(env, "new")
+        await unlink(env, "new")()
+        purging = HeldWhen(monkeypatch, env.fs.mut, "purge_unused", lambda *_: True)
+        answers: list[int | None] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(env.ops.release, first.fh)  # the last close
+            await purging.held.wait()
+            answers.append(await fuse_errno(env.ops.open(ino, os.O_WRONLY | os.O_TRUNC, Ctx())))
+            purging.release()
+        assert answers == [errno.ESTALE]
+        fi, _ = await env.ops.create(ROOT, b"new", 0o644, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, Ctx())
+        assert await env.ops.write(fi.fh, 0, WRITTEN) == len(WRITTEN)
+        await close(env, fi)()
+        assert await stored(env, "new") == WRITTEN
+        assert lost_and_found(env) == []
+
+    ops_env(body, setup=bucket_b, bucket="b")
