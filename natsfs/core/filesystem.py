@@ -148,6 +148,10 @@ class _RetryHold:
     info: ObjectInfo
 
 
+# A create that races an unlink, a create or a rename of the same name starts again (the name is free
+# again, or shows another file): at most this many times in all, then it answers ESTALE.
+CREATE_ATTEMPTS = 16
+
 # Threads remembered at once as waiting for the kernel's retry of their refused open (one that never
 # comes, a thread that died, leaves its entry behind: the oldest go first).
 RETRIES_KEPT = 1024
@@ -393,6 +397,10 @@ class Filesystem:
         # the inode the walk reaches is held for that retry (`_retry_holds`, see `_hold_for_retry`).
         self._refused_opens: dict[int, tuple[str, ...]] = {}
         self._retry_holds: dict[int, _RetryHold] = {}
+        # What inodes whose file this mount unlinked showed (from the start of the unlink), while the
+        # kernel may still reach them: see `getattr`. Dropped when the kernel forgets the inode, or a
+        # create gives it a new file.
+        self._unlinked_nodes: dict[InodeNo, Node] = {}
         # Links already logged as unable to point into the mount (bucket, nuid, revision): one line each.
         self._reported_links: set[tuple[str, str, int]] = set()
         # Directory entries already logged as skipped by readdir (path, revision): one line each.
@@ -787,7 +795,21 @@ class Filesystem:
             self.kernel.inode(ino, attr_only=True)
 
     async def getattr(self, inode: InodeNo) -> Attributes:
-        return self._attr(inode, await self._node(inode))
+        """What `inode` shows. One whose file this mount unlinked, that no handle holds, shows the file it
+        was, with no link, as on a local disk: the kernel reaches it only through a walk that found its
+        name before the unlink dropped it (the kernel drops the name of a file it unlinks), or through a
+        descriptor without a handle (`O_PATH`). Such a walk is often an `open(2)`, whose permission
+        check asks for the attributes before it sends the OPEN: ENOENT there failed the open, where its
+        OPEN, refused `ESTALE`, makes the kernel walk again and open (or, with `O_CREAT`, create) what
+        the name shows then."""
+        try:
+            node = await self._node(inode)
+        except NotFound:
+            unlinked = self._unlinked_nodes.get(inode)
+            if unlinked is None:
+                raise
+            return dataclasses.replace(self._attr(inode, unlinked), nlink=0)
+        return self._attr(inode, node)
 
     def _nameless(self, inode: InodeNo) -> bool:
         return self.files.is_unlinked(inode) or self.inodes.is_detached(inode)
@@ -796,6 +818,7 @@ class Filesystem:
         for ino, nlookup in inode_list:
             if self.inodes.forget(ino, nlookup):
                 self.files.forget_cached_version(ino)
+                self._unlinked_nodes.pop(ino, None)
                 self._told_sizes.pop(ino, None)
                 self._size_revalidations.pop(ino, None)
                 # A retry that held it never came (the kernel opens no inode it forgot).
@@ -937,8 +960,12 @@ class Filesystem:
                 await self.mut.check_writable(node.bucket)
             # The object may have changed while this open awaited; its handle must read what the
             # inode shows now, or the kernel would serve two versions from one page cache.
-            if self._shows_now(inode, node.info):
+            if self._shows_now(inode, node.info, hold):
                 break
+            if self._unheld_nameless(inode, hold):
+                # Deleted or replaced meanwhile, and its last handle closed: nothing keeps it (its staged
+                # file is being dropped, its version purged): as above.
+                raise Stale(f"inode {inode} was deleted while it was opened", log_level=logging.DEBUG)
         if revalidate and self._kernel_size_stale(inode, node.info, flags, caller.pid if caller else 0):
             raise KernelSizeStale(f"{'/'.join(self.inodes.path_of(inode))}: the kernel holds "
                                   f"{self._told_sizes.get(inode)} bytes for a version of {node.info.size}")
@@ -960,7 +987,7 @@ class Filesystem:
             if not sf.pins and not self.files.is_open(InodeNo(sf.ino)) and self.staging.get(InodeNo(sf.ino)) is sf:
                 await self._settle_unused(sf)
 
-    def _shows_now(self, inode: InodeNo, info: ObjectInfo) -> bool:
+    def _shows_now(self, inode: InodeNo, info: ObjectInfo, hold: _RetryHold | None = None) -> bool:
         """Whether a handle of version `info` may be registered on `inode` at this moment.
 
         Every handle of an inode reads one version, the one the inode shows: the kernel keeps one page
@@ -968,14 +995,23 @@ class Filesystem:
         read; when the path moves on, the inode is detached (`entry_changed`) and stays with its handles.
         So an open that resolved its inode before awaiting may hold a version the inode no longer shows
         (replaced meanwhile: the inode was detached and keeps the old version; or it had no handle to
-        keep it and shows the new one); it then resolves again.
+        keep it and shows the new one); it then resolves again. Nor may a handle register on an inode
+        replaced or deleted meanwhile that nothing kept the version of (no handle, no `hold` of the
+        calling retry, `_hold_for_retry`): its chunks were purged (an `O_TRUNC` open then staged a file
+        no unlink or rename had seen, which its close stored over the name as a conflict, and a write
+        after another handle's close read the purged bytes: EIO); it resolves again, and is refused
+        `ESTALE` (`_node`), for the kernel to walk the path again.
         """
+        if self._unheld_nameless(inode, hold):
+            return False
         sf = self.staging.get(inode)
         if sf is not None and sf.shown:
             return True  # reads come from the staged file, every byte of which went through this kernel
         if self._nameless(inode):
             readers = self._readers(inode)
-            return not readers or readers[0].info.nuid == info.nuid
+            if not readers:
+                return hold is not None and hold.info.nuid == info.nuid
+            return readers[0].info.nuid == info.nuid
         path = self.inodes.path_of(inode)
         if self._being_renamed(path):
             return False  # a rename of this mount started while this open awaited: `_node` waits for it
@@ -992,6 +1028,15 @@ class Filesystem:
         current = self.ns.loaded_node(path)
         shown = current.info if current is not None and current.kind == FILE else None
         return shown is not None and (shown is info or (bool(info.nuid) and shown.nuid == info.nuid))
+
+    def _unheld_nameless(self, inode: InodeNo, hold: _RetryHold | None) -> bool:
+        """Whether `inode` was deleted or replaced and nothing keeps what it was: no handle open, and no
+        `hold` of the calling retry that kept its version. Its staged file, if any, is being dropped by
+        its last close, and its version purged; a handle registered on it now would write to a file
+        that no unlink has seen (stored over the name at its close: a false conflict, ESTALE) and read
+        the purged version (EIO)."""
+        return self._nameless(inode) and not self._readers(inode) and not (
+            hold is not None and self._held_version_kept(hold, inode))
 
     def _kernel_size_stale(self, inode: InodeNo, info: ObjectInfo, flags: int, thread: int) -> bool:
         """Whether an open of `inode` pinning `info`, by the calling `thread`, is refused with `ESTALE`, for
@@ -1171,7 +1216,23 @@ class Filesystem:
 
     async def create(self, parent_inode: InodeNo, name: bytes, mode: int, flags: int, caller: Caller
                      ) -> tuple[Opened, Attributes]:
+        """Create `name` in `parent_inode` and open it (or open the file already there, without `O_EXCL`).
+
+        A create that races an unlink, a create or a rename of the same name (or of its directory) starts
+        again, at most `CREATE_ATTEMPTS` times in all; past that it answers `ESTALE` (the kernel walks the
+        path again and retries the open once)."""
         self._refuse_if_read_only()
+        for _ in range(CREATE_ATTEMPTS):
+            done = await self._create_once(parent_inode, name, mode, flags, caller)
+            if done is not None:
+                return done
+        path = "/".join((*self.inodes.path_of(parent_inode), _new_name(name)))
+        raise Stale(f"{path}: create gave up after {CREATE_ATTEMPTS} attempts: each time, the name was "
+                    "deleted, created again or moved while it was opened")
+
+    async def _create_once(self, parent_inode: InodeNo, name: bytes, mode: int, flags: int, caller: Caller
+                           ) -> tuple[Opened, Attributes] | None:
+        """One attempt of `create`; None when the name (or its directory) changed under it: try again."""
         path = (*self.inodes.path_of(parent_inode), _new_name(name))
         bucket, rel = self._in_bucket(path)
         self.ns.store.check_name(bucket, "/".join(rel))
@@ -1186,11 +1247,12 @@ class Filesystem:
             except (NotFound, Stale):  # (Stale: its inode was detached, `_node`)
                 # Unlinked (or renamed away) while this open awaited: the name is free, create it; or
                 # created again meanwhile (by another writer): open that file, as on a local disk.
-                return await self.create(parent_inode, name, mode, flags, caller)
+                return None
             return info, self._attr(ino, await self._node(ino))
         async with self._new_entry(parent_inode, path, lambda: self._check_parent(path)) as here:
             if here:
                 ino = self.inodes.lookup(path)
+                self._unlinked_nodes.pop(ino, None)  # (a file unlinked while its inode kept the name)
                 # A new file starts in memory and needs a spool file only if it grows past INLINE_BYTES:
                 # closed before that, it is put from memory (or, in write-back mode, its journal record
                 # holds its bytes, see core/writeback.py). Creating a spool file, and removing it after the
@@ -1200,7 +1262,7 @@ class Filesystem:
                                 memory_limit=INLINE_BYTES)
                 self.staging.add(sf)
         if not here:
-            return await self.create(parent_inode, name, mode, flags, caller)
+            return None  # its directory was renamed meanwhile: the entry belongs under its new path
         self._entries_changed(path[:-1])
         node = self._staged_node(sf)
         return self._open_handle(ino, node, True, caller), self._attr(ino, node)
@@ -1590,6 +1652,8 @@ class Filesystem:
             self.files.unlinked_while_open(handle.ino, last.purge_later)
         elif last.purge_later is not None:
             await self.mut.purge_unused(*last.purge_later)
+            if self.files.is_open(handle.ino):
+                return  # (opened again meanwhile: that handle's last close settles the staged file)
         sf = self.staging.get(handle.ino)
         if sf is None:
             return
@@ -1823,13 +1887,22 @@ class Filesystem:
             # inode) may register while the delete awaits, until the tombstone reaches the index, and
             # its version, purged under it, failed its reads ESTALE.
             kept = self._open_here(ino) or (stored is not None and stored.link is None and stored.size > 0)
+            if ino is not None:
+                self._unlinked_nodes[ino] = node
             with self.files.changing(path):
-                if stored is not None:
-                    await self.mut.delete(bucket, stored, keep_chunks=kept)
-                elif sf is None or sf.ended:
-                    raise NotFound("/".join(path))
+                try:
+                    if stored is not None:
+                        await self.mut.delete(bucket, stored, keep_chunks=kept)
+                    elif sf is None or sf.ended:
+                        raise NotFound("/".join(path))
+                except BaseException:
+                    if ino is not None:
+                        self._unlinked_nodes.pop(ino, None)
+                    raise
             if ino is None:  # (a lookup may have made it while the delete awaited)
                 ino = self.inodes.known(path)
+                if ino is not None:
+                    self._unlinked_nodes[ino] = node
             await self._forget_open_version(ino, bucket, stored, kept)
             # (Read again: an open with O_TRUNC may have staged the file while the delete awaited.)
             sf = self.staging.get(ino) if ino is not None else None

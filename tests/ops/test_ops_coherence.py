@@ -549,14 +549,19 @@ async def stat_errno(env: Env, ino: int) -> int | None:
     return None
 
 
-def test_fstat_of_an_o_path_descriptor_of_a_file_this_mount_deleted_is_enoent(ops_env):
-    """An `O_PATH` descriptor holds the inode but no handle. Once this mount unlinks the file, its stat is
-    ENOENT, as for the name (was ESTALE, which a program's fstat gets as is: there is no path to walk)."""
+def test_fstat_of_an_o_path_descriptor_of_a_file_this_mount_deleted_shows_it_with_no_link(ops_env):
+    """An `O_PATH` descriptor holds the inode but no handle. Once this mount unlinks the file, its stat
+    shows the file with `st_nlink` 0, as on a local disk (was ESTALE, which a program's fstat gets as is:
+    there is no path to walk; then ENOENT, which also failed an open(2) whose walk found the name just
+    before the unlink: its permission check makes the same request)."""
     async def body(env: Env) -> None:
         bucket = (await env.lookup("alpha")).st_ino
         held = await env.ops.lookup(bucket, b"moving.bin", CTX)
         await env.ops.unlink(bucket, b"moving.bin", CTX)
-        assert await stat_errno(env, held.st_ino) == errno.ENOENT
+        attrs = await env.ops.getattr(held.st_ino, None)
+        assert (attrs.st_nlink, attrs.st_size) == (0, held.st_size)
+        env.ops.forget([(held.st_ino, 1)])  # the descriptor is closed: the kernel forgets the inode
+        assert await stat_errno(env, held.st_ino) == errno.ESTALE
 
     ops_env(body, setup=one_object)
 
