@@ -220,6 +220,15 @@ def meta_json(doc: dict[str, Any]) -> bytes:
     return text.encode()
 
 
+def _moved_doc(doc: dict[str, Any], name: str, change: Callable[[dict[str, Any]], None] | None
+               ) -> dict[str, Any]:
+    """The meta of an object moved to `name` (a rename, an alias moved to its canonical subject)."""
+    moved = dict(doc, name=name, mtime=ZERO_TIME)
+    if change is not None:
+        change(moved)
+    return moved
+
+
 def tombstone_doc(bucket: str, name: str, doc: dict[str, Any]) -> dict[str, Any]:
     """The delete marker nats.go's Delete writes for an object: deleted, no size, chunks or digest."""
     options = doc.get("options")
@@ -388,6 +397,7 @@ class ObjectInfo:
     deleted: bool = False
     chunk_size: int = 0
     attrs: PosixAttrs | None = None
+    meta_bytes: int = 0  # the size of the meta message (0: not known), see `ObjectStore.check_meta_size`
 
 
 @dataclass
@@ -535,6 +545,7 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
     return ObjectInfo(
         bucket=bucket, name=name, nuid=nuid, size=size, chunks=chunks, digest=digest, mtime_ns=mtime_ns,
         revision=msg.seq, link=link, deleted=deleted, chunk_size=chunk_size, attrs=attrs,
+        meta_bytes=len(msg.data),
     )
 
 
@@ -566,8 +577,10 @@ class ObjectStore:
 
     def __init__(self, streams: Streams, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  file_sender: FileSender | None = None, max_subject_bytes: int = DEFAULT_MAX_SUBJECT,
-                 settle_timeout: float = SETTLE_S):
+                 settle_timeout: float = SETTLE_S, max_meta_bytes: int = 0):
         self.streams = streams
+        # The mount's --max-meta-bytes (0: no limit but the server's max payload): see `check_meta_size`.
+        self.max_meta_bytes = max_meta_bytes
         self.chunk_size = chunk_size
         self.file_sender = file_sender
         self.max_subject_bytes = max_subject_bytes
@@ -615,6 +628,52 @@ class ObjectStore:
         if size > limit:
             raise TooBig(f"the meta of {bucket}/{str(doc.get('name'))[:60]!r} would be {size} bytes, over the "
                          f"server's limit of {limit}")
+
+    def check_meta_size(self, bucket: str, doc: dict[str, Any], data: bytes | None = None, *,
+                        replaced_bytes: int = 0) -> None:
+        """Every meta this store writes passes here (`publish_meta`, the atomic put) and so do the checks
+        made ahead of a change (a directory rename, an xattr of a file not stored yet). `TooBig` when
+        the meta would be over the server's max payload, or over `max_meta_bytes` AND larger than the
+        meta it replaces (`replaced_bytes`, 0 for a new object): a change that does not grow a meta is
+        never refused, so an oversized meta (another client's, or one an older version let through) can
+        always be shrunk or fixed. A tombstone is never refused by the limit: deleting always works."""
+        data = data if data is not None else meta_json(doc)
+        self.check_meta_payload(bucket, doc, data)
+        size, limit = len(data), self.max_meta_bytes
+        if limit and size > limit and size > replaced_bytes and not doc.get("deleted"):
+            grows = f", and larger than the {replaced_bytes} bytes it replaces" if replaced_bytes else ""
+            raise TooBig(f"the meta of {bucket}/{str(doc.get('name'))[:60]!r} would be {size} bytes, over "
+                         f"--max-meta-bytes {limit}{grows}", log_level=logging.WARNING)
+
+    async def _check_meta_size_replacing(self, bucket: str, doc: dict[str, Any], data: bytes,
+                                         replaces: tuple[str, int | None]) -> None:
+        """`check_meta_size` of a meta that replaces the one at (meta subject, revision): that meta's
+        size is read (from the metas this store wrote itself, else from the server) only when the new
+        one is over the limit, so the common case costs nothing."""
+        if not self.max_meta_bytes or len(data) <= self.max_meta_bytes or doc.get("deleted"):
+            self.check_meta_payload(bucket, doc, data)
+            return
+        self.check_meta_size(bucket, doc, data, replaced_bytes=await self._live_meta_bytes(bucket, *replaces))
+
+    async def _live_meta_bytes(self, bucket: str, subject: str, revision: int | None) -> int:
+        """The size of the live meta at `subject` (at `revision`, when given), 0 when there is none
+        (nothing, a tombstone, another revision: the publish that expects it is refused anyway)."""
+        if revision == 0:
+            return 0
+        own = self._own_metas.get(subject)
+        data: bytes | bytearray
+        if own is not None and (revision is None or own[0] == revision):
+            data = own[1]
+        else:
+            msg = await self.streams.last_msg(stream_name(bucket), subject)
+            if msg is None or (revision is not None and msg.seq != revision):
+                return 0
+            data = msg.data
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return 0
+        return len(data) if isinstance(doc, dict) and not doc.get("deleted") else 0
 
     def _meta_subject(self, bucket: str, name: str) -> str:
         self.check_name(bucket, name)
@@ -753,14 +812,18 @@ class ObjectStore:
 
     # ---------------------------------------------------------------- writes
     async def publish_meta(self, bucket: str, doc: dict[str, Any], *, expected_revision: int | None = None,
-                           msg_id: str = "", timestamp: bool = True, after: ChunkMsg | None = None) -> ObjectInfo:
+                           msg_id: str = "", timestamp: bool = True, after: ChunkMsg | None = None,
+                           replaces: tuple[str, int | None] | None = None) -> ObjectInfo:
         """Publish a meta with `Nats-Rollup: sub` and `Nats-Msg-Id` (`msg_id`, or a fresh one); with
         `expected_revision`, only if the name's meta subject still ends at that sequence (0: never
         written), else `Conflict`. An ambiguous outcome is settled (see `_publish_settled`). With
-        `after`, the version's one chunk goes in the same round trip, right before it (`_publish_after`)."""
+        `after`, the version's one chunk goes in the same round trip, right before it (`_publish_after`).
+        Its size is checked first (`check_meta_size`) against the meta it replaces: `replaces` (meta
+        subject, revision: a rename's old name), by default what its own subject holds at
+        `expected_revision`."""
         subject = self._meta_subject(bucket, doc["name"])
         data = meta_json(doc)
-        self.check_meta_payload(bucket, doc, data)
+        await self._check_meta_size_replacing(bucket, doc, data, replaces or (subject, expected_revision))
         headers = {ROLLUP: "sub", MSG_ID: msg_id or new_nuid()}
         if expected_revision is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_revision)
@@ -1100,7 +1163,7 @@ class ObjectStore:
                     if extra is not None:
                         extra(doc)
                     data = meta_json(doc)
-                    self.check_meta_payload(bucket, doc, data)
+                    await self._check_meta_size_replacing(bucket, doc, data, (meta_subj, expected))
                     headers = {ROLLUP: "sub", MSG_ID: f"{nuid}.meta"}
                     if expected is not None:
                         headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
@@ -1226,7 +1289,8 @@ class ObjectStore:
 
     async def publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
                                 replace_tombstone: bool, msg_id: str = "", *, timestamp: bool = True,
-                                after: ChunkMsg | None = None) -> ObjectInfo:
+                                after: ChunkMsg | None = None,
+                                replaces: tuple[str, int | None] | None = None) -> ObjectInfo:
         """`publish_meta`; with `replace_tombstone`, a name whose current meta is a tombstone (a deleted
         object) counts as free (`expected_revision` 0) and is replaced at the tombstone's revision
         (expected at once when this store wrote that tombstone itself, else read back after a refusal)."""
@@ -1234,7 +1298,7 @@ class ObjectStore:
         own_tombstone = self._own_tombstone(bucket, doc["name"]) if replace_tombstone and expected_revision == 0 else 0
         try:
             return await self.publish_meta(bucket, doc, expected_revision=own_tombstone or expected_revision,
-                                           msg_id=msg_id, timestamp=timestamp, after=after)
+                                           msg_id=msg_id, timestamp=timestamp, after=after, replaces=replaces)
         except Conflict:
             if not (replace_tombstone and expected_revision == 0):
                 raise
@@ -1242,7 +1306,7 @@ class ObjectStore:
             if retry_on is None:
                 raise
             return await self.publish_meta(bucket, doc, expected_revision=retry_on, msg_id=msg_id,
-                                           timestamp=timestamp)
+                                           timestamp=timestamp, replaces=replaces)
 
     async def delete(self, bucket: str, name: str, *, expected_revision: int | None = None,
                      purge_chunks: bool = True, shared: bool = False) -> ObjectInfo | None:
@@ -1286,21 +1350,31 @@ class ObjectStore:
         name's revision that was purged). The caller purges a replaced target's chunks."""
         doc, revision = await self._live_doc(bucket, old, expected_revision)
         self.check_name(bucket, new)
-        moved = dict(doc, name=new, mtime=ZERO_TIME)
-        if change is not None:
-            change(moved)
+        moved = _moved_doc(doc, new, change)
         key = (bucket, old)
         self._renaming[key] += 1
         try:
             # (Not read back for its timestamp: a renamed file keeps its mtime in natsfs.mtime_ns, and a
             # directory marker's or link's new time is now, as this machine's clock has it.)
-            new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=False)
+            new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=False,
+                                                    replaces=(meta_subject(bucket, old), revision))
             await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
         finally:
             self._renaming[key] -= 1
             if not self._renaming[key]:
                 del self._renaming[key]
         return new_info, revision
+
+    async def check_rename_size(self, bucket: str, old: str, new: str, *, expected_revision: int,
+                                change: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """`TooBig` when `rename` would refuse the meta of `old` under `new` for its size (checked before
+        a directory rename moves anything). A meta that changed meanwhile is left to the rename itself."""
+        current = await self._doc_at(bucket, old, expected_revision)
+        if current is None or current[1] != expected_revision or current[0].get("deleted"):
+            return
+        moved = _moved_doc(current[0], new, change)
+        self.check_meta_size(bucket, moved, replaced_bytes=await self._live_meta_bytes(
+            bucket, meta_subject(bucket, old), expected_revision))
 
     async def adopt_alias(self, bucket: str, name: str, subject: str, revision: int,
                           change: Callable[[dict[str, Any]], None] | None = None) -> ObjectInfo:
@@ -1317,10 +1391,9 @@ class ObjectStore:
             raise MalformedMeta(f"meta {subject} is not JSON") from None
         if not isinstance(doc, dict) or doc.get("deleted"):
             raise Conflict(f"{bucket}/{name} changed since it was read")
-        moved = dict(usable_fields(doc), name=name, mtime=ZERO_TIME)
-        if change is not None:
-            change(moved)
-        info = await self.publish_meta(bucket, moved, expected_revision=0, timestamp=False)
+        moved = _moved_doc(usable_fields(doc), name, change)
+        info = await self.publish_meta(bucket, moved, expected_revision=0, timestamp=False,
+                                       replaces=(subject, revision))
         await self._purge_settled(bucket, subject, revision + 1)
         return info
 
