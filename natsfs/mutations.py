@@ -860,6 +860,8 @@ class Mutations:
         growth = max(0, len(meta_json({"name": new_prefix})) - len(meta_json({"name": old_prefix})))
         near = [info for info in moves if info.name.startswith(old_prefix)
                 and (not info.meta_bytes or info.meta_bytes * GO_ESCAPE_GROWTH + growth + _MOVE_GROWTH > limit)]
+        if not near:
+            return
         limiter = trio.CapacityLimiter(RENAME_DIR_PARALLEL)
 
         async def check(info: ObjectInfo) -> None:
