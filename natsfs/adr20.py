@@ -1,8 +1,9 @@
 """ADR-20 (JetStream Object Store) exactly as nats.go speaks it, on top of `natsfs.streams.Streams`.
 
-Owns the wire format: stream and subject names, the meta JSON (parsed tolerantly, written the way
-nats.go writes it), digests, and the object operations (list buckets, watch metas, fetch chunks, map
-an object's chunks). Objects are `ObjectInfo`: compact, because an index holds one per live object.
+Owns the wire format: stream and subject names, the meta JSON (parsed tolerantly of every client's
+quirks, but never of a field nats.go could not unmarshal; written the way nats.go writes it), digests,
+and the object operations (list buckets, watch metas, fetch chunks, map an object's chunks). Objects
+are `ObjectInfo`: compact, because an index holds one per live object.
 Meta `mtime` on the wire is ignored; the meta message's timestamp is the object's mtime.
 
 Every write has a known outcome. Each publish carries `Nats-Msg-Id` (chunk `i` of a put is
@@ -141,9 +142,9 @@ SPECIAL_KINDS = {"fifo": 0o010000, "socket": 0o140000, "char": 0o020000, "block"
 # Each numeric POSIX attribute must fit its kernel type (mode_t, uid_t, gid_t, the int64 nanoseconds of a
 # timestamp, dev_t): a value outside is unusable and ignored, as a value that is not a number is.
 _ATTR_LIMITS = {ATTR_MODE: 2**32, ATTR_UID: 2**32, ATTR_GID: 2**32, ATTR_MTIME: 2**63, ATTR_RDEV: 2**64}
-# The largest size a file can show (off_t), and nats.go's bounds (uint32) on a chunk count and chunk size.
+# The largest size a file can show (off_t), and nats.go's bound (uint32) on a chunk count.
 MAX_OBJECT_SIZE = 2**63 - 1
-MAX_CHUNKS = MAX_CHUNK_SIZE = 2**32 - 1
+MAX_CHUNKS = 2**32 - 1
 DIGEST_PREFIX = "SHA-256="
 # nats.go never stores a real time in `mtime` (publishMeta zeroes it); neither do we.
 ZERO_TIME = "0001-01-01T00:00:00Z"
@@ -238,7 +239,8 @@ def tombstone_doc(bucket: str, name: str, doc: dict[str, Any]) -> dict[str, Any]
 
 
 # The type nats.go's ObjectInfo gives each optional field of a meta: a meta where one has another type
-# is one nats.go cannot unmarshal at all. natsfs treats such a field as absent.
+# is one nats.go cannot unmarshal at all, and `parse_meta` skips it as malformed. A rewrite starts from
+# the revision the index holds, so never from such a meta; should one reach it, the field is absent.
 _FIELD_TYPES: dict[str, type] = {"description": str, "headers": dict, "metadata": dict, "options": dict}
 
 
@@ -467,12 +469,73 @@ def _attrs_from(metadata: dict[str, Any], name: str, ignored: Ignored | None) ->
                       text(ATTR_SYMLINK), text(ATTR_SYMLINK_SIG))
 
 
-def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> ObjectInfo:
-    """Parse a meta message leniently (all three clients' quirks); `MalformedMeta` when unusable.
+# The JSON type nats.go's ObjectInfo declares for each field of a meta, as a check and its name. A meta
+# where one has another type is one nats.go cannot unmarshal at all (GetInfo answers ErrBadObjectMeta,
+# Watch and List skip it): natsfs skips it as malformed too. `null` is accepted wherever nats.go accepts
+# it (the zero value: an absent field, an empty string in a map or list). Keys nats.go does not know may
+# hold anything. `mtime` is any string: nats.go parses it as a time, but natsfs ignores it and nats.py
+# writes "" in its tombstones.
+_TypeCheck = tuple[Callable[[Any], bool], str]
 
-    A field that cannot be used but leaves the object usable (metadata that is not a JSON object, a
-    POSIX attribute that is not a number or out of its type's range, ...) is ignored: the object shows
-    with that field's default, and `ignored` is told why."""
+
+def _text_type(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _bool_type(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _uint_type(bits: int) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << bits
+
+
+def _map_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, dict) and all(v is None or check(v) for v in value.values())
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(v is None or check(v) for v in value)
+
+
+_TEXT: _TypeCheck = (_text_type, "a string")
+_META_TYPES: dict[str, _TypeCheck] = {
+    "name": _TEXT, "description": _TEXT,
+    "headers": (_map_of(_list_of(_text_type)), "an object of string lists"),
+    "metadata": (_map_of(_text_type), "an object of strings"),
+    "options": (lambda value: isinstance(value, dict), "an object"),
+    "bucket": _TEXT, "nuid": _TEXT, "size": (_uint_type(64), "an unsigned 64-bit number"), "mtime": _TEXT,
+    "chunks": (_uint_type(32), "an unsigned 32-bit number"), "digest": _TEXT, "deleted": (_bool_type, "a boolean"),
+}
+_OPTIONS_TYPES: dict[str, _TypeCheck] = {
+    "link": (lambda value: isinstance(value, dict), "an object"),
+    "max_chunk_size": (_uint_type(32), "an unsigned 32-bit number"),
+}
+_LINK_TYPES: dict[str, _TypeCheck] = {"bucket": _TEXT, "name": _TEXT}
+
+
+def _wrong_type(doc: dict[str, Any]) -> str | None:
+    """Why nats.go could not unmarshal the meta `doc` (a field of the wrong JSON type), or None."""
+    options = doc.get("options")
+    link = options.get("link") if isinstance(options, dict) else None
+    for prefix, fields, types in (("", doc, _META_TYPES), ("options.", options, _OPTIONS_TYPES),
+                                  ("options.link.", link, _LINK_TYPES)):
+        if not isinstance(fields, dict):
+            continue
+        for key, (check, kind) in types.items():
+            value = fields.get(key)
+            if value is not None and not check(value):
+                return f"its {prefix}{key} is {_short(value)}, not {kind}"
+    return None
+
+
+def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> ObjectInfo:
+    """Parse a meta message leniently (all three clients' quirks); `MalformedMeta` when unusable, as
+    is any meta nats.go cannot unmarshal (a field of the wrong JSON type: `_wrong_type`).
+
+    A value that cannot be used but leaves the object usable (a POSIX attribute of the metadata that is
+    not a number or out of its type's range, ...) is ignored: the object shows with that attribute's
+    default, and `ignored` is told why."""
     token = msg.subject.rsplit(".", 1)[-1] if msg.subject else ""
     try:
         doc = json.loads(msg.data)
@@ -482,6 +545,11 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
         raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) is not a JSON object")
     name = doc.get("name")
     subject_name = decode_token(token)
+    if (wrong := _wrong_type(doc)) is not None:
+        shown = name if isinstance(name, str) else subject_name
+        where = f"for {_short(shown)} ({msg.subject}, seq {msg.seq})" if shown is not None else \
+            f"{msg.subject} (seq {msg.seq})"
+        raise MalformedMeta(f"meta {where} is not one nats.go can read: {wrong}")
     if not isinstance(name, str):
         if subject_name is None:
             raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) has no name")
@@ -502,24 +570,14 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
             raise MalformedMeta(f"meta for {name!r} has a bad {key}: {_short(v)}")
         return v
 
-    if ignored is not None:
-        for key, kind in _FIELD_TYPES.items():
-            if doc.get(key) is not None and not isinstance(doc[key], kind):
-                ignored(f"meta for {name!r} has a {key} that is not a JSON {'string' if kind is str else 'object'}"
-                        f" ({_short(doc[key])}): ignored")
-    deleted = bool(doc.get("deleted", False))
+    deleted = bool(doc.get("deleted"))
     options = doc.get("options") or {}
-    if not isinstance(options, dict):
-        options = {}
     link = None
-    raw_link = options.get("link")
-    if isinstance(raw_link, dict) and raw_link.get("bucket"):
-        link_name = raw_link.get("name") or None
-        link = Link(str(raw_link["bucket"]), str(link_name) if link_name is not None else None)
+    raw_link = options.get("link") or {}
+    if raw_link.get("bucket"):
+        link = Link(raw_link["bucket"], raw_link.get("name") or None)
     size, chunks = integer("size", MAX_OBJECT_SIZE), integer("chunks", MAX_CHUNKS)
     nuid = doc.get("nuid") or ""
-    if not isinstance(nuid, str):
-        raise MalformedMeta(f"meta for {name!r} has a bad nuid: {_short(nuid)}")
     if nuid and not usable_nuid(nuid) and (deleted or link is not None):
         nuid = ""  # a tombstone's or a link's nuid names no chunks of its own: never a subject filter
     if not deleted and link is None:
@@ -530,15 +588,8 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
         if chunks == 0 and size > 0:
             raise MalformedMeta(f"meta for {name!r} has {size} bytes in 0 chunks")
     digest = doc.get("digest") or ""
-    if not isinstance(digest, str):
-        digest = ""
-    metadata = doc.get("metadata") or {}
-    attrs = _attrs_from(metadata, name, ignored) if isinstance(metadata, dict) else None
+    attrs = _attrs_from(doc.get("metadata") or {}, name, ignored)
     chunk_size = options.get("max_chunk_size") or 0
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 0 < chunk_size <= MAX_CHUNK_SIZE:
-        if ignored is not None and chunk_size:
-            ignored(f"meta for {name!r} has an unusable options.max_chunk_size {_short(chunk_size)}: ignored")
-        chunk_size = 0
     mtime_ns = msg.time_ns
     if attrs is not None and attrs.mtime_ns is not None:
         mtime_ns = attrs.mtime_ns

@@ -176,15 +176,18 @@ def test_reports_fields_a_mount_ignores_and_sizes_no_file_can_have():
         await put_object(ms, "b", "rdev", b"", chunk_size=CHUNK,
                          metadata={"natsfs.type": "char", "natsfs.rdev": str(2**70)})
         await put_object(ms, "b", "mtime", b"m", chunk_size=CHUNK, metadata={"natsfs.mtime_ns": "9" * 30})
-        await put_object(ms, "b", "md-list", b"l", chunk_size=CHUNK, metadata=["a"])  # type: ignore[arg-type]
+        md_list = dict(json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "good"))).data),
+                       name="md-list", metadata=["a"])
+        await ms.publish(meta_subject("b", "md-list"), json.dumps(md_list).encode(), {ROLLUP: "sub"})
         nuid = new_nuid()
         await ms.publish(chunk_subject("b", nuid), b"x")
         doc = {"name": "size", "bucket": "b", "nuid": nuid, "size": 2**63, "chunks": 1}
         await ms.publish(meta_subject("b", "size"), json.dumps(doc).encode(), {ROLLUP: "sub"})
         report = await fsck.check_bucket(store, "b")
+        # (metadata that is a list: a meta nats.go cannot read at all, malformed.)
         assert kinds(report, left=True) == [
-            (fsck.BAD_FIELD, "md-list"), (fsck.BAD_FIELD, "mtime"), (fsck.BAD_FIELD, "rdev"),
-            (fsck.BAD_FIELD, "uid"), (fsck.BAD_META, meta_subject("b", "size"))]
+            (fsck.BAD_FIELD, "mtime"), (fsck.BAD_FIELD, "rdev"), (fsck.BAD_FIELD, "uid"),
+            (fsck.BAD_META, meta_subject("b", "md-list")), (fsck.BAD_META, meta_subject("b", "size"))]
         assert "natsfs.uid '1099511627776'" in next(f for f in report.findings if f.where == "uid").detail
 
     run(body)
