@@ -512,6 +512,8 @@ _OPTIONS_TYPES: dict[str, _TypeCheck] = {
     "max_chunk_size": (_uint_type(32), "an unsigned 32-bit number"),
 }
 _LINK_TYPES: dict[str, _TypeCheck] = {"bucket": _TEXT, "name": _TEXT}
+# The entries of the two maps, checked one by one where a map is at fault.
+_MAP_ITEMS: dict[str, _TypeCheck] = {"headers": (_list_of(_text_type), "a list of strings"), "metadata": _TEXT}
 
 
 def _wrong_type(doc: dict[str, Any]) -> str | None:
@@ -525,6 +527,10 @@ def _wrong_type(doc: dict[str, Any]) -> str | None:
         for key, (check, kind) in types.items():
             value = fields.get(key)
             if value is not None and not check(value):
+                if key in _MAP_ITEMS and isinstance(value, dict):  # (name the entry at fault)
+                    item_check, item_kind = _MAP_ITEMS[key]
+                    item, bad = next((k, v) for k, v in value.items() if v is not None and not item_check(v))
+                    return f"its {key}[{_short(item)}] is {_short(bad)}, not {item_kind}"
                 return f"its {prefix}{key} is {_short(value)}, not {kind}"
     return None
 

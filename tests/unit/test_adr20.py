@@ -230,8 +230,10 @@ def test_the_testers_hostile_metas_are_malformed():
     with pytest.raises(MalformedMeta, match=r"its options\.link is 'str', not an object"):
         parse_meta("h", msg("typ4", typ4))
     typ6 = {"name": "typ6", "nuid": "T6", "size": 0, "chunks": 0, "metadata": {"natsfs.symlink": 5}}
-    with pytest.raises(MalformedMeta, match="its metadata is"):
+    with pytest.raises(MalformedMeta, match=r"its metadata\['natsfs\.symlink'\] is 5, not a string"):
         parse_meta("h", msg("typ6", typ6))
+    with pytest.raises(MalformedMeta, match=r"its headers\['H'\] is 'v', not a list of strings"):
+        parse_meta("h", msg("x", {"name": "x", "headers": {"G": ["ok"], "H": "v"}}))
 
 
 def test_values_of_the_right_type_that_natsfs_cannot_use_are_ignored():
