@@ -278,3 +278,19 @@ def test_a_tombstone_carrying_a_hidden_alias_nuid_is_noted_and_left_alone():
         assert json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "own-alias.t"))).data)["deleted"]
 
     run(body)
+
+
+def test_the_chunks_of_a_meta_with_a_deleted_field_of_the_wrong_type_are_no_orphans():
+    """`"deleted": "false"` makes a meta nats.go cannot read (unreadable), not a tombstone: a repair
+    never purges the chunks it names."""
+    async def body(ms, store, clock):
+        nuid = new_nuid()
+        await ms.publish(chunk_subject("b", nuid), b"kept")
+        doc = {"name": "odd", "bucket": "b", "nuid": nuid, "size": 4, "chunks": 1, "deleted": "false"}
+        await ms.publish(meta_subject("b", "odd"), json.dumps(doc).encode(), {ROLLUP: "sub"})
+        clock.now += 3600 * S
+        report = await fsck.check_bucket(store, "b", repair=True, clock=clock)
+        assert kinds(report) == [(fsck.BAD_META, meta_subject("b", "odd"))]
+        assert ms.subjects(stream_name("b"))[chunk_subject("b", nuid)] == 1
+
+    run(body)
