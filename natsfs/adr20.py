@@ -1,8 +1,9 @@
 """ADR-20 (JetStream Object Store) exactly as nats.go speaks it, on top of `natsfs.streams.Streams`.
 
-Owns the wire format: stream and subject names, the meta JSON (parsed tolerantly, written the way
-nats.go writes it), digests, and the object operations (list buckets, watch metas, fetch chunks, map
-an object's chunks). Objects are `ObjectInfo`: compact, because an index holds one per live object.
+Owns the wire format: stream and subject names, the meta JSON (parsed tolerantly of every client's
+quirks, but never of a field nats.go could not unmarshal; written the way nats.go writes it), digests,
+and the object operations (list buckets, watch metas, fetch chunks, map an object's chunks). Objects
+are `ObjectInfo`: compact, because an index holds one per live object.
 Meta `mtime` on the wire is ignored; the meta message's timestamp is the object's mtime.
 
 Every write has a known outcome. Each publish carries `Nats-Msg-Id` (chunk `i` of a put is
@@ -141,9 +142,9 @@ SPECIAL_KINDS = {"fifo": 0o010000, "socket": 0o140000, "char": 0o020000, "block"
 # Each numeric POSIX attribute must fit its kernel type (mode_t, uid_t, gid_t, the int64 nanoseconds of a
 # timestamp, dev_t): a value outside is unusable and ignored, as a value that is not a number is.
 _ATTR_LIMITS = {ATTR_MODE: 2**32, ATTR_UID: 2**32, ATTR_GID: 2**32, ATTR_MTIME: 2**63, ATTR_RDEV: 2**64}
-# The largest size a file can show (off_t), and nats.go's bounds (uint32) on a chunk count and chunk size.
+# The largest size a file can show (off_t), and nats.go's bound (uint32) on a chunk count.
 MAX_OBJECT_SIZE = 2**63 - 1
-MAX_CHUNKS = MAX_CHUNK_SIZE = 2**32 - 1
+MAX_CHUNKS = 2**32 - 1
 DIGEST_PREFIX = "SHA-256="
 # nats.go never stores a real time in `mtime` (publishMeta zeroes it); neither do we.
 ZERO_TIME = "0001-01-01T00:00:00Z"
@@ -220,6 +221,15 @@ def meta_json(doc: dict[str, Any]) -> bytes:
     return text.encode()
 
 
+def _moved_doc(doc: dict[str, Any], name: str, change: Callable[[dict[str, Any]], None] | None
+               ) -> dict[str, Any]:
+    """The meta of an object moved to `name` (a rename, an alias moved to its canonical subject)."""
+    moved = dict(doc, name=name, mtime=ZERO_TIME)
+    if change is not None:
+        change(moved)
+    return moved
+
+
 def tombstone_doc(bucket: str, name: str, doc: dict[str, Any]) -> dict[str, Any]:
     """The delete marker nats.go's Delete writes for an object: deleted, no size, chunks or digest."""
     options = doc.get("options")
@@ -229,7 +239,8 @@ def tombstone_doc(bucket: str, name: str, doc: dict[str, Any]) -> dict[str, Any]
 
 
 # The type nats.go's ObjectInfo gives each optional field of a meta: a meta where one has another type
-# is one nats.go cannot unmarshal at all. natsfs treats such a field as absent.
+# is one nats.go cannot unmarshal at all, and `parse_meta` skips it as malformed. A rewrite starts from
+# the revision the index holds, so never from such a meta; should one reach it, the field is absent.
 _FIELD_TYPES: dict[str, type] = {"description": str, "headers": dict, "metadata": dict, "options": dict}
 
 
@@ -388,6 +399,7 @@ class ObjectInfo:
     deleted: bool = False
     chunk_size: int = 0
     attrs: PosixAttrs | None = None
+    meta_bytes: int = 0  # the size of the meta message (0: not known), see `ObjectStore.check_meta_size`
 
 
 @dataclass
@@ -457,12 +469,79 @@ def _attrs_from(metadata: dict[str, Any], name: str, ignored: Ignored | None) ->
                       text(ATTR_SYMLINK), text(ATTR_SYMLINK_SIG))
 
 
-def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> ObjectInfo:
-    """Parse a meta message leniently (all three clients' quirks); `MalformedMeta` when unusable.
+# The JSON type nats.go's ObjectInfo declares for each field of a meta, as a check and its name. A meta
+# where one has another type is one nats.go cannot unmarshal at all (GetInfo answers ErrBadObjectMeta,
+# Watch and List skip it): natsfs skips it as malformed too. `null` is accepted wherever nats.go accepts
+# it (the zero value: an absent field, an empty string in a map or list). Keys nats.go does not know may
+# hold anything. `mtime` is any string: nats.go parses it as a time, but natsfs ignores it and nats.py
+# writes "" in its tombstones.
+_TypeCheck = tuple[Callable[[Any], bool], str]
 
-    A field that cannot be used but leaves the object usable (metadata that is not a JSON object, a
-    POSIX attribute that is not a number or out of its type's range, ...) is ignored: the object shows
-    with that field's default, and `ignored` is told why."""
+
+def _text_type(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _bool_type(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _uint_type(bits: int) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << bits
+
+
+def _map_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, dict) and all(v is None or check(v) for v in value.values())
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(v is None or check(v) for v in value)
+
+
+_TEXT: _TypeCheck = (_text_type, "a string")
+_META_TYPES: dict[str, _TypeCheck] = {
+    "name": _TEXT, "description": _TEXT,
+    "headers": (_map_of(_list_of(_text_type)), "an object of string lists"),
+    "metadata": (_map_of(_text_type), "an object of strings"),
+    "options": (lambda value: isinstance(value, dict), "an object"),
+    "bucket": _TEXT, "nuid": _TEXT, "size": (_uint_type(64), "an unsigned 64-bit number"), "mtime": _TEXT,
+    "chunks": (_uint_type(32), "an unsigned 32-bit number"), "digest": _TEXT, "deleted": (_bool_type, "a boolean"),
+}
+_OPTIONS_TYPES: dict[str, _TypeCheck] = {
+    "link": (lambda value: isinstance(value, dict), "an object"),
+    "max_chunk_size": (_uint_type(32), "an unsigned 32-bit number"),
+}
+_LINK_TYPES: dict[str, _TypeCheck] = {"bucket": _TEXT, "name": _TEXT}
+# The entries of the two maps, checked one by one where a map is at fault.
+_MAP_ITEMS: dict[str, _TypeCheck] = {"headers": (_list_of(_text_type), "a list of strings"), "metadata": _TEXT}
+
+
+def _wrong_type(doc: dict[str, Any]) -> str | None:
+    """Why nats.go could not unmarshal the meta `doc` (a field of the wrong JSON type), or None."""
+    options = doc.get("options")
+    link = options.get("link") if isinstance(options, dict) else None
+    for prefix, fields, types in (("", doc, _META_TYPES), ("options.", options, _OPTIONS_TYPES),
+                                  ("options.link.", link, _LINK_TYPES)):
+        if not isinstance(fields, dict):
+            continue
+        for key, (check, kind) in types.items():
+            value = fields.get(key)
+            if value is not None and not check(value):
+                if key in _MAP_ITEMS and isinstance(value, dict):  # (name the entry at fault)
+                    item_check, item_kind = _MAP_ITEMS[key]
+                    item, bad = next((k, v) for k, v in value.items() if v is not None and not item_check(v))
+                    return f"its {key}[{_short(item)}] is {_short(bad)}, not {item_kind}"
+                return f"its {prefix}{key} is {_short(value)}, not {kind}"
+    return None
+
+
+def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> ObjectInfo:
+    """Parse a meta message leniently (all three clients' quirks); `MalformedMeta` when unusable, as
+    is any meta nats.go cannot unmarshal (a field of the wrong JSON type: `_wrong_type`).
+
+    A value that cannot be used but leaves the object usable (a POSIX attribute of the metadata that is
+    not a number or out of its type's range, ...) is ignored: the object shows with that attribute's
+    default, and `ignored` is told why."""
     token = msg.subject.rsplit(".", 1)[-1] if msg.subject else ""
     try:
         doc = json.loads(msg.data)
@@ -472,6 +551,11 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
         raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) is not a JSON object")
     name = doc.get("name")
     subject_name = decode_token(token)
+    if (wrong := _wrong_type(doc)) is not None:
+        shown = name if isinstance(name, str) else subject_name
+        where = f"for {_short(shown)} ({msg.subject}, seq {msg.seq})" if shown is not None else \
+            f"{msg.subject} (seq {msg.seq})"
+        raise MalformedMeta(f"meta {where} is not one nats.go can read: {wrong}")
     if not isinstance(name, str):
         if subject_name is None:
             raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) has no name")
@@ -492,24 +576,14 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
             raise MalformedMeta(f"meta for {name!r} has a bad {key}: {_short(v)}")
         return v
 
-    if ignored is not None:
-        for key, kind in _FIELD_TYPES.items():
-            if doc.get(key) is not None and not isinstance(doc[key], kind):
-                ignored(f"meta for {name!r} has a {key} that is not a JSON {'string' if kind is str else 'object'}"
-                        f" ({_short(doc[key])}): ignored")
-    deleted = bool(doc.get("deleted", False))
+    deleted = bool(doc.get("deleted"))
     options = doc.get("options") or {}
-    if not isinstance(options, dict):
-        options = {}
     link = None
-    raw_link = options.get("link")
-    if isinstance(raw_link, dict) and raw_link.get("bucket"):
-        link_name = raw_link.get("name") or None
-        link = Link(str(raw_link["bucket"]), str(link_name) if link_name is not None else None)
+    raw_link = options.get("link") or {}
+    if raw_link.get("bucket"):
+        link = Link(raw_link["bucket"], raw_link.get("name") or None)
     size, chunks = integer("size", MAX_OBJECT_SIZE), integer("chunks", MAX_CHUNKS)
     nuid = doc.get("nuid") or ""
-    if not isinstance(nuid, str):
-        raise MalformedMeta(f"meta for {name!r} has a bad nuid: {_short(nuid)}")
     if nuid and not usable_nuid(nuid) and (deleted or link is not None):
         nuid = ""  # a tombstone's or a link's nuid names no chunks of its own: never a subject filter
     if not deleted and link is None:
@@ -520,21 +594,15 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
         if chunks == 0 and size > 0:
             raise MalformedMeta(f"meta for {name!r} has {size} bytes in 0 chunks")
     digest = doc.get("digest") or ""
-    if not isinstance(digest, str):
-        digest = ""
-    metadata = doc.get("metadata") or {}
-    attrs = _attrs_from(metadata, name, ignored) if isinstance(metadata, dict) else None
+    attrs = _attrs_from(doc.get("metadata") or {}, name, ignored)
     chunk_size = options.get("max_chunk_size") or 0
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 0 < chunk_size <= MAX_CHUNK_SIZE:
-        if ignored is not None and chunk_size:
-            ignored(f"meta for {name!r} has an unusable options.max_chunk_size {_short(chunk_size)}: ignored")
-        chunk_size = 0
     mtime_ns = msg.time_ns
     if attrs is not None and attrs.mtime_ns is not None:
         mtime_ns = attrs.mtime_ns
     return ObjectInfo(
         bucket=bucket, name=name, nuid=nuid, size=size, chunks=chunks, digest=digest, mtime_ns=mtime_ns,
         revision=msg.seq, link=link, deleted=deleted, chunk_size=chunk_size, attrs=attrs,
+        meta_bytes=len(msg.data),
     )
 
 
@@ -566,8 +634,10 @@ class ObjectStore:
 
     def __init__(self, streams: Streams, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  file_sender: FileSender | None = None, max_subject_bytes: int = DEFAULT_MAX_SUBJECT,
-                 settle_timeout: float = SETTLE_S):
+                 settle_timeout: float = SETTLE_S, max_meta_bytes: int = 0):
         self.streams = streams
+        # The mount's --max-meta-bytes (0: no limit but the server's max payload): see `check_meta_size`.
+        self.max_meta_bytes = max_meta_bytes
         self.chunk_size = chunk_size
         self.file_sender = file_sender
         self.max_subject_bytes = max_subject_bytes
@@ -615,6 +685,52 @@ class ObjectStore:
         if size > limit:
             raise TooBig(f"the meta of {bucket}/{str(doc.get('name'))[:60]!r} would be {size} bytes, over the "
                          f"server's limit of {limit}")
+
+    def check_meta_size(self, bucket: str, doc: dict[str, Any], data: bytes | None = None, *,
+                        replaced_bytes: int = 0) -> None:
+        """Every meta this store writes passes here (`publish_meta`, the atomic put) and so do the checks
+        made ahead of a change (a directory rename, an xattr of a file not stored yet). `TooBig` when
+        the meta would be over the server's max payload, or over `max_meta_bytes` AND larger than the
+        meta it replaces (`replaced_bytes`, 0 for a new object): a change that does not grow a meta is
+        never refused, so an oversized meta (another client's, or one an older version let through) can
+        always be shrunk or fixed. A tombstone is never refused by the limit: deleting always works."""
+        data = data if data is not None else meta_json(doc)
+        self.check_meta_payload(bucket, doc, data)
+        size, limit = len(data), self.max_meta_bytes
+        if limit and size > limit and size > replaced_bytes and not doc.get("deleted"):
+            grows = f", and larger than the {replaced_bytes} bytes it replaces" if replaced_bytes else ""
+            raise TooBig(f"the meta of {bucket}/{str(doc.get('name'))[:60]!r} would be {size} bytes, over "
+                         f"--max-meta-bytes {limit}{grows}", log_level=logging.WARNING)
+
+    async def _check_meta_size_replacing(self, bucket: str, doc: dict[str, Any], data: bytes,
+                                         replaces: tuple[str, int | None]) -> None:
+        """`check_meta_size` of a meta that replaces the one at (meta subject, revision): that meta's
+        size is read (from the metas this store wrote itself, else from the server) only when the new
+        one is over the limit, so the common case costs nothing."""
+        if not self.max_meta_bytes or len(data) <= self.max_meta_bytes or doc.get("deleted"):
+            self.check_meta_payload(bucket, doc, data)
+            return
+        self.check_meta_size(bucket, doc, data, replaced_bytes=await self._live_meta_bytes(bucket, *replaces))
+
+    async def _live_meta_bytes(self, bucket: str, subject: str, revision: int | None) -> int:
+        """The size of the live meta at `subject` (at `revision`, when given), 0 when there is none
+        (nothing, a tombstone, another revision: the publish that expects it is refused anyway)."""
+        if revision == 0:
+            return 0
+        own = self._own_metas.get(subject)
+        data: bytes | bytearray
+        if own is not None and (revision is None or own[0] == revision):
+            data = own[1]
+        else:
+            msg = await self.streams.last_msg(stream_name(bucket), subject)
+            if msg is None or (revision is not None and msg.seq != revision):
+                return 0
+            data = msg.data
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return 0
+        return len(data) if isinstance(doc, dict) and not doc.get("deleted") else 0
 
     def _meta_subject(self, bucket: str, name: str) -> str:
         self.check_name(bucket, name)
@@ -753,14 +869,18 @@ class ObjectStore:
 
     # ---------------------------------------------------------------- writes
     async def publish_meta(self, bucket: str, doc: dict[str, Any], *, expected_revision: int | None = None,
-                           msg_id: str = "", timestamp: bool = True, after: ChunkMsg | None = None) -> ObjectInfo:
+                           msg_id: str = "", timestamp: bool = True, after: ChunkMsg | None = None,
+                           replaces: tuple[str, int | None] | None = None) -> ObjectInfo:
         """Publish a meta with `Nats-Rollup: sub` and `Nats-Msg-Id` (`msg_id`, or a fresh one); with
         `expected_revision`, only if the name's meta subject still ends at that sequence (0: never
         written), else `Conflict`. An ambiguous outcome is settled (see `_publish_settled`). With
-        `after`, the version's one chunk goes in the same round trip, right before it (`_publish_after`)."""
+        `after`, the version's one chunk goes in the same round trip, right before it (`_publish_after`).
+        Its size is checked first (`check_meta_size`) against the meta it replaces: `replaces` (meta
+        subject, revision: a rename's old name), by default what its own subject holds at
+        `expected_revision`."""
         subject = self._meta_subject(bucket, doc["name"])
         data = meta_json(doc)
-        self.check_meta_payload(bucket, doc, data)
+        await self._check_meta_size_replacing(bucket, doc, data, replaces or (subject, expected_revision))
         headers = {ROLLUP: "sub", MSG_ID: msg_id or new_nuid()}
         if expected_revision is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_revision)
@@ -1100,7 +1220,7 @@ class ObjectStore:
                     if extra is not None:
                         extra(doc)
                     data = meta_json(doc)
-                    self.check_meta_payload(bucket, doc, data)
+                    await self._check_meta_size_replacing(bucket, doc, data, (meta_subj, expected))
                     headers = {ROLLUP: "sub", MSG_ID: f"{nuid}.meta"}
                     if expected is not None:
                         headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
@@ -1226,7 +1346,8 @@ class ObjectStore:
 
     async def publish_replacing(self, bucket: str, doc: dict[str, Any], expected_revision: int | None,
                                 replace_tombstone: bool, msg_id: str = "", *, timestamp: bool = True,
-                                after: ChunkMsg | None = None) -> ObjectInfo:
+                                after: ChunkMsg | None = None,
+                                replaces: tuple[str, int | None] | None = None) -> ObjectInfo:
         """`publish_meta`; with `replace_tombstone`, a name whose current meta is a tombstone (a deleted
         object) counts as free (`expected_revision` 0) and is replaced at the tombstone's revision
         (expected at once when this store wrote that tombstone itself, else read back after a refusal)."""
@@ -1234,7 +1355,7 @@ class ObjectStore:
         own_tombstone = self._own_tombstone(bucket, doc["name"]) if replace_tombstone and expected_revision == 0 else 0
         try:
             return await self.publish_meta(bucket, doc, expected_revision=own_tombstone or expected_revision,
-                                           msg_id=msg_id, timestamp=timestamp, after=after)
+                                           msg_id=msg_id, timestamp=timestamp, after=after, replaces=replaces)
         except Conflict:
             if not (replace_tombstone and expected_revision == 0):
                 raise
@@ -1242,7 +1363,7 @@ class ObjectStore:
             if retry_on is None:
                 raise
             return await self.publish_meta(bucket, doc, expected_revision=retry_on, msg_id=msg_id,
-                                           timestamp=timestamp)
+                                           timestamp=timestamp, replaces=replaces)
 
     async def delete(self, bucket: str, name: str, *, expected_revision: int | None = None,
                      purge_chunks: bool = True, shared: bool = False) -> ObjectInfo | None:
@@ -1286,21 +1407,31 @@ class ObjectStore:
         name's revision that was purged). The caller purges a replaced target's chunks."""
         doc, revision = await self._live_doc(bucket, old, expected_revision)
         self.check_name(bucket, new)
-        moved = dict(doc, name=new, mtime=ZERO_TIME)
-        if change is not None:
-            change(moved)
+        moved = _moved_doc(doc, new, change)
         key = (bucket, old)
         self._renaming[key] += 1
         try:
             # (Not read back for its timestamp: a renamed file keeps its mtime in natsfs.mtime_ns, and a
             # directory marker's or link's new time is now, as this machine's clock has it.)
-            new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=False)
+            new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=False,
+                                                    replaces=(meta_subject(bucket, old), revision))
             await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
         finally:
             self._renaming[key] -= 1
             if not self._renaming[key]:
                 del self._renaming[key]
         return new_info, revision
+
+    async def check_rename_size(self, bucket: str, old: str, new: str, *, expected_revision: int,
+                                change: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """`TooBig` when `rename` would refuse the meta of `old` under `new` for its size (checked before
+        a directory rename moves anything). A meta that changed meanwhile is left to the rename itself."""
+        current = await self._doc_at(bucket, old, expected_revision)
+        if current is None or current[1] != expected_revision or current[0].get("deleted"):
+            return
+        moved = _moved_doc(current[0], new, change)
+        self.check_meta_size(bucket, moved, replaced_bytes=await self._live_meta_bytes(
+            bucket, meta_subject(bucket, old), expected_revision))
 
     async def adopt_alias(self, bucket: str, name: str, subject: str, revision: int,
                           change: Callable[[dict[str, Any]], None] | None = None) -> ObjectInfo:
@@ -1317,10 +1448,9 @@ class ObjectStore:
             raise MalformedMeta(f"meta {subject} is not JSON") from None
         if not isinstance(doc, dict) or doc.get("deleted"):
             raise Conflict(f"{bucket}/{name} changed since it was read")
-        moved = dict(usable_fields(doc), name=name, mtime=ZERO_TIME)
-        if change is not None:
-            change(moved)
-        info = await self.publish_meta(bucket, moved, expected_revision=0, timestamp=False)
+        moved = _moved_doc(usable_fields(doc), name, change)
+        info = await self.publish_meta(bucket, moved, expected_revision=0, timestamp=False,
+                                       replaces=(subject, revision))
         await self._purge_settled(bucket, subject, revision + 1)
         return info
 

@@ -91,7 +91,8 @@ def open_store(streams: Streams, config: Config | None = None, *, file_sender: F
     if config is None:
         return ObjectStore(streams)
     return ObjectStore(streams, chunk_size=config.chunk_size, file_sender=file_sender,
-                       max_subject_bytes=config.max_subject_bytes, settle_timeout=3 * config.request_timeout)
+                       max_subject_bytes=config.max_subject_bytes, settle_timeout=3 * config.request_timeout,
+                       max_meta_bytes=config.max_meta_bytes)
 
 
 @dataclass

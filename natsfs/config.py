@@ -108,7 +108,7 @@ class Config:
                              shown="16GiB")
     chunk_size: int = option(128 * 1024, help="chunk size of objects written through the mount",
                              parse=parse_size, shown="128KiB")
-    max_meta_bytes: int = option(16 * 1024, help="largest meta the mount will write", parse=parse_size,
+    max_meta_bytes: int = option(16 * 1024, help="largest meta a change by the mount may grow to", parse=parse_size,
                                  shown="16KiB")
     # Longest subject sent for an object name (its meta's direct get): the server's control line limit
     # (4096 by default, not announced in INFO) minus room for the rest of the PUB/HPUB line.

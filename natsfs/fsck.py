@@ -167,7 +167,9 @@ def _doc_nuid(msg: StoredMsg) -> tuple[str, bool] | None:
         return None
     if not isinstance(doc, dict) or not isinstance(doc.get("nuid"), str) or not doc["nuid"]:
         return None
-    return doc["nuid"], bool(doc.get("deleted"))
+    # (Only a real `true` is a tombstone: `"deleted": "false"` makes a meta nats.go cannot read, whose
+    # chunks are still not orphans.)
+    return doc["nuid"], doc.get("deleted") is True
 
 
 async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False, verify: bool = False,

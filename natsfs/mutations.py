@@ -51,7 +51,6 @@ from .errors import (
     NotEmpty,
     NotFound,
     ReadOnly,
-    TooBig,
     Unavailable,
     single_error,
     single_errors,
@@ -84,11 +83,28 @@ def _digest_of_file(fd: int, size: int) -> bytes:
     return hasher.digest()
 
 
-def check_meta_size(doc: dict[str, Any], limit: int) -> None:
-    size = len(meta_json(doc))
-    if size > limit:
-        raise TooBig(f"the meta of {doc.get('name')!r} would be {size} bytes, over --max-meta-bytes {limit}",
-                     log_level=logging.WARNING)
+# Bytes a rename can add to a meta besides its longer name: `natsfs.mtime_ns` (see `_rename_change`) and
+# `mtime` where the meta had none.
+_MOVE_GROWTH = 128
+# The most a meta can grow when written the nats.go way (`meta_json`): a character another client wrote
+# as one byte (`<`) becomes a six-byte escape.
+GO_ESCAPE_GROWTH = 6
+
+
+def _rename_change(info: ObjectInfo) -> Callable[[dict[str, Any]], None] | None:
+    """What a rename changes in an object's meta besides its name: rename(2) keeps a file's mtime, but a
+    new meta message gets a new timestamp, so a file keeps it as `natsfs.mtime_ns` (a directory marker's
+    or link's new time is now)."""
+    if info.link is not None or info.name.endswith("/"):
+        return None
+    mtime_ns = info.mtime_ns
+
+    def keep_mtime(doc: dict[str, Any]) -> None:
+        metadata = metadata_of(doc)
+        metadata.setdefault(ATTR_MTIME, str(mtime_ns))
+        doc["metadata"] = metadata
+
+    return keep_mtime
 
 
 class Mutations:
@@ -671,16 +687,10 @@ class Mutations:
 
     async def change_meta(self, bucket: str, info: ObjectInfo, change: Callable[[dict[str, Any]], None]) -> ObjectInfo:
         """Rewrite an object's meta (xattrs): same nuid, every other field kept, refused when the
-        result would be larger than --max-meta-bytes (nothing is stored then)."""
+        result would grow it over --max-meta-bytes (`ObjectStore.check_meta_size`: nothing stored)."""
         await self.check_writable(bucket)
         info = await self._on_canonical(bucket, info)
-        limit = self.config.max_meta_bytes
-
-        def bounded(doc: dict[str, Any]) -> None:
-            change(doc)
-            check_meta_size(doc, limit)
-
-        new = await self.store.update_meta(bucket, info.name, bounded, expected_revision=info.revision)
+        new = await self.store.update_meta(bucket, info.name, change, expected_revision=info.revision)
         self._apply(bucket, new)
         return new
 
@@ -778,18 +788,9 @@ class Mutations:
         info = await self._on_canonical(bucket, info)
         if target is not None:
             target = await self._on_canonical(bucket, target)
-        mtime_ns = info.mtime_ns
-
-        def keep_mtime(doc: dict[str, Any]) -> None:
-            # rename(2) keeps a file's mtime, but a new meta message gets a new timestamp.
-            metadata = metadata_of(doc)
-            metadata.setdefault(ATTR_MTIME, str(mtime_ns))
-            doc["metadata"] = metadata
-
         new_info, old_revision = await self.store.rename(
             bucket, info.name, new_name, expected_revision=info.revision,
-            target_revision=target.revision if target is not None else 0,
-            change=None if info.link is not None or info.name.endswith("/") else keep_mtime)
+            target_revision=target.revision if target is not None else 0, change=_rename_change(info))
         self._apply(bucket, new_info)
         if index is not None:
             # A hidden alias of the old name on the same nuid (an `adopt_alias` cut short, or a copy)
@@ -833,6 +834,7 @@ class Mutations:
         for info in moves:  # every new name is checked before anything moves
             if info.name.startswith(old_prefix):
                 self.store.check_name(bucket, new_prefix + info.name[len(old_prefix):])
+        await self._check_renamed_sizes(bucket, moves, old_prefix, new_prefix)
         movable = []
         for info in moves:
             if info.name.startswith(old_prefix):
@@ -844,6 +846,33 @@ class Mutations:
         await self._rename_each(bucket, movable, old_prefix, new_prefix)
         if marker is not None:
             await self.rename_object(bucket, marker, new_prefix, None)
+
+    async def _check_renamed_sizes(self, bucket: str, moves: list[ObjectInfo], old_prefix: str,
+                                   new_prefix: str) -> None:
+        """`TooBig` before anything moves when the meta of an object would grow over --max-meta-bytes
+        under its new name (`ObjectStore.check_meta_size`), as `check_name` does for names. Only metas
+        that could come near the limit are read: a moved meta grows by the longer name and at most
+        `_MOVE_GROWTH` bytes of fields a rename writes, and a meta another client wrote can grow by
+        `GO_ESCAPE_GROWTH` times when written the nats.go way (`meta_json`)."""
+        limit = self.store.max_meta_bytes
+        if not limit:
+            return
+        growth = max(0, len(meta_json({"name": new_prefix})) - len(meta_json({"name": old_prefix})))
+        near = [info for info in moves if info.name.startswith(old_prefix)
+                and (not info.meta_bytes or info.meta_bytes * GO_ESCAPE_GROWTH + growth + _MOVE_GROWTH > limit)]
+        if not near:
+            return
+        limiter = trio.CapacityLimiter(RENAME_DIR_PARALLEL)
+
+        async def check(info: ObjectInfo) -> None:
+            async with limiter:
+                await self.store.check_rename_size(bucket, info.name, new_prefix + info.name[len(old_prefix):],
+                                                   expected_revision=info.revision, change=_rename_change(info))
+
+        with single_errors():
+            async with trio.open_nursery() as nursery:
+                for info in near:
+                    nursery.start_soon(check, info)
 
     async def _rename_each(self, bucket: str, moves: list[ObjectInfo], old_prefix: str, new_prefix: str) -> None:
         """Rename objects of a directory, `RENAME_DIR_PARALLEL` at a time (each is two round trips, and a

@@ -201,6 +201,8 @@ class BucketWatcher:
         if info.chunk_size:
             # One int object for the few chunk sizes in use, not one per object.
             info.chunk_size = self._ints.setdefault(info.chunk_size, info.chunk_size)
+        # (Likewise the few hundred meta sizes a bucket's objects have.)
+        info.meta_bytes = self._ints.setdefault(info.meta_bytes, info.meta_bytes)
         if m.subject and m.subject != meta_subject(self.bucket, name):
             # Not the subject nats.go reads this name from: an alias, shown only while the canonical
             # subject holds nothing, and never replacing or deleting what it holds (`BucketIndex`).

@@ -181,14 +181,17 @@ def _exists(doc: dict[str, Any], name: str) -> bool:
 
 def _metadata(doc: dict[str, Any]) -> dict[str, str]:
     m = doc.get("metadata")
-    return {str(k): str(v) for k, v in m.items()} if isinstance(m, dict) else {}
+    # (A null value is the empty string, as nats.go reads it.)
+    return {str(k): "" if v is None else str(v) for k, v in m.items()} if isinstance(m, dict) else {}
 
 
 def _headers(doc: dict[str, Any]) -> dict[str, list[str]]:
     h = doc.get("headers")
     if not isinstance(h, dict):
         return {}
-    return {str(k): [str(x) for x in (v if isinstance(v, list) else [v])] for k, v in h.items()}
+    # (Null values and list items are empty, as nats.go reads them.)
+    return {str(k): ["" if x is None else str(x) for x in (v if isinstance(v, list) else [] if v is None else [v])]
+            for k, v in h.items()}
 
 
 def _put(doc: dict[str, Any], key: str, value: dict[str, Any]) -> None:

@@ -67,7 +67,7 @@ from ..inodes import ROOT_INODE, InodeNo, InodeTable
 from ..journal import WriteBackJournal
 from ..kernel import DEGRADED_TIMEOUT, KernelNotifier
 from ..links import HIDDEN_TARGET, OUTSIDE_TARGET, LinkTarget, SymlinkSigner, link_target, stays_in_mount
-from ..mutations import Mutations, check_meta_size
+from ..mutations import Mutations
 from ..names import NAME_MAX, placement
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from ..openers import Openers, ProcOpeners
@@ -2420,8 +2420,7 @@ class Filesystem:
             # No object yet: checked now, stored with the data at close.
             doc, _ = await self._meta_doc(node)
             change(doc)
-            check_meta_size(doc, self.config.max_meta_bytes)
-            self.ns.store.check_meta_payload(bucket, doc)
+            self.ns.store.check_meta_size(bucket, doc)  # (a new object: it replaces no meta)
             sf.change_xattr(key, value)
 
         sf, stored = await self._unless_staged(inode, lambda: self._index_info(self.inodes.path_of(inode)))

@@ -45,7 +45,7 @@ def test_nats_go_meta_zero_mtime_uses_message_time():
     assert info.bucket == "b"
 
 
-@pytest.mark.parametrize("mtime", ["2026-11-21T22:35:45.512982+00:00", "", None, "garbage", 12])
+@pytest.mark.parametrize("mtime", ["2026-11-21T22:35:45.512982+00:00", "", None, "garbage"])
 def test_wire_mtime_is_ignored(mtime):
     doc = {"name": "py/x.txt", "bucket": "b", "nuid": "ai8ouFdaJeGol96Lh0S24H", "size": 12, "mtime": mtime,
            "chunks": 1, "digest": "", "deleted": False}
@@ -151,14 +151,100 @@ def test_unpadded_subject_token_matches_name():
     assert info.name == "ab"
 
 
-def test_null_and_odd_optional_fields_are_tolerated():
-    doc = {"name": "x", "nuid": "abc", "size": 3, "chunks": None, "digest": 5, "options": "garbage",
-           "metadata": "garbage", "headers": [1], "description": None}
+def test_null_fields_are_tolerated():
+    """null is the zero value for nats.go: an absent field, an empty string in a map or list."""
+    doc = {"name": "x", "nuid": "abc", "size": 3, "chunks": None, "digest": None, "options": None,
+           "metadata": None, "headers": None, "description": None, "mtime": None, "deleted": None, "bucket": None}
     with pytest.raises(MalformedMeta):  # chunks None -> 0 with size 3
         parse_meta("b", msg("x", doc))
     doc["chunks"] = 1
     info = parse_meta("b", msg("x", doc))
-    assert info.digest == "" and info.attrs is None and info.chunk_size == 0
+    assert info.digest == "" and info.attrs is None and info.chunk_size == 0 and not info.deleted
+    doc |= {"options": {"link": None, "max_chunk_size": None}, "metadata": {"natsfs.mode": None, "k": None},
+            "headers": {"H": None, "I": [None, "v"]}}
+    info = parse_meta("b", msg("x", doc))
+    assert info.link is None and info.chunk_size == 0 and info.attrs is not None and info.attrs.mode is None
+    link = parse_meta("b", msg("l", {"name": "l", "options": {"link": {"bucket": "b", "name": None}}}))
+    assert link.link == Link("b", None)
+
+
+# Metas another client wrote with a field of the wrong JSON type: nats.go's json.Unmarshal into its
+# typed ObjectInfo fails on each (GetInfo: ErrBadObjectMeta; Watch and List skip it), so they are
+# malformed here too, never turned into text.
+WRONG_TYPES = {
+    "name-number": {"name": 5},
+    "name-list": {"name": ["x"]},
+    "description-object": {"description": {"x": 1}},
+    "headers-string": {"headers": "garbage"},
+    "headers-string-values": {"headers": {"H": "v"}},
+    "headers-number-items": {"headers": {"H": [1]}},
+    "metadata-list": {"metadata": [1]},
+    "metadata-string": {"metadata": "garbage"},
+    "metadata-number-value": {"metadata": {"k": 5}},
+    "metadata-symlink-number": {"metadata": {"natsfs.symlink": 5}},
+    "metadata-object-value": {"metadata": {"k": {"a": "b"}}},
+    "options-string": {"options": "x"},
+    "options-list": {"options": ["x"]},
+    "link-string": {"options": {"link": "str"}},
+    "link-bucket-number": {"options": {"link": {"bucket": 7, "name": "a"}}},
+    "link-name-list": {"options": {"link": {"bucket": "b", "name": ["a"]}}},
+    "link-both": {"options": {"link": {"bucket": 7, "name": ["a"]}}},
+    "chunk-size-string": {"options": {"max_chunk_size": "131072"}},
+    "chunk-size-negative": {"options": {"max_chunk_size": -1}},
+    "chunk-size-over-uint32": {"options": {"max_chunk_size": 2**32}},
+    "chunk-size-float": {"options": {"max_chunk_size": 1.5}},
+    "bucket-number": {"bucket": 7},
+    "nuid-number": {"nuid": 12},
+    "size-string": {"size": "1"},
+    "size-float": {"size": 1.0},
+    "size-bool": {"size": True},
+    "chunks-string": {"chunks": "1"},
+    "mtime-number": {"mtime": 12},
+    "mtime-object": {"mtime": {}},
+    "digest-number": {"digest": 5},
+    "deleted-string": {"deleted": "false"},
+    "deleted-number": {"deleted": 1},
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_TYPES))
+def test_a_field_of_the_wrong_json_type_is_malformed(case):
+    doc = {"name": "x", "bucket": "b", "nuid": "abc", "size": 1, "chunks": 1, "mtime": "0001-01-01T00:00:00Z",
+           "digest": HELLO_DIGEST} | WRONG_TYPES[case]
+    with pytest.raises(MalformedMeta, match=r"is not one nats\.go can read"):
+        parse_meta("b", msg("x", doc))
+
+
+def test_the_testers_hostile_metas_are_malformed():
+    """typ1: a name that is a number (was listed under its subject's name); typ5: a link whose bucket is
+    a number and name a list (was shown as the symlink `../7/['a']`)."""
+    with pytest.raises(MalformedMeta, match=r"for 'typ1' .* its name is 5, not a string"):
+        parse_meta("h", msg("typ1", {"name": 5, "nuid": "T1", "size": 1, "chunks": 1}))
+    typ5 = {"name": "typ5", "nuid": "T5", "size": 1, "chunks": 1, "options": {"link": {"bucket": 7, "name": ["a"]}}}
+    with pytest.raises(MalformedMeta, match=r"its options\.link\.bucket is 7, not a string"):
+        parse_meta("h", msg("typ5", typ5))
+    typ3 = {"name": "typ3", "nuid": "T3", "size": 1, "chunks": 1, "options": "x", "metadata": [1]}
+    with pytest.raises(MalformedMeta, match="its metadata is \\[1\\], not an object of strings"):
+        parse_meta("h", msg("typ3", typ3))
+    typ4 = {"name": "typ4", "nuid": "T4", "size": 1, "chunks": 1, "mtime": "garbage", "options": {"link": "str"}}
+    with pytest.raises(MalformedMeta, match=r"its options\.link is 'str', not an object"):
+        parse_meta("h", msg("typ4", typ4))
+    typ6 = {"name": "typ6", "nuid": "T6", "size": 0, "chunks": 0, "metadata": {"natsfs.symlink": 5}}
+    with pytest.raises(MalformedMeta, match=r"its metadata\['natsfs\.symlink'\] is 5, not a string"):
+        parse_meta("h", msg("typ6", typ6))
+    with pytest.raises(MalformedMeta, match=r"its headers\['H'\] is 'v', not a list of strings"):
+        parse_meta("h", msg("x", {"name": "x", "headers": {"G": ["ok"], "H": "v"}}))
+
+
+def test_values_of_the_right_type_that_natsfs_cannot_use_are_ignored():
+    """nats.go reads these: the object shows, the value is ignored (one message through `ignored`)."""
+    why: list[str] = []
+    doc = {"name": "x", "nuid": "abc", "size": 1, "chunks": 1, "mtime": "garbage", "unknown": [1, {"a": 2}],
+           "metadata": {"natsfs.mode": "notanint", "natsfs.uid": "-1", "natsfs.type": "block",
+                        "natsfs.rdev": "99999999999999999999"}}
+    info = parse_meta("b", msg("x", doc), why.append)
+    assert info.size == 1 and info.attrs is not None and info.attrs.mode is None and info.attrs.uid is None
+    assert len(why) == 3 and "natsfs.mode 'notanint'" in why[0] and "natsfs.rdev" in why[2]
 
 
 def test_natsfs_attributes_in_metadata():

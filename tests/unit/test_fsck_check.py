@@ -176,15 +176,18 @@ def test_reports_fields_a_mount_ignores_and_sizes_no_file_can_have():
         await put_object(ms, "b", "rdev", b"", chunk_size=CHUNK,
                          metadata={"natsfs.type": "char", "natsfs.rdev": str(2**70)})
         await put_object(ms, "b", "mtime", b"m", chunk_size=CHUNK, metadata={"natsfs.mtime_ns": "9" * 30})
-        await put_object(ms, "b", "md-list", b"l", chunk_size=CHUNK, metadata=["a"])  # type: ignore[arg-type]
+        md_list = dict(json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "good"))).data),
+                       name="md-list", metadata=["a"])
+        await ms.publish(meta_subject("b", "md-list"), json.dumps(md_list).encode(), {ROLLUP: "sub"})
         nuid = new_nuid()
         await ms.publish(chunk_subject("b", nuid), b"x")
         doc = {"name": "size", "bucket": "b", "nuid": nuid, "size": 2**63, "chunks": 1}
         await ms.publish(meta_subject("b", "size"), json.dumps(doc).encode(), {ROLLUP: "sub"})
         report = await fsck.check_bucket(store, "b")
+        # (metadata that is a list: a meta nats.go cannot read at all, malformed.)
         assert kinds(report, left=True) == [
-            (fsck.BAD_FIELD, "md-list"), (fsck.BAD_FIELD, "mtime"), (fsck.BAD_FIELD, "rdev"),
-            (fsck.BAD_FIELD, "uid"), (fsck.BAD_META, meta_subject("b", "size"))]
+            (fsck.BAD_FIELD, "mtime"), (fsck.BAD_FIELD, "rdev"), (fsck.BAD_FIELD, "uid"),
+            (fsck.BAD_META, meta_subject("b", "md-list")), (fsck.BAD_META, meta_subject("b", "size"))]
         assert "natsfs.uid '1099511627776'" in next(f for f in report.findings if f.where == "uid").detail
 
     run(body)
@@ -273,5 +276,21 @@ def test_a_tombstone_carrying_a_hidden_alias_nuid_is_noted_and_left_alone():
         # Both tombstones are still there.
         assert json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "gone"))).data)["deleted"]
         assert json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "own-alias.t"))).data)["deleted"]
+
+    run(body)
+
+
+def test_the_chunks_of_a_meta_with_a_deleted_field_of_the_wrong_type_are_no_orphans():
+    """`"deleted": "false"` makes a meta nats.go cannot read (unreadable), not a tombstone: a repair
+    never purges the chunks it names."""
+    async def body(ms, store, clock):
+        nuid = new_nuid()
+        await ms.publish(chunk_subject("b", nuid), b"kept")
+        doc = {"name": "odd", "bucket": "b", "nuid": nuid, "size": 4, "chunks": 1, "deleted": "false"}
+        await ms.publish(meta_subject("b", "odd"), json.dumps(doc).encode(), {ROLLUP: "sub"})
+        clock.now += 3600 * S
+        report = await fsck.check_bucket(store, "b", repair=True, clock=clock)
+        assert kinds(report) == [(fsck.BAD_META, meta_subject("b", "odd"))]
+        assert ms.subjects(stream_name("b"))[chunk_subject("b", nuid)] == 1
 
     run(body)
