@@ -70,6 +70,7 @@ from .streams import (
     StoredMsg,
     StreamState,
     WatchBatch,
+    limit_refusal,
     parse_rfc3339_ns,
 )
 
@@ -130,7 +131,7 @@ def map_publish_error(e: JetStreamAPIError, subject: str) -> NatsFSError:
     if code == ERR_STREAM_SEALED:
         return ReadOnly(f"{subject}: bucket is sealed")
     if code in _NO_SPACE:
-        return NoSpace(f"{subject}: refused by the server: {e.description}")
+        return NoSpace(limit_refusal(subject, e.description))
     if code in (ERR_MSG_TOO_BIG, ERR_HEADER_TOO_BIG):
         return TooBig(f"{subject}: refused by the server: {e.description}")
     if code == ERR_DUPLICATE_IN_PROCESS:

@@ -61,6 +61,7 @@ from .streams import (
     StoredMsg,
     StreamState,
     WatchBatch,
+    limit_refusal,
 )
 
 
@@ -527,12 +528,12 @@ class MemoryStreams:
         max_bytes, max_msgs = int(cfg.get("max_bytes", -1)), int(cfg.get("max_msgs", -1))
         discard_new = cfg.get("discard") == "new"
         if discard_new and max_bytes > 0 and st.bytes + size > max_bytes:
-            raise NoSpace(f"{subject}: maximum bytes exceeded in stream {st.name}")
+            raise NoSpace(limit_refusal(subject, "maximum bytes exceeded"))
         if discard_new and max_msgs > 0 and len(st.msgs) + 1 > max_msgs:
-            raise NoSpace(f"{subject}: maximum messages exceeded in stream {st.name}")
+            raise NoSpace(limit_refusal(subject, "maximum messages exceeded"))
         limit = self.max_memory if cfg.get("storage") == "memory" else self.max_storage
         if limit > 0 and self._used(str(cfg.get("storage"))) + size > limit:
-            raise NoSpace(f"{subject}: insufficient resources")
+            raise NoSpace(limit_refusal(subject, "insufficient resources"))
         st.last_seq += 1
         st.last_ts = max(self.clock(), st.last_ts)
         seq = st.last_seq

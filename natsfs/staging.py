@@ -481,6 +481,8 @@ class StagedFile:
         self.xattr_changes: list[tuple[str, bytes | None]] = []
         # Resumed from the write-back journal: its upload may have been stored by the run that died.
         self.resumed = False
+        # Why the last store of it at a close failed: said again where its bytes end up in lost+found.
+        self.store_failure: str | None = None
         # The cancel scope of an upload attempt that a change of the content may interrupt (the
         # write-back uploader's, see `interruptible_upload`); None: a change waits for the upload.
         self._interruptible: trio.CancelScope | None = None

@@ -176,6 +176,17 @@ class Streams(Protocol):
     async def watch(self, stream: str, filter_subject: str, *, last_per_subject: bool = True) -> Watch: ...
 
 
+def limit_refusal(subject: str, description: str) -> str:
+    """The text of a publish that the stream's limits refused (a full bucket, account or disk). The
+    refusal is about the stream, not the one message: an Object Store subject (`$O.<bucket>.M.<name>` or
+    `.C.<nuid>`) is named by its bucket, so that every refused file of a full bucket gives the same text
+    (the log's repeat filter then merges a run of them into one line) and no log line carries a base64
+    meta subject that names no file a user knows."""
+    parts = subject.split(".", 3)
+    where = f"bucket {parts[1]}" if len(parts) == 4 and parts[0] == "$O" and parts[2] in ("M", "C") else subject
+    return f"{where}: refused by the server: {description}"
+
+
 def parse_rfc3339_ns(text: str) -> int:
     """Nanoseconds since the epoch from an RFC 3339 timestamp with up to nanosecond precision."""
     text = text.strip()

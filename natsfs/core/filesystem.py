@@ -1542,15 +1542,19 @@ class Filesystem:
             return
         allowance = sf.size / self.config.flush_rate_floor
         limit = self.config.flush_timeout + allowance
-        with trio.move_on_after(limit) as scope:
-            await self._upload(ino)
-        if scope.cancelled_caught:
-            # The limit as it was applied, and how it is made up (a big file's allowance is no surprise).
-            made_of = f"--flush-timeout {self.config.flush_timeout:g} s"
-            if allowance >= 0.05:
-                made_of += f" + {allowance:.1f} s for its {sf.size} bytes"
-            raise Unavailable(f"{sf.bucket}/{sf.name}: not stored within {limit:.1f} s ({made_of}); the server "
-                              "is unreachable or too slow")
+        try:
+            with trio.move_on_after(limit) as scope:
+                await self._upload(ino)
+            if scope.cancelled_caught:
+                # The limit as it was applied, and how it is made up (a big file's allowance is no surprise).
+                made_of = f"--flush-timeout {self.config.flush_timeout:g} s"
+                if allowance >= 0.05:
+                    made_of += f" + {allowance:.1f} s for its {sf.size} bytes"
+                raise Unavailable(f"{sf.bucket}/{sf.name}: not stored within {limit:.1f} s ({made_of}); the "
+                                  "server is unreachable or too slow")
+        except NatsFSError as e:
+            sf.store_failure = str(e).removeprefix(f"{sf.bucket}/{sf.name}: ")
+            raise
 
     async def shutdown(self, timeout: float) -> None:
         """Unmounting: store what files still open for writing hold (within `timeout` in all, progress in
@@ -1680,8 +1684,11 @@ class Filesystem:
             self.mut.discard_stream(sf)
             kept = self._keep(sf)
             if kept is not None:
-                log.error("%s/%s: closed without a successful upload; the bytes are kept at %s", sf.bucket,
-                          sf.name, kept)
+                # The one line per file that says what became of its bytes, with why (the close's own
+                # line, if it failed, says it once for a run of files refused alike: see `FailureLog`).
+                why = f" ({sf.store_failure})" if sf.store_failure else ""
+                log.error("%s/%s: closed without a successful upload%s; the bytes are kept at %s", sf.bucket,
+                          sf.name, why, kept)
         else:
             self.mut.discard(sf)
 

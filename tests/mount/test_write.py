@@ -172,9 +172,33 @@ def test_bucket_max_bytes_gives_enospc_at_close_and_leaves_no_partial_object(nat
     assert (b / "small.txt").read_bytes() == b"fits"
     assert "huge.bin" not in os.listdir(b)
     assert "refused by the server" in m.log() or "maximum bytes" in m.log()
+    assert "$O." not in m.log()  # (no base64 meta subject: the file and its bucket are named)
     # The server's bucket holds no orphans of the refused put.
     status = with_store(nats_url, lambda s: s.bucket_status(bucket_name))
     assert status.size < 64 * 1024
+
+
+@pytest.mark.expect_log("closed without a successful upload")
+def test_a_full_bucket_logs_one_line_per_refused_file_and_the_refusal_once(nats_url, bucket_name, mounter):
+    """Closes refused by a full bucket: one line per file naming it, why, and where in lost+found its
+    bytes are; the refusal the closes return is said once for the run (the same text for every file, so
+    the repeat filter merges it), and no line carries a meta subject."""
+    create_bucket(nats_url, bucket_name, max_bytes=1024 * 1024)
+    m = mounter(nats_url)
+    b = m.path / bucket_name
+    names = [f"n{i}" for i in range(4)]
+    for name in names:
+        assert _close_errno(b / name, os.urandom(1536 * 1024)) == errno.ENOSPC
+    refusal = f"bucket {bucket_name}: refused by the server: maximum bytes exceeded"
+    # (the line that says where the bytes went comes at the release, which close() does not wait for)
+    assert wait_for(lambda: m.log().count("closed without a successful upload") == len(names), 10), m.log()
+    lines = m.log().splitlines()
+    assert len([line for line in lines if line.endswith(f"flush: {refusal}")]) == 1, m.log()
+    per_file = [line for line in lines if "closed without a successful upload" in line]
+    assert [line.split(" natsfs.core.filesystem: ", 1)[1].split(":", 1)[0] for line in per_file] == \
+        [f"{bucket_name}/{n}" for n in names]
+    assert all(f"({refusal}); the bytes are kept at " in line and "lost+found" in line for line in per_file)
+    assert "$O." not in m.log()
 
 
 def test_sealed_bucket_refuses_with_erofs(nats_url, bucket_name, wb, mounter):

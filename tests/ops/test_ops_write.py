@@ -4,6 +4,7 @@ renames and their crash order, attributes, links and xattrs."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 from typing import Any
@@ -103,7 +104,8 @@ def test_conflict_keeps_both_versions(ops_env, tmp_path):
     ops_env(body, setup=one_bucket)
 
 
-@pytest.mark.expect_log("b/huge: closed without a successful upload; the bytes are kept at")
+@pytest.mark.expect_log(r"b/huge: closed without a successful upload \(bucket b: refused by the server: maximum "
+                        r"bytes exceeded\); the bytes are kept at")
 def test_bucket_limit_is_enospc_and_no_chunks_remain(ops_env):
     async def body(env: Env):
         b = (await env.lookup("b")).st_ino
@@ -117,6 +119,37 @@ def test_bucket_limit_is_enospc_and_no_chunks_remain(ops_env):
         assert subjects == [chunk_subject("b", info.nuid)]  # only the old object's chunks
 
     ops_env(body, setup=one_bucket)
+
+
+@pytest.mark.expect_log("closed without a successful upload")
+def test_a_full_bucket_logs_one_line_per_refused_file_naming_it_and_one_for_the_refusals(ops_env, caplog):
+    """A run of closes refused by a full bucket: each file gets the one line that names it, says why and
+    where its bytes are; the closes' own line names the bucket (not a base64 meta subject), the same
+    text for all of them, so the repeat filter logs it once."""
+    names = [f"n{i}" for i in range(5)]
+
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        for name in names:
+            fi, _ = await env.ops.create(b, name.encode(), 0o644, os.O_WRONLY, Ctx())
+            await env.ops.write(fi.fh, 0, os.urandom(100_000 if name == "n0" else 5 << 20))
+            if name == "n0":
+                await env.ops.flush(fi.fh)  # (fits: only the files over the bucket's room are refused)
+            else:
+                assert await err(env.ops.flush(fi.fh)) == errno.ENOSPC
+            await env.ops.release(fi.fh)
+        kept = {p.name.split(".")[0] for p in (env.fs.staging.spool.lost_found / "b").iterdir()}
+        assert kept == set(names[1:])
+
+    ops_env(body, setup=one_bucket)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [line for line in lines if "$O." in line]
+    refusal = "bucket b: refused by the server: maximum bytes exceeded"
+    assert [line for line in lines if not line.endswith(tuple(f"b/{n}" for n in names)) and "kept at" not in line
+            ] == [f"flush: {refusal}"]
+    per_file = [line for line in lines if "kept at" in line]
+    assert [line.split(": ", 1)[0] for line in per_file] == [f"b/{n}" for n in names[1:]]
+    assert all(f"closed without a successful upload ({refusal}); the bytes are kept at " in line for line in per_file)
 
 
 def test_failed_meta_publish_purges_the_new_chunks_and_keeps_the_old_version(ops_env):
