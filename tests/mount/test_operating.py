@@ -280,6 +280,19 @@ def test_mounts_started_together_spread_over_the_cpus(private_server, mounter):
     assert (first / "spread" / "g.bin").read_bytes() == b"y" * 1000
 
 
+def _cpu_ticks() -> dict[int, tuple[int, int]]:
+    with open("/proc/stat") as f:
+        return affinity.cpu_ticks(f.read())
+
+
+def _busy_since(start: dict[int, tuple[int, int]], exclude: int) -> float:
+    """The least busy share (0-1) of the allowed CPUs other than `exclude` since `start` (`_cpu_ticks`)."""
+    now = _cpu_ticks()
+    shares = [(now[c][0] - start[c][0]) / max(1, now[c][1] - start[c][1])
+              for c in os.sched_getaffinity(0) if c != exclude and c in now and c in start]
+    return min(shares, default=0.0)
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_threads_move_off_a_cpu_that_other_work_takes(private_server, mounter):
     """A CPU-bound process pinned to the daemon's CPU: within a few checks the daemon's threads and its
@@ -293,7 +306,17 @@ def test_threads_move_off_a_cpu_that_other_work_takes(private_server, mounter):
     worker_before = _allowed_cpus(f"/proc/{_children(pid)['worker']}/status")
     hog = subprocess.Popen(["taskset", "-c", before, sys.executable, "-I", "-c", "while True: pass"])
     try:
-        assert wait_for(lambda: _allowed_cpus(f"/proc/{pid}/status") != before, timeout=20), m.log()
+        start = _cpu_ticks()
+        if not wait_for(lambda: _allowed_cpus(f"/proc/{pid}/status") != before, timeout=20):
+            # The daemon moves only to a CPU clearly less busy than the hog makes its own
+            # (`affinity.better_cpu`): when other work (another test run, a build) kept every other CPU
+            # busy meanwhile, staying is the right outcome, and this check cannot be made here.
+            # (Half busy already makes a move doubtful: the hog's share of its CPU, shared with the
+            # daemon, is under a whole CPU, and the move needs the other CPU `MARGIN` less busy.)
+            others = _busy_since(start, exclude=int(before))
+            if others >= 2 * affinity.MARGIN:
+                pytest.skip(f"the other CPUs were {100 * others:.0f}% busy with other work: no CPU to move to")
+            raise AssertionError(f"not moved, the other CPUs {100 * others:.0f}% busy\n{m.log()}")
     finally:
         hog.kill()
         hog.wait()
