@@ -509,6 +509,62 @@ def test_kicks_under_16_readers_and_16_writers(tmp_path, mounter):
         server.stop()
 
 
+def test_small_max_pending_kicks_the_lean_connection_once_and_the_main_one_never(tmp_path, mounter):
+    """A server with a `max_pending` of 512 KB (the daemon cannot learn it: it is not in INFO), rounds
+    of three parallel cold readers of fresh objects, a writer in the last: the first kick of the lean
+    connection (the reads' own, `vnatsfs-wire` in the server log) takes the reply budget to its floor at
+    once, so no further drop follows, and the main connection (nats-py's, with the watchers and
+    publishes) is never dropped, also not while the lean one is being replaced. Every byte is right and
+    the daemon logs no ERROR. Before, halving took five kicks from 32 MiB, the floor of 1 MiB still
+    passed a 1 MB `max_pending`, and reads sent over the main connection meanwhile got it dropped too."""
+    server = own_server(tmp_path, "max_pending: 512KB\nmax_payload: 512KB\n")
+    try:
+        url = server.url
+        create_bucket(url, "sc")
+        m = mounter(url, "--cache-size", "16MiB")
+        base = m.path / "sc"
+        digests: dict[str, str] = {}
+        errors: list[BaseException] = []
+
+        def reader(name: str) -> None:
+            try:
+                assert wait_for(lambda: (base / name).exists(), timeout=10)  # (the watcher shows the new object)
+                digests[name] = hashlib.sha256((base / name).read_bytes()).hexdigest()
+            except BaseException as e:
+                errors.append(e)
+
+        def writer(name: str, data: bytes) -> None:
+            try:
+                (base / name).write_bytes(data)
+            except BaseException as e:
+                errors.append(e)
+
+        written = os.urandom(3 * 1024 * 1024 + 11)
+        for round_ in range(3):
+            sources = {f"r{round_}/{i}.bin": os.urandom(8 * 1024 * 1024) for i in range(3)}
+            for name, data in sources.items():
+                raw_put(url, "sc", name, [data[o : o + CHUNK] for o in range(0, len(data), CHUNK)])
+            threads = [threading.Thread(target=reader, args=(n,)) for n in sources]
+            if round_ == 2:
+                threads.append(threading.Thread(target=writer, args=("w.bin", written)))
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not errors, errors
+            want = {n: hashlib.sha256(d).hexdigest() for n, d in sources.items()}
+            assert {n: digests.get(n) for n in sources} == want
+        assert fresh_get(url, "sc", "w.bin") == written
+        drops = [line for line in server.log_file.read_text().splitlines() if "Slow Consumer" in line]
+        assert not [line for line in drops if '"vnatsfs-wire:' not in line], drops  # the main connection
+        assert len(drops) <= 1, drops
+        log = m.log()
+        assert " ERROR " not in log, log[-3000:]
+        assert "lost the connection to NATS" not in log  # (the main connection's WARNING)
+    finally:
+        server.stop()
+
+
 def test_paused_daemon_with_four_readers_stays_connected(private_server, mounter):
     """A default server, four parallel readers of large objects through a small cache, and the daemon
     stopped for a moment mid-read (SIGSTOP: nothing is read from its socket meanwhile): what the
