@@ -610,6 +610,49 @@ def test_paused_daemon_with_four_readers_stays_connected(private_server, mounter
     assert "Slow Consumer" not in private_server.log_file.read_text()
 
 
+def test_a_request_asks_for_what_it_was_granted_when_the_budget_shrank_meanwhile(private_server):
+    """A batched get that waited for the reply budget while a kick shrank it asks the server for what it
+    was granted, not for what it wanted before: the bytes it brings fit the floor."""
+    from natsfs.bridge import MIN_REPLY_BUDGET
+
+    url = private_server.url
+    create_bucket(url, "grant")
+    data = os.urandom(16 * CHUNK)
+    raw_put(url, "grant", "obj", [data[o : o + CHUNK] for o in range(0, len(data), CHUNK)], nuid="g" * 22)
+
+    async def main() -> None:
+        bridge = Bridge([url], reply_budget=4 * 1024 * 1024)
+        await bridge.connect()
+        try:
+            want = bridge.max_batch_bytes
+            assert want > MIN_REPLY_BUDGET
+            asked: list[int] = []
+
+            def payload(max_bytes: int) -> bytes:
+                asked.append(max_bytes)
+                body = {"seq": 1, "next_by_subj": "$O.grant.C." + "g" * 22, "batch": 16, "max_bytes": max_bytes}
+                return json.dumps(body).encode()
+
+            held = await bridge._budget.acquire(4 * 1024 * 1024)  # the whole budget: the request waits
+            got: list[Any] = []
+            async with trio.open_nursery() as nursery:
+                async def one() -> None:
+                    got.extend(await bridge.request_many("$JS.API.DIRECT.GET.OBJ_grant", payload, max_bytes=want))
+
+                nursery.start_soon(one)
+                await trio.sleep(0.1)
+                assert not asked  # still waiting
+                bridge._budget.shrink()  # a kick meanwhile
+                bridge._budget.release(held)
+            assert asked == [MIN_REPLY_BUDGET - CHUNK]
+            assert sum(len(m.data) for m in got) <= MIN_REPLY_BUDGET
+            assert b"".join(m.data for m in got) == data[: len(got) * CHUNK] and got
+        finally:
+            await bridge.close()
+
+    trio.run(main)
+
+
 def test_request_budget_bounds_replies_in_flight(private_server):
     """Batched direct gets wait for the reply budget: however many are asked at once, the bytes asked
     for and not yet taken never pass it, and every reply arrives."""
