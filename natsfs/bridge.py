@@ -13,11 +13,13 @@ subscription is restored on it. Requests in flight on the lost client fail at on
 for a publish whose acknowledgement did not come, `Unavailable` otherwise; replies addressed to an
 earlier client are dropped, so none can complete a request of a later one.
 
-Replies of batched direct gets are bounded by one byte budget (`REPLY_BUDGET`): the server drops a
+Replies of batched direct gets are bounded by a byte budget (`REPLY_BUDGET`): the server drops a
 client whose unread bytes pass its `max_pending`, so the bytes asked for and not yet taken by trio
-must stay well under it. They travel over a second connection, the lean one of `natsfs.wire`
+must stay well under it; the first kick by a server with a smaller one drops the budget to its floor.
+They travel over a second connection, the lean one of `natsfs.wire`
 (payloads received straight into their own buffers, replies handed to their waiters as they are
-parsed), when the servers and credentials allow it, and over the main link otherwise. The trio thread
+parsed), when the servers and credentials allow it, and over the main link otherwise (and while the
+lean one is being replaced, within a small budget of their own: the main link must never be dropped). The trio thread
 drives that connection itself (`_TrioReads`, TLS included): a read's request and its replies cross no
 thread, which took 0.1-0.13 ms off each request's round trip on the test machine
 (random 4 KiB reads 0.77-0.83 -> 0.61-0.71 ms p50) and 5-10 % off the daemon's CPU per MiB of a cold
@@ -66,18 +68,29 @@ _PENDING_SIZE = 8 * 1024 * 1024
 # waits in the socket and on the server, instead of as Python objects that fragment the heap.
 _PACE_HIGH = 1000
 _PACE_WAIT = 0.05
-# Bytes of direct-get replies asked for and not yet taken by trio, across all requests. The server
-# drops a client as a slow consumer when more than its `max_pending` (64 MiB by default) waits
-# unread for it; when the daemon's threads are busy, everything asked for can be waiting, so this
-# stays at half of that default. Each request reserves its `max_bytes` plus one reply (the server
-# may pass `max_bytes` by one message).
+# Bytes of direct-get replies asked for and not yet taken by trio, across all requests on one
+# connection. The server drops a client as a slow consumer when more than its `max_pending` (64 MiB by
+# default) waits unread for it; when the daemon's threads are busy, everything asked for can be
+# waiting, so this stays at half of that default. Each request reserves its `max_bytes` plus one
+# reply (the server may pass `max_bytes` by one message), and asks for no more than it reserved.
 REPLY_BUDGET = 32 * 1024 * 1024
 # The most one batched direct get may ask for, so several readers share the budget.
 MAX_BATCH_BYTES = 8 * 1024 * 1024
-# A connection lost with replies in flight may have been a slow-consumer kick by a server with a
-# smaller `max_pending`: the budget halves (down to this), and grows back after a quiet while.
-MIN_REPLY_BUDGET = 1024 * 1024
+# `max_pending` is not in the server's INFO, so a smaller one is learnt from a kick: the lean connection
+# lost with replies in flight while the main one stays (a server going away ends both) drops the budget
+# to this floor at once (halving took five kicks from 32 MiB down to a 1 MB `max_pending`). The floor is
+# one 128 KiB request plus one more reply (a few hundred bytes of headers and protocol lines on top),
+# so it holds under a `max_pending` of 512 KB. The budget doubles back after a quiet while, never again
+# past half of what it was when the kick came.
+MIN_REPLY_BUDGET = 256 * 1024
 _BUDGET_REGROW_S = 600.0
+# A lean-connection loss followed this soon by the main connection's was the server going away, not a
+# kick: the budget shrunk for it is given back.
+_SHRINK_UNDO_S = 5.0
+# While the lean connection is being replaced, batched direct gets go over the main connection, which
+# carries the watchers and publishes: read traffic must never get it dropped, so replies in flight there
+# have a budget of their own that is always the floor (the lean connection is back within moments).
+FALLBACK_REPLY_BUDGET = MIN_REPLY_BUDGET
 # Reconnect attempts back off from the first to the second value (seconds).
 _RECONNECT_WAIT = (0.05, 2.0)
 # A connection that sent nothing for this long is probed; two unanswered probes end it.
@@ -710,17 +723,20 @@ def _parse_ack(m: Msg, subject: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- trio side
 class _ByteBudget:
-    """Bytes of replies in flight (trio side): first come, first served; a request larger than the
-    whole budget gets it all."""
+    """Bytes of replies in flight on one connection (trio side): first come, first served; a request
+    larger than the whole budget gets it all."""
 
     def __init__(self, limit: int):
         self.full = limit
         self.limit = limit
+        self.ceiling = limit  # how far it grows back (half the limit a kick came at)
         self.used = 0
         self._queue: collections.deque[list[Any]] = collections.deque()  # [bytes, trio.Event]
         self._changed_at = 0.0
+        self._before_shrink: tuple[int, int] | None = None  # (limit, ceiling) before the last shrink
 
     async def acquire(self, want: int) -> int:
+        """Wait for `want` bytes (at most the whole limit); returns what was granted."""
         self._regrow()
         entry: list[Any] = [min(want, self.limit), trio.Event()]
         self._queue.append(entry)
@@ -752,15 +768,33 @@ class _ByteBudget:
             entry[1].set()
 
     def shrink(self) -> int:
-        self.limit = max(MIN_REPLY_BUDGET, self.limit // 2)
+        """A kick: down to the floor at once; it grows back to half of what it was at most."""
+        self._before_shrink = (self.limit, self.ceiling)
+        self.ceiling = max(MIN_REPLY_BUDGET, min(self.ceiling, self.limit // 2))
+        self.limit = MIN_REPLY_BUDGET
         self._changed_at = time.monotonic()
         return self.limit
 
+    def shrunk_within(self, seconds: float) -> bool:
+        return self._before_shrink is not None and time.monotonic() - self._changed_at <= seconds
+
+    def undo_shrink(self) -> None:
+        """The last shrink was for a loss that was no kick: back to the limit before it."""
+        if self._before_shrink is not None:
+            self.limit, self.ceiling = self._before_shrink
+            self._before_shrink = None
+            self._grant()
+
     def _regrow(self) -> None:
-        if self.limit < self.full and time.monotonic() - self._changed_at > _BUDGET_REGROW_S:
-            self.limit = min(self.full, self.limit * 2)
+        if self.limit < self.ceiling and time.monotonic() - self._changed_at > _BUDGET_REGROW_S:
+            self.limit = min(self.ceiling, self.limit * 2)
             self._changed_at = time.monotonic()
-            log.info("replies in flight may reach %d MiB again", self.limit >> 20)
+            self._before_shrink = None
+            log.info("replies in flight may reach %s again", _size(self.limit))
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 class Subscription:
@@ -782,6 +816,7 @@ class Subscription:
         self._interrupted = False
         self._error: NatsFSError | None = None
         self.reserved = 0  # budget bytes held for replies not yet taken (set by the bridge)
+        self.budget: _ByteBudget | None = None  # ... and the budget they are held from
         # Paced: answer flow-control requests when `next_batch` takes what came before them, not on
         # arrival, and keep the backlog short (see _PACE_HIGH).
         self.paced = False
@@ -861,7 +896,7 @@ class Subscription:
         if self.reserved:
             taken = min(self.reserved, sum(len(m.data) for m in batch))
             self.reserved -= taken
-            self._bridge.release_reply_bytes(taken)
+            self._release(taken)
         if self.paced:
             # Flow control answered only now that the messages before it are taken: the server never
             # runs more than its flow-control window ahead of the consumer.
@@ -871,6 +906,11 @@ class Subscription:
             if batch:
                 self._bridge.call_on_loop(self._set_drained)
         return batch
+
+    def _release(self, n: int) -> None:
+        """Give back reply budget held for replies now handed over."""
+        if self.budget is not None:
+            self.budget.release(n)
 
     async def _answer(self, replies: list[str]) -> None:
         nc = self._bridge.current_client()
@@ -909,7 +949,7 @@ class Subscription:
             return
         self.closed = True
         bridge = self._bridge
-        bridge.release_reply_bytes(self.reserved)
+        self._release(self.reserved)
         self.reserved = 0
         if self.stream_token is not None:
             if self.stream_link is not None:
@@ -974,7 +1014,9 @@ class Bridge:
         self._token: trio.lowlevel.TrioToken | None = None
         self._subs: set[Subscription] = set()  # restored on every new connection
         self._paced: dict[int, Subscription] = {}  # by nats-py subscription id
-        self._budget = _ByteBudget(reply_budget)
+        self._budget = _ByteBudget(reply_budget)  # of the connection that carries reads
+        # ... and of the main connection while the lean one is being replaced (never shrunk)
+        self._fallback_budget = _ByteBudget(min(FALLBACK_REPLY_BUDGET, reply_budget))
         self._largest_reply = _CHUNK_GUESS
         self.connected = False
         self.reconnects = 0
@@ -1068,6 +1110,8 @@ class Bridge:
 
     # ---- connection events (asyncio side, then trio)
     def _lost(self, reason: str) -> None:
+        # With a lean connection the main one carries reads only within the fallback budget, which no
+        # server's `max_pending` minds: its loss is no kick.
         in_flight = self._budget.used if self._reads is None else 0
         self.call_in_trio(lambda: self._lost_in_trio(in_flight))
 
@@ -1075,14 +1119,23 @@ class Bridge:
         """The lean connection was lost (it reconnects on its own, quietly: a server going away is
         reported by the main connection); a slow-consumer kick shrinks the reply budget."""
         in_flight = self._budget.used
-        self.call_in_trio(lambda: self._shrink_budget(in_flight))
+        self.call_in_trio(lambda: self._lean_lost_in_trio(in_flight))
 
     def reads_lost_in_trio(self) -> None:
         """`_reads_lost` for the lean connection of the trio thread (`_TrioReads`), called there."""
-        self._shrink_budget(self._budget.used)
+        self._lean_lost_in_trio(self._budget.used)
+
+    def _lean_lost_in_trio(self, in_flight: int) -> None:
+        if self.connected:  # (with the main connection gone too, the server went away: no kick)
+            self._shrink_budget(in_flight)
 
     def _lost_in_trio(self, in_flight: int) -> None:
         self.connected = False
+        if self._reads is not None and self._budget.shrunk_within(_SHRINK_UNDO_S):
+            # The lean connection went just before: the server went away, it was no kick.
+            self._budget.undo_shrink()
+            log.info("the connection to NATS was lost as a whole: replies in flight may reach %s again",
+                     _size(self._budget.limit))
         self._shrink_budget(in_flight)
         if self.on_disconnect:
             self.on_disconnect()
@@ -1091,8 +1144,8 @@ class Bridge:
         if in_flight >= MIN_REPLY_BUDGET and self._budget.limit > MIN_REPLY_BUDGET:
             limit = self._budget.shrink()
             log.warning("the connection was lost with %.1f MiB of replies in flight (a server with a small "
-                        "max_pending drops clients that fall behind): at most %d MiB in flight from now on",
-                        in_flight / 2**20, limit >> 20)
+                        "max_pending drops clients that fall behind): at most %s in flight from now on",
+                        in_flight / 2**20, _size(limit))
 
     def _restored(self) -> None:
         self.call_in_trio(self._restored_in_trio)
@@ -1151,10 +1204,6 @@ class Bridge:
         """Remember the largest reply seen (budget reservations leave room for one more of them)."""
         self._largest_reply = max(self._largest_reply, size)
 
-    def release_reply_bytes(self, n: int) -> None:
-        """Give back reply budget a subscription held for replies it has now handed over."""
-        self._budget.release(n)
-
     def drop_stream_waiter(self, link: _Link | _TrioReads, token: str) -> None:
         """A `request_stream` subscription closed: its replies are no longer routed to it."""
         if isinstance(link, _TrioReads):
@@ -1173,13 +1222,31 @@ class Bridge:
             raise Unavailable("not connected to NATS")
         return self._link
 
-    def _bulk_link(self) -> _Link | _TrioReads:
-        """The link for requests answered in bulk (batched direct gets): the lean one while it has a
-        connection; while it is being replaced, the main one (reads never wait for the lean one alone)."""
+    def _bulk_route(self) -> tuple[_Link | _TrioReads, _ByteBudget]:
+        """The link for requests answered in bulk (batched direct gets) and the budget of their replies:
+        the lean one while it has a connection; while it is being replaced, the main one within the
+        small fallback budget (reads never wait for the lean one alone, and never get the main one,
+        which carries the watchers, dropped); without a lean connection, the main one."""
         reads = self._reads
         if reads is not None and reads.nc is not None:
-            return reads
-        return self._link_now()
+            return reads, self._budget
+        return self._link_now(), self._fallback_budget if reads is not None else self._budget
+
+    async def _reserve(self, max_bytes: int) -> tuple[_Link | _TrioReads, _ByteBudget, int]:
+        """The route of a bulk request and the bytes held from its budget for `max_bytes` and one more
+        reply (nothing for 0): a route that changed while the request waited is taken afresh."""
+        while True:
+            _, budget = self._bulk_route()
+            held = await budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
+            link, now = self._bulk_route()
+            if now is budget:
+                return link, budget, held
+            budget.release(held)
+
+    def _asked(self, max_bytes: int, held: int) -> int:
+        """What a request may ask for within the `held` bytes it was granted (less than it wanted
+        when the budget shrank meanwhile)."""
+        return min(max_bytes, max(1, held - self._largest_reply)) if max_bytes else 0
 
     # ------------------------------------------------------------------ requests
     async def request(
@@ -1195,20 +1262,22 @@ class Bridge:
         """The most one batched request may ask for now (within `MAX_BATCH_BYTES` and the budget)."""
         return max(1, min(MAX_BATCH_BYTES, self._budget.limit - self._largest_reply))
 
-    async def request_many(self, subject: str, payload: bytes = b"", timeout: float | None = None, *,
-                           max_bytes: int = 0) -> list[Msg]:
+    async def request_many(self, subject: str, payload: bytes | Callable[[int], bytes] = b"",
+                           timeout: float | None = None, *, max_bytes: int = 0) -> list[Msg]:
         """A request answered by several messages, ending with a status message (direct get batch).
-        `max_bytes`: what the request asks for, held from the reply budget until it ends."""
-        link = self._bulk_link()
-        held = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
+        `max_bytes`: what the request asks for, held from the reply budget until it ends; a callable
+        `payload` is given what it may ask for now (the budget may have shrunk while it waited)."""
+        link, budget, held = await self._reserve(max_bytes)
         try:
+            if callable(payload):
+                payload = payload(self._asked(max_bytes, held))
             if isinstance(link, _TrioReads):
                 msgs = await link.request_many(subject, payload, timeout or self.request_timeout)
             else:
                 msgs = await self.run_on_loop(self._request_many(link, subject, payload,
                                                                  timeout or self.request_timeout))
         finally:
-            self._budget.release(held)
+            budget.release(held)
         for m in msgs:
             if len(m.data) > self._largest_reply:
                 self._largest_reply = len(m.data)
@@ -1227,22 +1296,25 @@ class Bridge:
             collector.settle()
         return collector.msgs
 
-    async def request_stream(self, subject: str, payload: bytes = b"", *, max_bytes: int = 0) -> Subscription:
+    async def request_stream(self, subject: str, payload: bytes | Callable[[int], bytes] = b"", *,
+                             max_bytes: int = 0) -> Subscription:
         """A request answered by a stream of messages ending in a status message, handed over as they
         arrive (`Subscription.next_batch`); the caller stops at the first message with a status and
-        unsubscribes. `max_bytes` is held from the reply budget and given back as replies are taken."""
-        link = self._bulk_link()
+        unsubscribes. `max_bytes` is held from the reply budget and given back as replies are taken;
+        a callable `payload` is given what it may ask for now."""
         sub = Subscription(self, subject)
-        sub.reserved = await self._budget.acquire(max_bytes + self._largest_reply) if max_bytes else 0
+        link, sub.budget, sub.reserved = await self._reserve(max_bytes)
         sub.stream_link = link
         try:
+            if callable(payload):
+                payload = payload(self._asked(max_bytes, sub.reserved))
             if isinstance(link, _TrioReads):
                 sub.stream_token = link.send(subject, payload, sub)
             else:
                 sub.stream_token = await self.run_on_loop(link.send(subject, payload, None, sub,
                                                                     timeout=self.request_timeout))
         except BaseException:
-            self._budget.release(sub.reserved)
+            sub.budget.release(sub.reserved)
             sub.reserved = 0
             raise
         return sub

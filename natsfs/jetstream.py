@@ -522,7 +522,7 @@ class JetStreams:
         body = {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
         for _ in range(_FLOOR_TRIES):
             floored = self._floor_body(stream, body)
-            replies = await self.bridge.request_many(f"$JS.API.DIRECT.GET.{stream}", json.dumps(floored).encode(),
+            replies = await self.bridge.request_many(f"$JS.API.DIRECT.GET.{stream}", _asking(floored),
                                                      max_bytes=max_bytes)
             if floored is body or not replies or replies[0].status != "412":
                 break
@@ -548,8 +548,7 @@ class JetStreams:
             return _MsgGets(self, stream, subject, start_seq, batch, max_bytes)
         body = self._floor_body(stream, {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch,
                                          "max_bytes": max_bytes})
-        sub = await self.bridge.request_stream(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode(),
-                                               max_bytes=max_bytes)
+        sub = await self.bridge.request_stream(f"$JS.API.DIRECT.GET.{stream}", _asking(body), max_bytes=max_bytes)
 
         async def without_direct() -> _MsgGets | None:
             if not await self._refuses_direct(stream):
@@ -737,6 +736,12 @@ def _parse_header_block(raw: bytes) -> dict[str, str]:
         if sep and key.strip() and key.strip() not in out:
             out[key.strip()] = value.strip()
     return out
+
+
+def _asking(body: dict[str, Any]) -> Callable[[int], bytes]:
+    """A direct get batch request for the bridge, which says how many bytes it may ask for once its
+    reply budget is granted (fewer than `body` says when the budget shrank meanwhile)."""
+    return lambda max_bytes: json.dumps({**body, "max_bytes": max_bytes}).encode()
 
 
 def _direct_msg(m: Msg, *, full: bool = True) -> StoredMsg:

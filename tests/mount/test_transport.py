@@ -509,6 +509,62 @@ def test_kicks_under_16_readers_and_16_writers(tmp_path, mounter):
         server.stop()
 
 
+def test_small_max_pending_kicks_the_lean_connection_once_and_the_main_one_never(tmp_path, mounter):
+    """A server with a `max_pending` of 512 KB (the daemon cannot learn it: it is not in INFO), rounds
+    of three parallel cold readers of fresh objects, a writer in the last: the first kick of the lean
+    connection (the reads' own, `vnatsfs-wire` in the server log) takes the reply budget to its floor at
+    once, so no further drop follows, and the main connection (nats-py's, with the watchers and
+    publishes) is never dropped, also not while the lean one is being replaced. Every byte is right and
+    the daemon logs no ERROR. Before, halving took five kicks from 32 MiB, the floor of 1 MiB still
+    passed a 1 MB `max_pending`, and reads sent over the main connection meanwhile got it dropped too."""
+    server = own_server(tmp_path, "max_pending: 512KB\nmax_payload: 512KB\n")
+    try:
+        url = server.url
+        create_bucket(url, "sc")
+        m = mounter(url, "--cache-size", "16MiB")
+        base = m.path / "sc"
+        digests: dict[str, str] = {}
+        errors: list[BaseException] = []
+
+        def reader(name: str) -> None:
+            try:
+                assert wait_for(lambda: (base / name).exists(), timeout=10)  # (the watcher shows the new object)
+                digests[name] = hashlib.sha256((base / name).read_bytes()).hexdigest()
+            except BaseException as e:
+                errors.append(e)
+
+        def writer(name: str, data: bytes) -> None:
+            try:
+                (base / name).write_bytes(data)
+            except BaseException as e:
+                errors.append(e)
+
+        written = os.urandom(3 * 1024 * 1024 + 11)
+        for round_ in range(3):
+            sources = {f"r{round_}/{i}.bin": os.urandom(8 * 1024 * 1024) for i in range(3)}
+            for name, data in sources.items():
+                raw_put(url, "sc", name, [data[o : o + CHUNK] for o in range(0, len(data), CHUNK)])
+            threads = [threading.Thread(target=reader, args=(n,)) for n in sources]
+            if round_ == 2:
+                threads.append(threading.Thread(target=writer, args=("w.bin", written)))
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not errors, errors
+            want = {n: hashlib.sha256(d).hexdigest() for n, d in sources.items()}
+            assert {n: digests.get(n) for n in sources} == want
+        assert fresh_get(url, "sc", "w.bin") == written
+        drops = [line for line in server.log_file.read_text().splitlines() if "Slow Consumer" in line]
+        assert not [line for line in drops if '"vnatsfs-wire:' not in line], drops  # the main connection
+        assert len(drops) <= 1, drops
+        log = m.log()
+        assert " ERROR " not in log, log[-3000:]
+        assert "lost the connection to NATS" not in log  # (the main connection's WARNING)
+    finally:
+        server.stop()
+
+
 def test_paused_daemon_with_four_readers_stays_connected(private_server, mounter):
     """A default server, four parallel readers of large objects through a small cache, and the daemon
     stopped for a moment mid-read (SIGSTOP: nothing is read from its socket meanwhile): what the
@@ -552,6 +608,49 @@ def test_paused_daemon_with_four_readers_stays_connected(private_server, mounter
     assert "lost the connection" not in log
     assert " ERROR " not in log, log[-3000:]
     assert "Slow Consumer" not in private_server.log_file.read_text()
+
+
+def test_a_request_asks_for_what_it_was_granted_when_the_budget_shrank_meanwhile(private_server):
+    """A batched get that waited for the reply budget while a kick shrank it asks the server for what it
+    was granted, not for what it wanted before: the bytes it brings fit the floor."""
+    from natsfs.bridge import MIN_REPLY_BUDGET
+
+    url = private_server.url
+    create_bucket(url, "grant")
+    data = os.urandom(16 * CHUNK)
+    raw_put(url, "grant", "obj", [data[o : o + CHUNK] for o in range(0, len(data), CHUNK)], nuid="g" * 22)
+
+    async def main() -> None:
+        bridge = Bridge([url], reply_budget=4 * 1024 * 1024)
+        await bridge.connect()
+        try:
+            want = bridge.max_batch_bytes
+            assert want > MIN_REPLY_BUDGET
+            asked: list[int] = []
+
+            def payload(max_bytes: int) -> bytes:
+                asked.append(max_bytes)
+                body = {"seq": 1, "next_by_subj": "$O.grant.C." + "g" * 22, "batch": 16, "max_bytes": max_bytes}
+                return json.dumps(body).encode()
+
+            held = await bridge._budget.acquire(4 * 1024 * 1024)  # the whole budget: the request waits
+            got: list[Any] = []
+            async with trio.open_nursery() as nursery:
+                async def one() -> None:
+                    got.extend(await bridge.request_many("$JS.API.DIRECT.GET.OBJ_grant", payload, max_bytes=want))
+
+                nursery.start_soon(one)
+                await trio.sleep(0.1)
+                assert not asked  # still waiting
+                bridge._budget.shrink()  # a kick meanwhile
+                bridge._budget.release(held)
+            assert asked == [MIN_REPLY_BUDGET - CHUNK]
+            assert sum(len(m.data) for m in got) <= MIN_REPLY_BUDGET
+            assert b"".join(m.data for m in got) == data[: len(got) * CHUNK] and got
+        finally:
+            await bridge.close()
+
+    trio.run(main)
 
 
 def test_request_budget_bounds_replies_in_flight(private_server):

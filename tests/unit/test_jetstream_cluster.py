@@ -45,9 +45,9 @@ class ScriptedBridge:
         self.requests.append((subject, payload))
         return self.replies.pop(0)
 
-    async def request_many(self, subject: str, payload: bytes = b"", timeout: Any = None,
+    async def request_many(self, subject: str, payload: Any = b"", timeout: Any = None,
                            max_bytes: Any = None) -> list[Msg]:
-        self.requests.append((subject, payload))
+        self.requests.append((subject, payload(max_bytes) if callable(payload) else payload))
         return [self.replies.pop(0)]
 
     async def js_publish(self, subject: str, payload: bytes, headers: Any = None, timeout: Any = None) -> Any:

@@ -68,17 +68,38 @@ def test_budget_cancelled_waiter_gives_way():
     trio.run(main)
 
 
-def test_budget_halves_after_a_loss_and_grows_back(monkeypatch):
+def test_budget_drops_to_the_floor_on_a_kick_and_grows_back_to_half_of_it(monkeypatch):
+    """One kick takes the budget to the floor at once (halving took five kicks from 32 MiB to a 1 MB
+    max_pending); it doubles back after a quiet while, never past half of where the kick came."""
     async def main() -> None:
         budget = _ByteBudget(32 * MiB)
-        for _ in range(10):
-            budget.shrink()
-        assert budget.limit == MIN_REPLY_BUDGET
+        assert budget.shrink() == MIN_REPLY_BUDGET
+        assert await budget.acquire(8 * MiB) == MIN_REPLY_BUDGET  # asks for no more than the floor now
+        budget.release(MIN_REPLY_BUDGET)
         monkeypatch.setattr(bridge_mod, "_BUDGET_REGROW_S", 0.0)
-        assert await budget.acquire(MiB) == MiB
-        assert budget.limit == 2 * MIN_REPLY_BUDGET
+        limits = []
+        for _ in range(10):
+            budget.release(await budget.acquire(MiB))
+            limits.append(budget.limit)
+        assert limits[:2] == [2 * MIN_REPLY_BUDGET, 4 * MIN_REPLY_BUDGET] and limits[-1] == 16 * MiB
+        # A second kick at 4 MiB: it never grows past 2 MiB again.
+        budget.limit = 4 * MiB
+        budget.shrink()
+        for _ in range(10):
+            budget.release(await budget.acquire(MiB))
+        assert budget.limit == 2 * MiB
 
     trio.run(main)
+
+
+def test_budget_shrunk_for_a_server_going_away_is_given_back():
+    budget = _ByteBudget(32 * MiB)
+    assert not budget.shrunk_within(60)
+    budget.shrink()
+    assert budget.shrunk_within(60)
+    budget.undo_shrink()
+    assert (budget.limit, budget.ceiling) == (32 * MiB, 32 * MiB)
+    assert not budget.shrunk_within(60)
 
 
 def test_replies_to_an_earlier_inbox_complete_nothing():
