@@ -1,7 +1,8 @@
 """ADR-20 (JetStream Object Store) exactly as nats.go speaks it, on top of `natsfs.streams.Streams`.
 
 Owns the wire format: stream and subject names, the meta JSON (parsed tolerantly of every client's
-quirks, but never of a field nats.go could not unmarshal; written the way nats.go writes it), digests,
+quirks, but never of a field that decides what the object is and that nats.go could not unmarshal; a
+descriptive field of the wrong JSON type is ignored; written the way nats.go writes it), digests,
 and the object operations (list buckets, watch metas, fetch chunks, map an object's chunks). Objects
 are `ObjectInfo`: compact, because an index holds one per live object.
 Meta `mtime` on the wire is ignored; the meta message's timestamp is the object's mtime.
@@ -238,18 +239,12 @@ def tombstone_doc(bucket: str, name: str, doc: dict[str, Any]) -> dict[str, Any]
                     base=doc, deleted=True, link=link)
 
 
-# The type nats.go's ObjectInfo gives each optional field of a meta: a meta where one has another type
-# is one nats.go cannot unmarshal at all, and `parse_meta` skips it as malformed. A rewrite starts from
-# the revision the index holds, so never from such a meta; should one reach it, the field is absent.
-_FIELD_TYPES: dict[str, type] = {"description": str, "headers": dict, "metadata": dict, "options": dict}
-
-
 def usable_fields(doc: dict[str, Any]) -> dict[str, Any]:
-    """`doc` without the optional fields whose JSON type is wrong (`metadata` a list, `headers` a string,
-    ...): a rewrite of such a meta stores proper fields (or none) in their place. `doc` itself when
-    every field is usable."""
-    bad = [k for k, t in _FIELD_TYPES.items() if doc.get(k) is not None and not isinstance(doc[k], t)]
-    return {k: v for k, v in doc.items() if k not in bad} if bad else doc
+    """`doc` without the descriptive fields and entries of the wrong JSON type that `parse_meta` ignores
+    (`headers` a string, a metadata value that is a number, ...: `_descriptive_fields`): a rewrite of such
+    a meta stores them as absent, or proper where it puts something there, so nats.go can read it. `doc`
+    itself when every field is usable."""
+    return _descriptive_fields(doc)[0]
 
 
 def metadata_of(doc: dict[str, Any]) -> dict[str, Any]:
@@ -425,7 +420,8 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-# Told of each field of a meta that is ignored as unusable (one message per field).
+# Told of what a meta's parse ignores as unusable: one message for its descriptive fields of the wrong JSON
+# type, one per unusable POSIX attribute.
 Ignored = Callable[[str], None]
 
 
@@ -471,10 +467,17 @@ def _attrs_from(metadata: dict[str, Any], name: str, ignored: Ignored | None) ->
 
 # The JSON type nats.go's ObjectInfo declares for each field of a meta, as a check and its name. A meta
 # where one has another type is one nats.go cannot unmarshal at all (GetInfo answers ErrBadObjectMeta,
-# Watch and List skip it): natsfs skips it as malformed too. `null` is accepted wherever nats.go accepts
-# it (the zero value: an absent field, an empty string in a map or list). Keys nats.go does not know may
-# hold anything. `mtime` is any string: nats.go parses it as a time, but natsfs ignores it and nats.py
-# writes "" in its tombstones.
+# Watch and List skip it). natsfs splits the fields:
+# - those that decide what the object IS (its name, bucket, nuid, size, chunks, digest, whether it is
+#   deleted, the link it is): of the wrong type, the meta is malformed and skipped (`_wrong_type`), so
+#   such a value is never turned into text (a link to bucket `7` named `['a']`);
+# - the descriptive ones (description, headers, metadata, options, options.max_chunk_size, mtime): of the
+#   wrong type, that field or map entry is ignored and the object shows (`_descriptive_fields`): nats.py
+#   stores whatever a user passes (`headers={"Content-Type": "text/plain"}`), and objects from every
+#   client read through the mount.
+# `null` is accepted wherever nats.go accepts it (the zero value: an absent field, an empty string in a
+# map or list). Keys nats.go does not know may hold anything. `mtime` is any string: nats.go parses it as
+# a time, but natsfs ignores it and nats.py writes "" in its tombstones.
 _TypeCheck = tuple[Callable[[Any], bool], str]
 
 
@@ -490,58 +493,100 @@ def _uint_type(bits: int) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << bits
 
 
-def _map_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda value: isinstance(value, dict) and all(v is None or check(v) for v in value.values())
+def _object_type(value: Any) -> bool:
+    return isinstance(value, dict)
 
 
-def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda value: isinstance(value, list) and all(v is None or check(v) for v in value)
+def _text_list_type(value: Any) -> bool:
+    return isinstance(value, list) and all(v is None or isinstance(v, str) for v in value)
 
 
 _TEXT: _TypeCheck = (_text_type, "a string")
-_META_TYPES: dict[str, _TypeCheck] = {
-    "name": _TEXT, "description": _TEXT,
-    "headers": (_map_of(_list_of(_text_type)), "an object of string lists"),
-    "metadata": (_map_of(_text_type), "an object of strings"),
-    "options": (lambda value: isinstance(value, dict), "an object"),
-    "bucket": _TEXT, "nuid": _TEXT, "size": (_uint_type(64), "an unsigned 64-bit number"), "mtime": _TEXT,
+_OBJECT: _TypeCheck = (_object_type, "an object")
+_STRICT_META_TYPES: dict[str, _TypeCheck] = {
+    "name": _TEXT, "bucket": _TEXT, "nuid": _TEXT, "size": (_uint_type(64), "an unsigned 64-bit number"),
     "chunks": (_uint_type(32), "an unsigned 32-bit number"), "digest": _TEXT, "deleted": (_bool_type, "a boolean"),
 }
-_OPTIONS_TYPES: dict[str, _TypeCheck] = {
-    "link": (lambda value: isinstance(value, dict), "an object"),
-    "max_chunk_size": (_uint_type(32), "an unsigned 32-bit number"),
-}
-_LINK_TYPES: dict[str, _TypeCheck] = {"bucket": _TEXT, "name": _TEXT}
-# The entries of the two maps, checked one by one where a map is at fault.
-_MAP_ITEMS: dict[str, _TypeCheck] = {"headers": (_list_of(_text_type), "a list of strings"), "metadata": _TEXT}
+_STRICT_OPTIONS_TYPES: dict[str, _TypeCheck] = {"link": _OBJECT}
+_STRICT_LINK_TYPES: dict[str, _TypeCheck] = {"bucket": _TEXT, "name": _TEXT}
+# Descriptive fields: the field itself, and for a map the type of each of its values.
+_DESCRIPTIVE_TYPES: dict[str, _TypeCheck] = {"description": _TEXT, "headers": _OBJECT, "metadata": _OBJECT,
+                                             "options": _OBJECT, "mtime": _TEXT}
+_DESCRIPTIVE_VALUE_TYPES: dict[str, _TypeCheck] = {"headers": (_text_list_type, "a list of strings"),
+                                                   "metadata": _TEXT}
+_MAX_CHUNK_SIZE_TYPE: _TypeCheck = (_uint_type(32), "an unsigned 32-bit number")
+# The metadata keys `_attrs_from` reads: it reports a value of the wrong type there itself.
+_ATTR_KEYS = frozenset({ATTR_MODE, ATTR_UID, ATTR_GID, ATTR_MTIME, ATTR_TYPE, ATTR_RDEV, ATTR_SYMLINK,
+                        ATTR_SYMLINK_SIG})
 
 
 def _wrong_type(doc: dict[str, Any]) -> str | None:
-    """Why nats.go could not unmarshal the meta `doc` (a field of the wrong JSON type), or None."""
+    """Why the meta `doc` is malformed: a field that decides what the object is, of a JSON type nats.go
+    could not unmarshal; or None."""
     options = doc.get("options")
     link = options.get("link") if isinstance(options, dict) else None
-    for prefix, fields, types in (("", doc, _META_TYPES), ("options.", options, _OPTIONS_TYPES),
-                                  ("options.link.", link, _LINK_TYPES)):
+    for prefix, fields, types in (("", doc, _STRICT_META_TYPES), ("options.", options, _STRICT_OPTIONS_TYPES),
+                                  ("options.link.", link, _STRICT_LINK_TYPES)):
         if not isinstance(fields, dict):
             continue
         for key, (check, kind) in types.items():
             value = fields.get(key)
             if value is not None and not check(value):
-                if key in _MAP_ITEMS and isinstance(value, dict):  # (name the entry at fault)
-                    item_check, item_kind = _MAP_ITEMS[key]
-                    item, bad = next((k, v) for k, v in value.items() if v is not None and not item_check(v))
-                    return f"its {key}[{_short(item)}] is {_short(bad)}, not {item_kind}"
                 return f"its {prefix}{key} is {_short(value)}, not {kind}"
     return None
 
 
+def _descriptive_fields(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`doc` without its descriptive fields and map entries of the wrong JSON type (see above), and what
+    was left out, one text each (empty, and `doc` itself, when nothing was). A metadata entry
+    `_attrs_from` reads is left out of that list: it reports the entry itself."""
+    out: dict[str, Any] | None = None
+    dropped: list[str] = []
+
+    def replace(key: str, value: Any) -> None:
+        nonlocal out
+        if out is None:
+            out = dict(doc)
+        if value is None:
+            del out[key]
+        else:
+            out[key] = value
+
+    for key, (check, kind) in _DESCRIPTIVE_TYPES.items():
+        value = doc.get(key)
+        if value is None:
+            continue
+        if not check(value):
+            dropped.append(f"{key} {_short(value)} (not {kind})")
+            replace(key, None)
+            continue
+        entry_type = _DESCRIPTIVE_VALUE_TYPES.get(key)
+        if entry_type is not None:
+            entry_check, entry_kind = entry_type
+            bad = [k for k, v in value.items() if v is not None and not entry_check(v)]
+            if bad:
+                dropped += [f"{key}[{_short(k)}] {_short(value[k])} (not {entry_kind})" for k in bad
+                            if not (key == "metadata" and k in _ATTR_KEYS)]
+                replace(key, {k: v for k, v in value.items() if k not in bad})
+        elif key == "options" and "max_chunk_size" in value:
+            chunk_check, chunk_kind = _MAX_CHUNK_SIZE_TYPE
+            chunk_size = value["max_chunk_size"]
+            if chunk_size is not None and not chunk_check(chunk_size):
+                dropped.append(f"options.max_chunk_size {_short(chunk_size)} (not {chunk_kind})")
+                replace(key, {k: v for k, v in value.items() if k != "max_chunk_size"})
+    return (doc if out is None else out), dropped
+
+
 def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> ObjectInfo:
     """Parse a meta message leniently (all three clients' quirks); `MalformedMeta` when unusable, as
-    is any meta nats.go cannot unmarshal (a field of the wrong JSON type: `_wrong_type`).
+    is a meta whose name, bucket, nuid, size, chunks, digest, deleted or link is of a JSON type nats.go
+    could not unmarshal (`_wrong_type`).
 
-    A value that cannot be used but leaves the object usable (a POSIX attribute of the metadata that is
-    not a number or out of its type's range, ...) is ignored: the object shows with that attribute's
-    default, and `ignored` is told why."""
+    A value that cannot be used but leaves the object usable is ignored: a descriptive field or map entry
+    of the wrong JSON type (`headers` a string, a metadata value that is a number, `options` a list, ...:
+    `_descriptive_fields`), a POSIX attribute of the metadata that is not a number or out of its type's
+    range. The object shows as if it were absent (the attribute's default applies), and `ignored` is
+    told why: once for the fields of the wrong type, once per unusable attribute."""
     token = msg.subject.rsplit(".", 1)[-1] if msg.subject else ""
     try:
         doc = json.loads(msg.data)
@@ -576,8 +621,12 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
             raise MalformedMeta(f"meta for {name!r} has a bad {key}: {_short(v)}")
         return v
 
+    usable, dropped = _descriptive_fields(doc)
+    if dropped and ignored is not None:
+        listed = dropped if len(dropped) <= 5 else [*dropped[:5], f"and {len(dropped) - 5} more"]
+        ignored(f"meta for {name!r} has fields of the wrong JSON type (ignored): {'; '.join(listed)}")
     deleted = bool(doc.get("deleted"))
-    options = doc.get("options") or {}
+    options = usable.get("options") or {}
     link = None
     raw_link = options.get("link") or {}
     if raw_link.get("bucket"):
@@ -594,7 +643,9 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
         if chunks == 0 and size > 0:
             raise MalformedMeta(f"meta for {name!r} has {size} bytes in 0 chunks")
     digest = doc.get("digest") or ""
-    attrs = _attrs_from(doc.get("metadata") or {}, name, ignored)
+    # (The metadata as written: `_attrs_from` reports a POSIX attribute of the wrong type itself.)
+    metadata = doc.get("metadata")
+    attrs = _attrs_from(metadata, name, ignored) if isinstance(metadata, dict) else None
     chunk_size = options.get("max_chunk_size") or 0
     mtime_ns = msg.time_ns
     if attrs is not None and attrs.mtime_ns is not None:

@@ -181,17 +181,21 @@ def _exists(doc: dict[str, Any], name: str) -> bool:
 
 def _metadata(doc: dict[str, Any]) -> dict[str, str]:
     m = doc.get("metadata")
-    # (A null value is the empty string, as nats.go reads it.)
-    return {str(k): "" if v is None else str(v) for k, v in m.items()} if isinstance(m, dict) else {}
+    # (A null value is the empty string, as nats.go reads it. A value of another type is an entry the
+    # mount ignores, as `natsfs.adr20.parse_meta` does: not shown, never turned into text.)
+    if not isinstance(m, dict):
+        return {}
+    return {str(k): "" if v is None else v for k, v in m.items() if v is None or isinstance(v, str)}
 
 
 def _headers(doc: dict[str, Any]) -> dict[str, list[str]]:
     h = doc.get("headers")
     if not isinstance(h, dict):
         return {}
-    # (Null values and list items are empty, as nats.go reads them.)
-    return {str(k): ["" if x is None else str(x) for x in (v if isinstance(v, list) else [] if v is None else [v])]
-            for k, v in h.items()}
+    # (Null values and list items are empty, as nats.go reads them. An entry that is not a list of
+    # strings is ignored, as for metadata.)
+    return {str(k): [] if v is None else ["" if x is None else x for x in v] for k, v in h.items()
+            if v is None or (isinstance(v, list) and all(x is None or isinstance(x, str) for x in v))}
 
 
 def _put(doc: dict[str, Any], key: str, value: dict[str, Any]) -> None:

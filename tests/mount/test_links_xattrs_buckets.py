@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -265,25 +266,50 @@ def test_json_of_stats_xattr(nats_url, wb):
 
 def test_hostile_meta_fields_break_neither_listings_nor_mutations(nats_url, bucket_name, wb):
     """Valid JSON another client wrote wrong: numbers out of their kernel type's range, metadata that is
-    no object (a meta nats.go cannot read: skipped), keys that make no attribute name. The directory
-    lists, listxattr works, chmod stores."""
-    _m, b = wb
+    no object and headers as nats.py stores them (descriptive fields of the wrong JSON type: ignored),
+    a link whose bucket is a number (a meta nats.go cannot read: skipped), keys that make no attribute
+    name. The directory lists, listxattr works, chmod stores a meta nats.go can read."""
+    m, b = wb
     raw_put(nats_url, bucket_name, "good.txt", [b"good\n"])
     raw_put(nats_url, bucket_name, "huge-uid", [b"x"], meta_extra={"metadata": {"natsfs.uid": str(2**40)}})
     raw_put(nats_url, bucket_name, "huge-mtime", [b"x"], meta_extra={"metadata": {"natsfs.mtime_ns": "9" * 30}})
     raw_put(nats_url, bucket_name, "huge-size", [b"x"], meta_extra={"size": 2**63})
+    raw_put(nats_url, bucket_name, "link-typed-wrong", [],
+            meta_extra={"options": {"link": {"bucket": 7, "name": ["a"]}}})
     raw_put(nats_url, bucket_name, "md-list", [b"x\n"], meta_extra={"metadata": ["a", "b"]})
+    raw_put(nats_url, bucket_name, "py-headers", [b"py\n"], meta_extra={
+        "headers": {"Content-Type": "text/plain", "X-Good": ["a"]}, "metadata": {"author": "py"}})
     raw_put(nats_url, bucket_name, "keys", [b"k"], meta_extra={
         "metadata": {"k\x00": "v", "a\x00b": "v", "L" * 300: "v", "ok": "fine"}, "headers": {"H\x00": ["v"]}})
     assert wait_for(lambda: (b / "keys").exists(), 10)
-    assert sorted(os.listdir(b)) == ["good.txt", "huge-mtime", "huge-uid", "keys"]
+    assert sorted(os.listdir(b)) == ["good.txt", "huge-mtime", "huge-uid", "keys", "md-list", "py-headers"]
     assert os.lstat(b / "huge-uid").st_uid == os.getuid()
     assert (b / "huge-uid").read_bytes() == b"x"
     names = os.listxattr(b / "keys")
     assert "user.ok" in names and not [n for n in names if "\x00" in n or len(n.encode()) > 255]
+    # A nats.py object: shown, the header nats.go cannot read ignored, the rest of its fields kept.
+    assert (b / "py-headers").read_bytes() == b"py\n"
+    assert sorted(os.listxattr(b / "py-headers")) == ["user.author", "user.nats.header.X-Good"]
+    assert os.getxattr(b / "py-headers", "user.nats.header.X-Good") == b"a"
+    assert _errno(lambda: os.getxattr(b / "py-headers", "user.nats.header.Content-Type")) == errno.ENODATA
+    os.chmod(b / "py-headers", 0o600)
+    after = meta_json(nats_url, bucket_name, "py-headers")
+    assert after is not None and after["headers"] == {"X-Good": ["a"]}
+    assert after["metadata"] == {"author": "py", "natsfs.mode": "600"}
+    assert (b / "md-list").read_bytes() == b"x\n"
+    os.chmod(b / "md-list", 0o600)
+    with open(b / "md-list", "wb") as f:
+        f.write(b"new bytes")
+    after = meta_json(nats_url, bucket_name, "md-list")
+    assert after is not None and after["metadata"] == {"natsfs.mode": "600"}
+    assert (b / "md-list").read_bytes() == b"new bytes"
     os.chmod(b / "huge-uid", 0o600)
     with open(b / "huge-uid", "wb") as f:
         f.write(b"new bytes")
     after = meta_json(nats_url, bucket_name, "huge-uid")
     assert after is not None and after["metadata"] == {"natsfs.mode": "600"}  # (the unusable uid dropped)
     assert (b / "huge-uid").read_bytes() == b"new bytes"
+    log = m.log()
+    for name in ("md-list", "py-headers"):
+        assert len(re.findall(rf"WARNING .*meta for '{name}' has fields of the wrong JSON type \(ignored\)", log)) == 1
+    assert len(re.findall(r"WARNING .*skipping malformed meta: meta for 'link-typed-wrong'", log)) == 1

@@ -1,7 +1,8 @@
 """Metas whose fields other clients wrote wrong (valid JSON of the wrong type or range), through
-natsfs.fs.Operations over MemoryStreams: a value natsfs cannot use is ignored, and a meta nats.go cannot
-read (a field of the wrong JSON type) or that no file can be is skipped, with one log line per version;
-neither its directory nor the mutations of other objects break."""
+natsfs.fs.Operations over MemoryStreams: a value natsfs cannot use (a descriptive field of the wrong JSON
+type, an attribute out of range) is ignored, and a meta whose identity fields nats.go cannot read (a
+field of the wrong JSON type) or that no file can be is skipped, with one log line per version; neither
+its directory nor the mutations of the object break, and a rewrite stores a meta nats.go can read."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from typing import Any
 import pyfuse3
 import pytest
 from gowriters import fixture_nuid, put_object
-from opskit import Ctx, Env, errno_of
+from opskit import Ctx, Env, Fields, errno_of
 
-from natsfs.adr20 import ROLLUP, ObjectStore, chunk_subject, digest_of, meta_json, meta_subject
+from natsfs.adr20 import ROLLUP, ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, parse_meta
 from natsfs.memstreams import MemoryStreams
 
 UID, GID = 1234, 5678  # the ops_env mount's defaults
@@ -133,54 +134,237 @@ def test_one_entry_that_cannot_be_handed_over_never_aborts_readdir(ops_env, capl
 
 
 # ---------------------------------------------------------------- fields of the wrong JSON type
-# Metas nats.go cannot unmarshal (a field of another JSON type than its ObjectInfo declares): skipped as
-# malformed, never shown with the field turned into text or dropped.
-WRONG_TYPES: dict[str, dict[str, Any]] = {
-    "md-list": {"metadata": ["a", "b"]},
-    "md-str": {"metadata": "garbage"},
-    "md-number-value": {"metadata": {"k": 5}},
-    "hdr-str": {"headers": "garbage"},
-    "hdr-str-values": {"headers": {"H": "v"}},
-    "opt-list": {"options": ["x"]},
-    "desc-obj": {"description": {"x": 1}},
+# Fields that decide what the object is, of another JSON type than nats.go's ObjectInfo declares (it
+# cannot unmarshal such a meta at all): the meta is skipped as malformed, never shown with the field
+# turned into text.
+STRICT_WRONG_TYPES: dict[str, dict[str, Any]] = {
     "name-number": {"name": 5},
     "link-typed-wrong": {"options": {"link": {"bucket": 7, "name": ["a"]}}},
-    "symlink-number": {"metadata": {"natsfs.symlink": 5}},
+    "link-string": {"options": {"link": "str"}},
     "digest-number": {"digest": 5},
     "deleted-string": {"deleted": "yes"},
-    "mtime-number": {"mtime": 12},
+    "size-string": {"size": "2"},
 }
 
 
-async def wrong_types(ms: MemoryStreams, store: ObjectStore) -> None:
+async def strict_wrong_types(ms: MemoryStreams, store: ObjectStore) -> None:
     await store.create_bucket("b")
     await put_object(ms, "b", "good.txt", b"good\n")
-    for name, fields in WRONG_TYPES.items():
+    for name, fields in STRICT_WRONG_TYPES.items():
         await raw_put(ms, "b", name, b"x\n", **fields)
 
 
-def test_metas_with_fields_of_the_wrong_type_are_skipped(ops_env, caplog):
+def test_metas_whose_identity_fields_are_of_the_wrong_type_are_skipped(ops_env, caplog):
     caplog.set_level(logging.WARNING)
 
     async def body(env: Env):
         b = await env.lookup("b")
         for _ in range(2):  # (listed again: nothing logged again)
             assert (await env.listdir(b.st_ino)).names == ["good.txt"]
-        for name in WRONG_TYPES:
+        for name in STRICT_WRONG_TYPES:
             assert await err(env.ops.lookup(b.st_ino, name.encode(), None)) == errno.ENOENT
         assert await env.cat("b/good.txt") == b"good\n"
         # Another client puts a proper meta there: the object shows.
-        await put_object(env.streams, "b", "md-list", b"fixed\n", metadata={"k": "v"})
+        await put_object(env.streams, "b", "digest-number", b"fixed\n", metadata={"k": "v"})
         await env.settle()
-        assert await env.cat("b/md-list") == b"fixed\n"
-        assert await env.ops.getxattr((await env.lookup("b/md-list")).st_ino, b"user.k", Ctx()) == b"v"
+        assert await env.cat("b/digest-number") == b"fixed\n"
+        assert await env.ops.getxattr((await env.lookup("b/digest-number")).st_ino, b"user.k", Ctx()) == b"v"
 
-    ops_env(body, setup=wrong_types)
+    ops_env(body, setup=strict_wrong_types)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     skipped = [r.getMessage() for r in caplog.records if "skipping malformed meta" in r.getMessage()]
-    for name in WRONG_TYPES:
+    for name in STRICT_WRONG_TYPES:
         assert len([m for m in skipped if repr(name) in m and "is not one nats.go can read" in m]) == 1, (name, skipped)
-    assert len(skipped) == len(WRONG_TYPES)
+    assert len(skipped) == len(STRICT_WRONG_TYPES)
+    assert not [r for r in caplog.records if "of the wrong JSON type (ignored)" in r.getMessage()]
+
+
+# Descriptive fields of the wrong JSON type (nats.py stores whatever `headers` or `metadata` a user
+# passes): that field or entry is ignored with one warning per meta version, the object shows as if it
+# were absent, and every rewrite by the mount stores a meta nats.go can read.
+LENIENT_WRONG_TYPES: dict[str, dict[str, Any]] = {
+    "md-list": {"metadata": ["a", "b"]},
+    "md-str": {"metadata": "garbage"},
+    "md-number-value": {"metadata": {"k": 5}},
+    "hdr-str": {"headers": "garbage"},
+    "hdr-str-values": {"headers": {"Content-Type": "text/plain"}},
+    "opt-list": {"options": ["x"]},
+    "desc-obj": {"description": {"x": 1}},
+    "symlink-number": {"metadata": {"natsfs.symlink": 5}},
+    "mtime-number": {"mtime": 12},
+    "chunk-size-string": {"options": {"max_chunk_size": "131072"}},
+}
+
+
+async def lenient_wrong_types(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    for name, fields in LENIENT_WRONG_TYPES.items():
+        await raw_put(ms, "b", name, b"x\n", **fields)
+
+
+def _nats_go_reads(doc: dict[str, Any]) -> None:
+    """The meta as nats.go's json.Unmarshal into its ObjectInfo takes it: every field absent, null or of
+    its declared type."""
+    def text(value: Any) -> bool:
+        return value is None or isinstance(value, str)
+
+    def uint(value: Any, bits: int) -> bool:
+        return value is None or (type(value) is int and 0 <= value < 2**bits)
+
+    def string_map(value: Any, each: Any) -> bool:
+        return value is None or (isinstance(value, dict) and all(each(v) for v in value.values()))
+
+    options = doc.get("options")
+    assert options is None or isinstance(options, dict), doc
+    link = (options or {}).get("link")
+    assert link is None or (isinstance(link, dict) and text(link.get("bucket")) and text(link.get("name"))), doc
+    assert uint((options or {}).get("max_chunk_size"), 32), doc
+    assert all(text(doc.get(k)) for k in ("name", "description", "bucket", "nuid", "mtime", "digest")), doc
+    assert string_map(doc.get("metadata"), text), doc
+    assert string_map(doc.get("headers"), lambda v: v is None or (isinstance(v, list) and all(map(text, v)))), doc
+    assert uint(doc.get("size"), 64) and uint(doc.get("chunks"), 32), doc
+    assert doc.get("deleted") is None or isinstance(doc["deleted"], bool), doc
+
+
+def test_metas_with_descriptive_fields_of_the_wrong_type_are_shown(ops_env, caplog):
+    caplog.set_level(logging.WARNING)
+
+    async def body(env: Env):
+        b = await env.lookup("b")
+        for _ in range(2):  # (listed again: nothing logged again)
+            assert (await env.listdir(b.st_ino)).names == sorted(LENIENT_WRONG_TYPES)
+        for name in LENIENT_WRONG_TYPES:
+            assert await env.cat(f"b/{name}") == b"x\n"
+            ino = (await env.lookup(f"b/{name}")).st_ino
+            # Nothing of the wrong type shows as an attribute (never turned into text).
+            assert [n for n in await env.ops.listxattr(ino, Ctx()) if not n.startswith(b"user.nats.")] == []
+            assert not [n for n in await env.ops.listxattr(ino, Ctx()) if n.startswith(b"user.nats.header.")]
+        md = (await env.lookup("b/md-number-value")).st_ino
+        assert await err(env.ops.getxattr(md, b"user.k", Ctx())) == errno.ENODATA
+        hdr = (await env.lookup("b/hdr-str-values")).st_ino
+        assert await err(env.ops.getxattr(hdr, b"user.nats.header.Content-Type", Ctx())) == errno.ENODATA
+        desc = (await env.lookup("b/desc-obj")).st_ino
+        assert await err(env.ops.getxattr(desc, b"user.nats.description", Ctx())) == errno.ENODATA
+        link = await env.lookup("b/symlink-number")
+        assert link.st_mode & 0o170000 == 0o100000 and link.st_size == 2  # a file, not a symlink to "5"
+        chunk = (await env.lookup("b/chunk-size-string")).st_ino
+        assert await err(env.ops.getxattr(chunk, b"user.nats.chunk_size", Ctx())) == errno.ENODATA
+
+    ops_env(body, setup=lenient_wrong_types)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not [r for r in caplog.records if "malformed" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for name in LENIENT_WRONG_TYPES:
+        assert len([m for m in lines if repr(name) in m]) == 1, (name, lines)
+    assert len(lines) == len(LENIENT_WRONG_TYPES), lines
+
+
+@pytest.mark.parametrize("name", sorted(LENIENT_WRONG_TYPES))
+def test_every_mutation_works_on_a_meta_with_fields_of_the_wrong_type(ops_env, caplog, name):
+    caplog.set_level(logging.WARNING)
+
+    async def body(env: Env):
+        b = await env.lookup("b")
+        f = await env.lookup(f"b/{name}")
+        ino = f.st_ino
+        # chmod, chown, utime
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode = 0o100600
+        await env.ops.setattr(ino, attr, Fields(update_mode=True), None, Ctx())
+        attr.st_uid, attr.st_gid = 0, 12345
+        await env.ops.setattr(ino, attr, Fields(update_uid=True, update_gid=True), None, Ctx())
+        attr.st_mtime_ns = 1_700_000_000_000_000_000
+        await env.ops.setattr(ino, attr, Fields(update_mtime=True), None, Ctx())
+        doc = await doc_of(env, name)
+        _nats_go_reads(doc)
+        assert doc["metadata"] == {"natsfs.mode": "600", "natsfs.uid": "0", "natsfs.gid": "12345",
+                                   "natsfs.mtime_ns": "1700000000000000000"}
+        assert "headers" not in doc and "description" not in doc and doc["mtime"] == "0001-01-01T00:00:00Z"
+        # setxattr, removexattr
+        await env.ops.setxattr(ino, b"user.k", b"v", Ctx())
+        await env.ops.setxattr(ino, b"user.nats.header.H", b"hv", Ctx())
+        await env.ops.removexattr(ino, b"user.k", Ctx())
+        doc = await doc_of(env, name)
+        _nats_go_reads(doc)
+        assert doc["headers"] == {"H": ["hv"]}
+        # overwrite at close
+        fi = await env.ops.open(ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        await env.ops.write(fi.fh, 0, b"new bytes")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        assert await env.cat(f"b/{name}") == b"new bytes"
+        _nats_go_reads(await doc_of(env, name))
+        # truncate(2) on a path nobody holds open
+        attr.st_size = 3
+        await env.ops.setattr(ino, attr, Fields(update_size=True), None, Ctx())
+        assert await env.cat(f"b/{name}") == b"new"
+        # rename, then unlink
+        await env.ops.rename(b.st_ino, name.encode(), b.st_ino, b"renamed", 0, Ctx())
+        _nats_go_reads(await doc_of(env, "renamed"))
+        assert await env.cat("b/renamed") == b"new"
+        await env.ops.unlink(b.st_ino, b"renamed", Ctx())
+        assert await err(env.ops.lookup(b.st_ino, b"renamed", None)) == errno.ENOENT
+
+    ops_env(body, setup=lenient_wrong_types)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # One line for the version another client wrote; the mount's own rewrites are proper.
+    assert len([r for r in caplog.records if repr(name) in r.getMessage() and "ignored" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("name", sorted(LENIENT_WRONG_TYPES))
+def test_rename_and_unlink_of_a_meta_with_fields_of_the_wrong_type(ops_env, name):
+    async def body(env: Env):
+        b = await env.lookup("b")
+        await env.lookup(f"b/{name}")
+        await env.ops.rename(b.st_ino, name.encode(), b.st_ino, b"moved", 0, Ctx())
+        _nats_go_reads(await doc_of(env, "moved"))
+        assert await env.cat("b/moved") == b"x\n"
+        await env.ops.unlink(b.st_ino, b"moved", Ctx())
+        tombstone = await doc_of(env, "moved")
+        _nats_go_reads(tombstone)
+        info = parse_meta("b", await env.streams.last_msg("OBJ_b", meta_subject("b", "moved")))
+        assert info.deleted
+
+    ops_env(body, setup=lenient_wrong_types)
+
+
+async def nats_py_object(ms: MemoryStreams, store: ObjectStore) -> None:
+    """An object as nats.py puts it for `ObjectMeta(headers={"Content-Type": "text/plain"}, ...)`: the
+    headers stored as the user passed them (a string, not a list), an ISO mtime."""
+    await store.create_bucket("b")
+    await raw_put(ms, "b", "py.txt", b"from python\n", mtime="2026-11-21T22:35:45.512982+00:00",
+                  options={"max_chunk_size": 131072}, metadata={"author": "py"},
+                  headers={"Content-Type": "text/plain", "X-Good": ["a", "b"]})
+
+
+def test_a_nats_py_object_with_string_headers_is_shown_and_a_chmod_stores_headers_nats_go_reads(ops_env, caplog):
+    caplog.set_level(logging.WARNING)
+
+    async def body(env: Env):
+        b = await env.lookup("b")
+        assert (await env.listdir(b.st_ino)).names == ["py.txt"]
+        assert await env.cat("b/py.txt") == b"from python\n"
+        ino = (await env.lookup("b/py.txt")).st_ino
+        assert await env.ops.getxattr(ino, b"user.author", Ctx()) == b"py"
+        assert await env.ops.getxattr(ino, b"user.nats.header.X-Good", Ctx()) == b"a\nb"
+        assert await err(env.ops.getxattr(ino, b"user.nats.header.Content-Type", Ctx())) == errno.ENODATA
+        assert sorted(await env.ops.listxattr(ino, Ctx())) == [b"user.author", b"user.nats.header.X-Good"]
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode = 0o100600
+        await env.ops.setattr(ino, attr, Fields(update_mode=True), None, Ctx())
+        doc = await doc_of(env, "py.txt")
+        _nats_go_reads(doc)
+        assert doc["headers"] == {"X-Good": ["a", "b"]}  # (the entry nats.go cannot read is left out)
+        assert doc["metadata"] == {"author": "py", "natsfs.mode": "600"}
+        assert doc["options"] == {"max_chunk_size": 131072}
+        await env.settle()
+        assert (await env.lookup("b/py.txt")).st_mode == 0o100600
+        assert await env.cat("b/py.txt") == b"from python\n"
+
+    ops_env(body, setup=nats_py_object)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and "headers['Content-Type'] 'text/plain' (not a list of strings)" in lines[0], lines
 
 
 # ---------------------------------------------------------------- keys that make no attribute name

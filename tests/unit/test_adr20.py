@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from natsfs import xattrs
 from natsfs.adr20 import (
     Link,
     decode_token,
@@ -17,6 +18,7 @@ from natsfs.adr20 import (
     meta_subject,
     parse_digest,
     parse_meta,
+    usable_fields,
     valid_bucket_name,
 )
 from natsfs.errors import MalformedMeta
@@ -45,7 +47,7 @@ def test_nats_go_meta_zero_mtime_uses_message_time():
     assert info.bucket == "b"
 
 
-@pytest.mark.parametrize("mtime", ["2026-11-21T22:35:45.512982+00:00", "", None, "garbage"])
+@pytest.mark.parametrize("mtime", ["2026-11-21T22:35:45.512982+00:00", "", None, "garbage", 12])
 def test_wire_mtime_is_ignored(mtime):
     doc = {"name": "py/x.txt", "bucket": "b", "nuid": "ai8ouFdaJeGol96Lh0S24H", "size": 12, "mtime": mtime,
            "chunks": 1, "digest": "", "deleted": False}
@@ -168,72 +170,151 @@ def test_null_fields_are_tolerated():
     assert link.link == Link("b", None)
 
 
-# Metas another client wrote with a field of the wrong JSON type: nats.go's json.Unmarshal into its
-# typed ObjectInfo fails on each (GetInfo: ErrBadObjectMeta; Watch and List skip it), so they are
-# malformed here too, never turned into text.
-WRONG_TYPES = {
+# Metas another client wrote with a field that decides what the object is (name, bucket, nuid, size,
+# chunks, digest, deleted, the link) of the wrong JSON type: nats.go's json.Unmarshal into its typed
+# ObjectInfo fails on each (GetInfo: ErrBadObjectMeta; Watch and List skip it), so they are malformed here
+# too, never turned into text.
+STRICT_WRONG_TYPES = {
     "name-number": {"name": 5},
     "name-list": {"name": ["x"]},
-    "description-object": {"description": {"x": 1}},
-    "headers-string": {"headers": "garbage"},
-    "headers-string-values": {"headers": {"H": "v"}},
-    "headers-number-items": {"headers": {"H": [1]}},
-    "metadata-list": {"metadata": [1]},
-    "metadata-string": {"metadata": "garbage"},
-    "metadata-number-value": {"metadata": {"k": 5}},
-    "metadata-symlink-number": {"metadata": {"natsfs.symlink": 5}},
-    "metadata-object-value": {"metadata": {"k": {"a": "b"}}},
-    "options-string": {"options": "x"},
-    "options-list": {"options": ["x"]},
     "link-string": {"options": {"link": "str"}},
+    "link-list": {"options": {"link": ["b", "a"]}},
     "link-bucket-number": {"options": {"link": {"bucket": 7, "name": "a"}}},
     "link-name-list": {"options": {"link": {"bucket": "b", "name": ["a"]}}},
     "link-both": {"options": {"link": {"bucket": 7, "name": ["a"]}}},
-    "chunk-size-string": {"options": {"max_chunk_size": "131072"}},
-    "chunk-size-negative": {"options": {"max_chunk_size": -1}},
-    "chunk-size-over-uint32": {"options": {"max_chunk_size": 2**32}},
-    "chunk-size-float": {"options": {"max_chunk_size": 1.5}},
     "bucket-number": {"bucket": 7},
     "nuid-number": {"nuid": 12},
     "size-string": {"size": "1"},
     "size-float": {"size": 1.0},
     "size-bool": {"size": True},
     "chunks-string": {"chunks": "1"},
-    "mtime-number": {"mtime": 12},
-    "mtime-object": {"mtime": {}},
     "digest-number": {"digest": 5},
     "deleted-string": {"deleted": "false"},
     "deleted-number": {"deleted": 1},
 }
 
 
-@pytest.mark.parametrize("case", sorted(WRONG_TYPES))
-def test_a_field_of_the_wrong_json_type_is_malformed(case):
+@pytest.mark.parametrize("case", sorted(STRICT_WRONG_TYPES))
+def test_a_field_that_decides_what_the_object_is_of_the_wrong_json_type_is_malformed(case):
     doc = {"name": "x", "bucket": "b", "nuid": "abc", "size": 1, "chunks": 1, "mtime": "0001-01-01T00:00:00Z",
-           "digest": HELLO_DIGEST} | WRONG_TYPES[case]
+           "digest": HELLO_DIGEST} | STRICT_WRONG_TYPES[case]
     with pytest.raises(MalformedMeta, match=r"is not one nats\.go can read"):
         parse_meta("b", msg("x", doc))
 
 
-def test_the_testers_hostile_metas_are_malformed():
-    """typ1: a name that is a number (was listed under its subject's name); typ5: a link whose bucket is
-    a number and name a list (was shown as the symlink `../7/['a']`)."""
+def test_the_testers_hostile_metas():
+    """typ1: a name that is a number (was listed under its subject's name) and typ5: a link whose bucket
+    is a number and name a list (was shown as the symlink `../7/['a']`) are malformed; typ4's link that
+    is a string too. typ3 (options a string, metadata a list) and typ6 (a symlink target that is a
+    number) only have descriptive fields of the wrong type: shown, those fields ignored."""
     with pytest.raises(MalformedMeta, match=r"for 'typ1' .* its name is 5, not a string"):
         parse_meta("h", msg("typ1", {"name": 5, "nuid": "T1", "size": 1, "chunks": 1}))
     typ5 = {"name": "typ5", "nuid": "T5", "size": 1, "chunks": 1, "options": {"link": {"bucket": 7, "name": ["a"]}}}
     with pytest.raises(MalformedMeta, match=r"its options\.link\.bucket is 7, not a string"):
         parse_meta("h", msg("typ5", typ5))
-    typ3 = {"name": "typ3", "nuid": "T3", "size": 1, "chunks": 1, "options": "x", "metadata": [1]}
-    with pytest.raises(MalformedMeta, match="its metadata is \\[1\\], not an object of strings"):
-        parse_meta("h", msg("typ3", typ3))
     typ4 = {"name": "typ4", "nuid": "T4", "size": 1, "chunks": 1, "mtime": "garbage", "options": {"link": "str"}}
     with pytest.raises(MalformedMeta, match=r"its options\.link is 'str', not an object"):
         parse_meta("h", msg("typ4", typ4))
+    why: list[str] = []
+    typ3 = {"name": "typ3", "nuid": "T3", "size": 1, "chunks": 1, "options": "x", "metadata": [1]}
+    info = parse_meta("h", msg("typ3", typ3), why.append)
+    assert (info.name, info.size, info.link, info.chunk_size, info.attrs) == ("typ3", 1, None, 0, None)
+    assert len(why) == 1 and "metadata [1] (not an object)" in why[0] and "options 'x' (not an object)" in why[0]
+    why.clear()
     typ6 = {"name": "typ6", "nuid": "T6", "size": 0, "chunks": 0, "metadata": {"natsfs.symlink": 5}}
-    with pytest.raises(MalformedMeta, match=r"its metadata\['natsfs\.symlink'\] is 5, not a string"):
-        parse_meta("h", msg("typ6", typ6))
-    with pytest.raises(MalformedMeta, match=r"its headers\['H'\] is 'v', not a list of strings"):
-        parse_meta("h", msg("x", {"name": "x", "headers": {"G": ["ok"], "H": "v"}}))
+    info = parse_meta("h", msg("typ6", typ6), why.append)
+    assert info.link is None and info.attrs is not None and info.attrs.symlink is None
+    assert len(why) == 1 and "unusable natsfs.symlink 5" in why[0]
+
+
+# Descriptive fields of the wrong JSON type, as other clients write them (nats.py stores whatever a user
+# passes): that field or entry is ignored, the object shows as if it were absent, with one message per
+# meta through `ignored`.
+LENIENT_WRONG_TYPES: dict[str, tuple[dict, str]] = {
+    "description-object": ({"description": {"x": 1}}, "description {'x': 1} (not a string)"),
+    "description-number": ({"description": 5}, "description 5 (not a string)"),
+    "headers-string": ({"headers": "garbage"}, "headers 'garbage' (not an object)"),
+    "headers-list": ({"headers": ["H", "v"]}, "headers ['H', 'v'] (not an object)"),
+    "headers-string-values": ({"headers": {"Content-Type": "text/plain"}},
+                              "headers['Content-Type'] 'text/plain' (not a list of strings)"),
+    "headers-number-items": ({"headers": {"H": [1]}}, "headers['H'] [1] (not a list of strings)"),
+    "metadata-list": ({"metadata": [1]}, "metadata [1] (not an object)"),
+    "metadata-string": ({"metadata": "garbage"}, "metadata 'garbage' (not an object)"),
+    "metadata-number-value": ({"metadata": {"k": 5}}, "metadata['k'] 5 (not a string)"),
+    "metadata-object-value": ({"metadata": {"k": {"a": "b"}}}, "metadata['k'] {'a': 'b'} (not a string)"),
+    "options-string": ({"options": "x"}, "options 'x' (not an object)"),
+    "options-list": ({"options": ["x"]}, "options ['x'] (not an object)"),
+    "chunk-size-string": ({"options": {"max_chunk_size": "131072"}}, "options.max_chunk_size '131072'"),
+    "chunk-size-negative": ({"options": {"max_chunk_size": -1}}, "options.max_chunk_size -1"),
+    "chunk-size-over-uint32": ({"options": {"max_chunk_size": 2**32}}, "options.max_chunk_size 4294967296"),
+    "chunk-size-float": ({"options": {"max_chunk_size": 1.5}}, "options.max_chunk_size 1.5"),
+    "mtime-number": ({"mtime": 12}, "mtime 12 (not a string)"),
+    "mtime-object": ({"mtime": {}}, "mtime {} (not a string)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LENIENT_WRONG_TYPES))
+def test_a_descriptive_field_of_the_wrong_json_type_is_ignored(case):
+    fields, reported = LENIENT_WRONG_TYPES[case]
+    doc = {"name": "x", "bucket": "b", "nuid": "abc", "size": 1, "chunks": 1, "mtime": "0001-01-01T00:00:00Z",
+           "digest": HELLO_DIGEST} | fields
+    why: list[str] = []
+    info = parse_meta("b", msg("x", doc), why.append)
+    assert (info.name, info.nuid, info.size, info.chunks, info.digest) == ("x", "abc", 1, 1, HELLO_DIGEST)
+    assert info.chunk_size == 0 and info.link is None and info.attrs is None and not info.deleted
+    assert len(why) == 1 and "meta for 'x' has fields of the wrong JSON type (ignored)" in why[0], why
+    assert reported in why[0], why
+    # A rewrite starts from the meta without what was ignored: one nats.go can read.
+    usable = usable_fields(doc)
+    assert usable == {k: v for k, v in doc.items() if k not in fields} | {
+        k: {e: v for e, v in value.items() if e not in ("Content-Type", "H", "k", "max_chunk_size")}
+        for k, value in fields.items() if isinstance(value, dict) and k in ("headers", "metadata", "options")}
+    why.clear()
+    parse_meta("b", msg("x", usable), why.append)
+    assert why == []
+
+
+def test_only_the_entries_of_the_wrong_type_are_ignored():
+    """A map keeps its entries of the right type; the rest of the options (a link) stays."""
+    doc = {"name": "x", "nuid": "abc", "size": 1, "chunks": 1,
+           "headers": {"Content-Type": "text/plain", "Good": ["a", None], "Null": None, "Bad": [1, "b"]},
+           "metadata": {"k": 5, "ok": "fine", "none": None, "natsfs.mode": 644, "natsfs.uid": "7"},
+           "options": {"link": {"bucket": "b", "name": "t"}, "max_chunk_size": "big"}}
+    why: list[str] = []
+    info = parse_meta("b", msg("x", doc), why.append)
+    assert info.link == Link("b", "t") and info.chunk_size == 0
+    assert info.attrs is not None and info.attrs.uid == 7 and info.attrs.mode is None
+    assert len(why) == 2, why
+    assert "headers['Content-Type']" in why[0] and "headers['Bad']" in why[0] and "metadata['k']" in why[0]
+    assert "options.max_chunk_size 'big'" in why[0] and "natsfs.mode" not in why[0]
+    assert "unusable natsfs.mode 644" in why[1]
+    usable = usable_fields(doc)
+    assert usable["headers"] == {"Good": ["a", None], "Null": None}
+    assert usable["metadata"] == {"ok": "fine", "none": None, "natsfs.uid": "7"}
+    assert usable["options"] == {"link": {"bucket": "b", "name": "t"}}
+    assert doc["headers"]["Content-Type"] == "text/plain"  # (the document read is left as it is)
+    assert usable_fields(usable) is usable
+
+
+def test_xattrs_never_turn_an_entry_of_the_wrong_type_into_text():
+    """Even on a meta read as written (not through `usable_fields`), a metadata value or a header entry
+    of the wrong type is no attribute; null ones read as empty, as nats.go reads them."""
+    doc = {"name": "x", "metadata": {"k": 5, "o": {"a": 1}, "ok": "v", "none": None},
+           "headers": {"Content-Type": "text/plain", "N": [1], "Good": ["a", None], "Null": None}}
+    assert xattrs.list_object(doc, 1) == [b"user.none", b"user.ok", b"user.nats.header.Good",
+                                          b"user.nats.header.Null"]
+    for name in ("user.k", "user.o", "user.nats.header.Content-Type", "user.nats.header.N"):
+        with pytest.raises(xattrs.NoAttribute):
+            xattrs.get_object(doc, 1, name)
+    assert xattrs.get_object(doc, 1, "user.ok") == b"v"
+    assert xattrs.get_object(doc, 1, "user.nats.header.Good") == b"a\n"
+
+
+def test_a_meta_with_many_entries_of_the_wrong_type_makes_one_short_message():
+    doc = {"name": "x", "nuid": "abc", "size": 1, "chunks": 1, "headers": {f"H{i}": str(i) for i in range(1000)}}
+    why: list[str] = []
+    parse_meta("b", msg("x", doc), why.append)
+    assert len(why) == 1 and "and 995 more" in why[0] and len(why[0]) < 1000
 
 
 def test_values_of_the_right_type_that_natsfs_cannot_use_are_ignored():

@@ -176,19 +176,27 @@ def test_reports_fields_a_mount_ignores_and_sizes_no_file_can_have():
         await put_object(ms, "b", "rdev", b"", chunk_size=CHUNK,
                          metadata={"natsfs.type": "char", "natsfs.rdev": str(2**70)})
         await put_object(ms, "b", "mtime", b"m", chunk_size=CHUNK, metadata={"natsfs.mtime_ns": "9" * 30})
-        md_list = dict(json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "good"))).data),
-                       name="md-list", metadata=["a"])
-        await ms.publish(meta_subject("b", "md-list"), json.dumps(md_list).encode(), {ROLLUP: "sub"})
+        # Descriptive fields of the wrong JSON type: ignored by a mount.
+        await put_object(ms, "b", "md-list", b"l", chunk_size=CHUNK, metadata=["a"])  # type: ignore[arg-type]
+        await put_object(ms, "b", "py-headers", b"p", chunk_size=CHUNK,
+                         headers={"Content-Type": "text/plain"})  # type: ignore[dict-item]
+        link = {"name": "link-typed-wrong", "bucket": "b", "nuid": new_nuid(), "size": 0, "chunks": 0,
+                "options": {"link": {"bucket": 7, "name": ["a"]}}}
+        await ms.publish(meta_subject("b", "link-typed-wrong"), json.dumps(link).encode(), {ROLLUP: "sub"})
         nuid = new_nuid()
         await ms.publish(chunk_subject("b", nuid), b"x")
         doc = {"name": "size", "bucket": "b", "nuid": nuid, "size": 2**63, "chunks": 1}
         await ms.publish(meta_subject("b", "size"), json.dumps(doc).encode(), {ROLLUP: "sub"})
         report = await fsck.check_bucket(store, "b")
-        # (metadata that is a list: a meta nats.go cannot read at all, malformed.)
+        # (A link whose bucket is a number: a meta nats.go cannot read, that decides what the object is.)
         assert kinds(report, left=True) == [
-            (fsck.BAD_FIELD, "mtime"), (fsck.BAD_FIELD, "rdev"), (fsck.BAD_FIELD, "uid"),
-            (fsck.BAD_META, meta_subject("b", "md-list")), (fsck.BAD_META, meta_subject("b", "size"))]
+            (fsck.BAD_FIELD, "md-list"), (fsck.BAD_FIELD, "mtime"), (fsck.BAD_FIELD, "py-headers"),
+            (fsck.BAD_FIELD, "rdev"), (fsck.BAD_FIELD, "uid"),
+            (fsck.BAD_META, meta_subject("b", "link-typed-wrong")), (fsck.BAD_META, meta_subject("b", "size"))]
         assert "natsfs.uid '1099511627776'" in next(f for f in report.findings if f.where == "uid").detail
+        assert "headers['Content-Type'] 'text/plain'" in next(
+            f for f in report.findings if f.where == "py-headers").detail
+        assert "metadata ['a'] (not an object)" in next(f for f in report.findings if f.where == "md-list").detail
 
     run(body)
 
