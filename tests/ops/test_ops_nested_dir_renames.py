@@ -20,11 +20,11 @@ import pyfuse3
 import pytest
 import trio
 from opskit import CTX, Env, errno_of
-from test_ops_changes_in_renamed_dirs import jittered
+from test_ops_changes_in_renamed_dirs import HeldWhen, jittered
 from test_ops_entries_in_renamed_dirs import stored_names
 from test_ops_upload_races import ino_of
 
-from natsfs.adr20 import BytesSource, ObjectStore
+from natsfs.adr20 import BytesSource, ObjectStore, meta_subject
 from natsfs.errors import DetachedPath
 from natsfs.inodes import DETACHED, InodeNo
 from natsfs.memstreams import MemoryStreams
@@ -102,6 +102,93 @@ def test_no_detached_path_becomes_an_object_name(ops_env):
         assert raised.value.errno == errno.ENOENT
         with pytest.raises(DetachedPath):
             await env.ns.resolve((DETACHED, "73"))
+
+    ops_env(body, setup=tree, bucket="b")
+
+
+def between_the_steps_for(monkeypatch: pytest.MonkeyPatch, env: Env, name: str) -> HeldWhen:
+    """Holds a rename's purge of `name`'s meta subject: its meta under the new name is published already."""
+    return HeldWhen(monkeypatch, env.store, "_purge_settled",
+                    lambda bucket, subject, *_: subject == meta_subject("b", name))
+
+
+def under(top: str, names: set[str]) -> set[str]:
+    return {top + n[1:] for n in names}
+
+
+RENAMED_SIBLINGS = {n.replace("T/A/", "T/A2/").replace("T/B/", "T/B2/") for n in TREE}
+
+
+async def renames_by_inode(env: Env, *renames: tuple[int, str, int, str]) -> list[int | None]:
+    """Each rename as the kernel sends it: by the directory inodes it holds (looked up before)."""
+    codes: list[int | None] = []
+    async with trio.open_nursery() as nursery:
+        for parent_old, old, parent_new, new in renames:
+            async def one(po: int = parent_old, o: str = old, pn: int = parent_new, n: str = new) -> None:
+                codes.append(await rename_errno(env, po, o, pn, n))
+            nursery.start_soon(one)
+            await env.settle()  # (in this order: each has reached the gate before the next starts)
+    return codes
+
+
+@pytest.mark.parametrize("held", ["child first", "parent first"])
+def test_a_parent_rename_and_two_sibling_renames_run_one_after_the_other(ops_env, monkeypatch, held):
+    """`mv T U` while `mv T/A T/A2` and `mv T/B T/B2` run (the kernel lets them all through at once: each
+    locks only its own parent). Whichever is under way first (held between its two steps for T/A/w1),
+    the others wait for it, and each acts on the paths the directories have when it runs: one tree,
+    U/A2 and U/B2, nothing under T/, A or B."""
+
+    async def body(env: Env):
+        t = await ino_of(env, "T")
+        await ino_of(env, "T/A")
+        await ino_of(env, "T/B")
+        parent = (1, "T", 1, "U")
+        siblings = [(t, "A", t, "A2"), (t, "B", t, "B2")]
+        hold = between_the_steps_for(monkeypatch, env, "T/A/w1")
+        with trio.fail_after(30):  # (a hang guard only)
+            async with trio.open_nursery() as nursery:
+                async def run_all() -> None:
+                    order = [siblings[0], parent, siblings[1]] if held == "child first" else [parent, *siblings]
+                    assert await renames_by_inode(env, *order) == [None, None, None]
+
+                nursery.start_soon(run_all)
+                await hold.held.wait()
+                await env.settle()
+                hold.release()
+        await env.settle()
+        assert stored_names(env) == under("U", RENAMED_SIBLINGS)
+        assert (await env.listdir(await ino_of(env, "U"))).names == ["A2", "B2"]
+        assert await env.cat("U/A2/C/w4") == b"T/A/C/w4"
+
+    ops_env(body, setup=tree, bucket="b")
+
+
+@pytest.mark.parametrize("held", ["move first", "parent first"])
+def test_a_subdirectory_moved_between_siblings_while_their_parent_is_renamed_lands_in_the_renamed_tree(
+        ops_env, monkeypatch, held):
+    """`mv T/A/C T/B/C` (by the inodes of T/A and T/B the kernel holds) while `mv T U` runs, either under
+    way first: C ends under U/B, with its files, nothing under T/ or the placeholder."""
+
+    async def body(env: Env):
+        a = await ino_of(env, "T/A")
+        b = await ino_of(env, "T/B")
+        await ino_of(env, "T/A/C")
+        move = (a, "C", b, "C")
+        parent = (1, "T", 1, "U")
+        hold = between_the_steps_for(monkeypatch, env, "T/A/C/w4")
+        with trio.fail_after(30):  # (a hang guard only)
+            async with trio.open_nursery() as nursery:
+                async def run_all() -> None:
+                    order = [move, parent] if held == "move first" else [parent, move]
+                    assert await renames_by_inode(env, *order) == [None, None]
+
+                nursery.start_soon(run_all)
+                await hold.held.wait()
+                await env.settle()
+                hold.release()
+        await env.settle()
+        assert stored_names(env) == under("U", {n.replace("T/A/C/", "T/B/C/") for n in TREE})
+        assert await env.cat("U/B/C/w5") == b"T/A/C/w5"
 
     ops_env(body, setup=tree, bucket="b")
 
