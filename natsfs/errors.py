@@ -31,6 +31,12 @@ class NotFound(NatsFSError):
     log_level = logging.DEBUG
 
 
+class DetachedPath(NotFound):
+    """A path under the inode table's placeholder for inodes whose name went away (`inodes.DETACHED`):
+    nothing lives there, and nothing may be stored there (a request by such an inode, e.g. a rename into
+    a directory removed or replaced meanwhile, fails as on a local disk)."""
+
+
 class AlreadyExists(NatsFSError):
     errno = _errno.EEXIST
     log_level = logging.DEBUG

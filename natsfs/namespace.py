@@ -21,8 +21,9 @@ import trio
 
 from .adr20 import ObjectInfo, ObjectStore, valid_bucket_name
 from .config import Config
-from .errors import NatsFSError, NotADirectory, NotFound
+from .errors import DetachedPath, NatsFSError, NotADirectory, NotFound
 from .index import BucketIndex, Dir
+from .inodes import DETACHED
 from .watcher import BucketWatcher, summary
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,13 @@ class Namespace:
 
     # ------------------------------------------------------------------ paths
     def split(self, path: Path) -> tuple[str | None, Path]:
-        """(bucket, path inside the bucket) of a mount path; bucket None for the root of a multi-bucket mount."""
+        """(bucket, path inside the bucket) of a mount path; bucket None for the root of a multi-bucket mount.
+        Every path becomes object names here: the path of a detached inode (`DETACHED`, under which no
+        lookup reaches it) names nothing, and is refused (`DetachedPath`, ENOENT) so that no object is
+        ever read or written under the inode table's placeholder."""
+        if path[:1] == (DETACHED,):
+            raise DetachedPath(f"{'/'.join(path[1:])}: the directory or file was removed or replaced "
+                               "(its inode is detached)")
         if self.single_bucket is not None:
             return self.single_bucket, path
         if not path:

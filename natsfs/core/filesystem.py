@@ -2078,6 +2078,11 @@ class Filesystem:
             # ended, meanwhile.
             src = await self._path_node(old)
             dst = await self._maybe_node(new)
+            # The target's directory must exist, as on a local disk (ENOENT): the kernel may hand a
+            # directory inode whose name went away meanwhile (renamed or removed; its old path shows
+            # nothing, or it was detached), and the objects moved under a path no directory holds
+            # split the tree (the renamed directory's contents under a second top directory).
+            await self._check_parent(new)
             with self._moving(old, new):
                 with self.files.changing(old, new):
                     replaced = await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
