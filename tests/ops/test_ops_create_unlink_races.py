@@ -53,6 +53,16 @@ async def open_creat_trunc_after_the_walk(env: Env, ino: int) -> pyfuse3.FileInf
     return await env.ops.open(again.st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
 
 
+async def writes_through_an_open_creat_trunc_after_the_walk(env: Env, ino: int) -> None:
+    """That open (`open_creat_trunc_after_the_walk`), a write and a close store the written bytes as
+    "old", with nothing in lost+found."""
+    fi = await open_creat_trunc_after_the_walk(env, ino)
+    assert await env.ops.write(fi.fh, 0, WRITTEN) == len(WRITTEN)
+    await close(env, fi)()
+    assert await stored(env, "old") == WRITTEN
+    assert lost_and_found(env) == []
+
+
 def test_an_open_creat_trunc_whose_walk_reached_a_file_unlinked_here_since_creates_it(ops_env):
     """The unlink ends between the open's walk and its permission check: the GETATTR of the unlinked
     inode shows the file it was, with no link (as on a local disk), so the open goes on, is refused
@@ -63,11 +73,7 @@ def test_an_open_creat_trunc_whose_walk_reached_a_file_unlinked_here_since_creat
         await unlink(env, "old")()
         attrs = await env.ops.getattr(ino, None)
         assert (attrs.st_nlink, attrs.st_size) == (0, len(V1))
-        fi = await open_creat_trunc_after_the_walk(env, ino)
-        assert await env.ops.write(fi.fh, 0, WRITTEN) == len(WRITTEN)
-        await close(env, fi)()
-        assert await stored(env, "old") == WRITTEN
-        assert lost_and_found(env) == []
+        await writes_through_an_open_creat_trunc_after_the_walk(env, ino)
 
     ops_env(body, setup=bucket_b, bucket="b")
 
@@ -151,11 +157,7 @@ def test_an_o_trunc_open_that_resolved_a_file_unlinked_here_before_it_registered
             assert await env.store.chunk_index("b", before.nuid) == []  # nothing held it: purged
             opening.release()
         assert answers == [errno.ESTALE]
-        fi = await open_creat_trunc_after_the_walk(env, ino)
-        assert await env.ops.write(fi.fh, 0, WRITTEN) == len(WRITTEN)
-        await close(env, fi)()
-        assert await stored(env, "old") == WRITTEN
-        assert lost_and_found(env) == []
+        await writes_through_an_open_creat_trunc_after_the_walk(env, ino)
 
     ops_env(body, setup=bucket_b, bucket="b")
 
