@@ -1774,6 +1774,9 @@ class PutSession:
             sender_quiet = False
             with trio.CancelScope(deadline=deadline):
                 sender_quiet = await self.store.file_sender.drop(self.nuid)
+            if not sender_quiet:
+                log.debug("%s: the upload worker did not say within %g s that it stopped sending it; purged "
+                          "once it does", self.subject, ABORT_CLEANUP_S)
         # (Not while there is no connection: the purge would only wait for one. The `PutLog` purges later.)
         if self._logged and not meta_unknown and sender_quiet and self.store.connected:
             with trio.CancelScope(deadline=deadline) as scope:
