@@ -1650,7 +1650,10 @@ class FileSender(Protocol):
 
     async def digest(self, session: str) -> bytes: ...
 
-    async def drop(self, session: str) -> None: ...
+    async def drop(self, session: str) -> bool:
+        """Stop sending `session` and forget it: True once nothing more of it can be published (False:
+        not known yet, ask again later)."""
+        ...
 
 
 class PutLog(Protocol):
@@ -1662,8 +1665,10 @@ class PutLog(Protocol):
     def finished(self, bucket: str, nuid: str) -> None:
         """The put's meta is stored: its chunks are in use."""
 
-    def failed(self, bucket: str, nuid: str, name: str, *, meta_unknown: bool, purged: bool) -> None:
-        """The put ended without a stored meta (or without knowing): its chunks must be settled later."""
+    def failed(self, bucket: str, nuid: str, name: str, *, meta_unknown: bool, purged: bool,
+               sender_busy: bool = False) -> None:
+        """The put ended without a stored meta (or without knowing): its chunks must be settled later;
+        with `sender_busy`, only once the store's `FileSender` says it sends nothing more of it (`drop`)."""
 
     def orphaned(self, bucket: str, nuid: str, name: str) -> None:
         """Chunks of a version that was `name` (replaced or deleted) could not be purged: settle later."""
@@ -1684,7 +1689,8 @@ class PutSession:
     publishes when there is one, and this process does otherwise. A session uses one way throughout.
     Chunk `i` is published with message id `<nuid>.<i>`, the meta with `<nuid>.meta`. Any chunk without
     an ack fails the put: the meta is only sent when every chunk was acknowledged. `abort` purges what
-    was sent, but only when the meta is known not to be stored; the store's `PutLog` is told of every
+    was sent, but only when the meta is known not to be stored and the `FileSender` sends nothing more
+    of it (its `drop` said so: asked first); the store's `PutLog` is told of every
     put that sent chunks and did not end with a stored meta, so leftovers are settled later.
     """
 
@@ -1811,8 +1817,19 @@ class PutSession:
         meta_unknown = self.meta_state == _META_SENT
         purged = False
         deadline = trio.current_time() + ABORT_CLEANUP_S
+        sender_quiet = True
+        if self.remote and self.store.file_sender is not None:
+            # The upload worker first stops sending it (a range of it may still be publishing as acks
+            # come): a chunk it published after the purge would be an orphan no record covers. Not told
+            # in time that it stopped: no purge now, the `PutLog` purges once it says so (or is gone).
+            sender_quiet = False
+            with trio.CancelScope(deadline=deadline):
+                sender_quiet = await self.store.file_sender.drop(self.nuid)
+            if not sender_quiet:
+                log.debug("%s: the upload worker did not say within %g s that it stopped sending it; purged "
+                          "once it does", self.subject, ABORT_CLEANUP_S)
         # (Not while there is no connection: the purge would only wait for one. The `PutLog` purges later.)
-        if self._logged and not meta_unknown and self.store.connected:
+        if self._logged and not meta_unknown and sender_quiet and self.store.connected:
             with trio.CancelScope(deadline=deadline) as scope:
                 try:
                     await self.store.streams.purge_subject(stream_name(self.bucket), self.subject)
@@ -1825,11 +1842,10 @@ class PutSession:
         if self._logged:
             put_log = self.store.put_log
             if put_log is not None:
-                put_log.failed(self.bucket, self.nuid, self.name, meta_unknown=meta_unknown, purged=purged)
+                put_log.failed(self.bucket, self.nuid, self.name, meta_unknown=meta_unknown, purged=purged,
+                               sender_busy=not sender_quiet)
             elif not purged:
                 log.warning("%s: chunks of an unfinished put are left (for fsck)", self.subject)
-        with trio.CancelScope(deadline=deadline):
-            await self._forget()
 
     async def _forget(self) -> None:
         if self.remote and self.store.file_sender is not None:

@@ -1393,7 +1393,11 @@ def _parse_api_reply(data: bytes | bytearray, subject: str) -> dict[str, Any]:
 # (see natsfs.uploader for the daemon's side): `send` (a range of a session; the reply counts its
 # chunks and says the most publishes of the session that were unacknowledged at once, never above its
 # window), `digest`, `drop`, `ping` (answered at once: the daemon kills a worker that stops answering);
-# ranges of one session are sent in offset order. Its connection is a
+# ranges of one session are sent in offset order. `drop` stops the session's ranges before their next
+# write (one waiting for a window slot or its turn included) and is answered (`quiet`) only once none of
+# them can publish anything more and the publishes they sent were answered (or waited for
+# `_WORKER_ACK_TIMEOUT`): the daemon purges a put it gives up on only after that, so no chunk lands
+# after its purge. Its connection is a
 # `_Link` too: when it is lost, the chunks in flight fail at once (their outcome unknown), the rest of
 # the session is refused, and the next put uses the new connection.
 
@@ -1422,6 +1426,10 @@ class _WorkerSession:
         self.most_in_flight = 0
         self.slot = asyncio.Event()
         self.failed: dict[str, Any] | None = None  # the error that ended this session, for later ranges
+        self.dropped = False  # the daemon gave the put up: nothing more of it is written
+        self.ranges = 0  # ranges being sent or waiting for their turn or their acks
+        self.idle = asyncio.Event()  # set while `ranges` is 0
+        self.idle.set()
 
     def hash(self, pieces: list[memoryview], buffer: bytearray) -> None:
         """Feed `pieces` (of `buffer`) to the hash on the hashing thread (hashlib drops the GIL for large
@@ -1436,7 +1444,7 @@ class _WorkerSession:
             await self.hashed.popleft()
 
     async def take_slot(self) -> None:
-        while self.in_flight >= self.window:
+        while self.in_flight >= self.window and not self.dropped:  # (a drop wakes it: see `drop`)
             self.slot.clear()
             await self.slot.wait()
         self.in_flight += 1
@@ -1445,6 +1453,22 @@ class _WorkerSession:
     def free_slots(self, n: int) -> None:
         self.in_flight -= n
         self.slot.set()
+
+    async def drop(self) -> None:
+        """Stop the session's ranges before their next write, and wait until none is left (the acks of
+        what they sent answered, or waited for `_WORKER_ACK_TIMEOUT`): nothing more of it is published."""
+        self.dropped = True
+        if self.failed is None:
+            self.failed = {"description": "upload worker: the put was given up", "code": 503, "err_code": 0,
+                           "kind": "unavailable"}
+        self.slot.set()  # a range waiting for a window slot stops
+        async with self.turn:
+            self.turn.notify_all()  # ranges waiting for their turn stop
+        await self.idle.wait()
+
+
+class _Dropped(Exception):
+    """A range's session was dropped: its next publishes are not written."""
 
 
 def _hash_all(hasher: Any, pieces: list[memoryview]) -> None:
@@ -1583,10 +1607,15 @@ async def _send_piece(link: _Link, s: _WorkerSession, acks: _RangeAcks, fd: int,
         copies = [bytes(payload) for payload in payloads]
         s.hash(payloads, buffer)
         for data, msg_id in zip(copies, msg_ids, strict=True):
+            if s.dropped:
+                raise _Dropped
             acks.tokens.append(await link.send(subject, data, {"Nats-Msg-Id": msg_id}, acks, timeout=30,
                                                generation=generation))
             acks.sent += 1
         return
+    if s.dropped:  # (checked after the last await: a drop answered since must see nothing more written)
+        s.hashing.done_with(buffer)
+        raise _Dropped
     s.hash(payloads, buffer)  # (the buffer is reused only after this is hashed: it is written before that)
     for token in tokens:
         link.waiters[token] = acks
@@ -1613,7 +1642,19 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
     """Publish a file range as chunks. Ranges of a session are read and published strictly in offset
     order (a range waits for its turn) on one connection, with at most the session's window of acks
     outstanding; the bytes are hashed on the hashing thread meanwhile. A range's acks are awaited
-    outside its turn, so the next range is already being sent while this one's acks come back."""
+    outside its turn, so the next range is already being sent while this one's acks come back. A
+    dropped session's range stops before its next write and still waits for the acks of what it sent."""
+    s.ranges += 1
+    s.idle.clear()
+    try:
+        return await _send_range(link, req, s)
+    finally:
+        s.ranges -= 1
+        if not s.ranges:
+            s.idle.set()
+
+
+async def _send_range(link: _Link, req: dict[str, Any], s: _WorkerSession) -> dict[str, Any]:
     subject, path, start, end, chunk = req["subject"], req["path"], req["start"], req["end"], req["chunk_size"]
     # Chunk i of put `session` is message `<session>.<i>` (JetStream de-duplication, as in adr20.PutSession).
     first_index = start // chunk
@@ -1627,18 +1668,24 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
         try:
             pos = start
             per_piece = max(1, min(s.window, _WORKER_READ // chunk))
-            while pos < end:
+            while pos < end and not s.dropped:
                 sizes = [min(chunk, end - p) for p in range(pos, min(end, pos + per_piece * chunk), chunk)]
-                for _ in sizes:
-                    await s.take_slot()
-                msg_ids = [f"{req['session']}.{first_index + acks.sent + i}" for i in range(len(sizes))]
+                sent_before, taken = acks.sent, 0
                 try:
+                    for _ in sizes:
+                        await s.take_slot()
+                        taken += 1
+                    if s.dropped:
+                        raise _Dropped
+                    msg_ids = [f"{req['session']}.{first_index + acks.sent + i}" for i in range(len(sizes))]
                     await _send_piece(link, s, acks, fd, pos, sizes, msg_ids, generation)
                 except BaseException:
-                    s.free_slots(len(sizes) - (acks.sent - (pos - start) // chunk))
+                    s.free_slots(taken - (acks.sent - sent_before))
                     raise
                 await s.hashed_upto(1)
                 pos += sum(sizes)
+        except _Dropped:
+            pass  # what was sent is still waited for below
         except Exception as e:
             acks.settle(link)
             s.failed = _worker_error(e, subject)
@@ -1646,7 +1693,8 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
         finally:
             os.close(fd)
             s.turn.notify_all()
-        s.next_start = end
+        if not s.dropped:
+            s.next_start = end
     acks.done = True
     acks.check()
     try:
@@ -1656,6 +1704,9 @@ async def _worker_send(link: _Link, req: dict[str, Any], s: _WorkerSession) -> d
             f"publish to {subject} not acknowledged in {_WORKER_ACK_TIMEOUT:g}s")
     finally:
         acks.settle(link)
+    if s.dropped:
+        assert s.failed is not None
+        return {"error": s.failed}
     if acks.error is not None:
         s.failed = _worker_error(acks.error, subject)
         async with s.turn:
@@ -1681,27 +1732,7 @@ async def _worker_main(connection: Connection) -> None:
     hashing = _Hashing()
 
     async def handle(req: dict[str, Any]) -> None:
-        session = req.get("session", "")
-        try:
-            op = req["op"]
-            if op == "send":
-                s = sessions.get(session) or sessions.setdefault(
-                    session, _WorkerSession(req.get("window", _WORKER_WINDOW), hashing))
-                body = await _worker_send(link, req, s)
-            elif op == "digest":
-                s = sessions.get(session) or sessions.setdefault(session, _WorkerSession(_WORKER_WINDOW, hashing))
-                await s.hashed_upto(0)
-                body = {"digest": s.hasher.digest().hex(), "bytes": s.next_start}
-            elif op == "drop":
-                sessions.pop(session, None)
-                body = {}
-            elif op == "ping":  # the daemon's check that this loop still runs (see natsfs.uploader)
-                body = {}
-            else:
-                body = {"error": {"description": f"unknown op {op}", "code": 400, "err_code": 0}}
-        except Exception as e:  # the daemon falls back to publishing itself
-            body = {"error": {"description": f"upload worker: {e!r}", "code": 503, "err_code": 0,
-                              "kind": "unavailable"}}
+        body = await _worker_handle(link, sessions, hashing, req)
         out.write(json.dumps({"id": req["id"], **body}).encode() + b"\n")
         out.flush()
 
@@ -1713,6 +1744,38 @@ async def _worker_main(connection: Connection) -> None:
     # stdin closed: the daemon is done with us. Don't linger if the server is gone.
     with contextlib.suppress(Exception):
         await asyncio.wait_for(link.close(), 3)
+
+
+async def _worker_handle(link: _Link, sessions: dict[str, _WorkerSession], hashing: _Hashing,
+                         req: dict[str, Any]) -> dict[str, Any]:
+    """The reply to one request of the daemon (without its id)."""
+    session = req.get("session", "")
+    try:
+        op = req["op"]
+        if op == "send":
+            s = sessions.get(session) or sessions.setdefault(
+                session, _WorkerSession(req.get("window", _WORKER_WINDOW), hashing))
+            return await _worker_send(link, req, s)
+        if op == "digest":
+            s = sessions.get(session) or sessions.setdefault(session, _WorkerSession(_WORKER_WINDOW, hashing))
+            await s.hashed_upto(0)
+            return {"digest": s.hasher.digest().hex(), "bytes": s.next_start}
+        if op == "drop":
+            # Answered once nothing more of the session is published (the daemon purges the put after
+            # this); a session unknown here has nothing in flight. Dropped again (the daemon asks again
+            # when it could not wait for the first answer): answered once the first drop is done too.
+            dropped = sessions.get(session)
+            if dropped is not None:
+                await dropped.drop()
+                if sessions.get(session) is dropped:
+                    del sessions[session]
+            return {"quiet": True}
+        if op == "ping":  # the daemon's check that this loop still runs (see natsfs.uploader)
+            return {}
+        return {"error": {"description": f"unknown op {op}", "code": 400, "err_code": 0}}
+    except Exception as e:  # the daemon falls back to publishing itself
+        return {"error": {"description": f"upload worker: {e!r}", "code": 503, "err_code": 0,
+                          "kind": "unavailable"}}
 
 
 def _read_worker_connection(fd: int) -> Connection:

@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from .adr20 import (
+    ABORT_CLEANUP_S,
     ATTR_MTIME,
     SMALL_PUT_MAX,
     BytesSource,
@@ -309,6 +310,17 @@ class Mutations:
                         len(waiting), shown, error)
 
     async def _settle_put(self, bucket: str, nuid: str, put: UnfinishedPut) -> bool:
+        if put.sender_busy:
+            # The upload worker may still publish chunks of it (it did not answer the put's drop in time):
+            # purged once it says it stopped, or once it is gone (reaped), never before.
+            sender = self.store.file_sender
+            if sender is not None:
+                with trio.move_on_after(ABORT_CLEANUP_S):
+                    put.sender_busy = not await sender.drop(nuid)
+                if put.sender_busy:
+                    return False
+            put.sender_busy = False
+            put.purged_at = None  # (anything purged before it stopped is purged again)
         if put.purged_at is None:
             if put.meta_unknown:
                 # The meta may still be in the server's queue, stored after a read that did not see it:

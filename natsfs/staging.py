@@ -90,6 +90,9 @@ class UnfinishedPut:
     meta_unknown: bool  # the meta may be stored: read back before purging
     purged_at: float | None = None  # trio time of the last purge; checked empty some seconds later
     reported: bool = False
+    # The upload worker did not say yet that it sends nothing more of it (`FileSender.drop`): purged only
+    # once it does, or is gone.
+    sender_busy: bool = False
 
 
 class PutJournal:
@@ -199,9 +202,10 @@ class PutJournal:
         if len(self._closes) >= _CLOSES_HELD:
             self._append(None)
 
-    def failed(self, bucket: str, nuid: str, name: str, *, meta_unknown: bool, purged: bool) -> None:
+    def failed(self, bucket: str, nuid: str, name: str, *, meta_unknown: bool, purged: bool,
+               sender_busy: bool = False) -> None:
         self.active.pop((bucket, nuid), None)
-        self.pending[(bucket, nuid)] = UnfinishedPut(name, meta_unknown, None)
+        self.pending[(bucket, nuid)] = UnfinishedPut(name, meta_unknown, None, sender_busy=sender_busy)
         if purged:
             self.pending[(bucket, nuid)].purged_at = trio.current_time()
 

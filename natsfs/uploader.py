@@ -5,6 +5,8 @@ for the GIL. `UploadWorker` starts `python -I -m natsfs.bridge upload-worker` (i
 connection) and hands it byte ranges of spool files to send as chunks of a put session; the worker
 hashes what it sends, so the digest of a session is asked of it too. Requests are JSON lines over
 pipes (trio). If the worker is gone, callers fall back to publishing in-process (`alive` is False).
+A put given up is dropped (`drop`) before its chunks are purged: the worker answers only once nothing
+more of it can be published, and while it has not answered, the put is not settled (see `drop`).
 
 A worker that dies (a crash, `kill -9`, the OOM killer) is reaped at once, said at WARNING, and a new
 one started (`retry.Restarts`: a worker that dies at once every time is started less and less often,
@@ -38,7 +40,7 @@ import trio
 
 from . import affinity
 from .auth import Connection
-from .errors import JetStreamAPIError, NatsFSError, OutcomeUnknown, Unavailable
+from .errors import JetStreamAPIError, OutcomeUnknown, Unavailable
 from .jetstream import map_publish_error
 from .retry import Restarts, Silence, describe_exit
 from .secrecy import child_environment
@@ -198,8 +200,7 @@ class UploadWorker:
     async def _call(self, body: dict[str, Any]) -> dict[str, Any]:
         child = self._child
         session = body.get("session")
-        began_on = None if session is None else (
-            self._sessions.pop(session, None) if body["op"] == "drop" else self._sessions.get(session))
+        began_on = None if session is None else self._sessions.get(session)
         if not self.alive or child is None or child.proc.stdin is None:
             raise Unavailable("upload worker is not running")
         if session is not None and began_on is None and body["op"] == "send":
@@ -253,9 +254,26 @@ class UploadWorker:
     async def digest(self, session: str) -> bytes:
         return bytes.fromhex((await self._call({"op": "digest", "session": session}))["digest"])
 
-    async def drop(self, session: str) -> None:
-        with contextlib.suppress(NatsFSError):
-            await self._call({"op": "drop", "session": session})
+    async def drop(self, session: str) -> bool:
+        """Tell the worker to give `session` up. True once nothing more of it can be published: the worker
+        answered that its ranges of it stopped (and what they sent was answered), or the worker process
+        it began on is gone (reaped), or it never had it. False while that is not known (no answer yet:
+        the caller's deadline passed, or the worker is dying): ask again later (a drop is idempotent)."""
+        began_on = self._sessions.get(session)
+        if began_on is None:
+            return True
+        child = self._child
+        if child is None or child.generation != began_on or child.proc.returncode is not None:
+            del self._sessions[session]  # (its process was reaped before another was started)
+            return True
+        try:
+            reply = await self._request(child, {"op": "drop", "session": session})
+        except Unavailable:
+            return False  # dying: once reaped, the next call says True
+        if reply.get("error") or not reply.get("quiet"):
+            return False  # (not a worker of this version: no promise that it stopped)
+        self._sessions.pop(session, None)
+        return True
 
     async def close(self) -> None:
         self._closing = True

@@ -58,6 +58,25 @@ def _unfinished_puts(mountpoint: Path) -> int:
     return int(json.loads(os.getxattr(mountpoint, "user.natsfs.stats"))["unfinished_puts"])
 
 
+def _orphan_chunk_subjects(url: str, bucket: str) -> list[str]:
+    """The chunk subjects of `bucket` no live meta references (read by a fresh nats-py client)."""
+
+    async def fn(nc: Any, js: Any) -> list[str]:
+        stream = f"OBJ_{bucket}"
+        request = json.dumps({"subjects_filter": f"$O.{bucket}.>"}).encode()
+        info = json.loads((await nc.request(f"$JS.API.STREAM.INFO.{stream}", request, timeout=10)).data)
+        subjects = info["state"].get("subjects") or {}
+        in_use = set()
+        for subject in subjects:
+            if f"$O.{bucket}.M." in subject:
+                meta = json.loads((await nc.request(f"$JS.API.DIRECT.GET.{stream}.{subject}", b"", timeout=10)).data)
+                if not meta.get("deleted"):
+                    in_use.add(f"$O.{bucket}.C.{meta['nuid']}")
+        return sorted(s for s in subjects if f"$O.{bucket}.C." in s and s not in in_use)
+
+    return with_nats(url, lambda nc, js: asyncio.wait_for(fn(nc, js), 60))
+
+
 def _what_the_bucket_holds(url: str, bucket: str, name: str) -> dict[str, Any] | None:
     """None if `name` has no live meta; else its meta's size, chunk count and digest, and what its chunk
     subject holds (count, bytes' digest), read one message at a time with a timeout on each request."""
@@ -118,6 +137,9 @@ def test_closes_while_the_server_is_stopped_leave_no_meta_without_its_chunks(pri
         for name, outcome in outcomes.items():
             assert outcome.endswith("close EIO"), (r, name, outcome)  # on time, the bytes in lost+found
         assert wait_for(lambda: _unfinished_puts(m.path) == 0, timeout=120, interval=0.2), m.log()[-3000:]
+        # Settled: no chunk of a put that was given up is left (not even one the upload worker published
+        # after the put's purge: it is purged only once the worker said it sends nothing more of it).
+        assert _orphan_chunk_subjects(url, "b") == [], r
         for name in FILES:
             held = _what_the_bucket_holds(url, "b", f"r{r}/{name}")
             if held is None:

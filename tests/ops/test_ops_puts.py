@@ -6,18 +6,20 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pyfuse3
 import pytest
 import trio
+import trio.testing
 from gowriters import put_object
 from opskit import Ctx, Env, errno_of
 
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
 from natsfs.compose import spool_root
-from natsfs.errors import OutcomeUnknown, Unavailable
+from natsfs.errors import NatsFSError, OutcomeUnknown, Unavailable
 from natsfs.memstreams import MemoryStreams
 from natsfs.staging import PutJournal
 from natsfs.streams import MSG_ID, ROLLUP
@@ -343,8 +345,103 @@ class LocalSender:
     async def digest(self, session: str) -> bytes:
         return self.hashers[session].digest()
 
-    async def drop(self, session: str) -> None:
+    async def drop(self, session: str) -> bool:
         self.hashers.pop(session, None)
+        return True  # (its `send_range` publishes everything in one call: nothing is left in flight)
+
+
+class SlowWorker:
+    """A `FileSender` that sends the way the upload worker does: a window of chunks, the next one only once
+    the server acknowledged it; a dropped session stops before its next window, and `drop` returns once
+    no range of it can publish any more. The server's answer to the first window is held until `release`:
+    the window is stored then (as nats-server stores what it read from a connection), acknowledged, and
+    sending goes on."""
+
+    alive = True
+
+    def __init__(self, ms: MemoryStreams, window: int = 2):
+        self.ms = ms
+        self.window = window
+        self.released = trio.Event()
+        self.first_window_sent = trio.Event()
+        self.dropped: set[str] = set()
+        self.running: Counter[str] = Counter()
+        self.changed = trio.Event()
+
+    def release(self) -> None:
+        self.released.set()
+
+    async def send_range(self, session: str, subject: str, path: str, start: int, end: int, chunk_size: int,
+                         window: int) -> None:
+        data = Path(path).read_bytes()[start:end]
+        msgs = [(subject, data[pos : pos + chunk_size], {MSG_ID: f"{session}.{(start + pos) // chunk_size}"})
+                for pos in range(0, len(data), chunk_size)]
+        # The range is sent by the worker process: a daemon that stops waiting for it does not stop it.
+        done, failed = trio.Event(), list[BaseException]()
+        self.running[session] += 1
+        trio.lowlevel.spawn_system_task(self._send, session, msgs, done, failed)
+        await done.wait()
+        if failed:
+            raise failed[0]
+
+    async def _send(self, session: str, msgs: list[Any], done: trio.Event, failed: list[BaseException]) -> None:
+        try:
+            for at in range(0, len(msgs), self.window):
+                if session in self.dropped:
+                    raise Unavailable("dropped")
+                self.first_window_sent.set()
+                await self.released.wait()
+                await self.ms.publish_many(msgs[at : at + self.window])
+        except NatsFSError as e:
+            failed.append(e)
+        finally:
+            self.running[session] -= 1
+            self.changed.set()
+            done.set()
+
+    async def digest(self, session: str) -> bytes:
+        raise AssertionError("never asked: the put does not get that far")
+
+    async def drop(self, session: str) -> bool:
+        self.dropped.add(session)
+        while self.running[session]:
+            self.changed = trio.Event()
+            await self.changed.wait()
+        return True
+
+
+@pytest.mark.expect_log("flush: ", "b/big: closed without a successful upload")
+def test_a_put_given_up_while_the_worker_sends_leaves_no_chunk_once_settled(ops_env):
+    """The close deadline gives a put up while the upload worker still sends it (its acks held): its chunks
+    are purged only after the worker said it sends nothing more of it, so none is stored after the purge
+    (an orphan no record covers) and the put's record closes only once its chunk subject is empty."""
+
+    async def body(env: Env):
+        worker = SlowWorker(env.streams)
+        env.store.file_sender = worker
+        fi = await create_and_write(env, "big", DATA)  # 4 chunks: two windows
+        assert await err(env.ops.flush(fi.fh)) == errno.EIO  # past --flush-timeout: given up
+        assert worker.first_window_sent.is_set()
+        await env.ops.release(fi.fh)
+        (nuid,) = worker.dropped
+        journal = env.fs.mut.journal
+        assert ("b", nuid) in journal.pending
+        await env.fs.mut.settle_puts()  # (the worker still did not say it stopped)
+        worker.release()  # its first window is stored now; it sends no second one
+        with trio.fail_after(60):
+            while worker.running[nuid]:
+                await trio.sleep(0.1)
+        for _ in range(10):
+            await env.fs.mut.settle_puts()
+            if ("b", nuid) not in journal.pending:
+                break
+        assert ("b", nuid) not in journal.pending
+        assert chunk_msgs(env, nuid) == 0, "chunks of the given-up put stored after its purge"
+        assert all_chunk_msgs(env) == 1  # old.txt's
+        assert await env.store.get_info("b", "big") is None
+
+    ops_env(body, setup=one_bucket, purge_check_delay=0.0, flush_timeout=0.5,
+            clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 @pytest.mark.expect_log("the meta publish got no answer .* it may or may not be stored")

@@ -159,3 +159,39 @@ def test_a_busy_worker_that_answers_pings_is_not_killed_however_long_its_request
     first, pid, took = trio.run(main)
     assert pid == first and took > worker.hung_after
     assert "did not answer" not in caplog.text
+
+
+def test_a_drop_the_worker_does_not_answer_is_not_taken_for_done_until_that_worker_is_reaped(monkeypatch):
+    """The daemon purges a put it gave up only once the worker says it sends nothing more of it. A worker
+    that never answers says nothing: `drop` is False (the put is not settled), and True only once that
+    worker process is gone (killed as hung, reaped, replaced), without asking the new one."""
+    _stand_in_workers(monkeypatch, [-1, 0])
+    worker = uploader.UploadWorker(Connection(servers=("nats://127.0.0.1:1",)), Restarts(first=0.01),
+                                   hung_after=3.0, ping_every=0.1)  # (long: the drops below come first)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await worker.start(nursery)
+            first = worker.pid
+
+            async def send() -> None:
+                with pytest.raises(uploader.Unavailable):
+                    await worker.send_range("S", "$O.b.C.S", "/dev/null", 0, 1, 1, 1)
+
+            nursery.start_soon(send)
+            with trio.fail_after(10):
+                while "S" not in worker._sessions:
+                    await trio.sleep(0.01)
+            with trio.move_on_after(0.1) as waited:
+                await worker.drop("S")
+            assert waited.cancelled_caught  # (no answer: its caller's deadline passes)
+            with trio.fail_after(20):
+                assert await worker.drop("S") is False  # it never answered: it was killed meanwhile
+                while worker.pid == first or not worker.alive:
+                    await trio.sleep(0.01)
+            assert await worker.drop("S") is True  # that process is reaped: nothing more of S is sent
+            assert "S" not in worker._sessions
+            await worker.close()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
