@@ -49,6 +49,7 @@ from ..errors import (
     BadName,
     Conflict,
     Corrupt,
+    DetachedPath,
     InvalidArgument,
     IsADirectory,
     KernelSizeStale,
@@ -726,7 +727,11 @@ class Filesystem:
 
     def _staged_node(self, sf: StagedFile) -> Node:
         info = sf.as_info()
-        return Node(FILE, sf.bucket, self.ns.split(sf.path)[1], None, info, sf.mtime_ns)
+        try:
+            rel = self.ns.split(sf.path)[1]
+        except DetachedPath:
+            rel = ()  # unlinked or replaced while open: a file without a name (it is never stored)
+        return Node(FILE, sf.bucket, rel, None, info, sf.mtime_ns)
 
     def _refuse_if_read_only(self) -> None:
         if self.config.read_only:

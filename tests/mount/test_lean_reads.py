@@ -139,9 +139,15 @@ def test_a_lost_lean_connection_fails_what_is_in_flight_at_once_and_is_replaced(
             while True:
                 try:
                     whole, _ = await read_both_ways(js, "kick")
-                    break
                 except Unavailable:
                     await trio.sleep(0.1)
+                    continue
+                if len(whole) == len(chunks):
+                    break
+                # Cut short: the lean connection seen above was the one the server had just closed (a
+                # restart), and the batch went over the main one within its fallback budget.
+                assert [bytes(d) for *_, d in whole] == chunks[: len(whole)]
+                await trio.sleep(0.1)
         assert [bytes(d) for *_, d in whole] == chunks
 
     async def main() -> None:

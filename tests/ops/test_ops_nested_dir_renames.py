@@ -15,6 +15,7 @@ on a local disk (ENOENT), and no path under the placeholder ever becomes an obje
 from __future__ import annotations
 
 import errno
+import os
 
 import pyfuse3
 import pytest
@@ -25,6 +26,7 @@ from test_ops_entries_in_renamed_dirs import stored_names
 from test_ops_upload_races import ino_of
 
 from natsfs.adr20 import BytesSource, ObjectStore, meta_subject
+from natsfs.core.filesystem import AttrChanges
 from natsfs.errors import DetachedPath
 from natsfs.inodes import DETACHED, InodeNo
 from natsfs.memstreams import MemoryStreams
@@ -256,3 +258,28 @@ def test_a_top_directory_renamed_in_a_loop_while_its_subdirectories_are_renamed_
         assert {n.rsplit("/", 1)[-1] for n in names if not n.endswith("/")} == {"w1", "w2", "w3", "w4", "w5"}
 
     ops_env(body, setup=tree, bucket="b")
+
+
+def test_a_file_open_here_whose_name_went_to_a_directory_is_still_truncated_and_stat(ops_env):
+    """A file open for appending, unlinked, its name then taken by a directory: its inode is detached
+    (its path is under the inode table's placeholder), yet its handle's `ftruncate` and `fstat` work, as
+    on a local disk; nothing is stored under the placeholder (no name is, the file being unlinked). The
+    refusal of placeholder paths (`Namespace.split`) failed them with ENOENT."""
+    async def setup(ms, store: ObjectStore) -> None:
+        await store.create_bucket("b")
+        await store.put("b", "d/", BytesSource(b""), expected_revision=0)  # a directory "d" with a marker
+        await store.put("b", "d/c", BytesSource(b"data"), expected_revision=0)
+
+    async def body(env: Env) -> None:
+        d, c = await ino_of(env, "d"), await ino_of(env, "d/c")
+        fi = await env.ops.open(c, os.O_WRONLY | os.O_APPEND, CTX)
+        await env.ops.unlink(d, b"c", CTX)
+        await env.ops.mkdir(d, b"c", 0o755, CTX)
+        assert (await env.fs.setattr(c, AttrChanges(size=7394))).size == 7394
+        assert (await env.ops.getattr(c, CTX)).st_size == 7394
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        assert (await env.lookup("d/c")).st_mode & 0o170000 == 0o040000  # the directory
+        assert not [n for n in stored_names(env) if "\x00" in n]
+
+    ops_env(body, setup=setup, bucket="b")
