@@ -487,6 +487,9 @@ class StagedFile:
         self.resumed = False
         # Why the last store of it at a close failed: said again where its bytes end up in lost+found.
         self.store_failure: str | None = None
+        # The operation whose store failed: "truncate" for a truncate(2) of a path no writer had open,
+        # whose bytes then go to lost+found without any close (the line saying so names it, not a close).
+        self.failed_by = "close"
         # The cancel scope of an upload attempt that a change of the content may interrupt (the
         # write-back uploader's, see `interruptible_upload`); None: a change waits for the upload.
         self._interruptible: trio.CancelScope | None = None

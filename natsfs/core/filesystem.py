@@ -73,7 +73,7 @@ from ..names import NAME_MAX, placement
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from ..openers import Openers, ProcOpeners
 from ..secrecy import redact_urls
-from ..staging import StagedFile, Staging
+from ..staging import StagedFile, Staging, WriteState
 from ..status import recent_problems
 from ..streams import Payload
 from .openfiles import OpenFileTable
@@ -1692,8 +1692,12 @@ class Filesystem:
                 # The one line per file that says what became of its bytes, with why (the close's own
                 # line, if it failed, says it once for a run of files refused alike: see `FailureLog`).
                 why = f" ({sf.store_failure})" if sf.store_failure else ""
-                log.error("%s/%s: closed without a successful upload%s; the bytes are kept at %s", sf.bucket,
-                          sf.name, why, kept)
+                if sf.failed_by == "truncate":
+                    log.error("truncate: %s/%s: not stored%s; the bytes are kept at %s", sf.bucket, sf.name,
+                              why, kept)
+                else:
+                    log.error("%s/%s: closed without a successful upload%s; the bytes are kept at %s",
+                              sf.bucket, sf.name, why, kept)
         else:
             self.mut.discard(sf)
 
@@ -1731,28 +1735,40 @@ class Filesystem:
             raise IsADirectory("/".join(node.rel))
         while True:
             sf = self._stage(inode, node)
-            # Pinned until stored (or left to a writer's close): a last close meanwhile leaves it to this
-            # truncate, and once none pins it and no handle has it open, `_pinned` drops it.
-            async with self._pinned(sf):
-                async with self._changing(sf):
-                    if not sf.ended:
-                        await self._fill(sf, upto=changes.size)
-                        await sf.truncate(changes.size)
-                if sf.ended:
-                    # Dropped while this truncate waited (stored and dropped by a close, another truncate,
-                    # or kept after a conflict): stage again from what the file is now.
-                    node = await self._node(inode)
-                    continue
-                self.mut.after_write(sf, changes.size)
-                if changes.posix:
-                    await self._set_posix(inode, node, changes)
-                if not self.files.has_writers(inode):
-                    # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
-                    await (self._upload(inode) if self.writeback is None else self._store_or_journal(inode))
-                else:
-                    # Left to the writers' close; if they flushed already (their last release is all that
-                    # is left), that release stores it rather than taking it for a failed store.
-                    self.files.defer_store(inode, True)
+            try:
+                # Pinned until stored (or left to a writer's close): a last close meanwhile leaves it to this
+                # truncate, and once none pins it and no handle has it open, `_pinned` drops it.
+                async with self._pinned(sf):
+                    async with self._changing(sf):
+                        if not sf.ended:
+                            await self._fill(sf, upto=changes.size)
+                            await sf.truncate(changes.size)
+                    if sf.ended:
+                        # Dropped while this truncate waited (stored and dropped by a close, another truncate,
+                        # or kept after a conflict): stage again from what the file is now.
+                        node = await self._node(inode)
+                        continue
+                    self.mut.after_write(sf, changes.size)
+                    if changes.posix:
+                        await self._set_posix(inode, node, changes)
+                    if not self.files.has_writers(inode):
+                        # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
+                        try:
+                            await (self._upload(inode) if self.writeback is None else self._store_or_journal(inode))
+                        except NatsFSError as e:
+                            # Said where `_pinned` keeps the bytes in lost+found, as the truncate's refusal.
+                            sf.store_failure = str(e).removeprefix(f"{sf.bucket}/{sf.name}: ")
+                            sf.failed_by = "truncate"
+                            raise
+                    else:
+                        # Left to the writers' close; if they flushed already (their last release is all that
+                        # is left), that release stores it rather than taking it for a failed store.
+                        self.files.defer_store(inode, True)
+            except NatsFSError as e:
+                if sf.failed_by == "truncate" and sf.state == WriteState.KEPT:
+                    # The line that says where the bytes went gave the reason: one line per refused truncate.
+                    e.log_level = logging.DEBUG
+                raise
             return self._attr(inode, await self._node(inode))
 
     async def _set_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:

@@ -85,7 +85,7 @@ async def rename(env: Env, old: str, new: str) -> None:
 
 
 # (The bytes of a refused truncate are kept in lost+found, as those of any refused store.)
-@pytest.mark.expect_log(r"plain.txt: closed without a successful upload; the bytes are kept at")
+@pytest.mark.expect_log(r"truncate: b/plain.txt: not stored \(.*over --max-meta-bytes 2048.*\); the bytes are kept at")
 def test_changes_that_grow_a_meta_at_the_limit_are_refused(ops_env, caplog):
     async def body(env: Env):
         ino = (await env.lookup("b/edge.txt")).st_ino
@@ -110,6 +110,10 @@ def test_changes_that_grow_a_meta_at_the_limit_are_refused(ops_env, caplog):
         before = await revision(env, "plain.txt")
         assert await err(truncate(env, plain, 10**5)) == errno.E2BIG
         assert await revision(env, "plain.txt") == before
+        # One line says it, as a truncate (nothing was closed), with the reason and where the bytes went.
+        said = [r.getMessage() for r in caplog.records if "plain.txt" in r.getMessage() and r.levelno >= logging.INFO]
+        assert len(said) == 1 and said[0].startswith("truncate: b/plain.txt: not stored ("), said
+        assert "over --max-meta-bytes 2048" in said[0] and "the bytes are kept at" in said[0]
         await truncate(env, plain, 4)
         assert await env.cat("b/plain.txt") == b"some"
         assert await meta_bytes(env, "plain.txt") == LIMIT - 1
