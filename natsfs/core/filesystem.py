@@ -1399,7 +1399,14 @@ class Filesystem:
             self.files.defer_store(handle.ino, True)
             return
         self.files.defer_store(handle.ino, False)
-        await self._store_or_journal(handle.ino)
+        try:
+            await self._store_or_journal(handle.ino)
+        except NatsFSError:
+            # The kernel holds the size this handle's writes and truncates gave the inode, but the bucket
+            # still has the version stored before, which the inode shows once the release gives the bytes
+            # to lost+found: it asks again rather than show the refused size until its attributes expire.
+            self.kernel.inode(handle.ino, attr_only=True)
+            raise
 
     async def _opener_holds(self, tgid: int, ino: InodeNo) -> bool:
         """`Openers.still_holds`, read here when the opener has few descriptors (procfs is memory: a
@@ -1687,6 +1694,10 @@ class Filesystem:
         self.staging.remove(sf)
         if sf.unstored:
             self.mut.discard_stream(sf)
+            # The inode shows the stored version again: the kernel's size and pages of it are those of the
+            # bytes given up (as after a conflict, `_upload`).
+            self.files.forget_cached_version(InodeNo(sf.ino))
+            self.kernel.inode(InodeNo(sf.ino))
             kept = self._keep(sf)
             if kept is not None:
                 # The one line per file that says what became of its bytes, with why (the close's own

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from typing import Any
 
 import pyfuse3
@@ -189,3 +190,26 @@ def test_a_directory_rename_that_would_outgrow_the_limit_moves_nothing(ops_env, 
             *(f"small{i}.txt" for i in range(5)), "sub"]
 
     ops_env(body, setup=setup_dir, max_meta_bytes=LIMIT)
+
+
+@pytest.mark.expect_log(r"b/plain.txt: closed without a successful upload \(.*over --max-meta-bytes 2048")
+def test_a_close_refused_over_the_limit_leaves_no_refused_size_in_the_kernel(ops_env):
+    """open, ftruncate (accepted: staged), close refused E2BIG (the size is a longer number): the kernel
+    sized the inode by the truncate, so the refused close asks it to drop those attributes before it
+    returns, and the release that gives the bytes to lost+found drops its pages too; the inode shows
+    the stored object again."""
+    async def body(env: Env):
+        ino = (await env.lookup("b/plain.txt")).st_ino
+        fi = await env.open(ino, os.O_RDWR)
+        attr = pyfuse3.EntryAttributes()
+        attr.st_size = 10**6
+        assert (await env.ops.setattr(ino, attr, Fields(update_size=True), fi.fh, CTX)).st_size == 10**6
+        env.fs.kernel.sent.clear()
+        assert await err(env.ops.flush(fi.fh)) == errno.E2BIG
+        assert ("attr", ino, None) in env.fs.kernel.sent  # before the close returns
+        await env.ops.release(fi.fh)
+        assert ("inode", ino, None) in env.fs.kernel.sent
+        assert (await env.ops.getattr(ino, CTX)).st_size == len(b"some bytes\n")
+        assert await env.cat("b/plain.txt") == b"some bytes\n"
+
+    ops_env(body, setup=setup, max_meta_bytes=LIMIT)
