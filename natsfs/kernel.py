@@ -143,6 +143,7 @@ class KernelNotifier:
         # next child when this one dies.
         self._unanswered_items: collections.deque[Item] = collections.deque()
         self._wake = trio.Event()
+        self._progress = trio.Event()  # set at each answer of the child (`answered`)
         self._nursery: trio.Nursery | None = None
         self._reopen: Callable[[], int] | None = None
         self._closing = False
@@ -297,6 +298,17 @@ class KernelNotifier:
         """Drop the kernel's attributes (and, unless attr_only, cached pages) of `ino`."""
         self._ask(("attr" if attr_only else "inode", ino, None))
 
+    async def attrs_dropped(self, ino: int, *, within: float) -> None:
+        """`inode(ino, attr_only=True)`, and wait (at most `within` s) until the kernel has answered it: a
+        reply that must not be followed by a read of the old attributes (a refused close) waits for it.
+        Returns at once with no kernel to tell (not attached, closing); a hung child costs `within`."""
+        item: Item = ("attr", ino, None)
+        self._ask(item)
+        with trio.move_on_after(within):
+            while self.attached and not self._closing and (item in self._queue or item in self._unanswered_items):
+                self._progress = trio.Event()
+                await self._progress.wait()
+
     def entry(self, parent_ino: int, name: bytes) -> None:
         """Drop the kernel's cached name → inode entry `name` in directory `parent_ino`."""
         self._ask(("entry", parent_ino, name))
@@ -390,6 +402,7 @@ class KernelNotifier:
                         self._unanswered_items.popleft()
                     self._unanswered.release()
                     self._silence.answered()
+                    self._progress.set()
                     if code and code not in _QUIET_ERRNOS:
                         log.debug("invalidation failed: %s", os.strerror(code))
         except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError):

@@ -85,6 +85,9 @@ OPENER_FDS_INLINE = 64  # an opener with at most this many descriptors is checke
 # the latest DIR_TIME_MAX_S after the first change not stored yet (tar keeps directories busy).
 DIR_TIME_DELAY_S = 0.5
 DIR_TIME_MAX_S = 5.0
+# How long a close refused at its store waits for the kernel to drop the inode's attributes (a notifier
+# that does not answer costs no more).
+REFUSED_CLOSE_INVALIDATION_S = 1.0
 # Bytes that could not be written to lost+found (a full local disk) are tried again this often.
 KEEP_RETRY_S = 10.0
 # A change of a file waiting for its write-back upload checks this often whether the server went away
@@ -1404,8 +1407,9 @@ class Filesystem:
         except NatsFSError:
             # The kernel holds the size this handle's writes and truncates gave the inode, but the bucket
             # still has the version stored before, which the inode shows once the release gives the bytes
-            # to lost+found: it asks again rather than show the refused size until its attributes expire.
-            self.kernel.inode(handle.ino, attr_only=True)
+            # to lost+found: it asks again rather than show the refused size until its attributes expire
+            # (told before the close returns, or a stat right after it reads the old ones).
+            await self.kernel.attrs_dropped(handle.ino, within=REFUSED_CLOSE_INVALIDATION_S)
             raise
 
     async def _opener_holds(self, tgid: int, ino: InodeNo) -> bool:

@@ -342,3 +342,42 @@ def test_invalidations_queued_while_no_child_runs_are_capped_oldest_first(caplog
         os.close(device)
     said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(said) == 1 and "4 invalidations wait" in said[0], said
+
+
+def test_attrs_dropped_returns_once_the_kernel_answered_and_a_stuck_child_costs_only_the_bound():
+    """A refused close waits for the kernel to drop the inode's attributes before it returns: the wait
+    ends with the child's answer (the message was written); a child that does not answer holds it at
+    most `within` seconds; with no kernel attached it does not wait."""
+    read_end, device = os.pipe()
+    stuck_read, stuck = _full_pipe()
+
+    async def main() -> tuple[int, float]:
+        notifier = KernelNotifier()
+        await notifier.attrs_dropped(7, within=30)  # not attached: no wait
+        async with trio.open_nursery() as nursery:
+            notifier.start(nursery)
+            notifier.attach(device)
+            with trio.fail_after(10):
+                await notifier.attrs_dropped(7, within=30)
+            answered = notifier.done
+            await notifier.close()
+            stuck_notifier = KernelNotifier(hung_after=60)
+            stuck_notifier.start(nursery)
+            stuck_notifier.attach(stuck)
+            started = trio.current_time()
+            await stuck_notifier.attrs_dropped(8, within=0.5)
+            waited = trio.current_time() - started
+            await stuck_notifier.close()
+            nursery.cancel_scope.cancel()
+        return answered, waited
+
+    try:
+        answered, waited = trio.run(main)
+        written = os.read(read_end, 4096)
+    finally:
+        for fd in (stuck_read, read_end, device):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    assert answered == 1
+    assert _parse(written) == [(FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 7, -1, 0))]
+    assert 0.5 <= waited < 10
