@@ -856,15 +856,26 @@ class Filesystem:
         handle = self.handles.get(fh)
         if not isinstance(handle, DirHandle):
             raise NatsFSError("bad directory handle", errno=errno.EBADF)
+        # The directory may have been renamed (or removed) since opendir: its entries are where it is now.
+        directory = self.inodes.path_of(handle.ino) if self.inodes.known(handle.path) != handle.ino else handle.path
         for i in range(start_id, len(handle.entries)):
-            name, path, listed = handle.entries[i]
+            name, listed_path, listed = handle.entries[i]
+            path = listed_path if directory == handle.path else (*directory, name)
             # The names are the snapshot taken at opendir, but the kernel caches the attributes handed
             # with each entry for its inode: they must be what the path shows now (after a replace, the
-            # new version's size, on the fresh inode the path got if readers keep the old one).
+            # new version's size, on the fresh inode the path got if readers keep the old one). A name
+            # gone since opendir (deleted, or renamed away) is left out: handed over, the kernel would
+            # keep an entry (and this mount an inode) for a name that shows nothing.
+            known = self.inodes.known(path)
+            staged = self.staging.get(known) if known is not None else None
+            if staged is not None and staged.shown:
+                node = self._staged_node(staged)
+            else:
+                current = self._loaded_node_now(path)
+                if current is None and self._listing_is_loaded(path):
+                    continue
+                node = current or listed
             ino = self.inodes.ino_for(path)
-            staged = self.staging.get(ino)
-            node = (self._staged_node(staged) if staged is not None and staged.shown
-                    else self.ns.loaded_node(path) or listed)
             try:
                 accepted = reply(os.fsencode(name), self._attr(ino, node), i + 1)
             except Exception as e:
@@ -881,6 +892,21 @@ class Filesystem:
                     continue
                 return
             self.inodes.lookup(path)
+
+    def _loaded_node_now(self, path: tuple[str, ...]) -> Node | None:
+        try:
+            return self.ns.loaded_node(path)
+        except NotFound:  # (under a removed directory's placeholder)
+            return None
+
+    def _listing_is_loaded(self, path: tuple[str, ...]) -> bool:
+        """Whether what `path` shows now is known without asking the server (an entry inside a bucket
+        whose index is loaded, or under a removed directory): then nothing there means it is gone."""
+        try:
+            bucket, rel = self.ns.split(path)
+        except NotFound:
+            return True
+        return bool(rel) and bucket is not None and self.ns.loaded_index(bucket) is not None
 
     def _report_skipped_entry(self, path: tuple[str, ...], node: Node, e: Exception) -> None:
         key = (path, node.info.revision if node.info is not None else 0)

@@ -153,17 +153,44 @@ def test_readdir_resumes_and_a_refused_entry_is_not_counted(ops_env):
 
 
 def test_readdir_snapshot_is_stable_while_the_bucket_changes(ops_env):
+    """The names are those of opendir: one created since is not added, one deleted since is left out
+    (handed over, the kernel would keep an entry, and the mount an inode, for a name showing nothing)."""
     async def body(env: Env):
         alpha = await env.lookup("alpha")
+        known_before = len(env.fs.inodes)
         fh = await env.ops.opendir(alpha.st_ino, None)
         await put_object(env.streams, "alpha", "aaa-new", b"x")
         await delete_object(env.streams, "alpha", "f.txt")
         await env.settle()
         listing = Listing()
         await env.ops.readdir(fh, 0, listing)
-        assert listing.names == ["dir", "f.txt", "marker"]
+        assert listing.names == ["dir", "marker"]
+        assert [next_id for _, _, next_id in listing.entries] == [1, 3]  # offsets stay those of the snapshot
+        assert env.fs.inodes.known(("alpha", "f.txt")) is None
         await env.ops.releasedir(fh)
         assert (await env.listdir(alpha.st_ino)).names == ["aaa-new", "dir", "marker"]
+        assert len(env.fs.inodes) <= known_before + 3
+
+    ops_env(body, setup=two_buckets)
+
+
+def test_readdir_of_a_directory_renamed_since_opendir_lists_it_where_it_is(ops_env):
+    """`ls` of a directory renamed between opendir and readdir: its entries, under its new path (the
+    kernel's entries hang off the directory's inode, which moved with it), and no inode for the old
+    paths."""
+    async def body(env: Env):
+        d = await env.lookup("alpha/dir")
+        fh = await env.ops.opendir(d.st_ino, None)
+        alpha = await env.lookup("alpha")
+        await env.ops.rename(alpha.st_ino, b"dir", alpha.st_ino, b"moved", 0, None)
+        listing = Listing()
+        await env.ops.readdir(fh, 0, listing)
+        await env.ops.releasedir(fh)
+        assert listing.names == ["empty", "sub"]
+        sub = next(attr for name, attr, _ in listing.entries if name == "sub")
+        assert sub.st_ino == env.fs.inodes.known(("alpha", "moved", "sub"))
+        assert env.fs.inodes.known(("alpha", "dir", "sub")) is None
+        assert env.fs.inodes.known(("alpha", "dir", "empty")) is None
 
     ops_env(body, setup=two_buckets)
 
