@@ -15,7 +15,9 @@ earlier client are dropped, so none can complete a request of a later one.
 
 Replies of batched direct gets are bounded by a byte budget (`REPLY_BUDGET`): the server drops a
 client whose unread bytes pass its `max_pending`, so the bytes asked for and not yet taken by trio
-must stay well under it; the first kick by a server with a smaller one drops the budget to its floor.
+must stay well under it; the first kick by a server with a smaller one drops the budget to its floor
+(a lean connection lost alone is a kick only if its server takes it again: a cluster node that died
+leaves the budget as it was).
 They travel over a second connection, the lean one of `natsfs.wire`
 (payloads received straight into their own buffers, replies handed to their waiters as they are
 parsed), when the servers and credentials allow it, and over the main link otherwise (and while the
@@ -77,15 +79,18 @@ REPLY_BUDGET = 32 * 1024 * 1024
 # The most one batched direct get may ask for, so several readers share the budget.
 MAX_BATCH_BYTES = 8 * 1024 * 1024
 # `max_pending` is not in the server's INFO, so a smaller one is learnt from a kick: the lean connection
-# lost with replies in flight while the main one stays (a server going away ends both) drops the budget
-# to this floor at once (halving took five kicks from 32 MiB down to a 1 MB `max_pending`). The floor is
+# lost with replies in flight while the main one stays drops the budget to this floor (halving took five
+# kicks from 32 MiB down to a 1 MB `max_pending`). That loss is taken for a kick once the same server
+# takes the lean connection again (its next attempt goes there): a server that cannot be reached went
+# away (a cluster node, with the main connection on another; one server going away ends both), and
+# the budget stays. The floor is
 # one 128 KiB request plus one more reply (a few hundred bytes of headers and protocol lines on top),
 # so it holds under a `max_pending` of 512 KB. The budget doubles back after a quiet while, never again
 # past half of what it was when the kick came.
 MIN_REPLY_BUDGET = 256 * 1024
 _BUDGET_REGROW_S = 600.0
 # A lean-connection loss followed this soon by the main connection's was the server going away, not a
-# kick: the budget shrunk for it is given back.
+# kick: the budget shrunk for it (the server took the lean connection back before it went) is given back.
 _SHRINK_UNDO_S = 5.0
 # While the lean connection is being replaced, batched direct gets go over the main connection, which
 # carries the watchers and publishes: read traffic must never get it dropped, so replies in flight there
@@ -582,7 +587,11 @@ class _TrioReads:
     their collector or subscription, without crossing to the asyncio thread and back. Like `_Link`
     it keeps one connection at a time and replaces a lost one (quietly: the main connection reports
     a server going away), failing what waited on it at once. Its task is a trio system task, ended by
-    `close`."""
+    `close`.
+
+    A new connection goes to the next server in turn, except after a loss the bridge cannot yet tell a
+    slow-consumer kick from the server's death (`Bridge.reads_lost_in_trio`): the first attempt then
+    goes to the same server again, and its outcome is the bridge's verdict (`reads_retried_in_trio`)."""
 
     def __init__(self, bridge: Bridge, servers: Sequence[str], *, name: str, auth: Connection | None,
                  connect_timeout: float):
@@ -596,6 +605,9 @@ class _TrioReads:
         self.waiters: dict[str, _TrioCollector | Subscription] = {}
         self._next_token = 0
         self._next_server = 0
+        self._server_index = 0  # in `servers`, of the current connection (or the last one)
+        # The server whose connection was lost with a verdict pending: the next attempt goes there again.
+        self._verdict_on: int | None = None
         self._closing = False
         self._cancel = trio.CancelScope()
         self._ended = trio.Event()
@@ -616,14 +628,16 @@ class _TrioReads:
         trio.lowlevel.spawn_system_task(self._serve, name="natsfs-reads")
 
     async def _connect(self) -> None:
-        server = self.servers[self._next_server % len(self.servers)]
-        self._next_server += 1
+        index = self._next_server % len(self.servers)
+        server = self.servers[index]
+        self._next_server = index + 1
         try:
             conn = await wire.connect_trio(server, name=self.name, auth=self.auth, timeout=self.connect_timeout,
                                            on_msg=self._on_msg, on_closed=self._on_closed)
         except (TimeoutError, trio.TooSlowError, OSError) as e:
             raise Unavailable(f"cannot connect to NATS at {redact_url(server)}: {e or type(e).__name__}") from None
         self.nc, self.prefix = conn, conn.inbox
+        self._server_index = index
 
     async def _serve(self) -> None:
         try:
@@ -641,6 +655,7 @@ class _TrioReads:
                         self._on_closed(conn)
                         continue
                     await trio.sleep(backoff.next_pause())
+                    retried, self._verdict_on = self._verdict_on, None
                     try:
                         await self._connect()
                     except (Unavailable, wire.WireError) as e:
@@ -649,6 +664,8 @@ class _TrioReads:
                         if not self._fault_logged:
                             self._fault_logged = True
                             log.exception("connecting the lean connection to NATS failed unexpectedly")
+                    if retried is not None:  # (no checkpoint since `_connect`: no read took the new one yet)
+                        self._bridge.reads_retried_in_trio(self.nc is not None, self.servers[retried])
         finally:
             self._ended.set()
 
@@ -658,7 +675,8 @@ class _TrioReads:
         reason = conn.last_error or "connection closed"
         self.nc, self.prefix = None, ""
         log.debug("lost the lean connection to NATS (%s)", reason)
-        self._bridge.reads_lost_in_trio()
+        if self._bridge.reads_lost_in_trio():  # a kick or the server's death: its server again first
+            self._verdict_on = self._next_server = self._server_index
         self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
@@ -1017,6 +1035,9 @@ class Bridge:
         self._budget = _ByteBudget(reply_budget)  # of the connection that carries reads
         # ... and of the main connection while the lean one is being replaced (never shrunk)
         self._fallback_budget = _ByteBudget(min(FALLBACK_REPLY_BUDGET, reply_budget))
+        # Replies in flight when the lean connection of the trio thread was lost while the main one stayed,
+        # until a retry of its server tells a kick (shrink for them) from the server's death (no shrink).
+        self._kick_verdict: int | None = None
         self._largest_reply = _CHUNK_GUESS
         self.connected = False
         self.reconnects = 0
@@ -1116,14 +1137,38 @@ class Bridge:
         self.call_in_trio(lambda: self._lost_in_trio(in_flight))
 
     def _reads_lost(self, reason: str) -> None:
-        """The lean connection was lost (it reconnects on its own, quietly: a server going away is
-        reported by the main connection); a slow-consumer kick shrinks the reply budget."""
+        """The lean connection of the asyncio thread was lost (it reconnects on its own, quietly: a server
+        going away is reported by the main connection); with replies in flight the reply budget shrinks
+        at once, taken as a slow-consumer kick (see `reads_lost_in_trio` for how the trio one tells)."""
         in_flight = self._budget.used
         self.call_in_trio(lambda: self._lean_lost_in_trio(in_flight))
 
-    def reads_lost_in_trio(self) -> None:
-        """`_reads_lost` for the lean connection of the trio thread (`_TrioReads`), called there."""
-        self._lean_lost_in_trio(self._budget.used)
+    def reads_lost_in_trio(self) -> bool:
+        """The lean connection of the trio thread (`_TrioReads`) was lost: True when that waits for a
+        verdict, its server to be tried again first. Lost with replies in flight that a shrink would cut
+        while the main connection stays, it was a slow-consumer kick, or that server died (a cluster
+        node, with the main connection on another) or an admin dropped the client: a server that
+        takes the lean connection again dropped it (`reads_retried_in_trio`). Meanwhile reads go over
+        the main connection within the fallback budget."""
+        in_flight = self._budget.used
+        if not (self.connected and self._would_shrink(in_flight)):
+            return False
+        self._kick_verdict = in_flight
+        return True
+
+    def reads_retried_in_trio(self, reached: bool, server: str) -> None:
+        """The verdict of `reads_lost_in_trio`: the lost connection's server took a new one (`reached`),
+        so it dropped the client, a kick; or it could not be reached, so it went away: the budget
+        stays, and the lean connection moves on to the next server."""
+        in_flight, self._kick_verdict = self._kick_verdict, None
+        if in_flight is None:  # (settled meanwhile: the main connection was lost too)
+            return
+        if reached:
+            self._shrink_budget(in_flight)
+        else:
+            log.info("the server of the lean connection (%s) is gone, not a slow-consumer kick: reads move "
+                     "to the next server, replies in flight may still reach %s", redact_url(server),
+                     _size(self._budget.limit))
 
     def _lean_lost_in_trio(self, in_flight: int) -> None:
         if self.connected:  # (with the main connection gone too, the server went away: no kick)
@@ -1131,6 +1176,9 @@ class Bridge:
 
     def _lost_in_trio(self, in_flight: int) -> None:
         self.connected = False
+        # A lean-connection loss still waiting for its verdict was the server going away too, no kick,
+        # whatever the retry of its server finds.
+        self._kick_verdict = None
         if self._reads is not None and self._budget.shrunk_within(_SHRINK_UNDO_S):
             # The lean connection went just before: the server went away, it was no kick.
             self._budget.undo_shrink()
@@ -1140,8 +1188,11 @@ class Bridge:
         if self.on_disconnect:
             self.on_disconnect()
 
+    def _would_shrink(self, in_flight: int) -> bool:
+        return in_flight >= MIN_REPLY_BUDGET and self._budget.limit > MIN_REPLY_BUDGET
+
     def _shrink_budget(self, in_flight: int) -> None:
-        if in_flight >= MIN_REPLY_BUDGET and self._budget.limit > MIN_REPLY_BUDGET:
+        if self._would_shrink(in_flight):
             limit = self._budget.shrink()
             log.warning("the connection was lost with %.1f MiB of replies in flight (a server with a small "
                         "max_pending drops clients that fall behind): at most %s in flight from now on",

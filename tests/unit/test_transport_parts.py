@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import trio
 
 from natsfs import bridge as bridge_mod
 from natsfs import natscompat
-from natsfs.bridge import MIN_REPLY_BUDGET, _ByteBudget, _Link, _Reply
+from natsfs.bridge import MIN_REPLY_BUDGET, Bridge, _ByteBudget, _Link, _Reply, _TrioReads
 from natsfs.errors import (
     Conflict,
     JetStreamAPIError,
@@ -100,6 +101,116 @@ def test_budget_shrunk_for_a_server_going_away_is_given_back():
     budget.undo_shrink()
     assert (budget.limit, budget.ceiling) == (32 * MiB, 32 * MiB)
     assert not budget.shrunk_within(60)
+
+
+class _FakeLeanConnection:
+    """A stand-in `wire.TrioWireConnection`: `run` lasts until `drop`."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.inbox = "_INBOX.fake"
+        self.is_closed = False
+        self.last_error: str | None = None
+        self._dropped = trio.Event()
+
+    def drop(self, reason: str) -> None:
+        self.last_error, self.is_closed = self.last_error or reason, True
+        self._dropped.set()
+
+    def close(self) -> None:
+        self.drop("closed by the client")
+
+    async def run(self) -> None:
+        await self._dropped.wait()
+
+
+class _FakeServers:
+    """Stand-in servers for `wire.connect_trio`: the ones `up` take a connection, the others refuse it;
+    a connection to one in `held` waits for `gate` first."""
+
+    def __init__(self, urls: list[str]):
+        self.up = set(urls)
+        self.held: set[str] = set()
+        self.gate = trio.Event()
+        self.attempts: list[str] = []
+
+    async def connect_trio(self, url: str, **_: object) -> _FakeLeanConnection:
+        self.attempts.append(url)
+        if url in self.held:
+            await self.gate.wait()
+        await trio.lowlevel.checkpoint()
+        if url not in self.up:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return _FakeLeanConnection(url)
+
+
+async def _until(done: object) -> None:
+    with trio.fail_after(10):
+        while not done():  # type: ignore[operator]
+            await trio.sleep(0.005)
+
+
+SERVERS = ["nats://n0:4222", "nats://n1:4222", "nats://n2:4222"]
+
+
+@pytest.mark.parametrize("what", ["kick", "server died", "both lost"])
+def test_a_lost_lean_connection_shrinks_the_budget_only_when_its_server_takes_it_back(monkeypatch, caplog, what):
+    """The lean connection lost with replies in flight while the main one stays: its next attempt goes to
+    the same server. A server that takes it back dropped it, a kick: the budget drops to its floor (the
+    WARNING). One that refuses it went away (a cluster node died, the main connection is on another):
+    the budget stays, one INFO line, and the connection moves on to the next server. The main
+    connection lost meanwhile is the server going away as well: no shrink, whatever the retry finds."""
+    fake = _FakeServers(SERVERS)
+    monkeypatch.setattr(bridge_mod.wire, "connect_trio", fake.connect_trio)
+    caplog.set_level(logging.DEBUG, logger="natsfs.bridge")
+
+    async def main() -> None:
+        bridge = Bridge(SERVERS)
+        reads = _TrioReads(bridge, SERVERS, name="natsfs", auth=None, connect_timeout=1)
+        bridge._reads, bridge.connected = reads, True
+        await reads.open()
+        try:
+            first = reads.nc
+            assert isinstance(first, _FakeLeanConnection) and first.url == SERVERS[0]
+            held = await bridge._budget.acquire(4 * MiB)  # replies in flight
+            if what == "server died":
+                fake.up.discard(SERVERS[0])
+            if what == "both lost":
+                fake.held.add(SERVERS[0])
+            first.drop("Slow Consumer" if what == "kick" else "unexpected EOF")
+            if what == "both lost":
+                await _until(lambda: len(fake.attempts) == 2)  # the retry is under way ...
+                bridge._lost_in_trio(0)  # ... when the main connection is lost too
+                fake.gate.set()
+            await _until(lambda: reads.nc not in (None, first))
+            shrunk = [r for r in caplog.records if "at most 256 KiB in flight" in r.getMessage()]
+            gone = [r for r in caplog.records if "is gone, not a slow-consumer kick" in r.getMessage()]
+            if what == "kick":
+                assert fake.attempts == [SERVERS[0], SERVERS[0]]
+                assert bridge._budget.limit == MIN_REPLY_BUDGET
+                assert [r.levelno for r in shrunk] == [logging.WARNING] and not gone
+            elif what == "server died":
+                assert fake.attempts == [SERVERS[0], SERVERS[0], SERVERS[1]]
+                assert bridge._budget.limit == 32 * MiB and not shrunk
+                assert [r.levelno for r in gone] == [logging.INFO]
+                assert "n0:4222" in gone[0].getMessage()
+            else:
+                assert fake.attempts == [SERVERS[0], SERVERS[0]]
+                assert bridge._budget.limit == 32 * MiB and not shrunk and not gone
+            # A loss with no replies in flight leaves no verdict to wait for: the next server in turn.
+            bridge._budget.release(held)
+            bridge.connected = True
+            tried = len(fake.attempts)
+            now = reads.nc
+            assert isinstance(now, _FakeLeanConnection)
+            now.drop("unexpected EOF")
+            await _until(lambda: reads.nc not in (None, now))
+            after = SERVERS[(SERVERS.index(now.url) + 1) % len(SERVERS)]
+            assert fake.attempts[tried:] == [after]
+        finally:
+            await reads.close()
+
+    trio.run(main)
 
 
 def test_replies_to_an_earlier_inbox_complete_nothing():
