@@ -8,6 +8,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import nats_py_get, nats_py_put, stored_layout, wait_for, with_nats
@@ -176,3 +177,82 @@ def test_spark_pipeline_with_a_node_killed_mid_run_reads_back_through_another_mo
     assert Path(b.path / bucket_name / "run" / "output" / "region_month" / "_SUCCESS").exists()
     clean_log(a)
     clean_log(b)
+
+
+def natsfs_connections(cluster: NatsCluster, i: int) -> dict[str, int]:
+    """Node i's client connections named `natsfs`, by kind: "main" (nats-py) and "lean" (`natsfs.wire`)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_ports[i]}/connz", timeout=5) as r:
+        conns = [c for c in json.load(r)["connections"] or [] if c.get("name") == "natsfs"]
+    return {"main": sum(c.get("version") != "natsfs-wire" for c in conns),
+            "lean": sum(c.get("version") == "natsfs-wire" for c in conns)}
+
+
+def test_the_lean_connections_node_dying_keeps_the_reply_budget(cluster, caplog):
+    """The lean connection (reads) on one node, the main one on another, replies in flight: the lean
+    one's node is killed. Its loss is no slow-consumer kick: the node cannot be reached again, so the
+    reply budget stays at 32 MiB (one INFO line says the server is gone), the lean connection moves on
+    to the next node, and a batch of 2.5 MiB comes back in one request over it. Before, the budget
+    dropped to 256 KiB for ten minutes, as for a kick."""
+    import logging
+
+    import trio
+
+    from natsfs.bridge import REPLY_BUDGET, Bridge, _TrioReads
+    from natsfs.errors import Unavailable
+    from natsfs.jetstream import JetStreams
+
+    chunks = [bytes([i]) * (128 * 1024) for i in range(20)]
+
+    async def lean_on(node: int, bridge: Bridge) -> None:
+        reads = bridge._reads
+        assert isinstance(reads, _TrioReads)
+        with trio.fail_after(30):
+            while not (reads.nc is not None
+                       and await trio.to_thread.run_sync(natsfs_connections, cluster, node) == {"main": 0, "lean": 1}):
+                await trio.sleep(0.05)
+
+    async def main() -> None:
+        bridge = Bridge(cluster.urls)  # both connections on node 0 first
+        await bridge.connect()
+        try:
+            assert bridge.reads_in_trio
+            assert await trio.to_thread.run_sync(natsfs_connections, cluster, 0) == {"main": 1, "lean": 1}
+            await bridge.api("STREAM.CREATE.OBJ_dies", {"name": "OBJ_dies", "subjects": ["$O.dies.C.>"],
+                                                        "allow_direct": True, "num_replicas": 3})
+            for c in chunks:
+                await bridge.js_publish("$O.dies.C.x", c)
+            reads = bridge._reads
+            assert isinstance(reads, _TrioReads) and reads.nc is not None
+            reads.nc.close()  # nothing in flight: the next server in turn, node 1
+            await lean_on(1, bridge)
+            caplog.clear()
+            held = await bridge._budget.acquire(4 * 1024 * 1024)  # replies in flight
+            await trio.to_thread.run_sync(cluster.kill, 1)
+            await lean_on(2, bridge)
+            bridge._budget.release(held)  # (as the reads that were in flight give theirs back)
+            assert bridge._budget.limit == REPLY_BUDGET
+            messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "natsfs.bridge"]
+            gone = [m for m in messages if "is gone, not a slow-consumer kick" in m[1]]
+            assert [level for level, _ in gone] == [logging.INFO], messages
+            assert f"127.0.0.1:{cluster.client_ports[1]}" in gone[0][1]
+            assert not [m for m in messages if m[0] >= logging.WARNING], messages
+            assert bridge.connected and bridge.reconnects == 0  # the main connection never noticed
+            js = JetStreams(bridge)
+            got: list[Any] = []
+            with trio.fail_after(30):
+                while len(got) < len(chunks):
+                    try:
+                        got = await js.get_batch("OBJ_dies", "$O.dies.C.x", 1, 100, 8 << 20)
+                    except Unavailable:  # (503: the stream's responders move off the killed node)
+                        got = []
+                    assert [bytes(m.data) for m in got] == chunks[: len(got)]  # (or a replica catching up)
+                    await trio.sleep(0.1)
+            assert [bytes(m.data) for m in got] == chunks
+        finally:
+            await bridge.close()
+
+    caplog.set_level(logging.INFO, logger="natsfs.bridge")
+    trio.run(main)
