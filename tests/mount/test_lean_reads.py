@@ -329,3 +329,60 @@ def test_a_mount_reads_over_its_lean_connection_through_kicks(tmp_path, mounter)
         assert m.log().count("WARNING natsfs.bridge: lost the connection to NATS") == 2, m.log()[-3000:]
     finally:
         server.stop()
+
+
+def kick_lean(url: str) -> int:
+    """Disconnect the lean connections (`natsfs.wire`'s, version `natsfs-wire`) from the server side."""
+    import nats
+
+    async def main() -> int:
+        nc = await nats.connect(url.replace("nats://", "nats://sys:sys@"))
+        try:
+            r = await nc.request("$SYS.REQ.SERVER.PING.CONNZ", json.dumps({"limit": 4096}).encode(), timeout=5)
+            info = json.loads(r.data)
+            cids = [c["cid"] for c in info["data"]["connections"] if c.get("version") == "natsfs-wire"]
+            for cid in cids:
+                await nc.request(f"$SYS.REQ.SERVER.{info['server']['id']}.KICK", json.dumps({"cid": cid}).encode(),
+                                 timeout=5)
+            return len(cids)
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
+
+
+def test_a_kick_of_the_lean_connection_alone_with_replies_in_flight_shrinks_the_budget(tmp_path, caplog):
+    """The server drops the lean connection alone while replies are in flight: it takes the lean
+    connection again at once (it is alive), so it was a kick, and the reply budget drops to its floor
+    with one WARNING; the main connection is never replaced."""
+    from natsfs.bridge import MIN_REPLY_BUDGET
+
+    server = own_server(tmp_path, KICKABLE)
+
+    async def main() -> None:
+        bridge = Bridge([server.url])
+        await bridge.connect()
+        try:
+            reads = bridge._reads
+            assert isinstance(reads, _TrioReads) and reads.nc is not None
+            first = reads.nc
+            held = await bridge._budget.acquire(4 * 1024 * 1024)  # replies in flight
+            caplog.clear()
+            assert await trio.to_thread.run_sync(kick_lean, server.url) == 1
+            with trio.fail_after(20):
+                while reads.nc in (None, first):
+                    await trio.sleep(0.02)
+            bridge._budget.release(held)
+            assert bridge._budget.limit == MIN_REPLY_BUDGET
+            shrunk = [r for r in caplog.records if "at most 256 KiB in flight from now on" in r.getMessage()]
+            assert [r.levelno for r in shrunk] == [logging.WARNING]
+            assert not [r for r in caplog.records if "is gone" in r.getMessage()]
+            assert bridge.connected and bridge.reconnects == 0
+        finally:
+            await bridge.close()
+
+    caplog.set_level(logging.INFO, logger="natsfs.bridge")
+    try:
+        trio.run(main)
+    finally:
+        server.stop()
