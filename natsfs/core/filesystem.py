@@ -955,18 +955,29 @@ class Filesystem:
             async with self._staged_here(inode):
                 node = await self._node_to_open(inode, flags, caller, revalidate, hold)
                 sf = self._stage(inode, node)
-            # Pinned until its handle is registered (nothing awaited between the two): another handle's
-            # last close meanwhile leaves the file to this open's handle, instead of dropping it under the
-            # truncate (EBADF) or sending the emptied file to lost+found.
-            async with self._pinned(sf):
-                async with self._changing(sf):
-                    ended = sf.ended
+            # Pinned until its handle is registered: another handle's last close meanwhile leaves the file
+            # to this open's handle, instead of dropping it under the truncate (EBADF) or sending the
+            # emptied file to lost+found.
+            try:
+                async with self._pinned(sf):
+                    async with self._changing(sf):
+                        ended = sf.ended
+                        if not ended:
+                            sf.skip_copy()
+                            await sf.truncate(0)
                     if not ended:
-                        sf.skip_copy()
-                        await sf.truncate(0)
-                if not ended:
-                    self.mut.after_write(sf, 0)
-                    return self._open_handle(inode, node, writing, caller)
+                        self.mut.after_write(sf, 0)
+                        if not writing:
+                            # `O_RDONLY|O_TRUNC` truncates as on a local disk (the kernel checked write
+                            # permission), but no close of this read-only handle stores: stored as
+                            # truncate(2) is, and refused as it is.
+                            await self._store_truncated(inode, sf)
+                        return self._open_handle(inode, node, writing, caller)
+            except NatsFSError as e:
+                if sf.failed_by == "truncate" and sf.state == WriteState.KEPT:
+                    # The line that says where the bytes went gave the reason: one line per refused open.
+                    e.log_level = logging.DEBUG
+                raise
             # Dropped while this open waited (another handle's last close after its upload): resolve and
             # stage again, from the version that close stored. Not from inside `_changing`: staging waits
             # for a directory rename, which may wait for that lock (see `_DirRenameGate`).
@@ -1792,25 +1803,30 @@ class Filesystem:
                     self.mut.after_write(sf, changes.size)
                     if changes.posix:
                         await self._set_posix(inode, node, changes)
-                    if not self.files.has_writers(inode):
-                        # truncate(2) on a path no writer has open: no close of a writer will store it, so now.
-                        try:
-                            await (self._upload(inode) if self.writeback is None else self._store_or_journal(inode))
-                        except NatsFSError as e:
-                            # Said where `_pinned` keeps the bytes in lost+found, as the truncate's refusal.
-                            sf.store_failure = str(e).removeprefix(f"{sf.bucket}/{sf.name}: ")
-                            sf.failed_by = "truncate"
-                            raise
-                    else:
-                        # Left to the writers' close; if they flushed already (their last release is all that
-                        # is left), that release stores it rather than taking it for a failed store.
-                        self.files.defer_store(inode, True)
+                    await self._store_truncated(inode, sf)
             except NatsFSError as e:
                 if sf.failed_by == "truncate" and sf.state == WriteState.KEPT:
                     # The line that says where the bytes went gave the reason: one line per refused truncate.
                     e.log_level = logging.DEBUG
                 raise
             return self._attr(inode, await self._node(inode))
+
+    async def _store_truncated(self, inode: InodeNo, sf: StagedFile) -> None:
+        """`sf` (pinned by the caller) was truncated by an operation no close of its own stores (truncate(2),
+        an `O_RDONLY|O_TRUNC` open): stored now if no writer has the file open, else left to the writers'
+        close. A refused store raises, its bytes kept in `lost+found` once `_pinned` lets go of them."""
+        if self.files.has_writers(inode):
+            # Left to the writers' close; if they flushed already (their last release is all that is left),
+            # that release stores it rather than taking it for a failed store.
+            self.files.defer_store(inode, True)
+            return
+        try:
+            await (self._upload(inode) if self.writeback is None else self._store_or_journal(inode))
+        except NatsFSError as e:
+            # Said where `_pinned` keeps the bytes in lost+found, as the truncate's refusal.
+            sf.store_failure = str(e).removeprefix(f"{sf.bucket}/{sf.name}: ")
+            sf.failed_by = "truncate"
+            raise
 
     async def _set_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:
         assert node.bucket is not None
