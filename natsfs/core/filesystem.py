@@ -1781,7 +1781,7 @@ class Filesystem:
         await self.mut.check_writable(node.bucket)
         if changes.size is None:
             if changes.posix:
-                await self._set_posix(inode, node, changes)
+                await self._change_posix(inode, node, changes)
             return self._attr(inode, await self._node(inode))
         if node.kind != FILE:
             raise IsADirectory("/".join(node.rel))
@@ -1802,7 +1802,7 @@ class Filesystem:
                         continue
                     self.mut.after_write(sf, changes.size)
                     if changes.posix:
-                        await self._set_posix(inode, node, changes)
+                        await self._change_posix(inode, node, changes)
                     await self._store_truncated(inode, sf)
             except NatsFSError as e:
                 if sf.failed_by == "truncate" and sf.state == WriteState.KEPT:
@@ -1827,6 +1827,40 @@ class Filesystem:
             sf.store_failure = str(e).removeprefix(f"{sf.bucket}/{sf.name}: ")
             sf.failed_by = "truncate"
             raise
+
+    def _open_nameless(self, inode: InodeNo) -> list[FileHandle]:
+        """The handles of `inode` if it is a file deleted or replaced while open here (no name links to it),
+        else none. The kernel reaches such an inode through those descriptors (`fchmod`, `futimens`,
+        `fsetxattr`; FUSE names no handle for them), never by walking a path to it: a name it still cached
+        after another client replaced the file is dropped by the watch's invalidation, and until it lands
+        such a change is as if it came just before the replace."""
+        return self._readers(inode) if self._nameless(inode) else []
+
+    async def _change_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:
+        """chmod, chown, utimens: stored (`_set_posix`), except on a file deleted or replaced while open
+        here, whose descriptors change its own attributes, as on a local disk: fstat through them shows
+        them, nothing stores them (its bytes go nowhere either), and the object now at its former name
+        keeps its own."""
+        readers = self._open_nameless(inode)
+        if not readers:
+            await self._set_posix(inode, node, changes)
+            return
+        sf = self.staging.get(inode)
+        if sf is not None and sf.shown:
+            # Its inode shows the staged file: its attributes are those. (One another client replaced
+            # meanwhile that holds unstored bytes keeps them in lost+found with these attributes.)
+            async with sf.lock:
+                sf.set_attrs(changes.mode, changes.uid, changes.gid, changes.mtime_ns)
+            await self._journal_if_pending(sf)
+            return
+        if changes.mtime_ns is not None:
+            # The time this mount wrote that version with is shown no more (`_attr`): no other inode shows it.
+            info = readers[0].info
+            self._written_mtimes.pop((info.bucket, info.nuid, info.revision), None)
+        for handle in readers:  # the version its handles read is what it shows (`_node`)
+            attrs = _merged(handle.info.attrs, changes, self.config.file_mode)
+            handle.info = dataclasses.replace(handle.info, attrs=attrs, mtime_ns=changes.mtime_ns
+                                              if changes.mtime_ns is not None else handle.info.mtime_ns)
 
     async def _set_posix(self, inode: InodeNo, node: Node, changes: AttrChanges) -> None:
         assert node.bucket is not None
@@ -2439,6 +2473,31 @@ class Filesystem:
             raise NotFound(f"{node.bucket}/{node.info.name}")
         return got
 
+    async def _own_meta_doc(self, inode: InodeNo) -> tuple[dict[str, Any], int] | None:
+        """The meta document a file deleted or replaced while open here shows through its descriptors (and
+        the revision it had), None for any other inode. As on a local disk, `fsetxattr` and `fgetxattr`
+        through them act on that file's own attributes: never stored (its bytes go nowhere either), never
+        those of the object now at its former name. Made at the first such request, from its meta if
+        the bucket still holds it (else with no attribute, or the ones a file never stored was given)."""
+        readers = self._open_nameless(inode)
+        rec = self.files.get(inode)
+        if not readers or rec is None:
+            return None
+        info = readers[0].info
+        if rec.own_meta_doc is None:
+            doc: dict[str, Any] = {"name": info.name, "bucket": info.bucket}
+            sf = self.staging.get(inode)
+            if sf is not None and sf.never_stored:
+                sf.apply_xattr_changes(doc)
+            elif info.nuid:
+                with contextlib.suppress(NatsFSError):
+                    got = await self.ns.store.get_meta_doc(info.bucket, info.name)
+                    if got is not None and not got[0].get("deleted") and got[0].get("nuid") == info.nuid:
+                        doc = got[0]
+            if rec.own_meta_doc is None:  # (unless another request made it while this one awaited)
+                rec.own_meta_doc = doc
+        return rec.own_meta_doc, info.revision
+
     async def getxattr(self, inode: InodeNo, name: bytes) -> bytes:
         if inode == ROOT_INODE and name == XATTR_STATS:
             return json.dumps(self.stats()).encode()
@@ -2454,7 +2513,7 @@ class Filesystem:
             st = await self.ns.store.bucket_status(node.bucket)
             return xattrs.get_bucket(st.config, st.size, st.messages, key)
         if node.kind in (FILE, LINK):
-            doc, revision = await self._meta_doc(node)
+            doc, revision = await self._own_meta_doc(inode) or await self._meta_doc(node)
             return xattrs.get_object(doc, revision, key)
         raise xattrs.NoAttribute(key)
 
@@ -2465,7 +2524,7 @@ class Filesystem:
             st = await self.ns.store.bucket_status(node.bucket)
             names += xattrs.list_bucket(st.config, st.size, st.messages)
         elif node.kind in (FILE, LINK):
-            doc, revision = await self._meta_doc(node)
+            doc, revision = await self._own_meta_doc(inode) or await self._meta_doc(node)
             left_out: list[str] = []
             names += xattrs.list_object(doc, revision, left_out.append)
             assert node.info is not None and node.bucket is not None
@@ -2500,6 +2559,10 @@ class Filesystem:
             raise NatsFSError("extended attributes live on files, links and buckets", errno=errno.EPERM,
                               log_level=logging.INFO)
         await self.mut.check_writable(node.bucket)
+        own = await self._own_meta_doc(inode)
+        if own is not None:  # deleted or replaced while open: its own, never stored (see `_own_meta_doc`)
+            xattrs.set_object(own[0], key, value)
+            return
 
         def change(doc: dict[str, Any]) -> None:
             xattrs.set_object(doc, key, value)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from ..inodes import InodeNo, Path
 
@@ -44,6 +45,9 @@ class OpenFile:
     # A flush did not store because it was not the opener's last close (see openers.py): the last
     # release stores.
     store_deferred: bool = False
+    # Deleted or replaced while open: the meta document its descriptors show (their xattr changes go
+    # here, never stored), made at the first xattr request through one of them; it ends at the last close.
+    own_meta_doc: dict[str, Any] | None = None
 
     @property
     def idle(self) -> bool:
@@ -92,7 +96,7 @@ class OpenFileTable:
         if rec.opens:
             return None
         last = OpenFile(ino, unlinked=rec.unlinked, purge_later=rec.purge_later, store_deferred=rec.store_deferred)
-        rec.unlinked, rec.purge_later, rec.store_deferred = False, None, False
+        rec.unlinked, rec.purge_later, rec.store_deferred, rec.own_meta_doc = False, None, False, None
         self._drop_if_idle(rec)
         return last
 
