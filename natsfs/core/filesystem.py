@@ -1846,6 +1846,12 @@ class Filesystem:
             await self._set_posix(inode, node, changes)
             return
         sf = self.staging.get(inode)
+        if changes.mtime_ns is not None:
+            # The time this mount wrote its version with (`_attr` shows it for that version) is shown no
+            # more: no other inode shows that version.
+            for version in (readers[0].info, sf.base if sf is not None else None):
+                if version is not None:
+                    self._written_mtimes.pop((version.bucket, version.nuid, version.revision), None)
         if sf is not None and sf.shown:
             # Its inode shows the staged file: its attributes are those. (One another client replaced
             # meanwhile that holds unstored bytes keeps them in lost+found with these attributes.)
@@ -1853,10 +1859,6 @@ class Filesystem:
                 sf.set_attrs(changes.mode, changes.uid, changes.gid, changes.mtime_ns)
             await self._journal_if_pending(sf)
             return
-        if changes.mtime_ns is not None:
-            # The time this mount wrote that version with is shown no more (`_attr`): no other inode shows it.
-            info = readers[0].info
-            self._written_mtimes.pop((info.bucket, info.nuid, info.revision), None)
         for handle in readers:  # the version its handles read is what it shows (`_node`)
             attrs = _merged(handle.info.attrs, changes, self.config.file_mode)
             handle.info = dataclasses.replace(handle.info, attrs=attrs, mtime_ns=changes.mtime_ns

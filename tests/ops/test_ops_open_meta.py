@@ -142,10 +142,16 @@ async def change_meta_through(env: Env, ino: int) -> pyfuse3.EntryAttributes:
 
 
 @pytest.mark.parametrize("written", [False, True], ids=["untouched", "written"])
-def test_metadata_calls_on_an_unlinked_open_file_act_on_it_alone(ops_env, written):
+@pytest.mark.parametrize("stored_by", ["another client", "this mount"])
+def test_metadata_calls_on_an_unlinked_open_file_act_on_it_alone(ops_env, written, stored_by):
     async def body(env: Env):
         b = (await env.lookup("b")).st_ino
         f = await env.lookup("b/old.txt")
+        if stored_by == "this mount":  # (whose mtime of the version this mount remembers, not stored)
+            fi = await env.ops.open(f.st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+            await env.ops.write(fi.fh, 0, b"old content")
+            await env.ops.flush(fi.fh)
+            await env.ops.release(fi.fh)
         fi = await env.ops.open(f.st_ino, os.O_RDWR, Ctx())
         await env.ops.unlink(b, b"old.txt", Ctx())
         if written:  # its staged copy, which no close stores
