@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
+from .adr20 import clamp_time_ns
 from .core.filesystem import AttrChanges, Attributes, Caller, Filesystem
 from .errors import NatsFSError, single_error
 from .handles import HandleNo
@@ -181,7 +182,8 @@ class Operations(pyfuse3.Operations):
             mode=attr.st_mode & 0o7777 if fields.update_mode else None,
             uid=attr.st_uid if fields.update_uid else None,
             gid=attr.st_gid if fields.update_gid else None,
-            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None)
+            # (a time beyond what the mount can keep is clamped to it, as the kernel does for a local disk)
+            mtime_ns=clamp_time_ns(attr.st_mtime_ns) if fields.update_mtime else None)
         return entry_attributes(await self.fs.setattr(InodeNo(inode), changes))
 
     @_boundary

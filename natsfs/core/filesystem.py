@@ -590,7 +590,7 @@ class Filesystem:
         if self.kernel.degraded:  # nothing could tell the kernel of a change now: it must ask again soon
             entry_timeout, attr_timeout = min(entry_timeout, DEGRADED_TIMEOUT), min(attr_timeout, DEGRADED_TIMEOUT)
         return Attributes(ino=ino, mode=mode, nlink=nlink, size=size, uid=uid, gid=gid,
-                          mtime_ns=mtime_ns or self.ns.started_ns, blksize=blksize,
+                          mtime_ns=mtime_ns if mtime_ns is not None else self.ns.started_ns, blksize=blksize,
                           entry_timeout=entry_timeout, attr_timeout=attr_timeout, rdev=rdev)
 
     def _link_target(self, node: Node) -> str:
