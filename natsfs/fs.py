@@ -200,7 +200,7 @@ class Operations(pyfuse3.Operations):
         def reply(name: bytes, attrs: Attributes, next_id: int) -> bool:
             return bool(pyfuse3.readdir_reply(token, name, entry_attributes(attrs), next_id))
 
-        self.fs.readdir(HandleNo(fh), start_id, reply)
+        await self.fs.readdir(HandleNo(fh), start_id, reply)
 
     @_boundary
     async def releasedir(self, fh: int) -> None:

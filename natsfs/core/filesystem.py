@@ -844,13 +844,16 @@ class Filesystem:
     # ------------------------------------------------------------------ directories
     async def opendir(self, inode: InodeNo) -> HandleNo:
         path = self.inodes.path_of(inode)
+        return self.handles.add(DirHandle(inode, path, await self._listing(path)))
+
+    async def _listing(self, path: tuple[str, ...]) -> list[tuple[str, tuple[str, ...], Node]]:
+        """The snapshot a directory handle lists: (name, path, node) of each entry, sorted by name."""
         listing = dict(await self.ns.listdir(path))
         for sf in self.staging.children(path):
             listing[sf.path[-1]] = self._staged_node(sf)
-        entries = [(name, (*path, name), listing[name]) for name in sorted(listing)]
-        return self.handles.add(DirHandle(inode, path, entries))
+        return [(name, (*path, name), listing[name]) for name in sorted(listing)]
 
-    def readdir(self, fh: HandleNo, start_id: int, reply: Callable[[bytes, Attributes, int], bool]) -> None:
+    async def readdir(self, fh: HandleNo, start_id: int, reply: Callable[[bytes, Attributes, int], bool]) -> None:
         """Hand the entries from `start_id` on to `reply(name, attributes, next id)` until it refuses one;
         an entry counts as a lookup only once it was accepted."""
         handle = self.handles.get(fh)
@@ -858,6 +861,15 @@ class Filesystem:
             raise NatsFSError("bad directory handle", errno=errno.EBADF)
         # The directory may have been renamed (or removed) since opendir: its entries are where it is now.
         directory = self.inodes.path_of(handle.ino) if self.inodes.known(handle.path) != handle.ino else handle.path
+        if start_id == 0 and handle.listed:
+            # Read from the start again after a first pass (rewinddir, or lseek(fd, 0): Python's
+            # os.listdir(fd) does it): POSIX says the directory then shows as it is now, not as at opendir.
+            try:
+                handle.entries = await self._listing(directory)
+            except NotFound:
+                handle.entries = []  # removed since: empty, as a removed directory reads on a local disk
+            handle.path = directory
+        handle.listed = True
         for i in range(start_id, len(handle.entries)):
             name, listed_path, listed = handle.entries[i]
             path = listed_path if directory == handle.path else (*directory, name)
