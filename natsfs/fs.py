@@ -184,7 +184,8 @@ class Operations(pyfuse3.Operations):
             gid=attr.st_gid if fields.update_gid else None,
             # (a time beyond what the mount can keep is clamped to it, as the kernel does for a local disk)
             mtime_ns=clamp_time_ns(attr.st_mtime_ns) if fields.update_mtime else None)
-        return entry_attributes(await self.fs.setattr(InodeNo(inode), changes))
+        caller = _caller(ctx) if ctx is not None else None
+        return entry_attributes(await self.fs.setattr(InodeNo(inode), changes, caller))
 
     @_boundary
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:

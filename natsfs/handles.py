@@ -31,6 +31,10 @@ class FileHandle:
     writable: bool = False
     opener: int | None = None  # the thread group that opened it for writing, if known (openers.py)
     opener_located: bool = False  # its descriptor looked for at the first write (`Openers.located`)
+    # Who opened it for writing when not root (a `core.filesystem.Caller`): its first write clears the
+    # file's setuid/setgid bits, as a write without CAP_FSETID does on a local disk (a write request
+    # does not name its caller).
+    unprivileged_writer: Any = None
     next_offset: int = 0
     readahead: int = 0
 
