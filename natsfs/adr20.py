@@ -140,9 +140,15 @@ ATTR_RDEV = "natsfs.rdev"
 ATTR_SYMLINK = "natsfs.symlink"
 ATTR_SYMLINK_SIG = "natsfs.symlink_sig"
 SPECIAL_KINDS = {"fifo": 0o010000, "socket": 0o140000, "char": 0o020000, "block": 0o060000}
+# The times a file can carry: signed 64-bit nanoseconds since the epoch, negative before 1970 (as the
+# kernel's), so 1677-09-21 00:12:43.145224192 to 2262-04-11 23:47:16.854775807 UTC. A time set outside is
+# clamped to the nearest end (`clamp_time_ns`), as the kernel clamps to what a local filesystem can hold.
+MIN_TIME_NS = -(2**63)
+MAX_TIME_NS = 2**63 - 1
 # Each numeric POSIX attribute must fit its kernel type (mode_t, uid_t, gid_t, the int64 nanoseconds of a
-# timestamp, dev_t): a value outside is unusable and ignored, as a value that is not a number is.
-_ATTR_LIMITS = {ATTR_MODE: 2**32, ATTR_UID: 2**32, ATTR_GID: 2**32, ATTR_MTIME: 2**63, ATTR_RDEV: 2**64}
+# timestamp, dev_t): a value outside [low, high) is unusable and ignored, as a value that is not a number is.
+_ATTR_LIMITS = {ATTR_MODE: (0, 2**32), ATTR_UID: (0, 2**32), ATTR_GID: (0, 2**32),
+                ATTR_MTIME: (MIN_TIME_NS, MAX_TIME_NS + 1), ATTR_RDEV: (0, 2**64)}
 # The largest size a file can show (off_t), and nats.go's bound (uint32) on a chunk count.
 MAX_OBJECT_SIZE = 2**63 - 1
 MAX_CHUNKS = 2**32 - 1
@@ -364,6 +370,11 @@ class Link:
     name: str | None  # None: a link to the whole bucket
 
 
+def clamp_time_ns(ns: int) -> int:
+    """A time set by utimensat as the mount can keep it: within [MIN_TIME_NS, MAX_TIME_NS]."""
+    return min(max(ns, MIN_TIME_NS), MAX_TIME_NS)
+
+
 @dataclass(slots=True, frozen=True)
 class PosixAttrs:
     """POSIX attributes natsfs keeps in an object's metadata; None fields fall back to defaults."""
@@ -445,7 +456,8 @@ def _attrs_from(metadata: dict[str, Any], name: str, ignored: Ignored | None) ->
         except ValueError:
             unusable(key, raw)
             return None
-        if not 0 <= v < _ATTR_LIMITS[key]:
+        low, high = _ATTR_LIMITS[key]
+        if not low <= v < high:
             unusable(key, raw)
             return None
         return v

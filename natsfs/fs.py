@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
+from .adr20 import clamp_time_ns
 from .core.filesystem import AttrChanges, Attributes, Caller, Filesystem
 from .errors import NatsFSError, single_error
 from .handles import HandleNo
@@ -181,8 +182,10 @@ class Operations(pyfuse3.Operations):
             mode=attr.st_mode & 0o7777 if fields.update_mode else None,
             uid=attr.st_uid if fields.update_uid else None,
             gid=attr.st_gid if fields.update_gid else None,
-            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None)
-        return entry_attributes(await self.fs.setattr(InodeNo(inode), changes))
+            # (a time beyond what the mount can keep is clamped to it, as the kernel does for a local disk)
+            mtime_ns=clamp_time_ns(attr.st_mtime_ns) if fields.update_mtime else None)
+        caller = _caller(ctx) if ctx is not None else None
+        return entry_attributes(await self.fs.setattr(InodeNo(inode), changes, caller))
 
     @_boundary
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
@@ -198,7 +201,7 @@ class Operations(pyfuse3.Operations):
         def reply(name: bytes, attrs: Attributes, next_id: int) -> bool:
             return bool(pyfuse3.readdir_reply(token, name, entry_attributes(attrs), next_id))
 
-        self.fs.readdir(HandleNo(fh), start_id, reply)
+        await self.fs.readdir(HandleNo(fh), start_id, reply)
 
     @_boundary
     async def releasedir(self, fh: int) -> None:

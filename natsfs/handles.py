@@ -4,8 +4,9 @@ A `FileHandle` (an open file: it reads, and writes when opened for writing) pins
 (nuid, size, digest) the file had at open, so a reader keeps reading the version it opened even when
 the bucket moves on, and tracks sequential access for readahead. (Digests are checked per version by
 the chunk cache, not per handle.)
-A `DirHandle` is a snapshot of a directory listing taken at `opendir`, so that entries added or
-removed during a `readdir` cycle never make others be skipped or repeated.
+A `DirHandle` is a snapshot of a directory listing taken at `opendir` (and again at a rewind: a readdir
+from offset 0 after the first), so that entries added or removed during a `readdir` cycle never make
+others be skipped or repeated.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class FileHandle:
     writable: bool = False
     opener: int | None = None  # the thread group that opened it for writing, if known (openers.py)
     opener_located: bool = False  # its descriptor looked for at the first write (`Openers.located`)
+    # Who opened it for writing when not root (a `core.filesystem.Caller`): its first write clears the
+    # file's setuid/setgid bits, as a write without CAP_FSETID does on a local disk (a write request
+    # does not name its caller).
+    unprivileged_writer: Any = None
     next_offset: int = 0
     readahead: int = 0
 
@@ -57,6 +62,7 @@ class DirHandle:
     path: tuple[str, ...]
     # (name, mount path, namespace node) of every entry, as listed at opendir
     entries: list[tuple[str, tuple[str, ...], Any]] = field(default_factory=list)
+    listed: bool = False  # a readdir was answered: one from offset 0 again (rewinddir) lists afresh
 
 
 class HandleTable:

@@ -50,7 +50,7 @@ class Node:
     rel: Path = ()
     dir: Dir | None = None
     info: ObjectInfo | None = None
-    mtime_ns: int = 0
+    mtime_ns: int | None = None  # None: not known (the mount's start time shows); 0 is the epoch
 
 
 class Namespace:

@@ -471,7 +471,8 @@ class StagedFile:
         self.mode = attrs.mode
         self.uid = attrs.uid
         self.gid = attrs.gid
-        self.mtime_ns = attrs.mtime_ns or time.time_ns()
+        # (0 is a time like any other: the epoch, as `touch -d @0` sets it)
+        self.mtime_ns = attrs.mtime_ns if attrs.mtime_ns is not None else time.time_ns()
         self.mtime_explicit = False
         # Streaming upload (part of DIRTY): while a file grows from the front, its full chunks are sent
         # as they are written, so close only has to send the tail and the meta (Mutations.stream_ahead).

@@ -217,6 +217,22 @@ def _merged(current: PosixAttrs | None, changes: AttrChanges, default_mode: int)
     )
 
 
+def _without_privileges(mode: int, file_gid: int, caller: Caller | None) -> int:
+    """`mode` as a local disk leaves a regular file's (of group `file_gid`) after a chown by `caller`, or a
+    write or truncate by a caller other than root: no setuid bit; no setgid bit where group execute is
+    set, nor where the caller is neither root nor in the file's group (setgid without group execute,
+    once mandatory locking, stays only then; of the caller's groups only the primary one is known, so
+    a member by a supplementary group clears it too: the safe direction)."""
+    keeps_setgid = not mode & stat.S_IXGRP and (_privileged(caller) or (caller is not None and caller.gid == file_gid))
+    return mode & ~stat.S_ISUID & ~(0 if keeps_setgid else stat.S_ISGID)
+
+
+def _privileged(caller: Caller | None) -> bool:
+    """Whether a write or truncate by `caller` keeps setuid/setgid bits: root's (CAP_FSETID; an unknown
+    caller, too: nothing is taken away on a guess)."""
+    return caller is None or caller.uid == 0
+
+
 def _name(raw: bytes) -> str:
     return os.fsdecode(raw)
 
@@ -590,7 +606,7 @@ class Filesystem:
         if self.kernel.degraded:  # nothing could tell the kernel of a change now: it must ask again soon
             entry_timeout, attr_timeout = min(entry_timeout, DEGRADED_TIMEOUT), min(attr_timeout, DEGRADED_TIMEOUT)
         return Attributes(ino=ino, mode=mode, nlink=nlink, size=size, uid=uid, gid=gid,
-                          mtime_ns=mtime_ns or self.ns.started_ns, blksize=blksize,
+                          mtime_ns=mtime_ns if mtime_ns is not None else self.ns.started_ns, blksize=blksize,
                           entry_timeout=entry_timeout, attr_timeout=attr_timeout, rdev=rdev)
 
     def _link_target(self, node: Node) -> str:
@@ -844,13 +860,16 @@ class Filesystem:
     # ------------------------------------------------------------------ directories
     async def opendir(self, inode: InodeNo) -> HandleNo:
         path = self.inodes.path_of(inode)
+        return self.handles.add(DirHandle(inode, path, await self._listing(path)))
+
+    async def _listing(self, path: tuple[str, ...]) -> list[tuple[str, tuple[str, ...], Node]]:
+        """The snapshot a directory handle lists: (name, path, node) of each entry, sorted by name."""
         listing = dict(await self.ns.listdir(path))
         for sf in self.staging.children(path):
             listing[sf.path[-1]] = self._staged_node(sf)
-        entries = [(name, (*path, name), listing[name]) for name in sorted(listing)]
-        return self.handles.add(DirHandle(inode, path, entries))
+        return [(name, (*path, name), listing[name]) for name in sorted(listing)]
 
-    def readdir(self, fh: HandleNo, start_id: int, reply: Callable[[bytes, Attributes, int], bool]) -> None:
+    async def readdir(self, fh: HandleNo, start_id: int, reply: Callable[[bytes, Attributes, int], bool]) -> None:
         """Hand the entries from `start_id` on to `reply(name, attributes, next id)` until it refuses one;
         an entry counts as a lookup only once it was accepted."""
         handle = self.handles.get(fh)
@@ -858,6 +877,15 @@ class Filesystem:
             raise NatsFSError("bad directory handle", errno=errno.EBADF)
         # The directory may have been renamed (or removed) since opendir: its entries are where it is now.
         directory = self.inodes.path_of(handle.ino) if self.inodes.known(handle.path) != handle.ino else handle.path
+        if start_id == 0 and handle.listed:
+            # Read from the start again after a first pass (rewinddir, or lseek(fd, 0): Python's
+            # os.listdir(fd) does it): POSIX says the directory then shows as it is now, not as at opendir.
+            try:
+                handle.entries = await self._listing(directory)
+            except NotFound:
+                handle.entries = []  # removed since: empty, as a removed directory reads on a local disk
+            handle.path = directory
+        handle.listed = True
         for i in range(start_id, len(handle.entries)):
             name, listed_path, listed = handle.entries[i]
             path = listed_path if directory == handle.path else (*directory, name)
@@ -933,7 +961,10 @@ class Filesystem:
         if thread:
             self._refused_opens.pop(thread, None)
         try:
-            return await self._open(inode, flags, caller, revalidate, hold)
+            opened = await self._open(inode, flags, caller, revalidate, hold)
+            if flags & os.O_TRUNC and caller is not None and not _privileged(caller):
+                self._drop_privileges_of_staged(inode, caller)  # (truncated by the open, as truncate(2))
+            return opened
         except Stale:
             if thread:
                 self._refused(thread, inode)
@@ -1185,7 +1216,8 @@ class Filesystem:
         opener = self.openers.thread_group(caller.pid) if writing and caller is not None else None
         if opener is not None:
             self.openers.opened(opener, inode)
-        fh = self.handles.add(FileHandle(inode, info, writable=writing, opener=opener))
+        fh = self.handles.add(FileHandle(inode, info, writable=writing, opener=opener,
+                                         unprivileged_writer=caller if writing and not _privileged(caller) else None))
         self.files.opened(inode, writing=writing)
         direct_io = False
         if self.staging.get(inode) is not None:
@@ -1294,6 +1326,7 @@ class Filesystem:
                 # created again meanwhile (by another writer): open that file, as on a local disk.
                 return None
             return info, self._attr(ino, await self._node(ino))
+        bits, gid = await self._new_owner(parent_inode, mode, caller)
         async with self._new_entry(parent_inode, path, lambda: self._check_parent(path)) as here:
             if here:
                 ino = self.inodes.lookup(path)
@@ -1303,7 +1336,7 @@ class Filesystem:
                 # holds its bytes, see core/writeback.py). Creating a spool file, and removing it after the
                 # upload, was about a tenth of each file of `tar -x` without write-back.
                 sf = StagedFile(self.staging.spool, ino=ino, path=path, bucket=bucket, name="/".join(rel),
-                                base=None, attrs=PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None), new=True,
+                                base=None, attrs=PosixAttrs(bits, caller.uid, gid, None), new=True,
                                 memory_limit=INLINE_BYTES)
                 self.staging.add(sf)
         if not here:
@@ -1346,6 +1379,10 @@ class Filesystem:
                     continue  # dropped while this write waited: stage again
                 await self._fill(sf)
                 written = await sf.write(off, buf)
+                if handle.unprivileged_writer is not None:
+                    # (pyfuse3 tells a write nothing of its caller: the open's is the handle's)
+                    self._drop_privileges_of_staged(handle.ino, handle.unprivileged_writer)
+                    handle.unprivileged_writer = None
             break
         self.mut.after_write(sf, off)
         self.counters["writes"] += 1
@@ -1766,10 +1803,41 @@ class Filesystem:
         async with self._dir_renames.adding(lambda: self.inodes.path_of(inode)):
             yield
 
-    async def setattr(self, inode: InodeNo, changes: AttrChanges) -> Attributes:
+    async def setattr(self, inode: InodeNo, changes: AttrChanges, caller: Caller | None = None) -> Attributes:
         self._refuse_if_read_only()
         async with self._changed_in_place(inode):
-            return await self._setattr(inode, changes)
+            return await self._setattr(inode, await self._dropping_privileges(inode, changes, caller))
+
+    async def _dropping_privileges(self, inode: InodeNo, changes: AttrChanges, caller: Caller | None
+                                   ) -> AttrChanges:
+        """`changes`, plus the mode a local disk leaves a regular file with setuid/setgid bits after a chown
+        (by anyone) or a truncate by a caller other than root (`_without_privileges`). The kernel does
+        this itself only for bits it sees, and a mount without `--allow-setuid` shows none: the stored
+        bits stayed, and a later `--allow-setuid` mount showed a setuid file someone else had changed.
+        An explicit mode (chmod, or the kernel's own clearing) is left as given."""
+        chown = changes.uid is not None or changes.gid is not None
+        if changes.mode is not None or not (chown or (changes.size is not None and not _privileged(caller))):
+            return changes
+        try:
+            node = await self._node(inode)
+        except NatsFSError:
+            return changes  # (`_setattr` answers for an inode that shows nothing)
+        info = node.info if node.kind == FILE else None
+        attrs = info.attrs if info is not None else None
+        if info is None or attrs is None or attrs.mode is None or (attrs.kind is not None and info.size == 0):
+            return changes  # (no stored mode: the default has no such bits; FIFOs and devices keep theirs)
+        cleared = _without_privileges(attrs.mode, attrs.gid if attrs.gid is not None else self.config.gid, caller)
+        return changes if cleared == attrs.mode else dataclasses.replace(changes, mode=cleared)
+
+    def _drop_privileges_of_staged(self, inode: InodeNo, caller: Caller) -> None:
+        """A write (or `O_TRUNC` open) by `caller`, other than root, changed the staged file of `inode`:
+        its setuid/setgid bits go, stored with its bytes (see `_dropping_privileges`)."""
+        sf = self.staging.get(inode)
+        if sf is None or sf.ended or sf.mode is None:
+            return
+        cleared = _without_privileges(sf.mode, sf.gid if sf.gid is not None else self.config.gid, caller)
+        if cleared != sf.mode:
+            sf.set_attrs(cleared, None, None, None)
 
     async def _setattr(self, inode: InodeNo, changes: AttrChanges) -> Attributes:
         node = await self._node(inode)
@@ -2078,6 +2146,20 @@ class Filesystem:
             return None
         return node.info if node.kind in (FILE, LINK) else None
 
+    async def _new_owner(self, parent_inode: InodeNo, mode: int, caller: Caller, *, directory: bool = False
+                         ) -> tuple[int, int]:
+        """(permission bits, gid) of a new entry of `parent_inode`: the caller's gid, except in a directory
+        that shows the setgid bit, whose group it takes (and a new directory its setgid bit), as on a
+        local disk (the BSD rule). Only where that bit shows (`--allow-setuid`): elsewhere the stored bit
+        is masked off, and a directory showing `0775` gives new entries the creator's group."""
+        mode &= 0o7777
+        if not self.config.allow_setuid:
+            return mode, caller.gid
+        parent = self._attr(parent_inode, await self._node(parent_inode))
+        if not parent.mode & stat.S_ISGID:
+            return mode, caller.gid
+        return mode | (stat.S_ISGID if directory else 0), parent.gid
+
     async def mkdir(self, parent_inode: InodeNo, name: bytes, mode: int, caller: Caller) -> Attributes:
         self._refuse_if_read_only()
         path = (*self.inodes.path_of(parent_inode), _new_name(name))
@@ -2085,6 +2167,7 @@ class Filesystem:
         if bucket is None or not rel:
             return await self._make_bucket(path, mode)
         self.ns.store.check_name(bucket, "/".join(rel) + "/")
+        bits, gid = await self._new_owner(parent_inode, mode, caller, directory=True)
         async with self._new_entry(parent_inode, path, lambda: self._check_new_entry(path)) as here:
             if here:
                 marker_name = "/".join(rel) + "/"
@@ -2096,7 +2179,7 @@ class Filesystem:
                     raise AlreadyExists(f"{bucket}/{marker_name}: an object with bytes holds the name a directory "
                                         f"marker needs (it shows as {'/'.join(placement(marker_name)[0] or ())!r})",
                                         log_level=logging.INFO)
-                await self.mut.mkdir(bucket, rel, PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None))
+                await self.mut.mkdir(bucket, rel, PosixAttrs(bits, caller.uid, gid, None))
         if not here:
             return await self.mkdir(parent_inode, name, mode, caller)
         self._entries_changed(path[:-1])
@@ -2323,8 +2406,8 @@ class Filesystem:
         bucket, rel = self._in_bucket(path)
         self.ns.store.check_name(bucket, "/".join(rel))
         await self.mut.check_writable(bucket)
-        attrs = PosixAttrs(mode & 0o7777, caller.uid, caller.gid, None, kind,
-                           rdev if kind in ("char", "block") else None)
+        bits, gid = await self._new_owner(parent_inode, mode, caller)
+        attrs = PosixAttrs(bits, caller.uid, gid, None, kind, rdev if kind in ("char", "block") else None)
         async with self._new_entry(parent_inode, path, lambda: self._check_new_entry(path)) as here:
             if here:
                 await self.mut.make_special(bucket, "/".join(rel), attrs)

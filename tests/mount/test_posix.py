@@ -347,6 +347,44 @@ def test_directory_times_advance_when_entries_change_and_persist_in_the_marker(n
     assert " ERROR " not in m.log()
 
 
+def test_times_at_the_epoch_before_1970_and_past_2262_are_kept_across_a_remount(pb):
+    """`touch -d @0` (rsync -a of such a file), `touch -d 1969-07-20` and a time past 2262, on files and a
+    directory: shown as set (the last clamped to the latest time 64-bit nanoseconds hold, as the kernel
+    clamps for a local disk), and again after a remount; none is "unusable" in the log (the epoch showed
+    as the mount's start time, a time before 1970 as now)."""
+    m, b = pb
+    (b / "d").mkdir()
+    cases = {"epoch": 0, "one": 10**9, "moon": -14_182_940 * 10**9, "far": 2**63 + 10, "d": 0}
+    expected = {name: min(ns, 2**63 - 1) for name, ns in cases.items()}
+    for name, ns in cases.items():
+        if name != "d":
+            (b / name).write_bytes(b"x")
+        os.utime(b / name, ns=(978_307_200 * 10**9, 978_307_200 * 10**9))
+        os.utime(b / name, ns=(ns, ns))
+    assert {name: os.stat(b / name).st_mtime_ns for name in cases} == expected
+    m.remount()
+    assert {name: os.stat(b / name).st_mtime_ns for name in cases} == expected
+    assert "unusable" not in m.log()
+
+
+def test_a_reused_directory_descriptor_lists_what_was_created_since(pb):
+    """os.listdir(fd) rewinds the descriptor and reads again (rewinddir): POSIX says that shows the
+    directory as it is now; the mount replayed the opendir snapshot forever."""
+    _, b = pb
+    d = b / "rewind"
+    d.mkdir()
+    (d / "first").write_bytes(b"")
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert sorted(os.listdir(fd)) == ["first"]
+        (d / "second").write_bytes(b"")
+        assert sorted(os.listdir(fd)) == ["first", "second"]
+        (d / "first").unlink()
+        assert sorted(os.listdir(fd)) == ["second"]
+    finally:
+        os.close(fd)
+
+
 # ---------------------------------------------------------------- several users
 AS_OTHER_USER = r"""
 import errno, json, os, sys

@@ -174,6 +174,49 @@ def test_readdir_snapshot_is_stable_while_the_bucket_changes(ops_env):
     ops_env(body, setup=two_buckets)
 
 
+def test_readdir_from_the_start_again_lists_the_directory_as_it_is_now(ops_env):
+    """rewinddir (lseek(fd, 0); Python's os.listdir(fd) does it on every call) on a handle that listed its
+    directory: the next pass shows the directory as it is then, not the opendir snapshot (POSIX), also
+    after the directory was renamed; one that was removed since lists empty."""
+    async def body(env: Env):
+        alpha = await env.lookup("alpha")
+        fh = await env.ops.opendir(alpha.st_ino, None)
+        first = Listing()
+        await env.ops.readdir(fh, 0, first)
+        assert first.names == ["dir", "f.txt", "marker"]
+        await put_object(env.streams, "alpha", "aaa-new", b"x")
+        await delete_object(env.streams, "alpha", "f.txt")
+        await env.settle()
+        again = Listing()
+        await env.ops.readdir(fh, 0, again)
+        assert again.names == ["aaa-new", "dir", "marker"]
+        assert [next_id for _, _, next_id in again.entries] == [1, 2, 3]  # offsets of the new snapshot
+        resumed = Listing()
+        await env.ops.readdir(fh, 2, resumed)  # a pass goes on in the snapshot it started
+        assert resumed.names == ["marker"]
+        await env.ops.releasedir(fh)
+
+        d = await env.lookup("alpha/dir")
+        fh = await env.ops.opendir(d.st_ino, None)
+        await env.ops.readdir(fh, 0, Listing())
+        await env.ops.rename(alpha.st_ino, b"dir", alpha.st_ino, b"moved", 0, None)
+        await put_object(env.streams, "alpha", "moved/added", b"y")
+        await env.settle()
+        moved = Listing()
+        await env.ops.readdir(fh, 0, moved)
+        assert moved.names == ["added", "empty", "sub"]
+        assert moved.entries[0][1].st_ino == env.fs.inodes.known(("alpha", "moved", "added"))
+        for name in ("added", "empty", "sub/deep.bin"):
+            await delete_object(env.streams, "alpha", f"moved/{name}")
+        await env.settle()
+        gone = Listing()
+        await env.ops.readdir(fh, 0, gone)
+        assert gone.names == []
+        await env.ops.releasedir(fh)
+
+    ops_env(body, setup=two_buckets)
+
+
 def test_readdir_of_a_directory_renamed_since_opendir_lists_it_where_it_is(ops_env):
     """`ls` of a directory renamed between opendir and readdir: its entries, under its new path (the
     kernel's entries hang off the directory's inode, which moved with it), and no inode for the old

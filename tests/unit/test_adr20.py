@@ -345,6 +345,27 @@ def test_negative_natsfs_attributes_are_ignored():
     assert info.mtime_ns == TS
 
 
+@pytest.mark.parametrize(("raw", "shown"), [("-14182940000000000", -14182940000000000), ("-1", -1), ("0", 0),
+                                            (str(-(2**63)), -(2**63)), (str(2**63 - 1), 2**63 - 1)])
+def test_a_time_before_1970_is_a_negative_mtime_ns_and_kept(raw, shown):
+    """`touch -d 1969-07-20` stores negative nanoseconds (as the kernel's times): a usable time, down to
+    the int64 end, not an "unusable" value replaced by the meta's timestamp."""
+    why: list[str] = []
+    doc = {"name": "x", "nuid": "abc", "size": 1, "chunks": 1, "metadata": {"natsfs.mtime_ns": raw}}
+    info = parse_meta("b", msg("x", doc), why.append)
+    assert info.attrs is not None and info.attrs.mtime_ns == shown and info.mtime_ns == shown
+    assert why == []
+
+
+@pytest.mark.parametrize("raw", ["--1", "-", "- 1", "-0x10", "1e9", str(-(2**63) - 1), str(2**63)])
+def test_an_mtime_ns_that_is_no_int64_number_is_still_ignored(raw):
+    why: list[str] = []
+    doc = {"name": "x", "nuid": "abc", "size": 1, "chunks": 1, "metadata": {"natsfs.mtime_ns": raw}}
+    info = parse_meta("b", msg("x", doc), why.append)
+    assert info.attrs is not None and info.attrs.mtime_ns is None and info.mtime_ns == TS
+    assert len(why) == 1 and "natsfs.mtime_ns" in why[0]
+
+
 @pytest.mark.parametrize("value", [420, None, ["644"]])
 def test_non_string_natsfs_metadata_never_escapes_as_typeerror(value):
     doc = {"name": "x", "nuid": "abc", "size": 1, "chunks": 1, "metadata": {"natsfs.mode": value}}

@@ -176,6 +176,9 @@ def test_reports_fields_a_mount_ignores_and_sizes_no_file_can_have():
         await put_object(ms, "b", "rdev", b"", chunk_size=CHUNK,
                          metadata={"natsfs.type": "char", "natsfs.rdev": str(2**70)})
         await put_object(ms, "b", "mtime", b"m", chunk_size=CHUNK, metadata={"natsfs.mtime_ns": "9" * 30})
+        # A time before 1970 (negative nanoseconds) is a usable time: no finding.
+        await put_object(ms, "b", "pre-1970", b"p", chunk_size=CHUNK,
+                         metadata={"natsfs.mtime_ns": "-14182940000000000"})
         # Descriptive fields of the wrong JSON type: ignored by a mount.
         await put_object(ms, "b", "md-list", b"l", chunk_size=CHUNK, metadata=["a"])  # type: ignore[arg-type]
         await put_object(ms, "b", "py-headers", b"p", chunk_size=CHUNK,
