@@ -12,6 +12,7 @@ import os
 import stat
 
 import pytest
+import trio
 from gowriters import put_object
 from opskit import CTX, ROOT, Ctx, Env, Fields
 from test_ops_write import err, stored, write_file
@@ -161,3 +162,28 @@ def test_a_change_whose_revision_now_holds_another_object_is_a_conflict(ops_env)
         assert await stored(env, "f") == B
 
     ops_env(body, setup=bucket_with_f)
+
+
+def test_a_pending_upload_replayed_by_the_next_mount_after_a_re_creation_goes_to_lost_found(ops_env):
+    """The daemon died with a write-back upload pending; meanwhile the stream was created again with
+    another `f` at the revision the record's base has. The next mount's replay is a conflict: the record
+    keeps its base's nuid, and the meta at that revision holds another."""
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        f = await env.lookup("f")
+        fi = await env.ops.open(f.st_ino, os.O_RDWR, Ctx())
+        await env.ops.write(fi.fh, 0, W)
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        # The daemon dies here: no shutdown, nothing uploaded.
+
+    async def second(env: Env):
+        await env.fs.shutdown(10)  # waits for the replayed upload
+        assert await stored(env, "f") == B
+        assert kept(env) == [W + A[len(W):]]
+
+    ops_env(first, setup=bucket_with_f, bucket="b", streams=ms, write_back=LATER)
+    ms.recreate_stream(stream_name("b"))
+    trio.run(put_object, ms, "b", "f", B)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
