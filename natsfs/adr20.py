@@ -692,6 +692,17 @@ class _ChunkUnsettled(Unavailable):
     """(`ObjectStore._publish_after`) Neither the chunk's nor the meta's ack came back."""
 
 
+def check_same_object(bucket: str, name: str, doc: dict[str, Any], expected_nuid: str) -> None:
+    """`Conflict` when the meta read at the revision a change expects holds another nuid than the version
+    the change was made to (`expected_nuid`; "" checks nothing). Within one stream a revision names one
+    message, so this happens only when the stream was deleted and created again: the new stream numbers
+    its messages from 1 again, and another client's object can sit at the very revision this mount read
+    from the old one, where `Nats-Expected-Last-Subject-Sequence` alone would let the change replace it."""
+    if expected_nuid and str(doc.get("nuid") or "") != expected_nuid:
+        raise Conflict(f"{bucket}/{name} is another object at the same revision (its stream was deleted and "
+                       f"created again)")
+
+
 class ObjectStore:
     """The ADR-20 operations the filesystem uses, over any `Streams`."""
 
@@ -709,8 +720,12 @@ class ObjectStore:
         self.put_log: PutLog | None = None
         # Whether each bucket's stream allows atomic batch publish (from its last status).
         self._atomic: dict[str, bool] = {}
-        # Metas this store stored itself: meta subject -> (revision, payload), most recent last.
+        # Metas this store stored itself: meta subject -> (revision, payload), most recent last. A
+        # revision is a stream sequence, which a stream deleted and created again reuses: the entries of
+        # a bucket are dropped when its stream turns out to be another incarnation (`note_created`).
         self._own_metas: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
+        # bucket -> its stream's creation time as last seen (the incarnation its revisions belong to).
+        self._created_ns: dict[str, int] = {}
         # (bucket, old name) -> renames of it under way here (see `renaming_away`).
         self._renaming: Counter[tuple[str, str]] = Counter()
         # (bucket, nuid, name) -> the live names other than `name` whose meta holds `nuid` (the layer
@@ -814,7 +829,24 @@ class ObjectStore:
             raise NotFound(f"no bucket {bucket!r}")
         st = await self.streams.stream_info(stream_name(bucket))
         self._atomic[bucket] = bool(st.config.get("allow_atomic"))
+        self.note_created(bucket, st.created_ns)
         return bucket_status(bucket, st)
+
+    def note_created(self, bucket: str, created_ns: int) -> bool:
+        """The bucket's stream was seen with creation time `created_ns`. True when that is another
+        incarnation than the one seen before (deleted and created again: its sequences start over, so a
+        revision read from the old stream names some other message of the new one); the metas this
+        store remembers writing to the old one are then forgotten, never expected again."""
+        if not created_ns:
+            return False
+        known = self._created_ns.get(bucket)
+        self._created_ns[bucket] = created_ns
+        if known is None or known == created_ns:
+            return False
+        prefix = meta_filter(bucket)[:-1]  # "$O.<bucket>.M."
+        for subject in [s for s in self._own_metas if s.startswith(prefix)]:
+            del self._own_metas[subject]
+        return True
 
     async def create_bucket(self, bucket: str, *, description: str = "", storage: str = "file",
                             replicas: int = 1, compression: bool = False, max_bytes: int = -1,
@@ -1429,7 +1461,8 @@ class ObjectStore:
                                            timestamp=timestamp, replaces=replaces)
 
     async def delete(self, bucket: str, name: str, *, expected_revision: int | None = None,
-                     purge_chunks: bool = True, shared: bool = False) -> ObjectInfo | None:
+                     expected_nuid: str = "", purge_chunks: bool = True, shared: bool = False
+                     ) -> ObjectInfo | None:
         """ADR-20 delete: a tombstone meta (rollup), then purge of the object's chunks. When another live
         name `shared` the nuid (a rename interrupted between its steps), no tombstone may carry it (other
         clients purge the nuid they find under a deleted name): the name's meta subject is purged instead,
@@ -1442,6 +1475,7 @@ class ObjectStore:
             raise NotFound(f"{bucket}/{name} is already deleted")
         if expected_revision is not None and revision != expected_revision:
             raise Conflict(f"{bucket}/{name} changed since it was read")
+        check_same_object(bucket, name, doc, expected_nuid)
         nuid = str(doc.get("nuid") or "")
         if shared and nuid:
             await self.streams.purge_subject(stream_name(bucket), meta_subject(bucket, name), before_seq=revision + 1)
@@ -1458,8 +1492,8 @@ class ObjectStore:
         return info
 
     async def rename(self, bucket: str, old: str, new: str, *, expected_revision: int | None = None,
-                     target_revision: int = 0, change: Callable[[dict[str, Any]], None] | None = None
-                     ) -> tuple[ObjectInfo, int]:
+                     expected_nuid: str = "", target_revision: int = 0,
+                     change: Callable[[dict[str, Any]], None] | None = None) -> tuple[ObjectInfo, int]:
         """Metadata-only rename as nats.go's UpdateMeta does it (same nuid, no data moved):
         1. the meta under the new name (rollup; expects the target's revision, so another client's
            object there is never replaced unseen),
@@ -1468,7 +1502,7 @@ class ObjectStore:
            Delete or Put of the old name purge the renamed object's chunks.
         A crash between the steps leaves the object under both names. Returns (new info, the old
         name's revision that was purged). The caller purges a replaced target's chunks."""
-        doc, revision = await self._live_doc(bucket, old, expected_revision)
+        doc, revision = await self._live_doc(bucket, old, expected_revision, expected_nuid)
         self.check_name(bucket, new)
         moved = _moved_doc(doc, new, change)
         key = (bucket, old)
@@ -1523,31 +1557,45 @@ class ObjectStore:
         return (bucket, name) in self._renaming
 
     async def purge_tombstone(self, bucket: str, name: str, revision: int) -> None:
-        """Remove a tombstone (and anything older) from `name`'s meta subject; a newer meta stays."""
-        await self.streams.purge_subject(stream_name(bucket), self._meta_subject(bucket, name),
-                                         before_seq=revision + 1)
+        """Remove a tombstone (and anything older) from `name`'s meta subject; a newer meta stays. Only
+        when the subject still ends at that tombstone: a stream deleted and created again numbers its
+        messages from 1 again, and a purge up to a revision of the old one could remove another client's
+        object from the new one."""
+        subject = self._meta_subject(bucket, name)
+        msg = await self.streams.last_msg(stream_name(bucket), subject)
+        if msg is None or msg.seq != revision:
+            return
+        try:
+            if not parse_meta(bucket, msg).deleted:
+                return
+        except MalformedMeta:
+            return
+        await self.streams.purge_subject(stream_name(bucket), subject, before_seq=revision + 1)
 
     async def purge_alias(self, bucket: str, subject: str, revision: int) -> None:
         """Remove an alias meta (a name's meta under a non-canonical subject) up to `revision`; a newer
         message there stays."""
         await self._purge_settled(bucket, subject, revision + 1)
 
-    async def _live_doc(self, bucket: str, name: str, expected_revision: int | None) -> tuple[dict[str, Any], int]:
-        """The meta of a live object, checked against the revision the caller read (`Conflict`)."""
+    async def _live_doc(self, bucket: str, name: str, expected_revision: int | None,
+                        expected_nuid: str = "") -> tuple[dict[str, Any], int]:
+        """The meta of a live object, checked against the revision (and nuid) the caller read
+        (`Conflict`)."""
         current = await self._doc_at(bucket, name, expected_revision)
         if current is None or current[0].get("deleted"):
             raise NotFound(f"{bucket}/{name}")
         doc, revision = current
         if expected_revision is not None and revision != expected_revision:
             raise Conflict(f"{bucket}/{name} changed since it was read")
+        check_same_object(bucket, name, doc, expected_nuid)
         return doc, revision
 
     async def update_meta(self, bucket: str, name: str, change: Callable[[dict[str, Any]], None], *,
-                          expected_revision: int | None = None) -> ObjectInfo:
+                          expected_revision: int | None = None, expected_nuid: str = "") -> ObjectInfo:
         """Rewrite an object's meta in place (same nuid), keeping every field `change` leaves alone.
         Not read back for its timestamp: without `natsfs.mtime_ns`, its time is now, as this machine's
         clock has it."""
-        doc, revision = await self._live_doc(bucket, name, expected_revision)
+        doc, revision = await self._live_doc(bucket, name, expected_revision, expected_nuid)
         doc = dict(doc, mtime=ZERO_TIME)
         change(doc)
         return await self.publish_meta(bucket, doc, expected_revision=revision, timestamp=False)

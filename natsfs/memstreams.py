@@ -384,6 +384,16 @@ class MemoryStreams:
         st.deleted = True
         st.wake()
 
+    def recreate_stream(self, name: str) -> None:
+        """Delete stream `name` and create it again with the same config, at once (no other task runs in
+        between, as when another client does both faster than a watch notices): a new, empty stream whose
+        sequences start over at 1 and whose creation time differs, as nats-server makes it."""
+        old = self._get(name)
+        created_ns = max(self.clock(), old.created_ns + 1)
+        self._streams[name] = _Stream(dict(old.config), created_ns)
+        old.deleted = True
+        old.wake()
+
     async def account_limits(self) -> AccountLimits:
         await self._enter("account_limits")
         return AccountLimits(max_storage=self.max_storage, max_memory=self.max_memory,

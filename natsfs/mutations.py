@@ -34,6 +34,7 @@ from .adr20 import (
     ObjectStore,
     PosixAttrs,
     PutSession,
+    check_same_object,
     chunk_subject,
     format_digest,
     meta_json,
@@ -556,6 +557,12 @@ class Mutations:
             shared = self._shared_nuid(self.ns.loaded_index(sf.bucket), replaced)
             old_nuid = "" if shared or replaced.link is not None else replaced.nuid  # (a link has no chunks)
         unsettled = self._unsettled_nuid(sf.bucket, sf.name)
+        if replaced is not None and replaced.nuid:
+            # The put expects the replaced object's revision: check that the name still holds that object
+            # and not another client's at the same revision of a stream created again (see below).
+            got = await self.store.get_meta_doc(sf.bucket, sf.name)
+            if got is not None and got[1] == expected:
+                check_same_object(sf.bucket, sf.name, got[0], replaced.nuid)
         if sf.base is not None or unsettled:
             got = await self.store.get_meta_doc(sf.bucket, sf.name)
             got_nuid = str(got[0].get("nuid") or "") if got is not None else ""
@@ -576,6 +583,13 @@ class Mutations:
                 if got is None or got[1] != sf.base_revision:
                     self._break_stream(sf)
                     raise Conflict(f"{sf.bucket}/{sf.name} was changed by another client since it was opened")
+                if sf.base.nuid and got_nuid != sf.base.nuid:
+                    # The same revision holding another object: the stream was deleted and created again
+                    # (its sequences start over) and another client's object got the revision the file
+                    # was opened at. The server's expected-sequence check would let this put replace it.
+                    self._break_stream(sf)
+                    raise Conflict(f"{sf.bucket}/{sf.name} was replaced by another client since it was opened "
+                                   f"(its stream was deleted and created again)")
                 base_doc = got[0]
         attrs, defaults = sf.attrs(), self.file_defaults
 
@@ -646,6 +660,7 @@ class Mutations:
             shared = self._shared_nuid(index, current)
             try:
                 tomb = await self.store.delete(bucket, current.name, expected_revision=current.revision,
+                                               expected_nuid=current.nuid,
                                                purge_chunks=not keep_chunks and not shared, shared=shared)
                 break
             except Conflict:
@@ -693,7 +708,7 @@ class Mutations:
             attrs = dataclasses.replace(attrs, mtime_ns=adopted.attrs.mtime_ns)
         info = adopted
         new = await self.store.update_meta(bucket, info.name, lambda doc: set_posix_attrs(doc, attrs, defaults),
-                                           expected_revision=info.revision)
+                                           expected_revision=info.revision, expected_nuid=info.nuid)
         self._apply(bucket, new)
         return new
 
@@ -702,7 +717,8 @@ class Mutations:
         result would grow it over --max-meta-bytes (`ObjectStore.check_meta_size`: nothing stored)."""
         await self.check_writable(bucket)
         info = await self._on_canonical(bucket, info)
-        new = await self.store.update_meta(bucket, info.name, change, expected_revision=info.revision)
+        new = await self.store.update_meta(bucket, info.name, change, expected_revision=info.revision,
+                                           expected_nuid=info.nuid)
         self._apply(bucket, new)
         return new
 
@@ -801,7 +817,7 @@ class Mutations:
         if target is not None:
             target = await self._on_canonical(bucket, target)
         new_info, old_revision = await self.store.rename(
-            bucket, info.name, new_name, expected_revision=info.revision,
+            bucket, info.name, new_name, expected_revision=info.revision, expected_nuid=info.nuid,
             target_revision=target.revision if target is not None else 0, change=_rename_change(info))
         self._apply(bucket, new_info)
         if index is not None:

@@ -148,6 +148,17 @@ class BucketWatcher:
             self.on_gone(self)
         return True
 
+    async def _created_now(self) -> int:
+        """The stream's creation time, asked when the watch started over (perhaps because the stream was
+        created again: the new snapshot belongs to that incarnation, and nothing of the old one may be
+        carried into it); the one known before if the server does not answer."""
+        known = self._side.created_ns if self._side is not None else self.index.created_ns
+        try:
+            status = await self.store.bucket_status(self.bucket)
+        except NatsFSError:
+            return known
+        return status.created_ns or known
+
     def _start_side(self, created_ns: int) -> None:
         side = BucketIndex(self.bucket, created_ns=created_ns)
         side.root.mtime_ns = created_ns
@@ -164,7 +175,7 @@ class BucketWatcher:
             if batch.reset:
                 log.info("bucket %s: the watch started over; rebuilding the index aside", self.bucket)
                 self.stats["resyncs"] += 1
-                self._start_side(self._side.created_ns if self._side is not None else self.index.created_ns)
+                self._start_side(await self._created_now())
             target = self._side if self._side is not None else self.index
             if batch.msgs:
                 for m in batch.msgs:
@@ -351,6 +362,7 @@ class BucketWatcher:
         checked_at = trio.current_time()
         quiet = checked_at - self._last_activity > QUIET_S
         st = await streams.stream_info(self.stream)
+        self.store.note_created(self.bucket, st.created_ns)
         index = self.index
         if index.created_ns and st.created_ns and st.created_ns != index.created_ns:
             log.warning("bucket %s: its stream was deleted and created again; rebuilding the index", self.bucket)

@@ -265,6 +265,43 @@ def test_concurrent_writer_never_silently_wins(nats_url, bucket_name, wb, tmp_pa
         assert f.read() == b"mount's version"
 
 
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_a_stream_created_again_under_an_open_writer_never_loses_the_new_object(nats_url, bucket_name, mounter,
+                                                                                 mode):
+    """The tester's case byte for byte: nats-py puts f = 1000 A's (stream sequence 2), the mount opens it
+    `r+b` and writes 10 W's, nats-py deletes the stream, creates the bucket again and puts f = 1000 B's
+    (sequence 2 again), then the writer closes. The B object stays what nats-py reads; the W's (on the
+    old A's) go to lost+found, with one line: the close fails ESTALE, or in write-back mode the upload
+    is refused after the close returned. (Before: the close returned 0 and f read W's and A's.)"""
+    a, b_data, w = b"A" * 1000, b"B" * 1000, b"W" * 10
+    nats_py_put(nats_url, bucket_name, "f", a)
+    m = mounter(nats_url, "--bucket", bucket_name, *(["--write-back"] if mode == "write-back" else []))
+    writer = open(m.path / "f", "r+b", buffering=0)  # noqa: SIM115 - closed below, where the error is
+    writer.write(w)
+
+    async def recreate(nc, js):
+        await js.delete_stream(f"OBJ_{bucket_name}")
+        obs = await js.create_object_store(bucket_name)
+        await obs.put("f", b_data)
+        meta = f"$O.{bucket_name}.M." + base64.urlsafe_b64encode(b"f").decode()
+        assert (await js.get_last_msg(f"OBJ_{bucket_name}", meta)).seq == 2  # the revision the mount read
+
+    with_nats(nats_url, recreate)
+    if mode == "write-through":
+        with pytest.raises(OSError) as e:
+            writer.close()
+        assert e.value.errno == errno.ESTALE
+    else:
+        writer.close()
+    assert wait_for(lambda: "your bytes are kept at" in m.log(), timeout=30), m.log()
+    assert nats_py_get(nats_url, bucket_name, "f") == b_data
+    assert wait_for(lambda: (m.path / "f").read_bytes() == b_data)
+    kept = [line.split("kept at ")[-1].strip() for line in m.log().splitlines() if "your bytes are kept at" in line]
+    assert len(kept) == 1
+    with open(kept[0], "rb") as f:
+        assert f.read() == w + a[len(w):]
+
+
 # ---------------------------------------------------------------- namespace
 def test_unlink_is_an_adr20_delete(nats_url, bucket_name, wb):
     _m, b = wb

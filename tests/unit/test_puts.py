@@ -372,3 +372,20 @@ def test_a_journal_that_cannot_be_rewritten_at_start_is_appended_to(tmp_path, mo
     monkeypatch.undo()
     assert set(PutJournal(path).pending) == {("b", "N1"), ("b", "N2")}
     assert [r.levelname for r in caplog.records] == ["WARNING"]
+
+
+def test_a_tombstone_purge_never_reaches_another_object_of_a_stream_created_again():
+    """The revision of a tombstone read from the old stream may name another client's live meta of the
+    same name in the new one (sequences start over): that meta stays."""
+    async def body(ms: MemoryStreams, store: ObjectStore) -> None:
+        a = await put_object(ms, "b", "a", b"data")
+        tomb = await store.delete("b", "a", expected_revision=a.revision)
+        assert tomb is not None
+        ms.recreate_stream(stream_name("b"))
+        await put_object(ms, "b", "x", b"")  # (no chunk: one meta)
+        theirs = await put_object(ms, "b", "a", b"theirs")
+        assert theirs.revision == tomb.revision
+        await store.purge_tombstone("b", "a", tomb.revision)
+        assert (await store.get_info("b", "a")).nuid == theirs.nuid
+
+    run(body)
