@@ -1721,6 +1721,7 @@ class Filesystem:
             if not self.writeback.queued(sf):
                 await self._journal(sf)
             return  # the write-back uploader stores it and then drops it
+        shown = self._staged_node(sf) if sf.unstored and sf.never_stored else None
         self.staging.remove(sf)
         if sf.unstored:
             self.mut.discard_stream(sf)
@@ -1728,6 +1729,8 @@ class Filesystem:
             # bytes given up (as after a conflict, `_upload`).
             self.files.forget_cached_version(InodeNo(sf.ino))
             self.kernel.inode(InodeNo(sf.ino))
+            if shown is not None:
+                self._name_given_up(InodeNo(sf.ino), sf.path, shown)
             kept = self._keep(sf)
             if kept is not None:
                 # The one line per file that says what became of its bytes, with why (the close's own
@@ -1741,6 +1744,25 @@ class Filesystem:
                               sf.bucket, sf.name, why, kept)
         else:
             self.mut.discard(sf)
+
+    def _name_given_up(self, ino: InodeNo, path: tuple[str, ...], shown: Node) -> None:
+        """A new file was given up without ever being stored (its first close refused, its bytes kept in
+        lost+found): its name shows nothing now, as after an unlink of this mount, but here the kernel
+        still caches the name's entry for `ino` (an unlink drops it itself). An `open(O_CREAT)` of the
+        name then reached `ino` through it, and its permission check's GETATTR answered ENOENT, which
+        failed the open(2) until the entry expired, where a local disk creates the file.
+
+        So the name goes as at an unlink: its entry is invalidated (queued), and until that lands the inode
+        is detached and shows the file it was with no link (`getattr`), so such an open goes on to its
+        OPEN, is refused `ESTALE` (`_node_to_open`), and the kernel walks the path again and creates the
+        file; a later lookup of the name gets a new inode."""
+        if self.inodes.known(path) != ino:
+            return  # (renamed or unlinked since: its inode no longer has this name)
+        self._unlinked_nodes[ino] = shown
+        self._detach(path)
+        parent = self.inodes.known(path[:-1])
+        if parent is not None:
+            self.kernel.entry(parent, os.fsencode(path[-1]))
 
     # ------------------------------------------------------------------ attributes
     @contextlib.asynccontextmanager

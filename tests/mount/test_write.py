@@ -201,6 +201,42 @@ def test_a_full_bucket_logs_one_line_per_refused_file_and_the_refusal_once(nats_
     assert "$O." not in m.log()
 
 
+def update_stream(url: str, bucket: str, **changes: object) -> None:
+    """Change the bucket's stream config as another client (an operator) would."""
+    async def fn(nc, js):
+        cfg = (await js.stream_info(f"OBJ_{bucket}")).config
+        for key, value in changes.items():
+            setattr(cfg, key, value)
+        await js.update_stream(cfg)
+
+    with_nats(url, fn)
+
+
+@pytest.mark.expect_log("big: closed without a successful upload")
+@pytest.mark.parametrize(("limit", "undo", "refused"), [
+    ({"max_bytes": 64 * 1024, "discard": "new"}, {"max_bytes": -1}, errno.ENOSPC),
+    ({"max_msg_size": 64 * 1024}, {"max_msg_size": -1}, errno.E2BIG),
+], ids=["full", "message-too-big"])
+def test_a_new_file_whose_first_close_was_refused_can_be_created_again(nats_url, bucket_name, wb, limit, undo,
+                                                                        refused):
+    """The first close of a new file is refused by a limit of the bucket; once the limit is lifted,
+    writing the same name again (open with O_CREAT|O_TRUNC) creates it and stores its bytes, as on a
+    local disk. The kernel kept the name's entry for the given-up file's inode, and that open failed
+    ENOENT until the entry expired."""
+    from nats.js.api import DiscardPolicy
+
+    m, b = wb
+    update_stream(nats_url, bucket_name, **{k: DiscardPolicy.NEW if v == "new" else v for k, v in limit.items()})
+    assert _close_errno(b / "big", os.urandom(256 * 1024)) == refused
+    update_stream(nats_url, bucket_name, **undo)
+    # (its release, which close() does not wait for, gives the bytes to lost+found and the name up)
+    assert wait_for(lambda: "big: closed without a successful upload" in m.log(), 10), m.log()
+    (b / "big").write_bytes(b"fine")
+    assert nats_py_get(nats_url, bucket_name, "big") == b"fine"
+    assert (b / "big").read_bytes() == b"fine"
+    assert sorted(os.listdir(b)) == ["big"]
+
+
 def test_sealed_bucket_refuses_with_erofs(nats_url, bucket_name, wb, mounter):
     _m, b = wb
     (b / "before.txt").write_bytes(b"kept")
