@@ -20,6 +20,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -370,6 +371,7 @@ class Filesystem:
         self.kernel.busy = self._in_flight.__contains__
         self.staging = staging
         self.mut = Mutations(namespace, namespace.store, self.staging, config)
+        self.mut.on_sealed_changed = self._sealed_changed
         self.files = OpenFileTable()
         self.openers = openers if openers is not None else ProcOpeners(config.mountpoint)
         self._mount_root = str(config.mountpoint.resolve())  # resolved before mounting, never after
@@ -413,6 +415,8 @@ class Filesystem:
         self._reported_xattr_keys: set[tuple[str, str, int]] = set()
         self._nursery: trio.Nursery | None = None
         self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
+        # Per bucket, when a lookup or getattr last had its sealed state read again (`_refresh_sealed`).
+        self._sealed_refreshed: dict[str, float] = {}
         # Staged files whose bytes belong in lost+found but could not be written there (UNKEPT, see
         # `_keep`): no longer in `staging`, held here until a retry keeps them.
         self.unkept: list[StagedFile] = []
@@ -768,8 +772,8 @@ class Filesystem:
                 raise
             if not self._being_renamed(path):
                 break
-        if node.kind == BUCKET and node.bucket is not None:
-            await self._refresh_sealed(node.bucket)
+        if node.bucket is not None:
+            await self._refresh_sealed(node.bucket, first_waits=node.kind == BUCKET)
         ino = self.inodes.lookup(path)
         # (No await since the renames were waited for: a rename that starts now finds the hold.)
         ended = self._hold_for_retry(thread, ino, path, node) if thread else None
@@ -778,28 +782,39 @@ class Filesystem:
             await self._hold_ended(ended)
         return attrs
 
-    async def _refresh_sealed(self, bucket: str) -> None:
-        """Whether a bucket is sealed (it then shows without write bits) is read in the background: a
-        lookup answers from what is known and never waits on the server."""
-        if self._nursery is None or self.mut.known_sealed(bucket) is None:
-            await self.mut.sealed(bucket)  # the first time: nothing known to answer from yet
+    async def _refresh_sealed(self, bucket: str, *, first_waits: bool = False) -> None:
+        """Whether a bucket is sealed (its entries then show without write bits) is read again in the
+        background, at most every `sealed_ttl` per bucket, when a lookup or getattr of any entry of it
+        comes (another client may seal it at any time; in a `--bucket` mount nothing looks the bucket
+        itself up): the request answers from what is known and never waits on the server. A read that
+        finds the state changed has the kernel drop the attributes of the bucket's inodes
+        (`_sealed_changed`), so the next stat shows the new mode. `first_waits`: a lookup of the bucket
+        directory with nothing known yet reads it first (it answers with its mode)."""
+        if first_waits and (self._nursery is None or self.mut.known_sealed(bucket) is None):
+            await self.mut.sealed(bucket)
             return
-        if bucket in self._refreshing:
+        if self._nursery is None:
             return
+        now = time.monotonic()
+        if bucket in self._refreshing or now - self._sealed_refreshed.get(bucket, -math.inf) < self.config.sealed_ttl:
+            return
+        self._sealed_refreshed[bucket] = now
         self._refreshing.add(bucket)
         self._nursery.start_soon(self._read_sealed, bucket)
 
     async def _read_sealed(self, bucket: str) -> None:
-        before = self._known_sealed(bucket)
         try:
-            sealed = await self.mut.sealed(bucket)
+            await self.mut.sealed(bucket)  # (a change it finds calls `_sealed_changed`)
         except NatsFSError as e:
             log.debug("bucket %s: sealed state not refreshed: %s", bucket, e)
-            return
         finally:
             self._refreshing.discard(bucket)
-        ino = self.inodes.known(self.ns.mount_path(bucket, ()))
-        if sealed != before and ino is not None:
+
+    def _sealed_changed(self, bucket: str) -> None:
+        """A read of `bucket`'s sealed state found it changed: every inode of the bucket the kernel may
+        cache attributes of shows another mode now (write bits dropped, or back). Attribute-only
+        invalidations take no lock, so they go out at once, also for inodes a request is serving."""
+        for ino in self.inodes.under(self.ns.mount_path(bucket, ())):
             self.kernel.inode(ino, attr_only=True)
 
     async def getattr(self, inode: InodeNo) -> Attributes:
@@ -817,6 +832,8 @@ class Filesystem:
             if unlinked is None:
                 raise
             return dataclasses.replace(self._attr(inode, unlinked), nlink=0)
+        if node.bucket is not None:
+            await self._refresh_sealed(node.bucket)
         return self._attr(inode, node)
 
     def _nameless(self, inode: InodeNo) -> bool:

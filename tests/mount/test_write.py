@@ -255,6 +255,26 @@ def test_sealed_bucket_refuses_with_erofs(nats_url, bucket_name, wb, mounter):
     assert _mode_no_write(fresh.path / bucket_name) and _mode_no_write(fresh.path / bucket_name / "before.txt")
 
 
+@pytest.mark.parametrize("single", [False, True], ids=["all-buckets", "--bucket"])
+def test_a_bucket_another_client_seals_shows_without_write_bits_soon(nats_url, bucket_name, mounter, single):
+    """Another client seals the bucket: stats of its entries (files, directories, the bucket's own
+    directory, also a `--bucket` mount's root, which nothing looks up) show no write bits within a few
+    seconds, without any write attempt. The sealed state was re-read only at a lookup of the bucket
+    directory, which the kernel caches for a minute (never in a `--bucket` mount)."""
+    create_bucket(nats_url, bucket_name)
+    for name in ("f", "d/x", "d/y"):
+        nats_py_put(nats_url, bucket_name, name, b"data", create=False)
+    m = mounter(nats_url, *(["--bucket", bucket_name] if single else []))
+    b = m.path if single else m.path / bucket_name
+    assert not any(_mode_no_write(p) for p in (b, b / "f", b / "d", b / "d" / "x"))
+    with_store(nats_url, lambda s: s.seal_bucket(bucket_name))
+    # Each stat of "f" is answered from what the kernel caches until the mount, having re-read the state
+    # in the background, tells it to drop the attributes.
+    assert wait_for(lambda: _mode_no_write(b / "f"), 10), oct(os.stat(b / "f").st_mode)
+    assert all(_mode_no_write(p) for p in (b, b / "d", b / "d" / "x", b / "d" / "y")), \
+        [oct(os.stat(p).st_mode) for p in (b, b / "d", b / "d" / "x", b / "d" / "y")]
+
+
 def _open_errno(p, flags: int) -> int:
     try:
         os.close(os.open(p, flags))
