@@ -210,8 +210,8 @@ class Mutations:
             self.on_sealed_changed(bucket)
 
     def known_sealed(self, bucket: str) -> bool | None:
-        """What is known of a bucket's sealed state without asking the server: the last state read, else
-        the one its watch found when it started (None: neither)."""
+        """What is known of a bucket's sealed state without asking the server: the last state this mount
+        or the bucket's watcher read (None: neither ever did)."""
         cached = self._sealed.get(bucket)
         return cached[1] if cached is not None else self.ns.sealed_when_watched(bucket)
 
