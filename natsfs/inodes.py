@@ -91,6 +91,10 @@ class InodeTable:
             self._retired[path] = ino
         return True
 
+    def under(self, path: Path) -> list[InodeNo]:
+        """The inodes of `path` and of every path below it (detached ones excepted)."""
+        return [ino for p, ino in self._ino_of.items() if p[: len(path)] == path]
+
     def lookup_count(self, ino: InodeNo) -> int:
         return self._lookups.get(ino, 0)
 

@@ -119,6 +119,10 @@ class Mutations:
         self.dir_defaults = PosixAttrs(config.dir_mode, config.uid, config.gid, None)
         self._sealed: dict[str, tuple[float, bool]] = {}
         self._sealed_reads: dict[str, trio.Event] = {}  # a background read of a bucket's sealed state
+        # Called with a bucket whose sealed state a read found changed (what was shown with the old
+        # state, its write bits, is no longer true).
+        self.on_sealed_changed: Callable[[str], None] | None = None
+        namespace.on_sealed = self._remember_sealed  # (the watchers read it too, at no extra cost)
         self._nursery: trio.Nursery | None = None
         # Meta-only changes (attributes, xattrs) this mount is making itself, per (bucket, name), and an
         # event set whenever one ends: an upload finding such a change stored waits for it (`_upload`).
@@ -192,13 +196,25 @@ class Mutations:
                 raise
             log.debug("bucket %s: sealed state not read again (%s); the last known one stands", bucket, e)
             return known[1]
-        self._sealed[bucket] = (asked_at, sealed)
+        self._remember_sealed(bucket, asked_at, sealed)
         return sealed
 
+    def _remember_sealed(self, bucket: str, asked_at: float, sealed: bool) -> None:
+        """A read asked at `asked_at` (time.monotonic()) found `bucket` `sealed`: remembered, unless a read
+        asked later answered already; a change is reported (`on_sealed_changed`)."""
+        known = self._sealed.get(bucket)
+        if known is not None and known[0] > asked_at:
+            return
+        shown = bool(self.known_sealed(bucket))  # (what attributes answered so far: unknown shows unsealed)
+        self._sealed[bucket] = (asked_at, sealed)
+        if sealed != shown and self.on_sealed_changed is not None:
+            self.on_sealed_changed(bucket)
+
     def known_sealed(self, bucket: str) -> bool | None:
-        """What is known of a bucket's sealed state without asking the server (None: never asked)."""
+        """What is known of a bucket's sealed state without asking the server: the last state this mount
+        or the bucket's watcher read (None: neither ever did)."""
         cached = self._sealed.get(bucket)
-        return cached[1] if cached is not None else None
+        return cached[1] if cached is not None else self.ns.sealed_when_watched(bucket)
 
     def forget_sealed(self, bucket: str) -> None:
         self._sealed.pop(bucket, None)

@@ -68,6 +68,9 @@ class Namespace:
         # Called with (bucket, path inside bucket) of every entry that changed, and with
         # (bucket, None) when a bucket appeared or disappeared.
         self.on_change: Callable[[str, Path | None], None] | None = None
+        # Called with (bucket, when it was asked (time.monotonic()), sealed) whenever a bucket's watcher
+        # read its stream's sealed state (at the watch's start and at each reconciliation).
+        self.on_sealed: Callable[[str, float, bool], None] | None = None
 
     async def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -152,7 +155,8 @@ class Namespace:
         watcher = self._buckets.get(bucket)
         if watcher is None:
             watcher = BucketWatcher(self.store, bucket, on_change=lambda path: self._changed(bucket, path),
-                                    on_gone=self._gone, reconcile_interval=self.reconcile_interval,
+                                    on_gone=self._gone, on_sealed=lambda at, sealed: self._sealed(bucket, at, sealed),
+                                    reconcile_interval=self.reconcile_interval,
                                     default_created_ns=self.started_ns)
             self._buckets[bucket] = watcher
             assert self._nursery is not None, "Namespace.start() was not called"
@@ -165,7 +169,7 @@ class Namespace:
         return watcher.index
 
     def sealed_when_watched(self, bucket: str) -> bool | None:
-        """Whether the bucket was sealed when its watch last started (None: not watched yet)."""
+        """Whether the bucket was sealed when its watcher last read it (None: not watched yet)."""
         watcher = self._buckets.get(bucket)
         return watcher.sealed if watcher is not None else None
 
@@ -174,6 +178,10 @@ class Namespace:
         if watcher is None or not watcher.ready.is_set() or watcher.error is not None or watcher.gone:
             return None
         return watcher.index
+
+    def _sealed(self, bucket: str, asked_at: float, sealed: bool) -> None:
+        if self.on_sealed is not None:
+            self.on_sealed(bucket, asked_at, sealed)
 
     def _changed(self, bucket: str, path: Path) -> None:
         if self.on_change is not None:

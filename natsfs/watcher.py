@@ -52,6 +52,7 @@ class BucketWatcher:
 
     def __init__(self, store: ObjectStore, bucket: str, *, on_change: Callable[[Path], None] | None = None,
                  on_gone: Callable[[BucketWatcher], None] | None = None,
+                 on_sealed: Callable[[float, bool], None] | None = None,
                  reconcile_interval: float = Config.reconcile_interval, default_created_ns: int = 0):
         self.store = store
         self.bucket = bucket
@@ -61,9 +62,11 @@ class BucketWatcher:
         self.error: NatsFSError | None = None
         self.cancel = trio.CancelScope()
         self.gone = False
-        self.sealed: bool | None = None  # the bucket's sealed state when its watch last (re)started
+        self.sealed: bool | None = None  # the bucket's sealed state as last read (watch start, reconcile)
         self.on_change = on_change
         self.on_gone = on_gone
+        # Called with (when it was asked, time.monotonic(); the state) at each read of the sealed state.
+        self.on_sealed = on_sealed
         self.reconcile_interval = reconcile_interval
         self._default_created_ns = default_created_ns
         self._side: BucketIndex | None = None  # a snapshot being built, served once caught up
@@ -99,6 +102,7 @@ class BucketWatcher:
         backoff = Backoff(0.5, 5.0)
         while True:
             try:
+                asked_at = time.monotonic()
                 status = await self.store.bucket_status(self.bucket)
                 watch = await self.store.watch_metas(self.bucket)
             except NotFound as e:
@@ -117,7 +121,7 @@ class BucketWatcher:
                 await backoff.pause()
                 continue
             backoff.reset()
-            self.sealed = status.sealed
+            self._saw_sealed(asked_at, status.sealed)
             created = status.created_ns or self._default_created_ns
             self._start_side(created)
             try:
@@ -336,6 +340,11 @@ class BucketWatcher:
                 dropped = True
         return dropped
 
+    def _saw_sealed(self, asked_at: float, sealed: bool) -> None:
+        if self.on_sealed is not None:
+            self.on_sealed(asked_at, sealed)  # (first: it compares with what was known before)
+        self.sealed = sealed
+
     # ------------------------------------------------------------------ reconciliation
     async def _reconcile_loop(self) -> None:
         interval = self.reconcile_interval
@@ -361,8 +370,11 @@ class BucketWatcher:
         self.stats["reconciles"] += 1
         checked_at = trio.current_time()
         quiet = checked_at - self._last_activity > QUIET_S
+        asked_at = time.monotonic()
         st = await streams.stream_info(self.stream)
         self.store.note_created(self.bucket, st.created_ns)
+        # (The stream's info says whether it is sealed, for nothing more: another client may seal it.)
+        self._saw_sealed(asked_at, st.sealed)
         index = self.index
         if index.created_ns and st.created_ns and st.created_ns != index.created_ns:
             log.warning("bucket %s: its stream was deleted and created again; rebuilding the index", self.bucket)

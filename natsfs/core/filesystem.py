@@ -20,6 +20,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -386,6 +387,7 @@ class Filesystem:
         self.kernel.busy = self._in_flight.__contains__
         self.staging = staging
         self.mut = Mutations(namespace, namespace.store, self.staging, config)
+        self.mut.on_sealed_changed = self._sealed_changed
         self.files = OpenFileTable()
         self.openers = openers if openers is not None else ProcOpeners(config.mountpoint)
         self._mount_root = str(config.mountpoint.resolve())  # resolved before mounting, never after
@@ -429,6 +431,8 @@ class Filesystem:
         self._reported_xattr_keys: set[tuple[str, str, int]] = set()
         self._nursery: trio.Nursery | None = None
         self._refreshing: set[str] = set()  # buckets whose sealed state is being read in the background
+        # Per bucket, when a lookup or getattr last had its sealed state read again (`_refresh_sealed`).
+        self._sealed_refreshed: dict[str, float] = {}
         # Staged files whose bytes belong in lost+found but could not be written there (UNKEPT, see
         # `_keep`): no longer in `staging`, held here until a retry keeps them.
         self.unkept: list[StagedFile] = []
@@ -784,8 +788,8 @@ class Filesystem:
                 raise
             if not self._being_renamed(path):
                 break
-        if node.kind == BUCKET and node.bucket is not None:
-            await self._refresh_sealed(node.bucket)
+        if node.bucket is not None:
+            await self._refresh_sealed(node.bucket, first_waits=node.kind == BUCKET)
         ino = self.inodes.lookup(path)
         # (No await since the renames were waited for: a rename that starts now finds the hold.)
         ended = self._hold_for_retry(thread, ino, path, node) if thread else None
@@ -794,28 +798,39 @@ class Filesystem:
             await self._hold_ended(ended)
         return attrs
 
-    async def _refresh_sealed(self, bucket: str) -> None:
-        """Whether a bucket is sealed (it then shows without write bits) is read in the background: a
-        lookup answers from what is known and never waits on the server."""
-        if self._nursery is None or self.mut.known_sealed(bucket) is None:
-            await self.mut.sealed(bucket)  # the first time: nothing known to answer from yet
+    async def _refresh_sealed(self, bucket: str, *, first_waits: bool = False) -> None:
+        """Whether a bucket is sealed (its entries then show without write bits) is read again in the
+        background, at most every `sealed_ttl` per bucket, when a lookup or getattr of any entry of it
+        comes (another client may seal it at any time; in a `--bucket` mount nothing looks the bucket
+        itself up): the request answers from what is known and never waits on the server. A read that
+        finds the state changed has the kernel drop the attributes of the bucket's inodes
+        (`_sealed_changed`), so the next stat shows the new mode. `first_waits`: a lookup of the bucket
+        directory with nothing known yet reads it first (it answers with its mode)."""
+        if first_waits and (self._nursery is None or self.mut.known_sealed(bucket) is None):
+            await self.mut.sealed(bucket)
             return
-        if bucket in self._refreshing:
+        if self._nursery is None:
             return
+        now = time.monotonic()
+        if bucket in self._refreshing or now - self._sealed_refreshed.get(bucket, -math.inf) < self.config.sealed_ttl:
+            return
+        self._sealed_refreshed[bucket] = now
         self._refreshing.add(bucket)
         self._nursery.start_soon(self._read_sealed, bucket)
 
     async def _read_sealed(self, bucket: str) -> None:
-        before = self._known_sealed(bucket)
         try:
-            sealed = await self.mut.sealed(bucket)
+            await self.mut.sealed(bucket)  # (a change it finds calls `_sealed_changed`)
         except NatsFSError as e:
             log.debug("bucket %s: sealed state not refreshed: %s", bucket, e)
-            return
         finally:
             self._refreshing.discard(bucket)
-        ino = self.inodes.known(self.ns.mount_path(bucket, ()))
-        if sealed != before and ino is not None:
+
+    def _sealed_changed(self, bucket: str) -> None:
+        """A read of `bucket`'s sealed state found it changed: every inode of the bucket the kernel may
+        cache attributes of shows another mode now (write bits dropped, or back). Attribute-only
+        invalidations take no lock, so they go out at once, also for inodes a request is serving."""
+        for ino in self.inodes.under(self.ns.mount_path(bucket, ())):
             self.kernel.inode(ino, attr_only=True)
 
     async def getattr(self, inode: InodeNo) -> Attributes:
@@ -833,6 +848,8 @@ class Filesystem:
             if unlinked is None:
                 raise
             return dataclasses.replace(self._attr(inode, unlinked), nlink=0)
+        if node.bucket is not None:
+            await self._refresh_sealed(node.bucket)
         return self._attr(inode, node)
 
     def _nameless(self, inode: InodeNo) -> bool:
@@ -1769,6 +1786,7 @@ class Filesystem:
             if not self.writeback.queued(sf):
                 await self._journal(sf)
             return  # the write-back uploader stores it and then drops it
+        shown = self._staged_node(sf) if sf.unstored and sf.never_stored else None
         self.staging.remove(sf)
         if sf.unstored:
             self.mut.discard_stream(sf)
@@ -1776,6 +1794,8 @@ class Filesystem:
             # bytes given up (as after a conflict, `_upload`).
             self.files.forget_cached_version(InodeNo(sf.ino))
             self.kernel.inode(InodeNo(sf.ino))
+            if shown is not None:
+                self._name_given_up(InodeNo(sf.ino), sf.path, shown)
             kept = self._keep(sf)
             if kept is not None:
                 # The one line per file that says what became of its bytes, with why (the close's own
@@ -1789,6 +1809,25 @@ class Filesystem:
                               sf.bucket, sf.name, why, kept)
         else:
             self.mut.discard(sf)
+
+    def _name_given_up(self, ino: InodeNo, path: tuple[str, ...], shown: Node) -> None:
+        """A new file was given up without ever being stored (its first close refused, its bytes kept in
+        lost+found): its name shows nothing now, as after an unlink of this mount, but here the kernel
+        still caches the name's entry for `ino` (an unlink drops it itself). An `open(O_CREAT)` of the
+        name then reached `ino` through it, and its permission check's GETATTR answered ENOENT, which
+        failed the open(2) until the entry expired, where a local disk creates the file.
+
+        So the name goes as at an unlink: its entry is invalidated (queued), and until that lands the inode
+        is detached and shows the file it was with no link (`getattr`), so such an open goes on to its
+        OPEN, is refused `ESTALE` (`_node_to_open`), and the kernel walks the path again and creates the
+        file; a later lookup of the name gets a new inode."""
+        if self.inodes.known(path) != ino:
+            return  # (renamed or unlinked since: its inode no longer has this name)
+        self._unlinked_nodes[ino] = shown
+        self._detach(path)
+        parent = self.inodes.known(path[:-1])
+        if parent is not None:
+            self.kernel.entry(parent, os.fsencode(path[-1]))
 
     # ------------------------------------------------------------------ attributes
     @contextlib.asynccontextmanager

@@ -201,6 +201,42 @@ def test_a_full_bucket_logs_one_line_per_refused_file_and_the_refusal_once(nats_
     assert "$O." not in m.log()
 
 
+def update_stream(url: str, bucket: str, **changes: object) -> None:
+    """Change the bucket's stream config as another client (an operator) would."""
+    async def fn(nc, js):
+        cfg = (await js.stream_info(f"OBJ_{bucket}")).config
+        for key, value in changes.items():
+            setattr(cfg, key, value)
+        await js.update_stream(cfg)
+
+    with_nats(url, fn)
+
+
+@pytest.mark.expect_log("big: closed without a successful upload")
+@pytest.mark.parametrize(("limit", "undo", "refused"), [
+    ({"max_bytes": 64 * 1024, "discard": "new"}, {"max_bytes": -1}, errno.ENOSPC),
+    ({"max_msg_size": 64 * 1024}, {"max_msg_size": -1}, errno.E2BIG),
+], ids=["full", "message-too-big"])
+def test_a_new_file_whose_first_close_was_refused_can_be_created_again(nats_url, bucket_name, wb, limit, undo,
+                                                                        refused):
+    """The first close of a new file is refused by a limit of the bucket; once the limit is lifted,
+    writing the same name again (open with O_CREAT|O_TRUNC) creates it and stores its bytes, as on a
+    local disk. The kernel kept the name's entry for the given-up file's inode, and that open failed
+    ENOENT until the entry expired."""
+    from nats.js.api import DiscardPolicy
+
+    m, b = wb
+    update_stream(nats_url, bucket_name, **{k: DiscardPolicy.NEW if v == "new" else v for k, v in limit.items()})
+    assert _close_errno(b / "big", os.urandom(256 * 1024)) == refused
+    update_stream(nats_url, bucket_name, **undo)
+    # (its release, which close() does not wait for, gives the bytes to lost+found and the name up)
+    assert wait_for(lambda: "big: closed without a successful upload" in m.log(), 10), m.log()
+    (b / "big").write_bytes(b"fine")
+    assert nats_py_get(nats_url, bucket_name, "big") == b"fine"
+    assert (b / "big").read_bytes() == b"fine"
+    assert sorted(os.listdir(b)) == ["big"]
+
+
 def test_sealed_bucket_refuses_with_erofs(nats_url, bucket_name, wb, mounter):
     _m, b = wb
     (b / "before.txt").write_bytes(b"kept")
@@ -217,6 +253,26 @@ def test_sealed_bucket_refuses_with_erofs(nats_url, bucket_name, wb, mounter):
     # A mount that finds the bucket sealed shows its files without write permission.
     fresh = mounter(nats_url)
     assert _mode_no_write(fresh.path / bucket_name) and _mode_no_write(fresh.path / bucket_name / "before.txt")
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["all-buckets", "--bucket"])
+def test_a_bucket_another_client_seals_shows_without_write_bits_soon(nats_url, bucket_name, mounter, single):
+    """Another client seals the bucket: stats of its entries (files, directories, the bucket's own
+    directory, also a `--bucket` mount's root, which nothing looks up) show no write bits within a few
+    seconds, without any write attempt. The sealed state was re-read only at a lookup of the bucket
+    directory, which the kernel caches for a minute (never in a `--bucket` mount)."""
+    create_bucket(nats_url, bucket_name)
+    for name in ("f", "d/x", "d/y"):
+        nats_py_put(nats_url, bucket_name, name, b"data", create=False)
+    m = mounter(nats_url, *(["--bucket", bucket_name] if single else []))
+    b = m.path if single else m.path / bucket_name
+    assert not any(_mode_no_write(p) for p in (b, b / "f", b / "d", b / "d" / "x"))
+    with_store(nats_url, lambda s: s.seal_bucket(bucket_name))
+    # Each stat of "f" is answered from what the kernel caches until the mount, having re-read the state
+    # in the background, tells it to drop the attributes.
+    assert wait_for(lambda: _mode_no_write(b / "f"), 10), oct(os.stat(b / "f").st_mode)
+    assert all(_mode_no_write(p) for p in (b, b / "d", b / "d" / "x", b / "d" / "y")), \
+        [oct(os.stat(p).st_mode) for p in (b, b / "d", b / "d" / "x", b / "d" / "y")]
 
 
 def _open_errno(p, flags: int) -> int:

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 import pyfuse3
+import pytest
 import trio
 from opskit import ROOT, Env, errno_of
 from test_ops_changes_in_renamed_dirs import HeldWhen
@@ -192,3 +193,83 @@ def test_an_o_trunc_open_of_a_file_unlinked_here_while_its_last_close_ends_is_re
         assert lost_and_found(env) == []
 
     ops_env(body, setup=bucket_b, bucket="b")
+
+
+async def limit_stream(env: Env, **limits: Any) -> None:
+    """Change the bucket's stream config as another client would (max_bytes, discard, max_msg_size)."""
+    info = await env.streams.stream_info("OBJ_b")
+    await env.streams.update_stream({**info.config, **limits})
+
+
+@pytest.mark.expect_log(r"closed without a successful upload .*maximum bytes exceeded")
+def test_a_new_file_whose_first_close_was_refused_can_be_created_again_through_the_entry_the_kernel_kept(
+        ops_env):
+    """`big` is created and written; its close is refused (the stream is full, discard new) and its
+    release gives the bytes to lost+found: the name shows nothing. The kernel still caches the name's
+    entry for the file's inode (its create made it), so the next `open("big", O_CREAT|O_TRUNC)` reaches
+    that inode: its GETATTR answered ENOENT, which failed the open(2) until the entry expired. Now the
+    inode shows the file it was with no link, the OPEN is refused ESTALE, and the kernel's walk again
+    creates the file (a new inode), whose bytes are stored; and the kernel is told to drop the entry."""
+    async def body(env: Env) -> None:
+        await limit_stream(env, max_bytes=4096, discard="new")
+        fi, attrs = await env.ops.create(ROOT, b"big", 0o644, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, Ctx())
+        ino = attrs.st_ino
+        assert await env.ops.write(fi.fh, 0, b"x" * 20_000) == 20_000
+        assert await fuse_errno(env.ops.flush(fi.fh)) == errno.ENOSPC
+        env.fs.kernel.sent.clear()
+        await env.ops.release(fi.fh)
+        assert len(lost_and_found(env)) == 1
+        assert ("entry", ROOT, b"big") in env.fs.kernel.sent  # the name's entry goes (queued)
+        await limit_stream(env, max_bytes=-1)
+
+        # Before that invalidation lands: the kernel's open through the entry it kept.
+        got = await env.ops.getattr(ino, None)
+        assert (got.st_nlink, got.st_size) == (0, 20_000)
+        assert await fuse_errno(env.ops.open(ino, os.O_WRONLY | os.O_TRUNC, Ctx())) == errno.ESTALE
+        fi = await open_creat_trunc_after_the_walk_of(env, "big", ino)
+        assert await env.ops.write(fi.fh, 0, WRITTEN) == len(WRITTEN)
+        await close(env, fi)()
+        assert await stored(env, "big") == WRITTEN
+        again = await env.lookup("big")
+        assert again.st_ino != ino and again.st_size == len(WRITTEN)
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+@pytest.mark.expect_log(r"closed without a successful upload .*maximum bytes exceeded")
+def test_a_new_file_given_up_after_a_rename_over_an_object_leaves_that_object_shown(ops_env):
+    """The same refusal for a new file renamed over "old" before its first close: "old" still shows
+    the object the rename was to replace (the refused upload never replaced it), also to an open
+    through the entry the kernel kept for the given-up file (refused ESTALE, it walks again to it)."""
+    async def body(env: Env) -> None:
+        fi, attrs = await env.ops.create(ROOT, b"new", 0o644, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, Ctx())
+        assert await env.ops.write(fi.fh, 0, b"x" * 20_000) == 20_000
+        await env.ops.rename(ROOT, b"new", ROOT, b"old", 0, Ctx())
+        await limit_stream(env, max_bytes=4096, discard="new")
+        assert await fuse_errno(env.ops.flush(fi.fh)) == errno.ENOSPC
+        await env.ops.release(fi.fh)
+        assert await fuse_errno(env.ops.open(attrs.st_ino, os.O_RDONLY, Ctx())) == errno.ESTALE
+        fi = await env.ops.open((await env.lookup("old")).st_ino, os.O_RDONLY, Ctx())
+        try:
+            assert await env.ops.read(fi.fh, 0, 1 << 20) == V1
+        finally:
+            await env.ops.release(fi.fh)
+        assert await env.cat("old") == V1
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+async def open_creat_trunc_after_the_walk_of(env: Env, name: str, ino: int) -> pyfuse3.FileInfo:
+    """`open_creat_trunc_after_the_walk` of another name."""
+    await env.ops.getattr(ino, None)
+    try:
+        return await env.ops.open(ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+    except pyfuse3.FUSEError as e:
+        assert errno_of(e) == errno.ESTALE
+    try:
+        again = await env.lookup(name)
+    except pyfuse3.FUSEError as e:
+        assert errno_of(e) == errno.ENOENT
+        fi, _ = await env.ops.create(ROOT, name.encode(), 0o644, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, Ctx())
+        return fi
+    return await env.ops.open(again.st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
