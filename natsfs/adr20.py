@@ -764,6 +764,9 @@ class ObjectStore:
         # The limits of each bucket's stream that can cut a version short (from its last status: as
         # fresh as that, see `check_fits`); a bucket not in it has none known.
         self._limits: dict[str, StreamLimits] = {}
+        # Buckets whose stream config the server announced changed since their status was last read
+        # (`follow_stream_updates`): read again before their next put (`check_fits`).
+        self._stale: set[str] = set()
         # Metas this store stored itself: meta subject -> (revision, payload), most recent last.
         self._own_metas: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
         # (bucket, old name) -> renames of it under way here (see `renaming_away`).
@@ -955,9 +958,44 @@ class ObjectStore:
     async def bucket_status(self, bucket: str) -> BucketStatus:
         if not valid_bucket_name(bucket):
             raise NotFound(f"no bucket {bucket!r}")
-        st = await self.streams.stream_info(stream_name(bucket))
+        stale = bucket in self._stale
+        self._stale.discard(bucket)  # (an update announced while this read is under way marks it again)
+        try:
+            st = await self.streams.stream_info(stream_name(bucket))
+        except BaseException:
+            if stale:
+                self._stale.add(bucket)
+            raise
         self._atomic[bucket] = bool(st.config.get("allow_atomic"))
         return self._noted(bucket, st)
+
+    async def follow_stream_updates(self) -> None:
+        """For the mount's life: the buckets whose stream config the server announces updated (by any
+        client) are marked, and their status is read again before their next put (`check_fits`), so
+        limits another client sets are known at once, not only at the next periodic read. Where the
+        advisories cannot be followed, the periodic reads are all there is (see `check_fits`)."""
+        backoff = Backoff(1.0, 30.0)
+        while True:
+            try:
+                updates = await self.streams.stream_updates()
+            except NatsFSError as e:
+                log.debug("stream config updates not followed (%s); trying again", e)
+                await backoff.pause()
+                continue
+            try:
+                while True:
+                    for name in await updates.next():
+                        if name.startswith(STREAM_PREFIX):
+                            self._stale.add(name[len(STREAM_PREFIX):])
+                            log.debug("bucket %s: its stream config was updated; read again before its next put",
+                                      name[len(STREAM_PREFIX):])
+                    backoff.reset()
+            except NatsFSError as e:
+                log.debug("stream config updates not followed (%s); trying again", e)
+            finally:
+                with trio.CancelScope(shield=True), contextlib.suppress(NatsFSError):
+                    await updates.close()
+            await backoff.pause()
 
     def _noted(self, bucket: str, st: StreamState) -> BucketStatus:
         """A bucket's status, remembering the limits of its stream that can cut a version short."""
@@ -975,18 +1013,25 @@ class ObjectStore:
     async def check_fits(self, bucket: str, name: str, size: int, chunks: int) -> None:
         """`OverStreamLimits` when a version of `size` bytes in `chunks` chunks can never be held whole by
         the bucket's stream (see `StreamLimits.refusal`), before any of it is sent. Costs nothing for a
-        bucket without such limits. Checked against the config of the bucket's last status (read at most
-        `sealed_ttl` before an upload starts, see `Mutations.sealed`), read again before refusing: a
-        limit lifted meanwhile refuses nothing; one set within that time is not seen yet (the check
-        after the meta still catches what it cut, see `prove_whole`)."""
+        bucket without such limits. Checked against the config of the bucket's last status: read again
+        first when the server announced a config update of the stream since (`follow_stream_updates`),
+        and before refusing; otherwise as fresh as the periodic read (at most `sealed_ttl` before an
+        upload starts, see `Mutations.sealed`), which is all there is where the advisories cannot be
+        followed (then a limit set within that time is not seen yet)."""
+        fresh = False
+        if bucket in self._stale:
+            with contextlib.suppress(NatsFSError):
+                await self.bucket_status(bucket)
+                fresh = True
         limits = self._limits.get(bucket)
         if limits is None:
             return
         stored = size + chunks * len(chunk_subject(bucket, "x" * 22))
         if limits.refusal(chunks, stored) is None:
             return
-        with contextlib.suppress(NatsFSError):
-            await self.bucket_status(bucket)
+        if not fresh:
+            with contextlib.suppress(NatsFSError):
+                await self.bucket_status(bucket)
         why = self.limits(bucket).refusal(chunks, stored)
         if why is not None:
             raise OverStreamLimits(f"{bucket}/{name}: a version of {size} bytes in {chunks} chunks "

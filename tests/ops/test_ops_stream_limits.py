@@ -23,7 +23,7 @@ from natsfs.adr20 import NO_LIMITS, ObjectStore, chunk_subject, stream_name
 from natsfs.compose import spool_root
 from natsfs.memstreams import MemoryStreams
 
-OLD = os.urandom(300_000)  # 3 chunks of 128 KiB
+OLD = os.urandom(100_000)  # one chunk (a limit set on the stream applies at once to what it holds)
 NEW = os.urandom(300_000)
 OTHER = b"another object, never touched"
 QUIET = 3600.0  # sealed_ttl: the bucket's status is not read again by itself during the test
@@ -115,6 +115,27 @@ def test_a_version_the_stream_cannot_hold_whole_is_refused_before_anything_is_se
     assert lines(caplog, logging.ERROR) == naming[1:]
 
 
+@pytest.mark.expect_log(r"b/old\.bin: closed without a successful upload \(a version of")
+def test_a_limit_another_client_sets_while_mounted_is_known_at_the_next_close(ops_env, tmp_path):
+    """The server announces every stream config update: the bucket's status is read again before its
+    next put, not only every `sealed_ttl` (the tester's case: a rewrite half a second after the change)."""
+
+    async def body(env: Env):
+        await rewrite(env, "other.txt", b"small")  # (the first upload reads the bucket's status)
+        await another_client_sets(env.streams, max_msgs_per_subject=1)
+        await env.settle()
+        infos = env.streams.calls["stream_info"]
+        assert await rewrite(env, "old.bin", NEW) == errno.E2BIG
+        assert env.streams.calls["stream_info"] == infos + 1
+        assert await stored(env, "old.bin") == OLD
+        assert [p.read_bytes() for p in kept_files(tmp_path)] == [NEW]
+        calls = env.streams.calls.copy()
+        assert await rewrite(env, "other.txt", b"fits") == 0  # read once per announced change, not per put
+        assert (env.streams.calls - calls)["stream_info"] == 0
+
+    ops_env(body, setup=setup_for(True), bucket="b", sealed_ttl=QUIET)
+
+
 def test_a_refusal_reads_the_config_again_and_a_limit_lifted_meanwhile_refuses_nothing(ops_env):
     async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
         await setup_for(True)(ms, store)
@@ -123,6 +144,7 @@ def test_a_refusal_reads_the_config_again_and_a_limit_lifted_meanwhile_refuses_n
     async def body(env: Env):
         await rewrite(env, "other.txt", b"small")  # (the first upload reads the bucket's status)
         assert env.store.limits("b").per_subject == 1
+        env.streams._update_followers.clear()  # no advisory reaches the mount (an account that may not)
         await another_client_sets(env.streams, max_msgs_per_subject=-1)  # the mount has not read it yet
         infos = env.streams.calls["stream_info"]
         assert await rewrite(env, "old.bin", NEW) == 0
@@ -145,6 +167,7 @@ def test_buckets_without_such_limits_pay_no_round_trip_and_limited_ones_one_per_
             assert made["subject_counts"] == 0 and made["stream_info"] == 0, made
         # The same puts where the stream may drop a version's first chunks later (max_age): one count each.
         await env.store.update_bucket("b", lambda c: c.update(max_age=24 * 3600 * 10**9))
+        await rewrite(env, "old.bin", os.urandom(1000))  # (the announced change is read before this put)
         for data in (os.urandom(200), NEW):
             calls = env.streams.calls.copy()
             assert await rewrite(env, "old.bin", data) == 0
