@@ -40,6 +40,14 @@ says otherwise; reading it back costs a round trip after the ack. Callers that s
 (the filesystem shows a written file's last write, or the meta carries `natsfs.mtime_ns`) pass
 `timestamp=False`: the returned info then carries this machine's time.
 
+Stream limits: a bucket's stream config (any client's) may drop messages already acknowledged
+(`max_msgs_per_subject`; `max_bytes` / `max_msgs` with discard old; `max_age`: `StreamLimits`). A put
+the limits could never hold whole is refused before anything is sent (`check_fits`, `OverStreamLimits`);
+where the stream may still cut a version after its acks, the put counts its chunks once its meta is
+stored, before the version it replaced is purged, and takes back a cut one (`prove_whole`, `NotWhole`).
+The limits come from each bucket's last status, read again after the server announces a config update
+(`follow_stream_updates`). Buckets without such limits pay no round trip for any of it.
+
 Own metas: the store remembers the last metas it stored itself (subject, revision, bytes; bounded).
 A rewrite that expects exactly such a revision (a chmod or utime after close, a rename, a delete of
 a file this mount just wrote) starts from that document instead of reading it back: the revision it
