@@ -244,3 +244,18 @@ def test_a_new_file_cut_by_discard_old_is_deleted_again_and_its_bytes_kept(ops_e
             sealed_ttl=QUIET)
     [error] = lines(caplog, logging.ERROR)
     assert "max_bytes 700000 with discard old" in error and "the name is deleted again" in error
+
+
+@pytest.mark.parametrize("limit", ["max_msgs_per_subject", "max_bytes"])
+def test_in_write_back_mode_a_refused_upload_goes_to_lost_found_and_is_not_retried(ops_env, tmp_path, caplog, limit):
+    changes, data = REFUSALS[limit]
+
+    async def body(env: Env):
+        assert await rewrite(env, "old.bin", data) == 0  # (write-back: the close only journals it)
+        await env.fs.shutdown(10)
+        assert await stored(env, "old.bin") == OLD and await stored(env, "other.txt") == OTHER
+        assert [p.read_bytes() for p in kept_files(tmp_path)] == [data]
+        assert env.fs.writeback is not None and env.fs.writeback.journal.pending == {}
+
+    ops_env(body, setup=setup_for(True, **changes), bucket="b", write_back=0.0, sealed_ttl=QUIET)
+    assert sum(f"the stream's {limit} is" in line for line in lines(caplog)) == 1, lines(caplog)
