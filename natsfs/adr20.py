@@ -40,6 +40,14 @@ says otherwise; reading it back costs a round trip after the ack. Callers that s
 (the filesystem shows a written file's last write, or the meta carries `natsfs.mtime_ns`) pass
 `timestamp=False`: the returned info then carries this machine's time.
 
+Stream limits: a bucket's stream config (any client's) may drop messages already acknowledged
+(`max_msgs_per_subject`; `max_bytes` / `max_msgs` with discard old; `max_age`: `StreamLimits`). A put
+the limits could never hold whole is refused before anything is sent (`check_fits`, `OverStreamLimits`);
+where the stream may still cut a version after its acks, the put counts its chunks once its meta is
+stored, before the version it replaced is purged, and takes back a cut one (`prove_whole`, `NotWhole`).
+The limits come from each bucket's last status, read again after the server announces a config update
+(`follow_stream_updates`). Buckets without such limits pay no round trip for any of it.
+
 Own metas: the store remembers the last metas it stored itself (subject, revision, bytes; bounded).
 A rewrite that expects exactly such a revision (a chmod or utime after close, a rename, a delete of
 a file this mount just wrote) starts from that document instead of reading it back: the revision it
@@ -51,6 +59,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import logging
@@ -78,7 +87,9 @@ from .errors import (
     NameTooLong,
     NatsFSError,
     NotFound,
+    NotWhole,
     OutcomeUnknown,
+    OverStreamLimits,
     ReadOnly,
     TooBig,
     Unavailable,
@@ -126,6 +137,9 @@ SMALL_PUT_MAX = 256 * 1024
 # this is how far past that deadline the caller can return. What is not purged by then the `PutLog`
 # settles later (the purge is idempotent).
 ABORT_CLEANUP_S = 1.0
+# How long the check that a put just stored is still whole (and taking it back if not) may take, past
+# the caller's deadline (the put is stored: see `ObjectStore.prove_whole`).
+PROVE_WHOLE_S = 5.0
 OWN_METAS_KEPT = 4096  # metas this store stored itself, kept to rewrite them without reading them back
 BUCKET_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]+$")
 # Keys of a meta's `metadata` map that carry POSIX attributes written by natsfs.
@@ -425,6 +439,64 @@ class BucketStatus:
     config: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StreamLimits:
+    """The limits of a bucket's stream that can cut a version short (from its config; unset: -1 / 0).
+
+    nats-server applies them after storing each message, oldest first: `max_msgs_per_subject` on the
+    one subject all chunks of a version share, and with discard old (the server's default policy)
+    `max_bytes` and `max_msgs` over the whole stream; `max_age` at any time. With discard new the
+    server refuses a message over `max_bytes` / `max_msgs` instead (a refused put, `ENOSPC`)."""
+
+    per_subject: int = -1
+    max_bytes: int = -1  # with discard old only
+    max_msgs: int = -1  # with discard old only
+    max_age_ns: int = 0
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> StreamLimits:
+        def num(key: str) -> int:
+            value = config.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+        discard_old = config.get("discard") != "new"
+        return cls(per_subject=num("max_msgs_per_subject"),
+                   max_bytes=num("max_bytes") if discard_old else -1,
+                   max_msgs=num("max_msgs") if discard_old else -1,
+                   max_age_ns=max(num("max_age"), 0))
+
+    @property
+    def may_evict(self) -> bool:
+        """Whether the stream may drop the first chunks of a version after they were acknowledged (to make
+        room for later messages, its own or another client's, or by age): a put is then checked after
+        its meta (`ObjectStore.prove_whole`) before the version it replaces is purged."""
+        return self.max_bytes > 0 or self.max_msgs > 0 or self.max_age_ns > 0
+
+    def describe(self) -> str:
+        parts = [f"max_bytes {self.max_bytes} with discard old" if self.max_bytes > 0 else "",
+                 f"max_msgs {self.max_msgs} with discard old" if self.max_msgs > 0 else "",
+                 f"max_age {self.max_age_ns / 1e9:g} s" if self.max_age_ns > 0 else ""]
+        return ", ".join(p for p in parts if p)
+
+    def refusal(self, chunks: int, stored_bytes: int) -> str | None:
+        """Why a version of `chunks` chunks taking at least `stored_bytes` in the stream can never be held
+        whole (None: it can). `stored_bytes` is a lower bound (payloads and subjects): a version just
+        under a limit is not refused here, and is caught after its meta if the stream cut it."""
+        if 0 < self.per_subject < chunks:
+            return (f"the stream's max_msgs_per_subject is {self.per_subject} and a version's {chunks} chunks "
+                    f"share one subject: only its last {self.per_subject} would be kept")
+        if 0 < self.max_bytes < stored_bytes:
+            return (f"the stream's max_bytes is {self.max_bytes} with discard old, and the version takes at least "
+                    f"{stored_bytes} bytes: its first chunks would be dropped to make room for the rest")
+        if 0 < self.max_msgs < chunks + 1:
+            return (f"the stream's max_msgs is {self.max_msgs} with discard old, and the version is {chunks + 1} "
+                    f"messages: its first chunks would be dropped to make room for the rest")
+        return None
+
+
+NO_LIMITS = StreamLimits()
+
+
 def _short(value: Any) -> str:
     """A value for a log line: its repr, cut short (another client may have written megabytes)."""
     text = repr(value)
@@ -720,6 +792,12 @@ class ObjectStore:
         self.put_log: PutLog | None = None
         # Whether each bucket's stream allows atomic batch publish (from its last status).
         self._atomic: dict[str, bool] = {}
+        # The limits of each bucket's stream that can cut a version short (from its last status: as
+        # fresh as that, see `check_fits`); a bucket not in it has none known.
+        self._limits: dict[str, StreamLimits] = {}
+        # Buckets whose stream config the server announced changed since their status was last read
+        # (`follow_stream_updates`): read again before their next put (`check_fits`).
+        self._stale: set[str] = set()
         # Metas this store stored itself: meta subject -> (revision, payload), most recent last. A
         # revision is a stream sequence, which a stream deleted and created again reuses: the entries of
         # a bucket are dropped when its stream turns out to be another incarnation (`note_created`).
@@ -814,6 +892,94 @@ class ObjectStore:
         self.check_name(bucket, name)
         return meta_subject(bucket, name)
 
+    # ---------------------------------------------------------------- whole versions
+    async def previous_version(self, bucket: str, name: str, old_nuid: str, base: dict[str, Any] | None,
+                               expected_revision: int | None) -> dict[str, Any] | None:
+        """In a bucket whose stream may cut a version after its acks (`StreamLimits.may_evict`): the meta
+        of the version a put replaces (`old_nuid` at `expected_revision`), kept to be stored again if the
+        new one turns out cut (`prove_whole`): `base` when it is that meta, else read (its rollup removes
+        it). None elsewhere, without a round trip."""
+        if not old_nuid or not expected_revision or not self.limits(bucket).may_evict:
+            return None
+        if base is None or base.get("nuid") != old_nuid:
+            try:
+                got = await self._doc_at(bucket, name, expected_revision)
+            except NatsFSError:
+                return None
+            if got is None or got[1] != expected_revision:
+                return None
+            base = got[0]
+        # (A copy: the new meta is built from `base` and may change what it shares with it.)
+        previous = json.loads(meta_json(base))
+        return previous if isinstance(previous, dict) and previous.get("nuid") == old_nuid else None
+
+    async def prove_whole(self, bucket: str, name: str, nuid: str, chunks: int, revision: int,
+                          previous: dict[str, Any] | None) -> bool:
+        """After the meta of a put (stored at `revision`) in a bucket whose stream may drop its first chunks
+        after they were acknowledged (`StreamLimits.may_evict`; anywhere else: True at once, no round
+        trip): whether the stream still holds all `chunks` chunks of `nuid` (one STREAM.INFO counting the
+        chunk subject's messages). True: whole, the version it replaced may be purged. False: not known
+        (no answer within `PROVE_WHOLE_S`): the caller keeps the replaced version's chunks (one warning;
+        `natsfs fsck` finds them). A cut version is taken back (`previous`, the replaced meta, is stored
+        again expecting `revision`, or a new name gets a tombstone; its chunks left are purged) and
+        `NotWhole` raised: the caller keeps the replaced version and reports the put as failed."""
+        limits = self.limits(bucket)
+        if not chunks or not limits.may_evict:
+            return True
+        subject = chunk_subject(bucket, nuid)
+        kept, why = -1, "no answer"
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + PROVE_WHOLE_S):
+            try:
+                counts, _, _ = await self.streams.subject_counts(stream_name(bucket), subject)
+                kept = counts.get(subject, 0)
+            except NatsFSError as e:
+                why = str(e)
+        if kept < 0:
+            log.warning("%s/%s: stored, but whether the stream (%s) still holds all of it is not known (%s); the "
+                        "chunks of the version it replaced are kept (for fsck)", bucket, name, limits.describe(), why)
+            return False
+        if kept >= chunks:
+            return True
+        undone = "it could not be taken back in time; the version it replaced keeps its chunks"
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + PROVE_WHOLE_S):
+            undone = await self._take_back(bucket, name, nuid, revision, previous)
+        raise NotWhole(f"{bucket}/{name}: not stored whole: the stream dropped {chunks - kept} of its {chunks} "
+                       f"chunks right after storing them ({limits.describe()}); {undone}")
+
+    async def _take_back(self, bucket: str, name: str, nuid: str, revision: int,
+                         previous: dict[str, Any] | None) -> str:
+        """Undo a put stored at `revision` whose version the stream cut: what was done, for the log. The
+        version it replaced (`previous`) is stored again when the stream still holds it whole; else (the
+        stream drops the oldest messages first, so it usually went before the new one's) the name gets
+        a tombstone: no client is left reading a version that cannot be whole."""
+        try:
+            if previous is not None and await self._holds_whole(bucket, previous):
+                await self.publish_meta(bucket, previous, expected_revision=revision, timestamp=False)
+                undone = "the version it replaced is the name's again"
+            else:
+                current = await self._doc_at(bucket, name, revision)
+                if current is None or current[1] != revision:
+                    raise Conflict("changed meanwhile")
+                await self.publish_meta(bucket, tombstone_doc(bucket, name, current[0]), expected_revision=revision,
+                                        timestamp=False)
+                undone = ("the name is deleted (the stream had dropped the version it replaced too)"
+                          if previous is not None else "the name is deleted again")
+        except NatsFSError as e:
+            return f"it could not be taken back ({e}); the version it replaced keeps its chunks"
+        await self.purge_chunks_later_if_needed(bucket, nuid, name)
+        return undone
+
+    async def _holds_whole(self, bucket: str, doc: dict[str, Any]) -> bool:
+        """Whether the stream holds every chunk the meta `doc` names (its chunk subject's message count)."""
+        nuid, chunks = str(doc.get("nuid") or ""), doc.get("chunks")
+        if not isinstance(chunks, int) or not chunks:
+            return True
+        if not usable_nuid(nuid):
+            return False
+        subject = chunk_subject(bucket, nuid)
+        counts, _, _ = await self.streams.subject_counts(stream_name(bucket), subject)
+        return counts.get(subject, 0) >= chunks
+
     # ---------------------------------------------------------------- buckets
     async def list_buckets(self) -> list[str]:
         names = await self.streams.stream_names()
@@ -827,10 +993,17 @@ class ObjectStore:
     async def bucket_status(self, bucket: str) -> BucketStatus:
         if not valid_bucket_name(bucket):
             raise NotFound(f"no bucket {bucket!r}")
-        st = await self.streams.stream_info(stream_name(bucket))
+        stale = bucket in self._stale
+        self._stale.discard(bucket)  # (an update announced while this read is under way marks it again)
+        try:
+            st = await self.streams.stream_info(stream_name(bucket))
+        except BaseException:
+            if stale:
+                self._stale.add(bucket)
+            raise
         self._atomic[bucket] = bool(st.config.get("allow_atomic"))
         self.note_created(bucket, st.created_ns)
-        return bucket_status(bucket, st)
+        return self._noted(bucket, st)
 
     def note_created(self, bucket: str, created_ns: int) -> bool:
         """The bucket's stream was seen with creation time `created_ns`. True when that is another
@@ -847,6 +1020,74 @@ class ObjectStore:
         for subject in [s for s in self._own_metas if s.startswith(prefix)]:
             del self._own_metas[subject]
         return True
+
+    async def follow_stream_updates(self) -> None:
+        """For the mount's life: the buckets whose stream config the server announces updated (by any
+        client) are marked, and their status is read again before their next put (`check_fits`), so
+        limits another client sets are known at once, not only at the next periodic read. Where the
+        advisories cannot be followed, the periodic reads are all there is (see `check_fits`)."""
+        backoff = Backoff(1.0, 30.0)
+        while True:
+            try:
+                updates = await self.streams.stream_updates()
+            except NatsFSError as e:
+                log.debug("stream config updates not followed (%s); trying again", e)
+                await backoff.pause()
+                continue
+            try:
+                while True:
+                    for name in await updates.next():
+                        if name.startswith(STREAM_PREFIX):
+                            self._stale.add(name[len(STREAM_PREFIX):])
+                            log.debug("bucket %s: its stream config was updated; read again before its next put",
+                                      name[len(STREAM_PREFIX):])
+                    backoff.reset()
+            except NatsFSError as e:
+                log.debug("stream config updates not followed (%s); trying again", e)
+            finally:
+                with trio.CancelScope(shield=True), contextlib.suppress(NatsFSError):
+                    await updates.close()
+            await backoff.pause()
+
+    def _noted(self, bucket: str, st: StreamState) -> BucketStatus:
+        """A bucket's status, remembering the limits of its stream that can cut a version short."""
+        limits = StreamLimits.of(st.config)
+        if limits != NO_LIMITS:
+            self._limits[bucket] = limits
+        else:
+            self._limits.pop(bucket, None)
+        return bucket_status(bucket, st)
+
+    def limits(self, bucket: str) -> StreamLimits:
+        """The stream limits of `bucket` as its last status gave them."""
+        return self._limits.get(bucket, NO_LIMITS)
+
+    async def check_fits(self, bucket: str, name: str, size: int, chunks: int) -> None:
+        """`OverStreamLimits` when a version of `size` bytes in `chunks` chunks can never be held whole by
+        the bucket's stream (see `StreamLimits.refusal`), before any of it is sent. Costs nothing for a
+        bucket without such limits. Checked against the config of the bucket's last status: read again
+        first when the server announced a config update of the stream since (`follow_stream_updates`),
+        and before refusing; otherwise as fresh as the periodic read (at most `sealed_ttl` before an
+        upload starts, see `Mutations.sealed`), which is all there is where the advisories cannot be
+        followed (then a limit set within that time is not seen yet)."""
+        fresh = False
+        if bucket in self._stale:
+            with contextlib.suppress(NatsFSError):
+                await self.bucket_status(bucket)
+                fresh = True
+        limits = self._limits.get(bucket)
+        if limits is None:
+            return
+        stored = size + chunks * len(chunk_subject(bucket, "x" * 22))
+        if limits.refusal(chunks, stored) is None:
+            return
+        if not fresh:
+            with contextlib.suppress(NatsFSError):
+                await self.bucket_status(bucket)
+        why = self.limits(bucket).refusal(chunks, stored)
+        if why is not None:
+            raise OverStreamLimits(f"{bucket}/{name}: a version of {size} bytes in {chunks} chunks "
+                                   f"cannot be held whole by the bucket ({why})")
 
     async def create_bucket(self, bucket: str, *, description: str = "", storage: str = "file",
                             replicas: int = 1, compression: bool = False, max_bytes: int = -1,
@@ -880,7 +1121,7 @@ class ObjectStore:
         if metadata:
             config["metadata"] = metadata
         config = {k: v for k, v in config.items() if v is not None}
-        return bucket_status(bucket, await self.streams.create_stream(config))
+        return self._noted(bucket, await self.streams.create_stream(config))
 
     async def delete_bucket(self, bucket: str) -> None:
         await self.streams.delete_stream(stream_name(bucket))
@@ -888,7 +1129,7 @@ class ObjectStore:
     async def seal_bucket(self, bucket: str) -> BucketStatus:
         st = await self.streams.stream_info(stream_name(bucket))
         config = dict(st.config, sealed=True)
-        return bucket_status(bucket, await self.streams.update_stream(config))
+        return self._noted(bucket, await self.streams.update_stream(config))
 
     # ---------------------------------------------------------------- metas
     async def get_info(self, bucket: str, name: str) -> ObjectInfo | None:
@@ -1189,6 +1430,7 @@ class ObjectStore:
                 head += more
             if 0 < len(head) <= ATOMIC_MAX_CHUNKS:
                 read = head
+                await self.check_fits(bucket, name, sum(len(c) for c in head), len(head))
 
                 async def replay(hasher: Any) -> AsyncIterator[bytes]:
                     for chunk in read:
@@ -1212,6 +1454,7 @@ class ObjectStore:
         self.check_name(bucket, name)
         chunk_size = kwargs.pop("chunk_size", None) or self.chunk_size
         window = kwargs.pop("window", 64)
+        await self.check_fits(bucket, name, size, -(-size // chunk_size))
         if size <= min(chunk_size, SMALL_PUT_MAX):
             return await self._put_small(bucket, name, fd, size, chunk_size, **kwargs)
         if self.batch_fits(bucket, size, chunk_size):
@@ -1297,6 +1540,7 @@ class ObjectStore:
         backoff = Backoff()  # given the settle timeout once an attempt's outcome is unknown
         attempt = 0
         sent: dict[str, bytes] = {}
+        previous = await self.previous_version(bucket, name, old_nuid, base, expected_revision)
         noted = self.note_replacing(bucket, old_nuid, nuid, name)
         try:
             while True:
@@ -1383,9 +1627,16 @@ class ObjectStore:
         stored_msg = (await self._stored_meta(bucket, meta_subj, seq, sent["meta"]) if timestamp
                       else StoredMsg(seq, meta_subj, None, sent["meta"], time.time_ns()))
         self._remember_meta(meta_subj, seq, sent["meta"])
+        info = parse_meta(bucket, stored_msg)
+        try:
+            whole = await self.prove_whole(bucket, name, nuid, info.chunks, seq, previous)
+        except NotWhole:
+            with trio.CancelScope(shield=True):
+                await self.end_replacing(bucket, old_nuid, name, noted, stored=False)
+            raise
         if old_nuid and old_nuid != nuid:
-            await self.end_replacing(bucket, old_nuid, name, noted, stored=True)
-        return parse_meta(bucket, stored_msg)
+            await self.end_replacing(bucket, old_nuid, name, noted, stored=whole)
+        return info
 
     def _journal_unknown(self, bucket: str, nuid: str, name: str) -> None:
         """A batch whose commit may have been stored: the `PutLog` settles it like an unfinished put
@@ -1622,7 +1873,7 @@ class ObjectStore:
         st = await self.streams.stream_info(stream_name(bucket))
         config = dict(st.config)
         change(config)
-        return bucket_status(bucket, await self.streams.update_stream(config))
+        return self._noted(bucket, await self.streams.update_stream(config))
 
     async def purge_chunks(self, bucket: str, nuid: str) -> None:
         await self.streams.purge_subject(stream_name(bucket), chunk_subject(bucket, nuid))
@@ -1782,6 +2033,8 @@ class PutSession:
     async def send(self, batch: list[bytes]) -> None:
         if not batch:
             return
+        await self.store.check_fits(self.bucket, self.name, self.size + sum(len(c) for c in batch),
+                                    self.chunks + len(batch))
         self._log_started()
         first = self._next_index
         self._next_index += len(batch)
@@ -1793,6 +2046,7 @@ class PutSession:
     async def send_and_commit(self, data: bytes, name: str, digest: bytes, **commit: Any) -> ObjectInfo:
         """The last (for a small file: the only) chunk and the meta in one round trip: see
         `ObjectStore._publish_after`, which never lets the meta be stored without it."""
+        await self.store.check_fits(self.bucket, name, self.size + len(data), self.chunks + 1)
         self._log_started()
         chunk_id = f"{self.nuid}.{self._next_index}"
         self._next_index += 1
@@ -1804,6 +2058,8 @@ class PutSession:
         """Send bytes [start, end) of a local file as chunks (start is on a chunk boundary)."""
         if end <= start:
             return
+        await self.store.check_fits(self.bucket, self.name, self.size + end - start,
+                                    self.chunks + -(-(end - start) // self.chunk_size))
         sender = self.store.file_sender
         if self.remote is None:
             self.remote = sender is not None and sender.alive
@@ -1842,6 +2098,7 @@ class PutSession:
                        digest=format_digest(digest), base=base, chunk_size=self.chunk_size)
         if extra is not None:
             extra(doc)
+        previous = await self.store.previous_version(self.bucket, name, old_nuid, base, expected_revision)
         self.meta_state = _META_SENT
         noted = self.store.note_replacing(self.bucket, old_nuid, self.nuid, name)
         try:
@@ -1858,12 +2115,20 @@ class PutSession:
         self.done = True
         if self._logged and self.store.put_log is not None:
             self.store.put_log.finished(self.bucket, self.nuid)
+        try:
+            whole = await self.store.prove_whole(self.bucket, name, self.nuid, self.chunks, info.revision, previous)
+        except NotWhole:
+            with trio.CancelScope(shield=True):
+                await self.store.end_replacing(self.bucket, old_nuid, name, noted, stored=False)
+                with trio.CancelScope(deadline=trio.current_time() + ABORT_CLEANUP_S):
+                    await self._forget()
+            raise
         # Stored: its cleanup is shielded and bounded (see `ObjectStore.end_replacing`), so that a caller's
         # deadline passing now cannot make this put look failed.
         with trio.CancelScope(shield=True):
             deadline = trio.current_time() + ABORT_CLEANUP_S
             if old_nuid and old_nuid != self.nuid:
-                await self.store.end_replacing(self.bucket, old_nuid, name, noted, stored=True, deadline=deadline)
+                await self.store.end_replacing(self.bucket, old_nuid, name, noted, stored=whole, deadline=deadline)
             with trio.CancelScope(deadline=deadline):
                 await self._forget()
         return info

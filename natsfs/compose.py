@@ -110,6 +110,7 @@ class Built:
     async def start(self, nursery: trio.Nursery) -> None:
         """Start every background task of the mount in `nursery` (reads the bucket list first)."""
         await self.namespace.start(nursery)
+        nursery.start_soon(self.store.follow_stream_updates)
         self.cache.start(nursery)
         self.fs.start(nursery)
 

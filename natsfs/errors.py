@@ -164,6 +164,23 @@ class TooBig(NatsFSError):
     log_level = logging.INFO
 
 
+class OverStreamLimits(TooBig):
+    """A version the bucket's stream limits could never hold whole (more chunks than its
+    `max_msgs_per_subject`, more bytes than its `max_bytes` or more messages than its `max_msgs` with
+    discard old): refused before anything is sent, as a message over `max_msg_size` is (`E2BIG`)."""
+
+    log_level = logging.WARNING
+
+
+class NotWhole(NatsFSError):
+    """A version that was stored (every chunk and its meta acknowledged) but that the stream's limits
+    (discard old, `max_age`) already cut part of: it is taken back and the one it replaced is kept. The
+    close's line is a warning: the ERROR line is the one that says where the file's bytes are kept."""
+
+    errno = _errno.EIO
+    log_level = logging.WARNING
+
+
 class MalformedMeta(NatsFSError):
     """A meta message that is not valid ADR-20 (bad JSON, missing nuid, ...)."""
 

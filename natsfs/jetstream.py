@@ -66,6 +66,7 @@ from .streams import (
     BATCH_COMMIT,
     BATCH_ID,
     BATCH_SEQUENCE,
+    STREAM_UPDATED_ADVISORY,
     AccountLimits,
     StoredMsg,
     StreamState,
@@ -605,6 +606,12 @@ class JetStreams:
             await scan.close()
         return out
 
+    async def stream_updates(self) -> _StreamUpdates:
+        """The server's advisories of stream config updates (a plain subscription, restored on every new
+        connection; where the account may not subscribe to them, none arrive)."""
+        self.calls["stream_updates"] += 1
+        return _StreamUpdates(await self.bridge.subscribe(STREAM_UPDATED_ADVISORY + "*"))
+
     async def watch(self, stream: str, filter_subject: str, *, last_per_subject: bool = True) -> _ConsumerStream:
         w = _ConsumerStream(self.bridge, stream, filter_subject,
                             deliver_policy="last_per_subject" if last_per_subject else "all", floors=self.floors)
@@ -1020,3 +1027,20 @@ async def _stream_info(bridge: Bridge, name: str) -> StreamState:
         if e.err_code == ERR_STREAM_NOT_FOUND or e.code == 404:
             raise NotFound(f"no stream {name}") from None
         raise
+
+
+class _StreamUpdates:
+    """`JetStreams.stream_updates`: stream names from the advisory subjects (the name is the last token)."""
+
+    def __init__(self, sub: Subscription):
+        self._sub = sub
+
+    async def next(self) -> list[str]:
+        while True:
+            names = [m.subject[len(STREAM_UPDATED_ADVISORY):] for m in await self._sub.next_batch()
+                     if m.subject.startswith(STREAM_UPDATED_ADVISORY)]
+            if names:
+                return names
+
+    async def close(self) -> None:
+        await self._sub.unsubscribe()

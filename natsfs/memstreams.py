@@ -204,6 +204,7 @@ class MemoryStreams:
         self._stopped: trio.Event | None = None  # see `stop`
         self._stop_from: str | None = None
         self._stop_reached = trio.Event()
+        self._update_followers: list[MemoryStreamUpdates] = []  # see `stream_updates`
 
     # ------------------------------------------------------------------ faults
     def fail_next(self, op: str, exc: BaseException, *, subject: str | None = None, times: int = 1) -> None:
@@ -374,6 +375,16 @@ class MemoryStreams:
             raise InvalidArgument(f"stream {st.name}: the storage type cannot change")
         self._check_subjects(cfg, exclude=st.name)
         st.config = cfg
+        # As nats-server does, the new limits apply to what the stream holds at once (oldest first).
+        per_subject = int(cfg.get("max_msgs_per_subject", -1))
+        if per_subject > 0:
+            for subject in list(st.by_subject):
+                st.purge(subject, keep_last=per_subject)
+        max_bytes, max_msgs = int(cfg.get("max_bytes", -1)), int(cfg.get("max_msgs", -1))
+        while st.msgs and ((max_bytes > 0 and st.bytes > max_bytes) or (max_msgs > 0 and len(st.msgs) > max_msgs)):
+            st.remove(next(iter(st.msgs)))
+        for follower in list(self._update_followers):
+            follower.announce(st.name)
         return st.state()
 
     async def delete_stream(self, name: str) -> None:
@@ -657,6 +668,13 @@ class MemoryStreams:
         await self._enter("watch")
         return MemoryWatch(self, self._get(stream), filter_subject, last_per_subject)
 
+    async def stream_updates(self) -> MemoryStreamUpdates:
+        """Every `update_stream` from now on is announced, as nats-server's advisory."""
+        await self._enter("stream_updates")
+        follower = MemoryStreamUpdates(self)
+        self._update_followers.append(follower)
+        return follower
+
     # ------------------------------------------------------------------ inspection (tests)
     def messages(self, stream: str) -> list[StoredMsg]:
         """Every message a stream holds, in sequence order."""
@@ -768,3 +786,27 @@ class MemoryWatch:
     async def close(self) -> None:
         self.closed = True
         self._stream.watches.discard(self)
+
+
+class MemoryStreamUpdates:
+    """`MemoryStreams.stream_updates`: the names of the streams updated since the last `next()`."""
+
+    def __init__(self, owner: MemoryStreams):
+        self._owner = owner
+        self._names: list[str] = []
+        self._wake = trio.Event()
+
+    def announce(self, name: str) -> None:
+        self._names.append(name)
+        self._wake.set()
+
+    async def next(self) -> list[str]:
+        while not self._names:
+            await self._wake.wait()
+            self._wake = trio.Event()
+        names, self._names = self._names, []
+        return names
+
+    async def close(self) -> None:
+        if self in self._owner._update_followers:
+            self._owner._update_followers.remove(self)

@@ -110,6 +110,19 @@ class MsgBatches(Protocol):
     async def close(self) -> None: ...
 
 
+class StreamUpdates(Protocol):
+    """The names of streams whose config was changed (by any client), as the server announces them."""
+
+    async def next(self) -> list[str]:
+        """The streams updated since the last call (waits for at least one)."""
+
+    async def close(self) -> None: ...
+
+
+# The advisory nats-server publishes after a stream's config was updated (the stream's name last).
+STREAM_UPDATED_ADVISORY = "$JS.EVENT.ADVISORY.STREAM.UPDATED."
+
+
 class Streams(Protocol):
     # Calls made so far, per method name (and `batch_msgs`: messages of atomic batches), for the stats.
     calls: Counter[str]
@@ -174,6 +187,10 @@ class Streams(Protocol):
     async def sequences(self, stream: str, start_seq: int, stop_seq: int) -> list[int]: ...
 
     async def watch(self, stream: str, filter_subject: str, *, last_per_subject: bool = True) -> Watch: ...
+
+    async def stream_updates(self) -> StreamUpdates:
+        """Follow the server's advisories of stream config updates (none arrive where the account may
+        not subscribe to them: then nothing is announced)."""
 
 
 def limit_refusal(subject: str, description: str) -> str:

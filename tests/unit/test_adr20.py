@@ -433,3 +433,20 @@ def test_parse_digest_rejects(bad):
                                           ("a b", False), ("a*", False), ("ü", False)])
 def test_valid_bucket_name(name, ok):
     assert valid_bucket_name(name) is ok
+
+
+def test_stream_limits_from_a_config_keep_only_what_can_cut_a_version():
+    from natsfs.adr20 import NO_LIMITS, StreamLimits
+
+    # nats.go's object store config (discard new, no per-subject limit): nothing to check.
+    assert StreamLimits.of({"discard": "new", "max_bytes": 1000, "max_msgs": 5, "max_msgs_per_subject": -1,
+                            "max_age": 0}) == NO_LIMITS
+    # Discard old is the server's default: max_bytes and max_msgs count then; odd values are no limit.
+    limits = StreamLimits.of({"max_bytes": 400_000, "max_msgs": True, "max_msgs_per_subject": "1", "max_age": None})
+    assert limits == StreamLimits(max_bytes=400_000) and limits.may_evict
+    assert not StreamLimits(per_subject=1).may_evict  # (refused up front: nobody else writes a put's subject)
+    assert StreamLimits(max_age_ns=10**9).may_evict and StreamLimits(max_age_ns=10**9).refusal(999, 1 << 40) is None
+    assert "max_msgs_per_subject is 2" in (StreamLimits(per_subject=2).refusal(3, 0) or "")
+    assert StreamLimits(per_subject=3).refusal(3, 0) is None
+    assert StreamLimits(max_bytes=100).refusal(1, 101) and StreamLimits(max_bytes=100).refusal(1, 100) is None
+    assert StreamLimits(max_msgs=4).refusal(4, 0) and StreamLimits(max_msgs=4).refusal(3, 0) is None
