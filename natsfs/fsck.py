@@ -132,11 +132,12 @@ class Report:
             counts[f.kind + (" (repaired)" if f.repaired else "")] += 1
         head = (f"{self.bucket}: {self.objects} objects, {self.tombstones} tombstones, "
                 + (f"{self.aliases} hidden aliases, " if self.aliases else "")
-                + f"{self.chunk_subjects} chunk subjects")
-        changed = f" ({self.changed} changed while checked)" if self.changed else ""
+                + f"{self.chunk_subjects} chunk subjects"
+                # (Counted before the colon: what follows it, "clean" or the findings, stays as it was.)
+                + (f", {self.changed} changed while checked" if self.changed else ""))
         if not counts:
-            return head + ": clean" + changed
-        return head + ": " + ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) + changed
+            return head + ": clean"
+        return head + ": " + ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
 
 
 class Progress(Protocol):

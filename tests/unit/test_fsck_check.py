@@ -332,7 +332,7 @@ def test_an_object_rewritten_while_its_chunks_are_checked_is_no_damage():
         report = await fsck.check_bucket(store, "b")
         assert report.findings == [] and report.problems_left == []  # the exit status: 0
         assert report.changed == 1
-        assert report.summary() == "b: 2 objects, 0 tombstones, 2 chunk subjects: clean (1 changed while checked)"
+        assert report.summary() == "b: 2 objects, 0 tombstones, 2 chunk subjects, 1 changed while checked: clean"
         assert await read(store, "busy") == b"2" * 5000
 
     run(body)
