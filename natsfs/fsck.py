@@ -29,10 +29,20 @@ Owns the bucket check and its report. What it looks at, in one pass:
   tombstone dangerous (as in a mount: nothing is repaired for it);
 - with `verify`, every intact object's bytes against its meta's SHA-256 digest.
 
+The check runs against a bucket live mounts are using, and everything above starts from one snapshot of
+the metas, so no finding is reported from a meta that has since changed: an object whose chunks look
+wrong has its meta read again before it is reported, and when it was rewritten (or deleted) meanwhile
+the finding is void and the new version is checked instead (a name rewritten `VERSIONS` times while
+being checked is noted as changing, not checked); every other finding derived from metas is dropped
+when one of the metas it came from changed by the time the metas are read a second time (after the
+chunk subjects are checked; that read also turns orphans a meta now references into puts in progress).
+Voided findings are counted in the summary ("changed while checked"), not reported.
+
 `repair` purges orphan chunk subjects (checked young again just before) and neutralises dangerous
-tombstones by purging the tombstone's meta subject up to its revision (a newer meta stays). Everything
-else (damaged objects, shared live names, bad names, digest mismatches) is reported and left alone:
-fixing it would mean guessing which bytes or which name are right. Live objects are never touched.
+tombstones by purging the tombstone's meta subject up to its revision (a newer meta stays), both only
+once the second read of the metas confirmed them. Everything else (damaged objects, shared live
+names, bad names, digest mismatches) is reported and left alone: fixing it would mean guessing which
+bytes or which name are right. Live objects are never touched.
 """
 
 from __future__ import annotations
@@ -66,6 +76,8 @@ from .streams import StoredMsg
 GRACE_S = 300.0
 # Objects checked at once (each one headers-only scan of its chunks; `--verify` reads them too).
 PARALLEL = 8
+# Versions of one name checked before it is noted as changing (each found wrong, then found replaced).
+VERSIONS = 3
 
 # Kinds of finding. Problems are everything but the NOTES.
 ORPHAN = "orphan chunks"
@@ -80,7 +92,8 @@ BAD_NAME = "unusable name"
 BAD_META = "unreadable meta"
 BAD_FIELD = "ignored meta field"
 DIGEST = "digest mismatch"
-NOTES = (IN_PROGRESS, HIDDEN, ALIAS, ALIAS_TOMBSTONE)
+CHANGING = "changing, not checked"
+NOTES = (IN_PROGRESS, HIDDEN, ALIAS, ALIAS_TOMBSTONE, CHANGING)
 
 
 @dataclass
@@ -90,6 +103,9 @@ class Finding:
     detail: str
     repairable: bool = False
     repaired: bool = False
+    # The metas (subject -> the sequence of its last message) the finding was derived from: it is void
+    # when one of them changed before the metas are read again (`check_bucket`).
+    basis: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def line(self) -> str:
         state = " [repaired]" if self.repaired else " [repairable: --repair]" if self.repairable else ""
@@ -103,6 +119,7 @@ class Report:
     tombstones: int = 0
     chunk_subjects: int = 0
     aliases: int = 0  # alias meta subjects a mount does not show (see `check_bucket`)
+    changed: int = 0  # findings found void: their object or meta changed while the check ran
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -115,7 +132,9 @@ class Report:
             counts[f.kind + (" (repaired)" if f.repaired else "")] += 1
         head = (f"{self.bucket}: {self.objects} objects, {self.tombstones} tombstones, "
                 + (f"{self.aliases} hidden aliases, " if self.aliases else "")
-                + f"{self.chunk_subjects} chunk subjects")
+                + f"{self.chunk_subjects} chunk subjects"
+                # (Counted before the colon: what follows it, "clean" or the findings, stays as it was.)
+                + (f", {self.changed} changed while checked" if self.changed else ""))
         if not counts:
             return head + ": clean"
         return head + ": " + ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
@@ -197,15 +216,16 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
         try:
             info = parse_meta(bucket, m, ignored.append)
         except MalformedMeta as e:
-            report.findings.append(Finding(BAD_META, m.subject, str(e)))
+            report.findings.append(Finding(BAD_META, m.subject, str(e), basis={m.subject: m.seq}))
             continue
         if decode_token(token) is None:
-            report.findings.append(Finding(BAD_NAME, info.name, "its meta subject is not base64 of UTF-8"))
+            report.findings.append(Finding(BAD_NAME, info.name, "its meta subject is not base64 of UTF-8",
+                                           basis={m.subject: m.seq}))
         else:
             try:
                 store.check_name(bucket, info.name)
             except NameTooLong as e:
-                report.findings.append(Finding(BAD_NAME, info.name[:60] + "...", str(e)))
+                report.findings.append(Finding(BAD_NAME, info.name[:60] + "...", str(e), basis={m.subject: m.seq}))
         if m.subject != meta_subject(bucket, info.name):
             aliases[info.name][m.subject] = info
         elif not info.deleted:
@@ -234,13 +254,16 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                 holder = "a live meta" if name in canonical else "a tombstone"
                 report.findings.append(Finding(ALIAS, subject, f"a meta of {_short(name)!r} that a mount does not "
                                                f"show (its canonical subject holds {holder}); its chunks "
-                                               f"(nuid {info.nuid}) are kept while it exists"))
+                                               f"(nuid {info.nuid}) are kept while it exists",
+                                               basis={subject: info.revision}))
     for subject, info in shown.values():
-        report.findings.extend(Finding(BAD_FIELD, info.name, why) for why in ignored_fields.get(subject, ()))
+        report.findings.extend(Finding(BAD_FIELD, info.name, why, basis={subject: info.revision})
+                               for why in ignored_fields.get(subject, ()))
         if placement(info.name, marker_candidate=info.size == 0)[0] is None:
             report.findings.append(Finding(HIDDEN, _short(info.name),
                                            "no path segment may be empty, '.', '..' or over 255 bytes, and "
-                                           "escaped it is still over 255 bytes (other clients can use it)"))
+                                           "escaped it is still over 255 bytes (other clients can use it)",
+                                           basis={subject: info.revision}))
     live = {name: info for name, (_, info) in shown.items()}
     report.objects, report.tombstones, report.aliases = len(live), len(canonical_tombstones), hidden_aliases
 
@@ -253,7 +276,9 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
         if len({i.name for i in infos}) > 1:
             names = ", ".join(sorted({i.name for i in infos}))
             report.findings.append(Finding(SHARED_NAMES, names, f"live names share nuid {nuid} (an interrupted "
-                                           "rename?): deleting one with another client destroys the others"))
+                                           "rename?): deleting one with another client destroys the others",
+                                           basis={shown[i.name][0]: i.revision for i in infos}))
+    dangerous: list[tuple[Finding, str, int]] = []  # (finding, tombstone subject, its revision)
     for t, subject in tombstones.values():
         # (A live meta of the same name under another subject is no other owner: purging this
         # tombstone would only bring that name back.)
@@ -262,20 +287,22 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
             holders = [key for key, alias in hidden_live.items() if t.nuid and alias.nuid == t.nuid]
             if holders:
                 alias_subject, name = holders[0]
+                alias_revision = hidden_live[holders[0]].revision
                 report.findings.append(Finding(
                     ALIAS_TOMBSTONE, t.name,
                     f"carries the nuid of {alias_subject}, a hidden alias of {_short(name)!r}: a Delete or Put of "
                     "this name by another client would purge the chunks that alias names (a mount keeps them "
                     "while it exists); left alone, as a mount does: a hidden alias names no object, and purging "
-                    "the tombstone could bring a name back from an alias"))
+                    "the tombstone could bring a name back from an alias",
+                    basis={subject: t.revision, alias_subject: alias_revision}))
             continue
         owner = owners[0]
+        owner_subject, owner_info = shown[owner]
         f = Finding(SHARED_TOMBSTONE, t.name, f"carries the nuid of live {owner!r}: a Delete or Put of this name "
-                    f"by another client would purge its chunks", repairable=True)
+                    f"by another client would purge its chunks", repairable=True,
+                    basis={subject: t.revision, owner_subject: owner_info.revision})
         report.findings.append(f)
-        if repair:
-            # Up to the tombstone's revision: a meta stored under the name since stays.
-            await _repair(f, store.streams.purge_subject(stream, subject, before_seq=t.revision + 1))
+        dangerous.append((f, subject, t.revision))
 
     # Chunk subjects.
     counts, _, _ = await store.streams.subject_counts(stream, f"$O.{bucket}.C.>")
@@ -289,33 +316,46 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
         if found is not None:
             orphans.append(found)
         progress.advance()
-    if repair and orphans:
-        # A meta stored since the metas were read makes its chunks no orphans: read them again.
-        now_referenced = {held[0] for m in await _meta_messages(store, bucket)
-                          if (held := _doc_nuid(m)) is not None and not held[1]}
+    stale: set[int] = set()  # findings found void (by id)
+    if orphans or any(f.basis for f in report.findings):
+        # Read the metas again: a finding derived from a meta that changed since is void (another
+        # client rewrote, renamed or deleted it meanwhile), and a meta stored since makes its chunks
+        # no orphans.
+        again = await _meta_messages(store, bucket)
+        now = {m.subject: m.seq for m in again}
+        stale = {id(f) for f in report.findings if any(now.get(s) != seq for s, seq in f.basis.items())}
+        report.changed += len(stale)
+        report.findings = [f for f in report.findings if id(f) not in stale]
+        now_referenced = {held[0] for m in again if (held := _doc_nuid(m)) is not None and not held[1]}
         for f, newest in orphans:
             if f.where[len(prefix):] in now_referenced:
                 f.kind, f.repairable, f.detail = IN_PROGRESS, False, "a meta referencing them was just stored"
-                continue
-            # Only what existed when it was found old: a message stored since stays.
-            await _repair(f, store.streams.purge_subject(stream, f.where, before_seq=newest.seq + 1))
+            elif repair:
+                # Only what existed when it was found old: a message stored since stays.
+                await _repair(f, store.streams.purge_subject(stream, f.where, before_seq=newest.seq + 1))
+    if repair:
+        for f, subject, revision in dangerous:
+            if id(f) not in stale:
+                # Up to the tombstone's revision: a meta stored under the name since stays.
+                await _repair(f, store.streams.purge_subject(stream, subject, before_seq=revision + 1))
 
     # Live objects: chunks and sizes (and digests).
-    objects = [i for i in live.values() if i.link is None and i.chunks > 0]
+    objects = [(subject, i) for subject, i in shown.values() if i.link is None and i.chunks > 0]
     progress.start("objects", len(objects))
     limit = trio.Semaphore(PARALLEL)
 
-    async def check(info: ObjectInfo) -> None:
+    async def check(subject: str, info: ObjectInfo) -> None:
         try:
-            await _check_object(store, report, info, counts.get(chunk_subject(bucket, info.nuid), 0), verify)
+            await _check_object(store, report, subject, info, counts.get(chunk_subject(bucket, info.nuid), 0),
+                                verify)
             progress.advance()
         finally:
             limit.release()
 
     async with trio.open_nursery() as nursery:
-        for info in objects:
+        for subject, info in objects:
             await limit.acquire()  # held by the task: no more tasks than run at once
-            nursery.start_soon(check, info)
+            nursery.start_soon(check, subject, info)
     progress.close()
     report.findings.sort(key=lambda f: (f.kind, f.where))
     return report
@@ -353,27 +393,69 @@ async def _check_orphan(store: ObjectStore, report: Report, stream: str, subject
     return f, newest
 
 
-async def _check_object(store: ObjectStore, report: Report, info: ObjectInfo, count: int, verify: bool) -> None:
-    present = await store.chunk_index(info.bucket, info.nuid) if count else []
+async def _check_object(store: ObjectStore, report: Report, subject: str, info: ObjectInfo, count: int,
+                        verify: bool) -> None:
+    """Check one live object (shown from meta `subject`); a finding is reported only when the meta is
+    still the one checked: a live mount replaces a version's chunks (new nuid, the old ones purged after
+    the meta) while the check runs, so a version found wrong but since replaced proves nothing. The new
+    version is checked instead, up to `VERSIONS` versions."""
+    for attempt in range(VERSIONS):
+        # (The chunk subjects were counted before: a new version's chunks are not in those counts.)
+        finding = await _check_version(store, info, count if attempt == 0 else None, verify)
+        if finding is None:
+            return
+        current = await _current_version(store, info.bucket, info.name, subject)
+        if current is not None and current.revision == info.revision:
+            report.findings.append(finding)
+            return
+        if attempt == 0:
+            report.changed += 1
+        if current is None or current.deleted or current.link is not None or current.chunks == 0:
+            return  # deleted, or nothing left to check
+        info = current
+    report.findings.append(Finding(CHANGING, info.name, f"rewritten while checked, {VERSIONS} versions in a row "
+                                   "(run fsck again when it is quiet)"))
+
+
+async def _current_version(store: ObjectStore, bucket: str, name: str, subject: str) -> ObjectInfo | None:
+    """What meta `subject` holds now, as the version a mount shows of `name`; None when it holds nothing
+    or nothing readable, or when it is an alias and the name's canonical subject now holds a meta (which
+    a mount shows instead)."""
+    canonical = meta_subject(bucket, name)
+    if subject != canonical and await store.streams.last_msg(stream_name(bucket), canonical) is not None:
+        return None
+    msg = await store.streams.last_msg(stream_name(bucket), subject)
+    if msg is None:
+        return None
+    try:
+        return parse_meta(bucket, msg)
+    except MalformedMeta:
+        return None
+
+
+async def _check_version(store: ObjectStore, info: ObjectInfo, count: int | None, verify: bool) -> Finding | None:
+    """What is wrong with one version's chunks (`count`: how many its chunk subject held when the
+    chunk subjects were counted; None: not known), or None."""
+    present = await store.chunk_index(info.bucket, info.nuid) if count is None or count else []
     placed = await place_checking_gaps(store, info, [], present)
     if not placed.intact:
-        report.findings.append(Finding(DAMAGED, info.name, "; ".join(placed.problems) +
-                                       f" ({placed.unreadable} bytes unreadable)"))
-        return
-    if verify:
-        want = parse_digest(info.digest)
-        if want is None:
-            if info.digest:
-                report.findings.append(Finding(DIGEST, info.name, f"unreadable digest {info.digest[:40]!r}"))
-            return
-        got = await _digest(store, info, placed.slots)
-        if got != want:
-            report.findings.append(Finding(DIGEST, info.name, f"the bytes hash to {format_digest(got)}, "
-                                           f"the meta says {info.digest}"))
+        return Finding(DAMAGED, info.name, "; ".join(placed.problems) + f" ({placed.unreadable} bytes unreadable)")
+    if not verify:
+        return None
+    want = parse_digest(info.digest)
+    if want is None:
+        return Finding(DIGEST, info.name, f"unreadable digest {info.digest[:40]!r}") if info.digest else None
+    got = await _digest(store, info, placed.slots)
+    if got is None:
+        return Finding(DAMAGED, info.name, "chunks vanished while being verified")
+    if got != want:
+        return Finding(DIGEST, info.name, f"the bytes hash to {format_digest(got)}, the meta says {info.digest}")
+    return None
 
 
-async def _digest(store: ObjectStore, info: ObjectInfo, slots: list[tuple[int, int]]) -> bytes:
-    """SHA-256 of the object's chunks, fetched in order from the first one's sequence."""
+async def _digest(store: ObjectStore, info: ObjectInfo, slots: list[tuple[int, int]]) -> bytes | None:
+    """SHA-256 of the object's chunks, fetched in order from the first one's sequence; None when they
+    vanished meanwhile (purged: the object was rewritten or deleted, or its chunks were lost)."""
     h = hashlib.sha256()
     seq = slots[0][0]
     left = len(slots)
@@ -381,7 +463,7 @@ async def _digest(store: ObjectStore, info: ObjectInfo, slots: list[tuple[int, i
         msgs = await store.fetch_chunks(info.bucket, info.nuid, seq, min(left, 64), 8 << 20)
         msgs = [m for m in msgs if info.revision == 0 or m.seq < info.revision]
         if not msgs:
-            raise NatsFSError(f"{info.bucket}/{info.name}: chunks vanished while being verified")
+            return None
         for m in msgs:
             h.update(m.data)
         left -= len(msgs)
