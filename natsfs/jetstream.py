@@ -243,8 +243,8 @@ class JetStreams:
         from now on (refused too: EACCES). Logged once per stream (the bridge logged the refusal)."""
         if stream not in self.direct_refused:
             self.direct_refused.add(stream)
-            log.info("stream %s: this user may not make direct gets (%s): its chunks are read through the "
-                     "stream's leader (STREAM.MSG.GET), one message per request", stream, e)
+            log.info("stream %s: the server refuses this user direct gets (%s): its chunks are read through "
+                     "the stream's leader (STREAM.MSG.GET), one message per request", stream, e.subject)
 
     async def _refuses_direct(self, stream: str) -> bool:
         """A direct get on `stream` was answered "no responders": whether that is because the stream does
