@@ -1066,6 +1066,20 @@ class Subscription:
                 await bridge.run_on_loop(sub.unsubscribe())
 
 
+async def _unless_cancelled(coro: Coroutine[Any, Any, T]) -> T:
+    """`coro` for a trio caller: once the caller has cancelled it, it ends cancelled even when what it
+    awaited failed at the same moment (a request refused or lost just as its waiter went away: asyncio
+    lets `wait_for` raise that instead). The cancelled future that linked it to trio never reads such
+    an outcome, and asyncio would log it as "never retrieved"."""
+    try:
+        return await coro
+    except Exception:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError from None
+        raise
+
+
 def _unwind_tasks(loop: asyncio.AbstractEventLoop) -> None:
     """Cancel what still runs on a stopped loop and let it unwind (briefly), as `asyncio.run` does: no
     task is destroyed while pending (a request cut short by the unmount logs nothing)."""
@@ -1322,7 +1336,7 @@ class Bridge:
         if loop is None or self._link is None:
             coro.close()
             raise Unavailable("not connected to NATS")
-        return await wait_future(asyncio.run_coroutine_threadsafe(coro, loop))
+        return await wait_future(asyncio.run_coroutine_threadsafe(_unless_cancelled(coro), loop))
 
     def call_on_loop(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the asyncio loop soon (from any thread)."""
