@@ -40,7 +40,8 @@ import trio
 
 from . import affinity
 from .auth import Connection
-from .errors import JetStreamAPIError, NotPermitted, OutcomeUnknown, Unavailable
+from .bridge import refusal
+from .errors import JetStreamAPIError, OutcomeUnknown, Unavailable
 from .jetstream import map_publish_error
 from .retry import Restarts, Silence, describe_exit
 from .secrecy import child_environment
@@ -209,9 +210,10 @@ class UploadWorker:
             raise Unavailable("upload worker was restarted since this put began")
         reply = await self._request(child, body)
         error = reply.get("error")
-        if error and error.get("kind") == "refused":  # (the worker logged it; nothing of it was stored)
-            raise NotPermitted(str(error.get("description", "permission denied")), kind=str(error.get("refused")),
-                               subject=str(error.get("subject", "")))
+        if error and error.get("kind") == "refused":
+            # The server refused the worker a publish for the user's permissions: nothing of it was stored.
+            # Logged here, once per kind as the daemon's own refusals are (the worker's stderr is quiet).
+            raise refusal(str(error.get("refused", "publish")), str(error.get("subject", "")))
         if error and error.get("kind") in ("unavailable", "outcome_unknown"):
             # The worker's connection was lost or replaced: callers fall back to publishing in-process.
             cls = OutcomeUnknown if error["kind"] == "outcome_unknown" else Unavailable

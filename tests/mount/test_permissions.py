@@ -165,6 +165,7 @@ def test_a_read_only_user_gets_eacces_for_every_change_and_the_bucket_keeps_what
     started = time.monotonic()
     assert errno_of(lambda: write(m / "c", b"c" * 1000)) == errno.EACCES
     assert errno_of(lambda: write(m / "b", b"B" * 3000)) == errno.EACCES
+    assert errno_of(lambda: write(m / "big", os.urandom(6 << 20))) == errno.EACCES  # (sent by the upload worker)
     assert errno_of(lambda: os.unlink(m / "a")) == errno.EACCES
     assert errno_of(lambda: os.mkdir(m / "d")) == errno.EACCES
     assert time.monotonic() - started < REQUEST_TIMEOUT
@@ -207,4 +208,16 @@ def test_write_back_gives_a_refused_upload_up_to_lost_and_found(perm_server, mou
     assert stored_subjects(as_user(perm_server, "admin"), bucket_name) == objects
     assert "are removed once the server answers" not in log
     assert (m / "b").read_bytes() == B  # the bucket's version again
+    assert dropped_connections(perm_server, "ro") == 0
+
+
+@pytest.mark.expect_log(r"closed without a successful upload \(permission denied")
+def test_a_publish_refused_to_the_upload_worker_is_reported_by_the_daemon(perm_server, mounter, bucket_name):
+    admin = as_user(perm_server, "admin")
+    create_bucket(admin, bucket_name, atomic=False)  # (a bucket taking batches has them sent in-process)
+    m = mount_as(mounter, perm_server, bucket_name, "ro")
+    assert errno_of(lambda: write(m / "c", os.urandom(300_000))) == errno.EACCES  # (sent by the upload worker)
+    assert errno_of(lambda: write(m / "d", os.urandom(300_000))) == errno.EACCES
+    assert stored_subjects(admin, bucket_name) == {}
+    assert refusal_lines(m.log(), f"$O.{bucket_name}.C.") == 1  # the worker's stderr is not the log
     assert dropped_connections(perm_server, "ro") == 0
