@@ -37,6 +37,9 @@ accounts {
                        subscribe: { allow: [">"] } } }
       { user: nometa, password: nometa, permissions: { publish: { allow: [">"], deny: ["$O.*.M.>"] },
                                                       subscribe: { allow: [">"] } } }
+      { user: nopurge, password: nopurge,
+        permissions: { publish: { allow: [">"], deny: ["$O.*.M.>", "$JS.API.STREAM.PURGE.>"] },
+                       subscribe: { allow: [">"] } } }
     ]
   }
   SYS { users: [{ user: sys, password: sys }] }
@@ -190,6 +193,24 @@ def test_chunks_stored_before_the_meta_was_refused_are_purged(perm_server, mount
     log = m.log()
     assert refusal_lines(log, f"$O.{bucket_name}.M.") == 1
     assert "are removed once the server answers" not in log and "may or may not be stored" not in log
+
+
+@pytest.mark.expect_log(r"closed without a successful upload \(permission denied")
+def test_chunks_whose_purge_is_refused_too_are_left_for_fsck_with_one_line(perm_server, mounter, bucket_name):
+    admin = as_user(perm_server, "admin")
+    # Without atomic batches the chunks are stored before the meta is sent (a refused batch stores nothing).
+    create_bucket(admin, bucket_name, atomic=False)
+    m = mount_as(mounter, perm_server, bucket_name, "nopurge")
+    assert errno_of(lambda: write(m / "c", os.urandom(300_000))) == errno.EACCES
+    left = "cannot be removed (permission denied"
+    assert wait_for(lambda: left in m.log(), 60), m.log()  # (the put journal's next pass)
+    stored = stored_subjects(admin, bucket_name)
+    assert list(stored.values()) == [3] and next(iter(stored)).startswith(f"$O.{bucket_name}.C.")  # c's chunks
+    log = m.log()
+    assert sum(left in line for line in log.splitlines()) == 1  # given up, not retried every pass
+    assert "are removed once the server answers" not in log
+    assert refusal_lines(log, "$JS.API.STREAM.PURGE") == 1
+    assert sorted(os.listdir(m.path)) == []
 
 
 def test_write_back_gives_a_refused_upload_up_to_lost_and_found(perm_server, mounter, bucket_name, objects):
