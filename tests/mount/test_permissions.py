@@ -16,8 +16,13 @@ from typing import Any
 
 import nats
 import pytest
+import trio
 from helpers import create_bucket, nats_py_put, wait_for, with_nats
+from test_lean_reads import put_object, read_both_ways
 
+from natsfs.bridge import Bridge
+from natsfs.errors import NotPermitted
+from natsfs.jetstream import JetStreams
 from natsfs.server import NatsServer
 
 REQUEST_TIMEOUT = 20  # (a refusal that waited it out would be the defect; nothing here waits that long)
@@ -242,3 +247,37 @@ def test_a_publish_refused_to_the_upload_worker_is_reported_by_the_daemon(perm_s
     assert stored_subjects(admin, bucket_name) == {}
     assert refusal_lines(m.log(), f"$O.{bucket_name}.C.") == 1  # the worker's stderr is not the log
     assert dropped_connections(perm_server, "ro") == 0
+
+
+@pytest.mark.parametrize("in_trio", [True, False], ids=["trio", "asyncio"])
+def test_a_refused_request_fails_at_once_on_either_connection_and_neither_is_replaced(perm_server, bucket_name,
+                                                                                       in_trio):
+    """The lean connection (driven by trio or by asyncio) and the main one (nats-py) alike: the refused
+    request fails with NotPermitted, the next one on the same connection is answered, nothing reconnects."""
+    chunks = put_object(as_user(perm_server, "admin"), bucket_name)
+
+    async def main() -> None:
+        closed_at_start = await trio.to_thread.run_sync(closed_connections, perm_server, "nodirect")
+        bridge = Bridge([as_user(perm_server, "nodirect")], request_timeout=REQUEST_TIMEOUT, trio_reads=in_trio)
+        await bridge.connect()
+        try:
+            assert bridge.lean_reads and bridge.reads_in_trio == in_trio
+            lean = bridge._reads.nc if bridge._reads is not None else None
+            body = json.dumps({"seq": 1, "next_by_subj": f"$O.{bucket_name}.C.>", "batch": 2}).encode()
+            with trio.fail_after(REQUEST_TIMEOUT / 2):
+                for _ in range(3):  # over the lean connection
+                    with pytest.raises(NotPermitted) as refused:
+                        await bridge.request_many(f"$JS.API.DIRECT.GET.OBJ_{bucket_name}", body, max_bytes=1 << 20)
+                    assert refused.value.errno == errno.EACCES
+                    with pytest.raises(NotPermitted):  # over the main connection
+                        await bridge.api(f"DIRECT.GET.OBJ_{bucket_name}", {"seq": 1})
+                    assert "limits" in await bridge.api("INFO")
+            whole, streamed = await read_both_ways(JetStreams(bridge), bucket_name)  # through STREAM.MSG.GET
+            assert [bytes(d) for *_, d in whole] == chunks == [bytes(d) for *_, d in streamed]
+            assert bridge._reads is not None and bridge._reads.nc is lean  # the same lean connection
+            assert bridge.connected and bridge.reconnects == 0
+            assert await trio.to_thread.run_sync(closed_connections, perm_server, "nodirect") == closed_at_start
+        finally:
+            await bridge.close()
+
+    trio.run(main)
