@@ -13,6 +13,12 @@ subscription is restored on it. Requests in flight on the lost client fail at on
 for a publish whose acknowledgement did not come, `Unavailable` otherwise; replies addressed to an
 earlier client are dropped, so none can complete a request of a later one.
 
+A permissions violation is not a loss: the server refused one message (`-ERR 'Permissions Violation for
+Publish to "<subject>"'`) and keeps the connection, and so do nats-py (its error callback) and the lean
+connection (`wire`'s `on_refused`). The request waiting on that subject fails at once with `NotPermitted`
+(`_Link.refused`): the oldest one, as requests are sent in order and the server answers them in order.
+One line is logged per kind of refusal (`refusal`), not one per message.
+
 Replies of batched direct gets are bounded by a byte budget (`REPLY_BUDGET`): the server drops a
 client whose unread bytes pass its `max_pending`, so the bytes asked for and not yet taken by trio
 must stay well under it; the first kick by a server with a smaller one drops the budget to its floor
@@ -55,7 +61,7 @@ import trio
 
 from . import memory, natscompat, wire
 from .auth import Connection
-from .errors import JetStreamAPIError, NatsFSError, NoConnection, NotFound, OutcomeUnknown, Unavailable
+from .errors import JetStreamAPIError, NatsFSError, NoConnection, NotFound, NotPermitted, OutcomeUnknown, Unavailable
 from .futures import wait_future
 from .retry import Backoff
 from .secrecy import redact_url
@@ -105,6 +111,30 @@ _WATCH_INTERVAL = 0.25
 _CHUNK_GUESS = 128 * 1024  # the largest reply assumed before one is seen
 # A replaced nats-py client gets this long to finish closing by itself before `_Link._bury` ends the rest.
 _BURY_GRACE = 2.0
+
+
+# Kinds of permission refusals logged so far (see `refusal`), for the whole process.
+_refusals_logged: set[tuple[str, str]] = set()
+_refusals_lock = threading.Lock()
+
+
+def refusal(kind: str, subject: str) -> NotPermitted:
+    """The error for a message (or subscription) the server refused for the user's permissions; the first
+    refusal of each kind is logged (a warning naming the subject), later ones are not: a read-only user's
+    every write, or every read without direct-get permission, would otherwise flood the log. A kind is
+    the operation and the subject's first four tokens (`$JS.API.DIRECT.GET`, `$JS.API.STREAM.MSG`, ...),
+    case-folded (nats-py hands the server's text on in lower case); an object store subject's kind is its
+    first three (`$O.<bucket>.C`, `$O.<bucket>.M`: the fourth is a chunk's nuid or an object's name)."""
+    tokens = subject.lower().split(".")
+    key = (kind, ".".join(tokens[:3] if tokens[0] == "$o" else tokens[:4]))
+    with _refusals_lock:
+        first = key not in _refusals_logged
+        _refusals_logged.add(key)
+    verb = "publish to" if kind == "publish" else "subscribe to"
+    message = f"permission denied: the NATS server does not let this user {verb} {subject}"
+    if first:
+        log.warning("%s (further refusals of the same kind are not logged)", message)
+    return NotPermitted(message, kind=kind, subject=subject)
 
 
 @dataclass(slots=True)
@@ -165,6 +195,11 @@ class _Reply:
         else:
             self.fut.set_exception(Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})"))
 
+    def refuse(self, error: NotPermitted) -> None:
+        """The server refused the message for the user's permissions: nothing of it was stored."""
+        if not self.fut.done():
+            self.fut.set_exception(error)
+
     def settle(self) -> None:
         """Mark a failure nobody waits for any more as seen (asyncio would log it otherwise)."""
         if self.fut.done() and not self.fut.cancelled():
@@ -194,6 +229,10 @@ class _Collector:
     def fail(self, reason: str) -> None:
         if not self.done.done():
             self.done.set_exception(Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})"))
+
+    def refuse(self, error: NotPermitted) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
 
     def settle(self) -> None:
         if self.done.done() and not self.done.cancelled():
@@ -273,6 +312,12 @@ class _Link:
         client: list[Any] = []
 
         async def error_cb(e: Exception) -> None:
+            # nats-py keeps its client after a permissions violation (and only then calls this without
+            # closing it): one message was refused, not the connection lost.
+            violation = wire.parse_permission_violation(str(e))
+            if violation is not None and client and client[0] is self.nc:
+                self.refused(*violation)
+                return
             errors.append(e)
             log.debug("nats: %s", e)
 
@@ -324,7 +369,7 @@ class _Link:
     async def _connect_lean(self, server: str) -> None:
         try:
             conn = await wire.connect(server, name=self.name, auth=self.auth, timeout=self.connect_timeout,
-                                      on_msg=self._on_lean_reply, on_closed=self._lost)
+                                      on_msg=self._on_lean_reply, on_closed=self._lost, on_refused=self.refused)
         except (TimeoutError, OSError, wire.WireError) as e:  # (ssl.SSLError is an OSError)
             raise Unavailable(f"cannot connect to NATS at {redact_url(server)}: {e or type(e).__name__}") from None
         if self._closing:
@@ -374,6 +419,21 @@ class _Link:
                     task.exception()  # retrieved: the client is gone, whatever its tasks ended with
             if pending:
                 log.debug("%d tasks of a replaced NATS client did not end when cancelled", len(pending))
+
+    def refused(self, kind: str, subject: str) -> None:
+        """The server refused a message on `subject` for the user's permissions and kept the connection:
+        the oldest request waiting on that subject fails (`NotPermitted`) at once instead of waiting out
+        its timeout. Requests leave in order and the server checks them in order, so the oldest is the
+        one refused. Subjects are compared case-folded: nats-py lowers the server's text (two requests
+        in flight on subjects that differ only in case would be told apart wrongly, never lost)."""
+        wanted = subject.lower()
+        if kind == "publish":
+            for token, waiter in list(self.waiters.items()):  # (a copy: the trio thread may drop entries)
+                if waiter.subject.lower() == wanted:
+                    self.waiters.pop(token, None)
+                    waiter.refuse(refusal(kind, waiter.subject))
+                    return
+        refusal(kind, subject)  # (nothing waits on it: logged, once per kind)
 
     def _fail_all(self, reason: str) -> None:
         waiters, self.waiters = self.waiters, {}
@@ -565,7 +625,7 @@ class _TrioCollector:
         self.subject = subject
         self.msgs: list[Msg] = []
         self.done = trio.Event()
-        self.error: Unavailable | None = None
+        self.error: Unavailable | NotPermitted | None = None
 
     def deliver_in_trio(self, msg: Msg) -> bool:
         if self.done.is_set():
@@ -578,6 +638,11 @@ class _TrioCollector:
     def fail_in_trio(self, reason: str) -> None:
         if not self.done.is_set():
             self.error = Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})")
+            self.done.set()
+
+    def refuse_in_trio(self, error: NotPermitted) -> None:
+        if not self.done.is_set():
+            self.error = error
             self.done.set()
 
 
@@ -633,7 +698,7 @@ class _TrioReads:
         self._next_server = index + 1
         try:
             conn = await wire.connect_trio(server, name=self.name, auth=self.auth, timeout=self.connect_timeout,
-                                           on_msg=self._on_msg, on_closed=self._on_closed)
+                                           on_msg=self._on_msg, on_closed=self._on_closed, on_refused=self._refused)
         except (TimeoutError, trio.TooSlowError, OSError) as e:
             raise Unavailable(f"cannot connect to NATS at {redact_url(server)}: {e or type(e).__name__}") from None
         self.nc, self.prefix = conn, conn.inbox
@@ -678,6 +743,17 @@ class _TrioReads:
         if self._bridge.reads_lost_in_trio():  # a kick or the server's death: its server again first
             self._verdict_on = self._next_server = self._server_index
         self._fail_all(reason)
+
+    def _refused(self, kind: str, subject: str) -> None:
+        """`_Link.refused` for this connection (the trio thread parses its `-ERR`)."""
+        wanted = subject.lower()
+        if kind == "publish":
+            for token, waiter in self.waiters.items():
+                if waiter.subject.lower() == wanted:
+                    del self.waiters[token]
+                    waiter.refuse_in_trio(refusal(kind, waiter.subject))
+                    return
+        refusal(kind, subject)
 
     def _fail_all(self, reason: str) -> None:
         waiters, self.waiters = self.waiters, {}
@@ -867,6 +943,11 @@ class Subscription:
         self._error = Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})")
         self._bridge.call_in_trio(self.interrupt)
 
+    def refuse(self, error: NotPermitted) -> None:
+        """This request was refused for the user's permissions (see `_Link.refused`)."""
+        self._error = error
+        self._bridge.call_in_trio(self.interrupt)
+
     def _enqueue(self, msg: Msg) -> None:
         with self._lock:
             self._queue.append(msg)
@@ -886,6 +967,10 @@ class Subscription:
 
     def fail_in_trio(self, reason: str) -> None:
         self._error = Unavailable(f"request on {self.subject}: connection to NATS lost ({reason})")
+        self.interrupt()
+
+    def refuse_in_trio(self, error: NotPermitted) -> None:
+        self._error = error
         self.interrupt()
 
     def _set_wake(self) -> None:
@@ -979,6 +1064,20 @@ class Subscription:
             bridge.call_on_loop(self._set_drained)
             with contextlib.suppress(Exception):
                 await bridge.run_on_loop(sub.unsubscribe())
+
+
+async def _unless_cancelled(coro: Coroutine[Any, Any, T]) -> T:
+    """`coro` for a trio caller: once the caller has cancelled it, it ends cancelled even when what it
+    awaited failed at the same moment (a request refused or lost just as its waiter went away: asyncio
+    lets `wait_for` raise that instead). The cancelled future that linked it to trio never reads such
+    an outcome, and asyncio would log it as "never retrieved"."""
+    try:
+        return await coro
+    except Exception:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError from None
+        raise
 
 
 def _unwind_tasks(loop: asyncio.AbstractEventLoop) -> None:
@@ -1237,7 +1336,7 @@ class Bridge:
         if loop is None or self._link is None:
             coro.close()
             raise Unavailable("not connected to NATS")
-        return await wait_future(asyncio.run_coroutine_threadsafe(coro, loop))
+        return await wait_future(asyncio.run_coroutine_threadsafe(_unless_cancelled(coro), loop))
 
     def call_on_loop(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the asyncio loop soon (from any thread)."""
@@ -1597,6 +1696,15 @@ class _RangeAcks:
                                     f"acknowledgement ({reason})")
         self.fut.set_result(None)
 
+    def refuse(self, error: NotPermitted) -> None:
+        """One of the publishes was refused for the user's permissions: answered, and not stored."""
+        if self.fut.done():
+            return
+        self.acked += 1
+        self.s.free_slots(1)
+        self.error = self.error or error
+        self.check()
+
     def check(self) -> None:
         if self.done and self.acked == self.sent and not self.fut.done():
             self.fut.set_result(None)
@@ -1685,6 +1793,9 @@ def _worker_error(e: BaseException, subject: str) -> dict[str, Any]:
         return {"description": e.description, "code": e.code, "err_code": e.err_code}
     if isinstance(e, NotFound):
         return {"description": f"no stream takes {subject}", "code": 503, "err_code": 0}
+    if isinstance(e, NotPermitted):
+        return {"description": str(e), "code": 403, "err_code": 0, "kind": "refused", "subject": e.subject,
+                "refused": e.kind}
     kind = "outcome_unknown" if isinstance(e, OutcomeUnknown) else "unavailable"
     return {"description": f"upload worker: {e}", "code": 503, "err_code": 0, "kind": kind}
 

@@ -62,6 +62,20 @@ class PermissionDenied(NatsFSError):
     log_level = logging.WARNING
 
 
+class NotPermitted(PermissionDenied):
+    """The NATS server refused a message (or subscription) for the user's permissions (`-ERR 'Permissions
+    Violation for Publish to "<subject>"'`). Definite: a refused publish reached no stream, nothing of it
+    was stored; the connection stays. The bridge logs one line per kind of refusal (`bridge.refusal`),
+    so this one is DEBUG wherever else it surfaces."""
+
+    log_level = logging.DEBUG
+
+    def __init__(self, message: str, *, kind: str, subject: str):
+        super().__init__(message)
+        self.kind = kind  # "publish" or "subscription"
+        self.subject = subject
+
+
 class ReadOnly(NatsFSError):
     errno = _errno.EROFS
     log_level = logging.INFO

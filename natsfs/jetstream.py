@@ -15,6 +15,10 @@ asked at once, the replies chained as a batched direct get would return them). T
 the stream's leader and carry subject and sequence but no count of the messages after them (`pending`
 -1), so the chunk cache proves such a version's layout with a headers-only scan instead of pending
 counts (natsfs.chunk_cache).
+
+Users without direct-get permission. A server that refuses `$JS.API.DIRECT.GET.<stream>` to the user
+(a permissions violation, `NotPermitted`) gets the same `STREAM.MSG.GET` requests instead, from then on
+for that stream (`direct_refused`); if those are refused too, the read fails with EACCES.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from .errors import (
     NoConnection,
     NoSpace,
     NotFound,
+    NotPermitted,
     OutcomeUnknown,
     ReadOnly,
     TooBig,
@@ -180,6 +185,8 @@ class JetStreams:
         self.floors: dict[str, int] = {}
         # Streams whose config does not allow direct gets (`allow_direct` false): read with STREAM.MSG.GET.
         self.no_direct: set[str] = set()
+        # Streams whose direct gets the server refuses this user (permissions): read with STREAM.MSG.GET.
+        self.direct_refused: set[str] = set()
         # Open watches and scans, told when the connection is replaced (their consumers may be gone).
         self._watches: weakref.WeakSet[_ConsumerStream] = weakref.WeakSet()
         previous = bridge.on_reconnect
@@ -228,6 +235,17 @@ class JetStreams:
             log.info("stream %s does not allow direct gets (allow_direct is false): its chunks are read "
                      "through the stream's leader (STREAM.MSG.GET), one message per request", st.name)
         return st
+
+    def _reads_direct(self, stream: str) -> bool:
+        return stream not in self.no_direct and stream not in self.direct_refused
+
+    def _direct_not_permitted(self, stream: str, e: NotPermitted) -> None:
+        """The server refused this user a direct get on `stream`: its reads go through STREAM.MSG.GET
+        from now on (refused too: EACCES). Logged once per stream (the bridge logged the refusal)."""
+        if stream not in self.direct_refused:
+            self.direct_refused.add(stream)
+            log.info("stream %s: the server refuses this user direct gets (%s): its chunks are read through "
+                     "the stream's leader (STREAM.MSG.GET), one message per request", stream, e.subject)
 
     async def _refuses_direct(self, stream: str) -> bool:
         """A direct get on `stream` was answered "no responders": whether that is because the stream does
@@ -518,13 +536,17 @@ class JetStreams:
                         max_bytes: int) -> list[StoredMsg]:
         self.calls["get_batch"] += 1
         max_bytes = min(max_bytes, self.bridge.max_batch_bytes)  # replies in flight stay within the budget
-        if stream in self.no_direct:
+        if not self._reads_direct(stream):
             return await _MsgGets(self, stream, subject, start_seq, batch, max_bytes).all()
         body = {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
         for _ in range(_FLOOR_TRIES):
             floored = self._floor_body(stream, body)
-            replies = await self.bridge.request_many(f"$JS.API.DIRECT.GET.{stream}", _asking(floored),
-                                                     max_bytes=max_bytes)
+            try:
+                replies = await self.bridge.request_many(f"$JS.API.DIRECT.GET.{stream}", _asking(floored),
+                                                         max_bytes=max_bytes)
+            except NotPermitted as e:
+                self._direct_not_permitted(stream, e)
+                return await _MsgGets(self, stream, subject, start_seq, batch, max_bytes).all()
             if floored is body or not replies or replies[0].status != "412":
                 break
             await self._floor_refused(stream)
@@ -545,7 +567,7 @@ class JetStreams:
         """Like `get_batch`, but hands messages over as they arrive instead of all at the end."""
         self.calls["stream_batch"] += 1
         max_bytes = min(max_bytes, self.bridge.max_batch_bytes)  # replies in flight stay within the budget
-        if stream in self.no_direct:
+        if not self._reads_direct(stream):
             return _MsgGets(self, stream, subject, start_seq, batch, max_bytes)
         body = self._floor_body(stream, {"seq": max(start_seq, 1), "next_by_subj": subject, "batch": batch,
                                          "max_bytes": max_bytes})
@@ -556,9 +578,13 @@ class JetStreams:
                 return None
             return _MsgGets(self, stream, subject, start_seq, batch, max_bytes)
 
+        def not_permitted(e: NotPermitted) -> _MsgGets:
+            self._direct_not_permitted(stream, e)
+            return _MsgGets(self, stream, subject, start_seq, batch, max_bytes)
+
         return BatchStream(sub, self.bridge.request_timeout, f"{stream} {subject}",
                            on_floor_refused=lambda: self._floor_refused(stream),  # the caller asks again
-                           on_no_responders=without_direct)
+                           on_no_responders=without_direct, on_not_permitted=not_permitted)
 
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
         """(sequence, payload size) of every message on `subject`, without fetching payloads."""
@@ -623,16 +649,19 @@ class JetStreams:
 class BatchStream:
     """The replies of one batched direct get, in arrival order; `next()` is None after the last. A first
     reply of "no responders" asks `on_no_responders` for the same batch by other means (a stream without
-    direct gets: `_MsgGets`), which then answers instead."""
+    direct gets: `_MsgGets`), which then answers instead; so does a request the server refused the user
+    (`on_not_permitted`: a user without direct-get permission)."""
 
     def __init__(self, sub: Subscription, timeout: float, what: str,
                  on_floor_refused: Callable[[], Awaitable[None]] | None = None,
-                 on_no_responders: Callable[[], Awaitable[_MsgGets | None]] | None = None) -> None:
+                 on_no_responders: Callable[[], Awaitable[_MsgGets | None]] | None = None,
+                 on_not_permitted: Callable[[NotPermitted], _MsgGets] | None = None) -> None:
         self._sub = sub
         self._timeout = timeout
         self._what = what
         self._on_floor_refused = on_floor_refused
         self._on_no_responders = on_no_responders
+        self._on_not_permitted = on_not_permitted
         self._instead: _MsgGets | None = None
         self._answered = False
         self.done = False
@@ -642,7 +671,14 @@ class BatchStream:
             return await self._instead.next()
         if self.done:
             return None
-        msgs = await self._sub.next_batch(self._timeout)
+        try:
+            msgs = await self._sub.next_batch(self._timeout)
+        except NotPermitted as e:  # (refused before any reply: the server sent none)
+            await self.close()
+            if self._answered or self._on_not_permitted is None:
+                raise
+            self._instead = self._on_not_permitted(e)
+            return await self._instead.next()
         if not msgs:
             await self.close()
             raise Unavailable(f"direct get batch {self._what}: no reply in {self._timeout:g}s")

@@ -52,6 +52,7 @@ from .errors import (
     NatsFSError,
     NotEmpty,
     NotFound,
+    NotPermitted,
     ReadOnly,
     Unavailable,
     single_error,
@@ -302,11 +303,12 @@ class Mutations:
                 if bucket not in buckets:
                     buckets[bucket] = await self._bucket_exists(bucket)
                 done = not buckets[bucket] or await self._settle_put(bucket, nuid, put)
-            except (ReadOnly, JetStreamAPIError) as e:
+            except (ReadOnly, NotPermitted, JetStreamAPIError) as e:
                 if isinstance(e, JetStreamAPIError) and e.code != 400:
                     error = e
                     break
-                # The bucket refuses purges (sealed, deny_purge): nothing this mount can do.
+                # The bucket refuses purges (sealed, deny_purge), or the server refuses them to this user
+                # (permissions): nothing this mount can do.
                 log.warning("bucket %s: the chunks of %r (nuid %s) cannot be removed (%s); left for fsck", bucket,
                             put.name, nuid, e)
                 journal.finished(bucket, nuid)

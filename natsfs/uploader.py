@@ -15,6 +15,10 @@ it had not answered fail with `Unavailable`, and their callers send those files 
 new put session (the old one's chunks are purged). A put session stays with the worker process it began
 on, which holds its hash: after a restart, what is left of it is refused (`Unavailable`) too.
 
+A publish the server refuses the worker's NATS user (a permissions violation) is no failure of the
+worker: it comes back as `NotPermitted`, not sent again in-process, and is logged here (`bridge.refusal`,
+once per kind, as the daemon's own refusals; the worker's stderr is not the daemon's log).
+
 A worker that stops answering (stopped by SIGSTOP, stuck in a system call) is treated as dead: while
 requests wait for it, it is asked a `ping` every `PING_EVERY` seconds, which its event loop answers at
 once even while it sends a large range; when nothing at all has come back from it for `HUNG_AFTER`
@@ -40,6 +44,7 @@ import trio
 
 from . import affinity
 from .auth import Connection
+from .bridge import refusal
 from .errors import JetStreamAPIError, OutcomeUnknown, Unavailable
 from .jetstream import map_publish_error
 from .retry import Restarts, Silence, describe_exit
@@ -209,6 +214,10 @@ class UploadWorker:
             raise Unavailable("upload worker was restarted since this put began")
         reply = await self._request(child, body)
         error = reply.get("error")
+        if error and error.get("kind") == "refused":
+            # The server refused the worker a publish for the user's permissions: nothing of it was stored.
+            # Logged here, once per kind as the daemon's own refusals are (the worker's stderr is quiet).
+            raise refusal(str(error.get("refused", "publish")), str(error.get("subject", "")))
         if error and error.get("kind") in ("unavailable", "outcome_unknown"):
             # The worker's connection was lost or replaced: callers fall back to publishing in-process.
             cls = OutcomeUnknown if error["kind"] == "outcome_unknown" else Unavailable

@@ -14,7 +14,11 @@ INFO requires it (with the configured CA and client certificate, or the system's
 user/password, token (also from the URL's userinfo), NKey seed or creds file (signing the server's
 nonce with `nkeys`), and the same connection name. Nothing here reconnects: a connection that fails
 calls its `on_closed` once, and the bridge's `_Link` replaces it, as it does nats-py clients. `-ERR`
-closes the connection, as nats-py does. No message raised or kept here contains a credential.
+closes the connection, as nats-py does, except a permissions violation (`-ERR 'Permissions Violation for
+Publish to "<subject>"'`, or `for Subscription to`): the server refused that one message and keeps the
+connection, so this does too, and hands the refusal to `on_refused` (as nats-py hands it to its error
+callback), whose caller fails the request waiting on that subject. No message raised or kept here
+contains a credential.
 
 `connect_trio` and `TrioWireConnection` drive the same `WireProtocol` from the trio thread instead
 (the bridge's `_TrioReads`): a non-blocking socket read by one task, with requests written from the
@@ -32,6 +36,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import socket
 import ssl
 from collections.abc import Callable
@@ -97,8 +102,28 @@ payload_buffer = _payload_buffer_factory()
 OnMsg = Callable[[str, dict[str, str] | None, bytes | bytearray], None]
 
 
+# on_refused(kind, subject): the server refused one message ("publish") or subscription ("subscription")
+# on that subject for the user's permissions; the connection stays.
+OnRefused = Callable[[str, str], None]
+
+
 class WireError(Exception):
     """The connection failed or is closed; the text names no credential."""
+
+
+# The server's text: `Permissions Violation for Publish to "<subject>"` or `... for Subscription to
+# "<subject>"` (with ` using queue "<queue>"` after a queue subscription's). nats-py lowercases the whole
+# line before its error callback sees it, so this matches either case.
+_VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "?([^"\s]+)"?', re.IGNORECASE)
+
+
+def parse_permission_violation(text: str) -> tuple[str, str] | None:
+    """The kind ("publish" or "subscription") and subject of a permissions violation the server reported
+    (an `-ERR` line's text, quoted or not, or nats-py's `nats: ...` error); None for any other error."""
+    m = _VIOLATION.search(text)
+    if m is None:
+        return None
+    return m.group(1).lower(), m.group(2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,9 +190,14 @@ def encode_headers(headers: dict[str, str]) -> bytes:
 class WireProtocol(asyncio.BufferedProtocol):
     """The protocol side of one connection: parses what the server sends, answers its pings, sends ours."""
 
-    def __init__(self, on_msg: OnMsg, on_closed: Callable[[WireProtocol], None]):
+    def __init__(self, on_msg: OnMsg, on_closed: Callable[[WireProtocol], None],
+                 on_refused: OnRefused | None = None):
         self._on_msg = on_msg
         self._on_closed = on_closed
+        self._on_refused = on_refused
+        # The first subscription the server refused (during the handshake: the reply inbox, which leaves
+        # the connection useless; the handshake fails with it).
+        self.refused_subscription: str | None = None
         self._buf = bytearray(CONTROL_BUFFER)
         self._view = memoryview(self._buf)
         self._start = 0  # parsed up to here
@@ -309,7 +339,16 @@ class WireProtocol(asyncio.BufferedProtocol):
             if self._info_wait is not None and not self._info_wait.done():
                 self._info_wait.set_result(info)
         elif op == b"-ERR":
-            raise WireError("nats: " + args.decode("utf-8", "replace").strip().strip("'"))
+            text = args.decode("utf-8", "replace").strip().strip("'")
+            violation = parse_permission_violation(text)
+            if violation is None:
+                raise WireError("nats: " + text)
+            # One message refused, the connection kept (by the server and by nats-py alike).
+            kind, subject = violation
+            if kind == "subscription" and self.refused_subscription is None:
+                self.refused_subscription = subject
+            if self._on_refused is not None:
+                self._on_refused(kind, subject)
         elif op != b"+OK":
             raise WireError("protocol error: unknown operation from the server")
         if self._head is not None and (self._head[1] < 0 or self._head[2] < self._head[1]):
@@ -515,26 +554,40 @@ def _read_creds(path: str) -> tuple[str, bytearray]:
 _C = TypeVar("_C")
 
 
-def _protocol_reporting_to(on_msg: OnMsg, on_closed: Callable[[_C], None]) -> tuple[WireProtocol, list[_C]]:
+def _protocol_reporting_to(on_msg: OnMsg, on_closed: Callable[[_C], None], on_refused: OnRefused | None
+                           ) -> tuple[WireProtocol, list[_C]]:
     """A protocol whose end calls `on_closed` with the connection the caller puts into the list (once
-    it is made: a handshake that fails reports nothing)."""
+    it is made: a handshake that fails reports nothing), and whose refusals go to `on_refused` (once it
+    is made, too: the handshake's own, of the reply inbox, fail it instead)."""
     made: list[_C] = []
 
     def closed(_: WireProtocol) -> None:
         if made:
             on_closed(made[0])
 
-    return WireProtocol(on_msg, closed), made
+    def refused(kind: str, subject: str) -> None:
+        if made and on_refused is not None:
+            on_refused(kind, subject)
+
+    return WireProtocol(on_msg, closed, refused), made
+
+
+def _check_inbox_taken(protocol: WireProtocol) -> None:
+    """After the handshake's ping: a reply inbox the server refused to subscribe makes every request
+    unanswerable, so the connection is not taken (`WireError` naming the refusal)."""
+    if protocol.refused_subscription is not None:
+        raise WireError(f"permission denied: the user may not subscribe to {protocol.refused_subscription}")
 
 
 async def connect(url: str, *, name: str, auth: Connection | None, timeout: float, on_msg: OnMsg,
-                  on_closed: Callable[[WireConnection], None]) -> WireConnection:
+                  on_closed: Callable[[WireConnection], None], on_refused: OnRefused | None = None
+                  ) -> WireConnection:
     """Connect to one server, authenticate, subscribe the reply inbox, and check with a ping that the
     server took all of it. `WireError` (or `OSError`, `ssl.SSLError`, `TimeoutError`) if that fails."""
     endpoint = parse_server(url)
     loop = asyncio.get_running_loop()
     inbox = f"_INBOX.{os.urandom(11).hex()}"
-    protocol, connection = _protocol_reporting_to(on_msg, on_closed)
+    protocol, connection = _protocol_reporting_to(on_msg, on_closed, on_refused)
     transport: asyncio.Transport | None = None
     try:
         async with asyncio.timeout(timeout):
@@ -551,6 +604,7 @@ async def connect(url: str, *, name: str, auth: Connection | None, timeout: floa
             protocol.transport.write(b"CONNECT " + json.dumps(options).encode() + b"\r\nSUB "  # type: ignore[union-attr]
                                      + inbox.encode() + b".* 1\r\n")
             await protocol.ping()
+            _check_inbox_taken(protocol)
     except BaseException:
         if transport is not None:
             transport.abort()
@@ -823,13 +877,14 @@ async def _receive_some(sock: socket.socket) -> bytes:
 
 
 async def connect_trio(url: str, *, name: str, auth: Connection | None, timeout: float, on_msg: OnMsg,
-                       on_closed: Callable[[TrioWireConnection], None]) -> TrioWireConnection:
+                       on_closed: Callable[[TrioWireConnection], None], on_refused: OnRefused | None = None
+                       ) -> TrioWireConnection:
     """`connect` for the trio thread: the same handshake (CONNECT as nats-py sends it, the reply inbox,
     TLS when the server's INFO requires it, a ping to check the server took it). `WireError` (or
     `OSError`, `ssl.SSLError`, `TimeoutError`) if that fails."""
     endpoint = parse_server(url)
     inbox = f"_INBOX.{os.urandom(11).hex()}"
-    protocol, connection = _protocol_reporting_to(on_msg, on_closed)
+    protocol, connection = _protocol_reporting_to(on_msg, on_closed, on_refused)
     sock: socket.socket | None = None
     conn: TrioWireConnection | None = None
     try:
@@ -862,6 +917,7 @@ async def connect_trio(url: str, *, name: str, auth: Connection | None, timeout:
             await conn.receive_until(lambda: protocol.pongs > 0)
             if protocol.closed or protocol.pongs == 0:
                 raise WireError(protocol.last_error or "the server closed the connection")
+            _check_inbox_taken(protocol)
     except BaseException:
         if conn is not None:
             conn.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from natsfs.errors import (
     JetStreamAPIError,
     NoConnection,
     NoSpace,
+    NotPermitted,
     OutcomeUnknown,
     ReadOnly,
     TooBig,
@@ -250,6 +252,34 @@ def test_losing_the_client_fails_acks_as_outcome_unknown_and_requests_as_unavail
         await asyncio.sleep(0)
 
     asyncio.run(main())
+
+
+def test_a_permission_refusal_fails_the_oldest_request_on_its_subject_and_keeps_the_connection(caplog):
+    caplog.set_level(logging.WARNING, logger="natsfs.bridge")
+    bridge_mod._refusals_logged.clear()
+
+    async def main() -> None:
+        link = _Link(["nats://127.0.0.1:1"], name="t", connect_timeout=1, quiet=True)
+        client = SimpleNamespace(last_error=None, is_closed=False)
+        link.nc, link.prefix = client, "_INBOX.a"
+        other = _Reply("$O.b.C.Other", ack=True)
+        first, second = _Reply("$O.b.C.AbC", ack=True), _Reply("$O.b.C.AbC", ack=True)
+        link.waiters.update({"1": other, "2": first, "3": second})
+        link.refused("publish", "$o.b.c.abc")  # (as nats-py's error callback has it: lowered)
+        exc = first.fut.exception()
+        assert isinstance(exc, NotPermitted) and exc.errno == errno.EACCES and exc.subject == "$O.b.C.AbC"
+        assert not other.fut.done() and not second.fut.done()
+        assert list(link.waiters) == ["1", "3"]
+        link.refused("publish", "$O.b.C.AbC")
+        assert isinstance(second.fut.exception(), NotPermitted)
+        link.refused("publish", "$O.b.M.YQ==")  # nothing waits on it: logged only
+        assert link.nc is client and link.generation == 0 and list(link.waiters) == ["1"]
+        other.settle()
+
+    asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "permission denied" in r.getMessage()]
+    # one line per kind ($O.b.C, $O.b.M), not one per refused message
+    assert len(lines) == 2 and "$O.b.C.AbC" in lines[0] and "$O.b.M.YQ==" in lines[1]
 
 
 async def _no_reconnect(since: float) -> None:

@@ -17,6 +17,7 @@ from natsfs.wire import (
     WireProtocol,
     _connect_options,
     parse_headers,
+    parse_permission_violation,
     parse_server,
     payload_buffer,
     unsupported,
@@ -50,7 +51,9 @@ class Harness:
     def __init__(self) -> None:
         self.msgs: list[tuple[str, dict[str, str] | None, bytes | bytearray]] = []
         self.closed = 0
-        self.protocol = WireProtocol(lambda s, h, d: self.msgs.append((s, h, d)), self._closed)
+        self.refused: list[tuple[str, str]] = []
+        self.protocol = WireProtocol(lambda s, h, d: self.msgs.append((s, h, d)), self._closed,
+                                     lambda kind, subject: self.refused.append((kind, subject)))
         self.transport = FakeTransport()
         self.protocol.connection_made(self.transport)
 
@@ -199,6 +202,38 @@ def test_err_from_the_server_ends_the_connection_with_its_text():
     assert h.closed == 1 and h.protocol.closed
     h.protocol.connection_lost(None)
     assert h.closed == 1  # once
+
+
+def test_a_permissions_violation_refuses_one_message_and_keeps_the_connection():
+    h = Harness()
+    stream = (msg("_INBOX.x.1", b"a")
+              + b"-ERR 'Permissions Violation for Publish to \"$JS.API.DIRECT.GET.OBJ_b\"'\r\n"
+              + msg("_INBOX.x.2", b"b")
+              + b"-ERR 'Permissions Violation for Subscription to \"$O.b.>\"'\r\n"
+              + b"PING\r\n")
+    for step in (1, 7, 1000):  # (the line split anywhere)
+        h = Harness()
+        h.feed(stream, step)
+        assert h.refused == [("publish", "$JS.API.DIRECT.GET.OBJ_b"), ("subscription", "$O.b.>")]
+        assert h.msgs == [("_INBOX.x.1", None, b"a"), ("_INBOX.x.2", None, b"b")]
+        assert not h.transport.aborted and h.closed == 0 and h.protocol.last_error is None
+        assert h.transport.written == b"PONG\r\n"  # still serving
+        assert h.protocol.refused_subscription == "$O.b.>"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("'Permissions Violation for Publish to \"$O.b.C.AbC\"'", ("publish", "$O.b.C.AbC")),
+    ('Permissions Violation for Publish to "$O.b.M.YQ=="', ("publish", "$O.b.M.YQ==")),
+    # nats-py hands its error callback the line lowered, prefixed with "nats: "
+    ('nats: permissions violation for publish to "$js.api.direct.get.obj_b"', ("publish", "$js.api.direct.get.obj_b")),
+    ('Permissions Violation for Subscription to "foo.>" using queue "q"', ("subscription", "foo.>")),
+    ("Permissions Violation for Publish to $O.b.C.x", ("publish", "$O.b.C.x")),
+    ("Maximum Control Line Exceeded", None),
+    ("Authorization Violation", None),
+    ("Permissions Violation", None),
+])
+def test_parse_permission_violation(text, expected):
+    assert parse_permission_violation(text) == expected
 
 
 @pytest.mark.parametrize("garbage", [b"HELLO there\r\n", b"MSG onlysubject\r\n", b"HMSG s 1 10 5\r\n"])
