@@ -18,6 +18,7 @@ moves it away.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import io
@@ -274,6 +275,54 @@ class PrivateLogFile(logging.handlers.WatchedFileHandler):
             os.fchmod(fd, 0o600)  # a file left by an older version, or recreated by logrotate
         os.set_blocking(fd, True)
         return open(fd, "a", encoding=self.encoding, errors=self.errors)
+
+    # Why the log path could not be reopened (None while it is the file written to).
+    _refused: str | None = None
+
+    def reopenIfNeeded(self) -> None:
+        """Reopen the log path when the file was moved or deleted; if it cannot be opened now (its directory
+        removed, a symlink or another user's file put there), keep writing to the old file and try again at
+        the next record. (The stock handler would raise out of the logging call: in the FUSE thread that
+        ends the daemon, with nothing logged anywhere.) Said once in the old file when refused, and once in
+        the new one when the path opens again."""
+        try:
+            sres: os.stat_result | None = os.stat(self.baseFilename)
+        except OSError:
+            sres = None
+        if sres is not None and self.stream is not None and (sres.st_dev, sres.st_ino) == (self.dev, self.ino):
+            return
+        try:
+            stream = self._open()
+        except OSError as e:
+            if self._refused is None:
+                self._refused = e.strerror or str(e)
+                self._note(f"cannot reopen the log file {self.baseFilename} ({self._refused}): logging to the "
+                           "file it was until it can")
+            return
+        old, self.stream = self.stream, stream
+        if old is not None:
+            with contextlib.suppress(OSError, ValueError):
+                old.close()
+        self._statstream()
+        if self._refused is not None:
+            self._note(f"reopened the log file {self.baseFilename}; earlier lines went to the file it was before "
+                       f"(it could not be reopened: {self._refused})")
+            self._refused = None
+
+    def _note(self, text: str) -> None:
+        """One line of the handler's own in the file it writes to now (if any, and if it takes it)."""
+        if self.stream is None:
+            return
+        record = logging.LogRecord("natsfs", logging.WARNING, __file__, 0, text, None, None)
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.write(self.format(record) + self.terminator)
+            self.stream.flush()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.reopenIfNeeded()
+        if self.stream is None:
+            return  # (never opened again since: the line is dropped; the next record tries again)
+        logging.StreamHandler.emit(self, record)
 
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -192,3 +193,22 @@ def test_log_file_is_never_a_symlink_or_another_users_file(tmp_path):
         assert "not this user's own regular file" in err
         assert victim.read_text() == "setting = 1\n" and victim.stat().st_mode & 0o777 == 0o644
     assert not os.path.ismount(mp)
+
+
+def test_log_directory_removed_while_mounted_the_mount_stays_and_serves(nats_url, bucket_name, tmp_path):
+    """A clean-up job removing the log's directory: the next log line must not end the daemon."""
+    nats_py_put(nats_url, bucket_name, "f", b"one\n")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    try:
+        r = run("mount", str(mp), "--server", nats_url, "--data-dir", str(tmp_path / "data"),
+                "--cache-dir", str(tmp_path / "cache"), "--log-file", str(tmp_path / "logdir" / "x.log"))
+        assert r.returncode == 0, r.stderr
+        shutil.rmtree(tmp_path / "logdir")
+        with pytest.raises(OSError):
+            (mp / "bad.name").mkdir()  # an invalid bucket name: refused, with a log line
+        assert (mp / bucket_name / "f").read_bytes() == b"one\n"
+        assert os.path.ismount(mp)
+        assert run("umount", str(mp)).returncode == 0
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
