@@ -368,6 +368,12 @@ def _setup_logging(level: str, log_file: Path | None) -> None:
     logging.getLogger("pyfuse3").addFilter(UNDELIVERED_REPLIES)
 
 
+def _mount_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `mount` subcommand's parser within `build_parser()`'s."""
+    subparsers = next(act for act in parser._actions if isinstance(act, argparse._SubParsersAction))
+    return subparsers.choices["mount"]
+
+
 def cmd_mount(a: argparse.Namespace) -> int:
     try:
         if a.servers_fd is not None:
@@ -535,28 +541,42 @@ def cmd_umount(a: argparse.Namespace) -> int:
 
 
 def _write_back_progress(target: str) -> list[tuple[int, Path]]:
-    """(pid, progress file) of each daemon of `target` mounted with --write-back: after the unmount it
+    """(pid, progress file) of each daemon of `target` mounted in write-back mode: after the unmount it
     uploads what is still queued and writes its progress there (natsfs.core.writeback)."""
-    from .compose import spool_root  # the mount's modules, only when unmounting
-    from .core.writeback import PROGRESS_FILE
-
     found = []
     for pid in _daemons_of(target):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = [os.fsdecode(x) for x in f.read().split(b"\0")]
+                argv = [os.fsdecode(x) for x in f.read().split(b"\0") if x]
+            cwd = os.readlink(f"/proc/{pid}/cwd")
         except OSError:
             continue
-        if not any(x == "--write-back" or x.startswith("--write-back=") for x in argv):
-            continue
-        cache_dir = cfg.default_cache_dir()
-        for i, x in enumerate(argv):
-            if x == "--cache-dir" and i + 1 < len(argv):
-                cache_dir = Path(argv[i + 1])
-            elif x.startswith("--cache-dir="):
-                cache_dir = Path(x.split("=", 1)[1])
-        found.append((pid, spool_root(cache_dir, Path(target)) / PROGRESS_FILE))
+        progress = write_back_progress_file(argv, cwd, target)
+        if progress is not None:
+            found.append((pid, progress))
     return found
+
+
+def write_back_progress_file(argv: list[str], cwd: str, target: str) -> Path | None:
+    """Where a daemon run as `argv` (its command line, from `cwd`) writes its write-back progress, or None
+    if it is not in write-back mode. Its options are read by the parser it read them with itself, so
+    `-o write_back,cache_dir=...` (natsfs@.service, fstab) counts as much as `--write-back`."""
+    from .compose import spool_root  # the mount's modules, only when unmounting
+    from .core.writeback import PROGRESS_FILE
+
+    if "mount" not in argv:
+        return None
+    args = argv[argv.index("mount") + 1:]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # (a parse error is not ours to print)
+            mount_parser = _mount_parser(build_parser())
+            a = mount_parser.parse_args(expand_mount_options(mount_parser, args))
+        config = config_from_args(a, auth.Connection())
+    except (SystemExit, ValueError):
+        return None
+    if config.write_back is None:
+        return None
+    return spool_root(Path(cwd) / config.cache_dir, Path(target)) / PROGRESS_FILE
 
 
 def _print_write_back_progress(daemons: list[tuple[int, Path]]) -> None:

@@ -145,3 +145,20 @@ def test_a_damaged_creds_or_nkey_file_is_one_sentence_naming_it(tmp_path, kind):
             auth.Connection(**{field: str(path)}).check_files()
         message = str(raised.value)
         assert message.startswith(f"{path} (given as --{kind}) is not ") and "SU" not in message
+
+
+@pytest.mark.parametrize("options", [["-o", "write_back,cache_dir=spool"], ["-owrite_back=30s", "--cache-dir=spool"],
+                                     ["--write-back", "--cache-dir", "spool"]])
+def test_umount_finds_write_back_however_the_daemon_was_given_it(options):
+    """natsfs@.service passes NATSFS_OPTIONS as `-o write_back,cache_dir=...`: `natsfs umount` must still
+    wait for the uploads (it reads the daemon's command line with the daemon's own parser)."""
+    from natsfs.cli import write_back_progress_file
+    from natsfs.compose import spool_root
+    from natsfs.core.writeback import PROGRESS_FILE
+
+    argv = ["/usr/bin/python3", "-I", "-m", "natsfs", "mount", "/mnt/x", "--foreground", "--server", "nats://h:4222",
+            *options]
+    assert write_back_progress_file(argv, "/srv", "/mnt/x") == spool_root(Path("/srv/spool"), Path("/mnt/x")) \
+        / PROGRESS_FILE
+    assert write_back_progress_file([*argv[:5], "/mnt/x", "--foreground", "-o", "cache_dir=/c"], "/", "/mnt/x") \
+        is None
