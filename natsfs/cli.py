@@ -32,6 +32,8 @@ import stat
 import subprocess
 import sys
 import time
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +150,25 @@ def normalize_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+class OneSentenceParser(argparse.ArgumentParser):
+    """Refused arguments are one sentence (`natsfs: ...`), not the usage block first."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"natsfs: {message}\n")
+
+
+def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse `type` from a config.py parser: its ValueError's text is what argparse says."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="natsfs", description="Mount NATS JetStream Object Store buckets.")
+    p = OneSentenceParser(prog="natsfs", description="Mount NATS JetStream Object Store buckets.")
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("mount", help="mount buckets on a directory")
@@ -184,10 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("name")
     bc.add_argument("--description", default="")
     bc.add_argument("--storage", choices=("file", "memory"), default="file")
-    bc.add_argument("--replicas", type=int, default=1)
+    bc.add_argument("--replicas", type=_typed(cfg.parse_integer), default=1)
     bc.add_argument("--compression", action="store_true")
-    bc.add_argument("--max-bytes", default="-1")
-    bc.add_argument("--ttl", default="0")
+    bc.add_argument("--max-bytes", type=_typed(cfg.parse_bytes_limit), default="-1")
+    bc.add_argument("--ttl", type=_typed(cfg.parse_duration), default="0")
     bc.add_argument("--no-atomic", action="store_true",
                     help="no atomic batches: puts go in the nats.go order and large files stream while written")
     bl = bsub.add_parser("ls")
@@ -205,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--repair", action="store_true",
                    help="purge orphan chunks and tombstones that carry a live object's nuid")
     f.add_argument("--verify", action="store_true", help="also read every object and check its digest")
-    f.add_argument("--grace", default="5m",
+    f.add_argument("--grace", type=_typed(cfg.parse_duration), default="5m",
                    help="chunks without a meta younger than this are a put in progress, not orphans (default 5m)")
     return p
 
@@ -243,6 +262,7 @@ def config_from_args(a: argparse.Namespace, connection: auth.Connection) -> Conf
         parse = f.metadata["parse"]
         try:
             values[f.name] = parse(given) if parse is not None else given
+            cfg.check_bounds(f.name, values[f.name], f.metadata["bounds"])
         except ValueError as e:
             raise ValueError(f"--{f.name.replace('_', '-')}: {e}") from None
     if "entry_timeout" in values:
