@@ -405,6 +405,11 @@ def cmd_mount(a: argparse.Namespace) -> int:
     except (ValueError, NatsFSError) as e:
         print(f"natsfs: {e}", file=sys.stderr)
         return 2
+    log_file = None if a.log_file == Path("-") else a.log_file
+    problem = check_local_paths(config, log_file)
+    if problem is not None:
+        print(f"natsfs: {problem}", file=sys.stderr)
+        return 2
     if not a.foreground:
         return _spawn_daemon(a, config)
     try:
@@ -445,6 +450,40 @@ def cmd_mount(a: argparse.Namespace) -> int:
     return 0
 
 
+def check_local_paths(config: Config, log_file: Path | None) -> str | None:
+    """Why the local paths of a mount cannot be used (one sentence), or None: a cache, data or log path
+    inside the mountpoint (the daemon would wait on its own mount: the log handler stats its path at
+    every line, from the thread that serves FUSE), or a file where a directory must be."""
+    mountpoint = os.path.realpath(config.mountpoint)
+    named = [("--cache-dir", config.cache_dir), ("--data-dir", config.data_dir)]
+    if log_file is not None:
+        named.append(("--log-file", log_file))
+    for flag, path in named:
+        real = os.path.realpath(path)  # (through symlinks: a link out of the mount is fine, into it is not)
+        if real == mountpoint or real.startswith(mountpoint.rstrip("/") + "/"):
+            return (f"{flag} {path} is inside the mountpoint {mountpoint}: the daemon would wait on its own "
+                    "mount; choose a path outside it")
+    for flag, path in named:
+        blocker = _file_in_the_way(path.parent if flag == "--log-file" else path)
+        if blocker is not None:
+            return f"{flag} {path} cannot be used: {blocker} is not a directory"
+    return None
+
+
+def _file_in_the_way(directory: Path) -> Path | None:
+    """The nearest existing path of `directory` and its parents if it is not a directory (so `directory`
+    cannot be created or used), else None."""
+    for path in (directory, *directory.parents):
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
+            return None  # (said, with its reason, where it is used)
+        return None if stat.S_ISDIR(st.st_mode) else path
+    return None
+
+
 def _read_connection(fd: int) -> auth.Connection:
     """The connection settings the parent wrote to `--servers-fd` (then closed)."""
     with os.fdopen(fd, "rb") as pipe:
@@ -463,8 +502,8 @@ def _spawn_daemon(a: argparse.Namespace, config: Config) -> int:
     log_dir = config.data_dir / "logs"
     log_file = a.log_file or (log_dir / (str(config.mountpoint.resolve()).strip("/").replace("/", "_") + ".log"))
     if log_file != Path("-"):
-        private_dir(log_file.parent)
         try:  # the daemon's own check, said here where the user sees it
+            private_dir(log_file.parent)
             PrivateLogFile(log_file).close()
         except OSError as e:
             print(f"natsfs: cannot open the log file {e.filename}: {e.strerror}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
@@ -212,3 +213,80 @@ def test_log_directory_removed_while_mounted_the_mount_stays_and_serves(nats_url
         assert run("umount", str(mp)).returncode == 0
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def test_mount_on_a_dead_mount_is_one_sentence_naming_umount(nats_url, tmp_path):
+    """A daemon killed -9 leaves its mount (ENOTCONN): mounting there again was an OSError traceback."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    args = ["--server", nats_url, "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache")]
+    try:
+        assert run("mount", str(mp), *args).returncode == 0
+        daemon = next(int(p) for p in os.listdir("/proc")
+                      if p.isdigit() and "--foreground" in _cmdline(int(p)) and str(mp) in _cmdline(int(p)))
+        os.kill(daemon, 9)
+        assert wait_for(lambda: not os.path.exists(f"/proc/{daemon}/cmdline") or _cmdline(daemon) == [])
+        err = _one_sentence(run("mount", str(mp), *args))
+        assert err == (f"natsfs: mountpoint {mp} is a natsfs mount whose daemon is gone: unmount it first "
+                       f"(natsfs umount {mp})")
+        assert run("umount", str(mp)).returncode == 0
+        assert not os.path.ismount(mp)
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [x.decode(errors="replace") for x in f.read().split(b"\0") if x]
+    except OSError:
+        return []
+
+
+def test_two_mounts_started_together_on_one_directory_one_is_refused(nats_url, tmp_path):
+    """Both used to pass the "already a mount point" check, then both mounted (stacked). The check and
+    the mount are one step under an flock on the directory: held here until both daemons are started."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    held = os.open(mp, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        mounts = [subprocess.Popen([*NATSFS, "mount", str(mp), "--server", nats_url, "--data-dir",
+                                    str(tmp_path / "data"), "--cache-dir", str(tmp_path / f"cache{i}"), "--log-file",
+                                    str(tmp_path / f"m{i}.log")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True) for i in range(2)]
+        os.close(held)
+        held = -1
+        results = sorted((p.wait(60), p.stderr.read().strip() if p.stderr else "") for p in mounts)
+        for p in mounts:
+            p.stdout and p.stdout.close()
+            p.stderr and p.stderr.close()
+        assert results == [(0, ""), (1, f"natsfs: mountpoint {mp} is already a mount point (busy)")]
+        with open("/proc/mounts") as f:
+            assert sum(line.split()[1] == str(mp) for line in f) == 1
+    finally:
+        if held >= 0:
+            os.close(held)
+        for _ in range(2):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def test_cache_dir_that_is_a_file_is_one_sentence_naming_it(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    for extra in ([], ["--foreground"]):
+        err = _one_sentence(run("mount", str(mp), *extra, "--server", f"nats://127.0.0.1:{free_port()}",
+                                "--cache-dir", str(tmp_path / "afile"), "--log-file", str(tmp_path / "m.log")))
+        afile = tmp_path / "afile"
+        assert err == f"natsfs: --cache-dir {afile} cannot be used: {afile} is not a directory"
+
+
+def test_log_file_inside_the_mountpoint_is_refused(tmp_path):
+    """(The daemon stats its log path at every line: through its own mount, from the thread that serves
+    it, so `natsfs mount` never returned and every access hung.)"""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    err = _one_sentence(run("mount", str(mp), "--server", f"nats://127.0.0.1:{free_port()}",
+                            "--log-file", str(mp / "self.log"), timeout=20))
+    assert "is inside the mountpoint" in err and not os.path.ismount(mp)

@@ -218,3 +218,33 @@ def test_bucket_and_fsck_numbers_are_parsed_with_the_arguments():
     assert (a.max_bytes, a.ttl, a.replicas) == (1 << 20, 7 * 86400, 3)
     assert parser.parse_args(["bucket", "create", "b"]).max_bytes == -1
     assert parser.parse_args(["fsck", "b"]).grace == 300
+
+
+def test_local_paths_inside_the_mountpoint_or_under_a_file_are_refused(tmp_path):
+    """A log inside the mountpoint deadlocked the daemon (it stats the log path through its own mount);
+    a file where a directory must be was a NotADirectoryError traceback."""
+    from natsfs.cli import check_local_paths
+
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "into").symlink_to(mp)
+
+    def problem(*args: str, log: str | None = None) -> str | None:
+        config = config_from_args(_mount_parser().parse_args([str(mp), *args]), auth.Connection())
+        return check_local_paths(config, Path(log) if log else None)
+
+    ok = ["--cache-dir", str(tmp_path / "c"), "--data-dir", str(tmp_path / "d")]
+    assert problem(*ok, log=str(tmp_path / "logs" / "x.log")) is None
+    assert problem(*ok, log=str(mp / "self.log")) == (
+        f"--log-file {mp / 'self.log'} is inside the mountpoint {mp}: the daemon would wait on its own mount; "
+        "choose a path outside it")
+    assert "--log-file" in problem(*ok, log=str(tmp_path / "into" / "x.log"))  # through a symlink
+    assert problem("--cache-dir", str(mp / "c"), "--data-dir", str(tmp_path / "d")).startswith("--cache-dir")
+    assert problem("--cache-dir", str(tmp_path / "c"), "--data-dir", str(mp)).startswith("--data-dir")
+    assert problem("--cache-dir", str(tmp_path / "afile"), "--data-dir", str(tmp_path / "d")) == \
+        f"--cache-dir {tmp_path / 'afile'} cannot be used: {tmp_path / 'afile'} is not a directory"
+    assert problem("--cache-dir", str(tmp_path / "c"), "--data-dir", str(tmp_path / "afile" / "sub")) == \
+        f"--data-dir {tmp_path / 'afile' / 'sub'} cannot be used: {tmp_path / 'afile'} is not a directory"
+    assert problem(*ok, log=str(tmp_path / "afile" / "sub" / "x.log")) == \
+        f"--log-file {tmp_path / 'afile' / 'sub' / 'x.log'} cannot be used: {tmp_path / 'afile'} is not a directory"
