@@ -290,3 +290,17 @@ def test_log_file_inside_the_mountpoint_is_refused(tmp_path):
     err = _one_sentence(run("mount", str(mp), "--server", f"nats://127.0.0.1:{free_port()}",
                             "--log-file", str(mp / "self.log"), timeout=20))
     assert "is inside the mountpoint" in err and not os.path.ismount(mp)
+
+
+def test_a_server_that_never_answers_is_a_sentence_with_a_reason(tmp_path):
+    """A listener that takes the connection and says nothing (a stopped server, another service): the
+    sentence ended in an empty reason ("...:4222: "), a TimeoutError having no text."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"nats://127.0.0.1:{silent.getsockname()[1]}"
+        err = _one_sentence(run("mount", str(mp), "--server", url, "--request-timeout", "1s",
+                                "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache")))
+    assert err == f"natsfs: cannot connect to NATS at {url}: TimeoutError"
