@@ -571,9 +571,15 @@ def daemon_arguments(argv: list[str], given: Path | None, mountpoint: str) -> li
 def cmd_umount(a: argparse.Namespace) -> int:
     """Unmount; when files are still open, ask the daemon (SIGTERM) to store what is open for
     writing and unmount, and wait for it (its own wait is bounded by --shutdown-timeout)."""
-    target = _outside_path(a.mountpoint)
+    # A symlink to the mount: its target (readlink and the parents only, never a stat through the mount).
+    target = os.path.realpath(a.mountpoint) if os.path.islink(a.mountpoint) else _outside_path(a.mountpoint)
+    kind = _mount_type(target)
+    if kind is None or not kind.endswith("natsfs"):
+        shown = "" if kind is None else f" (it is a {kind} mount)"
+        print(f"natsfs: {target} is not a natsfs mount{shown}", file=sys.stderr)
+        return 1
     write_back = _write_back_progress(target)
-    proc = subprocess.run(["fusermount3", "-u", str(a.mountpoint)], capture_output=True, text=True)
+    proc = subprocess.run(["fusermount3", "-u", target], capture_output=True, text=True)
     if proc.returncode == 0:
         _print_write_back_progress(write_back)
         return 0
@@ -663,6 +669,17 @@ def _outside_path(path: Path) -> str:
     """The absolute path of a mountpoint, resolving only its parent (never stat the mount itself)."""
     absolute = os.path.abspath(path)
     return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
+
+
+def _mount_type(target: str) -> str | None:
+    """The type of the last mount on `target` in /proc/self/mounts (`fuse.natsfs`), None if none."""
+    found = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and fields[1].replace("\\040", " ") == target:
+                found = fields[2]
+    return found
 
 
 def _is_mounted(target: str) -> bool:

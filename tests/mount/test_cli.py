@@ -304,3 +304,20 @@ def test_a_server_that_never_answers_is_a_sentence_with_a_reason(tmp_path):
         err = _one_sentence(run("mount", str(mp), "--server", url, "--request-timeout", "1s",
                                 "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache")))
     assert err == f"natsfs: cannot connect to NATS at {url}: TimeoutError"
+
+
+def test_umount_of_a_non_mount_is_one_sentence_and_of_a_symlink_unmounts_its_target(nats_url, tmp_path):
+    """(Were fusermount3's "failed to unmount X: Invalid argument", also for a symlink to a live mount.)"""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    assert _one_sentence(run("umount", str(mp))) == f"natsfs: {mp} is not a natsfs mount"
+    assert _one_sentence(run("umount", "/proc")) == "natsfs: /proc is not a natsfs mount (it is a proc mount)"
+    (tmp_path / "link").symlink_to(mp)
+    try:
+        assert run("mount", str(mp), "--server", nats_url, "--data-dir", str(tmp_path / "data"),
+                   "--cache-dir", str(tmp_path / "cache")).returncode == 0
+        r = run("umount", str(tmp_path / "link"))
+        assert r.returncode == 0, r.stderr
+        assert not os.path.ismount(mp)
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
