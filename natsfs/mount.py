@@ -74,13 +74,16 @@ def _fs_type(mountpoint: Path) -> str | None:
     return found
 
 
-def lock_mountpoint(mountpoint: Path) -> int:
+def lock_mountpoint(mountpoint: Path) -> int | None:
     """Wait for, and take, the right to mount on `mountpoint` (an flock on the directory, released by
     closing the returned fd once the mount is live or has failed): `check_mountpoint` and the mount itself
     are then one step, and of two mounts started together on one directory the second is refused as
-    "already a mount point" instead of stacking on the first."""
+    "already a mount point" instead of stacking on the first. None (no lock) on a directory this user may
+    mount on but not read."""
     try:
         fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except PermissionError:
+        return None
     except OSError as e:
         raise MountError(f"cannot use mountpoint {mountpoint}: {e.strerror}") from None
     try:
