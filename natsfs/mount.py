@@ -108,7 +108,9 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
     """Mount and serve until unmounted or signalled. Raises `MountError` if the mount cannot start."""
     mountpoint = config.mountpoint.resolve()
     check_mountpoint(mountpoint)
-    lock_fd: int | None = await trio.to_thread.run_sync(lock_mountpoint, mountpoint, abandon_on_cancel=True)
+    # (Waited for here, not in a trio worker thread: one started now would keep the CPU affinity the
+    # daemon's threads have before `affinity.share_one_cpu`. Nothing else runs yet.)
+    lock_fd = lock_mountpoint(mountpoint)
 
     def unlock() -> None:
         nonlocal lock_fd
