@@ -105,8 +105,19 @@ class Connection:
         try:
             context = ssl.create_default_context(cafile=self.tls_ca)
             if self.tls_cert:
-                context.load_cert_chain(self.tls_cert, self.tls_key)
-        except (OSError, ssl.SSLError) as e:
+                # OpenSSL asks for the passphrase of an encrypted key on the terminal (or fails with EINVAL
+                # without one): never prompt, say what it is.
+                context.load_cert_chain(self.tls_cert, self.tls_key, password=_no_passphrase)
+        except _EncryptedKey:
+            raise Unavailable(f"the TLS key {self.tls_key or self.tls_cert} is encrypted: natsfs cannot ask for its "
+                              "passphrase (decrypt it, e.g. `openssl pkey -in KEY -out KEY.plain`, and keep that "
+                              "file readable by you only)") from None
+        except ssl.SSLError as e:
+            if self.tls_cert and not self.tls_key:
+                raise Unavailable(f"cannot load the TLS client certificate {self.tls_cert}: it holds no private "
+                                  "key, give it with --tls-key") from None
+            raise Unavailable(f"cannot load the TLS files: {e}") from None
+        except OSError as e:
             raise Unavailable(f"cannot load the TLS files: {e}") from None
         return context
 
@@ -122,6 +133,14 @@ class Connection:
                         creds=True)
         if self.nkey_file:
             _check_seed(self.nkey_file, "--nkey", "an NKey seed file", creds=False)
+
+
+class _EncryptedKey(Exception):
+    """OpenSSL asked for the passphrase of the TLS key."""
+
+
+def _no_passphrase() -> str:
+    raise _EncryptedKey
 
 
 def _creds_block(title: str) -> bytes:

@@ -341,7 +341,7 @@ class _Link:
         except (TimeoutError, OSError, nats.errors.Error) as e:
             reason = errors[0] if errors else e
             shown = redact_url(server)
-            raise Unavailable(f"cannot connect to NATS at {shown}: {reason or type(reason).__name__}") from None
+            raise Unavailable(f"cannot connect to NATS at {shown}: {str(reason) or type(reason).__name__}") from None
         client.append(nc)
         natscompat.guard_close(nc)
         try:
@@ -371,7 +371,7 @@ class _Link:
             conn = await wire.connect(server, name=self.name, auth=self.auth, timeout=self.connect_timeout,
                                       on_msg=self._on_lean_reply, on_closed=self._lost, on_refused=self.refused)
         except (TimeoutError, OSError, wire.WireError) as e:  # (ssl.SSLError is an OSError)
-            raise Unavailable(f"cannot connect to NATS at {redact_url(server)}: {e or type(e).__name__}") from None
+            raise Unavailable(f"cannot connect to NATS at {redact_url(server)}: {str(e) or type(e).__name__}") from None
         if self._closing:
             await conn.close()
             raise Unavailable("the connection to NATS is closed")
@@ -700,7 +700,7 @@ class _TrioReads:
             conn = await wire.connect_trio(server, name=self.name, auth=self.auth, timeout=self.connect_timeout,
                                            on_msg=self._on_msg, on_closed=self._on_closed, on_refused=self._refused)
         except (TimeoutError, trio.TooSlowError, OSError) as e:
-            raise Unavailable(f"cannot connect to NATS at {redact_url(server)}: {e or type(e).__name__}") from None
+            raise Unavailable(f"cannot connect to NATS at {redact_url(server)}: {str(e) or type(e).__name__}") from None
         self.nc, self.prefix = conn, conn.inbox
         self._server_index = index
 
@@ -1733,7 +1733,7 @@ async def _send_piece(link: _Link, s: _WorkerSession, acks: _RangeAcks, fd: int,
     try:
         transport = await natscompat.raw_transport(nc, 30)
     except (nats.errors.Error, TimeoutError) as e:
-        raise Unavailable(f"{subject}: not sent ({e or type(e).__name__})") from None
+        raise Unavailable(f"{subject}: not sent ({str(e) or type(e).__name__})") from None
     if generation != link.generation:  # replaced while nats-py's queue was flushed
         raise Unavailable(f"{subject}: not sent, the connection to NATS was replaced meanwhile")
     tokens = [link.token() for _ in sizes]

@@ -18,6 +18,7 @@ moves it away.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import io
@@ -31,6 +32,8 @@ import stat
 import subprocess
 import sys
 import time
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +150,25 @@ def normalize_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+class OneSentenceParser(argparse.ArgumentParser):
+    """Refused arguments are one sentence (`natsfs: ...`), not the usage block first."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"natsfs: {message}\n")
+
+
+def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse `type` from a config.py parser: its ValueError's text is what argparse says."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="natsfs", description="Mount NATS JetStream Object Store buckets.")
+    p = OneSentenceParser(prog="natsfs", description="Mount NATS JetStream Object Store buckets.")
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("mount", help="mount buckets on a directory")
@@ -183,10 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("name")
     bc.add_argument("--description", default="")
     bc.add_argument("--storage", choices=("file", "memory"), default="file")
-    bc.add_argument("--replicas", type=int, default=1)
+    bc.add_argument("--replicas", type=_typed(cfg.parse_integer), default=1)
     bc.add_argument("--compression", action="store_true")
-    bc.add_argument("--max-bytes", default="-1")
-    bc.add_argument("--ttl", default="0")
+    bc.add_argument("--max-bytes", type=_typed(cfg.parse_bytes_limit), default="-1")
+    bc.add_argument("--ttl", type=_typed(cfg.parse_duration), default="0")
     bc.add_argument("--no-atomic", action="store_true",
                     help="no atomic batches: puts go in the nats.go order and large files stream while written")
     bl = bsub.add_parser("ls")
@@ -204,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--repair", action="store_true",
                    help="purge orphan chunks and tombstones that carry a live object's nuid")
     f.add_argument("--verify", action="store_true", help="also read every object and check its digest")
-    f.add_argument("--grace", default="5m",
+    f.add_argument("--grace", type=_typed(cfg.parse_duration), default="5m",
                    help="chunks without a meta younger than this are a put in progress, not orphans (default 5m)")
     return p
 
@@ -242,6 +262,7 @@ def config_from_args(a: argparse.Namespace, connection: auth.Connection) -> Conf
         parse = f.metadata["parse"]
         try:
             values[f.name] = parse(given) if parse is not None else given
+            cfg.check_bounds(f.name, values[f.name], f.metadata["bounds"])
         except ValueError as e:
             raise ValueError(f"--{f.name.replace('_', '-')}: {e}") from None
     if "entry_timeout" in values:
@@ -274,6 +295,54 @@ class PrivateLogFile(logging.handlers.WatchedFileHandler):
             os.fchmod(fd, 0o600)  # a file left by an older version, or recreated by logrotate
         os.set_blocking(fd, True)
         return open(fd, "a", encoding=self.encoding, errors=self.errors)
+
+    # Why the log path could not be reopened (None while it is the file written to).
+    _refused: str | None = None
+
+    def reopenIfNeeded(self) -> None:
+        """Reopen the log path when the file was moved or deleted; if it cannot be opened now (its directory
+        removed, a symlink or another user's file put there), keep writing to the old file and try again at
+        the next record. (The stock handler would raise out of the logging call: in the FUSE thread that
+        ends the daemon, with nothing logged anywhere.) Said once in the old file when refused, and once in
+        the new one when the path opens again."""
+        try:
+            sres: os.stat_result | None = os.stat(self.baseFilename)
+        except OSError:
+            sres = None
+        if sres is not None and self.stream is not None and (sres.st_dev, sres.st_ino) == (self.dev, self.ino):
+            return
+        try:
+            stream = self._open()
+        except OSError as e:
+            if self._refused is None:
+                self._refused = e.strerror or str(e)
+                self._note(f"cannot reopen the log file {self.baseFilename} ({self._refused}): logging to the "
+                           "file it was until it can")
+            return
+        old, self.stream = self.stream, stream
+        if old is not None:
+            with contextlib.suppress(OSError, ValueError):
+                old.close()
+        self._statstream()
+        if self._refused is not None:
+            self._note(f"reopened the log file {self.baseFilename}; earlier lines went to the file it was before "
+                       f"(it could not be reopened: {self._refused})")
+            self._refused = None
+
+    def _note(self, text: str) -> None:
+        """One line of the handler's own in the file it writes to now (if any, and if it takes it)."""
+        if self.stream is None:
+            return
+        record = logging.LogRecord("natsfs", logging.WARNING, __file__, 0, text, None, None)
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.write(self.format(record) + self.terminator)
+            self.stream.flush()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.reopenIfNeeded()
+        if self.stream is None:
+            return  # (never opened again since: the line is dropped; the next record tries again)
+        logging.StreamHandler.emit(self, record)
 
 
 
@@ -319,6 +388,12 @@ def _setup_logging(level: str, log_file: Path | None) -> None:
     logging.getLogger("pyfuse3").addFilter(UNDELIVERED_REPLIES)
 
 
+def _mount_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `mount` subcommand's parser within `build_parser()`'s."""
+    subparsers = next(act for act in parser._actions if isinstance(act, argparse._SubParsersAction))
+    return subparsers.choices["mount"]
+
+
 def cmd_mount(a: argparse.Namespace) -> int:
     try:
         if a.servers_fd is not None:
@@ -329,6 +404,11 @@ def cmd_mount(a: argparse.Namespace) -> int:
         config = config_from_args(a, connection)
     except (ValueError, NatsFSError) as e:
         print(f"natsfs: {e}", file=sys.stderr)
+        return 2
+    log_file = None if a.log_file == Path("-") else a.log_file
+    problem = check_local_paths(config, log_file)
+    if problem is not None:
+        print(f"natsfs: {problem}", file=sys.stderr)
         return 2
     if not a.foreground:
         return _spawn_daemon(a, config)
@@ -370,6 +450,40 @@ def cmd_mount(a: argparse.Namespace) -> int:
     return 0
 
 
+def check_local_paths(config: Config, log_file: Path | None) -> str | None:
+    """Why the local paths of a mount cannot be used (one sentence), or None: a cache, data or log path
+    inside the mountpoint (the daemon would wait on its own mount: the log handler stats its path at
+    every line, from the thread that serves FUSE), or a file where a directory must be."""
+    mountpoint = os.path.realpath(config.mountpoint)
+    named = [("--cache-dir", config.cache_dir), ("--data-dir", config.data_dir)]
+    if log_file is not None:
+        named.append(("--log-file", log_file))
+    for flag, path in named:
+        real = os.path.realpath(path)  # (through symlinks: a link out of the mount is fine, into it is not)
+        if real == mountpoint or real.startswith(mountpoint.rstrip("/") + "/"):
+            return (f"{flag} {path} is inside the mountpoint {mountpoint}: the daemon would wait on its own "
+                    "mount; choose a path outside it")
+    for flag, path in named:
+        blocker = _file_in_the_way(path.parent if flag == "--log-file" else path)
+        if blocker is not None:
+            return f"{flag} {path} cannot be used: {blocker} is not a directory"
+    return None
+
+
+def _file_in_the_way(directory: Path) -> Path | None:
+    """The nearest existing path of `directory` and its parents if it is not a directory (so `directory`
+    cannot be created or used), else None."""
+    for path in (directory, *directory.parents):
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
+            return None  # (said, with its reason, where it is used)
+        return None if stat.S_ISDIR(st.st_mode) else path
+    return None
+
+
 def _read_connection(fd: int) -> auth.Connection:
     """The connection settings the parent wrote to `--servers-fd` (then closed)."""
     with os.fdopen(fd, "rb") as pipe:
@@ -388,8 +502,8 @@ def _spawn_daemon(a: argparse.Namespace, config: Config) -> int:
     log_dir = config.data_dir / "logs"
     log_file = a.log_file or (log_dir / (str(config.mountpoint.resolve()).strip("/").replace("/", "_") + ".log"))
     if log_file != Path("-"):
-        private_dir(log_file.parent)
         try:  # the daemon's own check, said here where the user sees it
+            private_dir(log_file.parent)
             PrivateLogFile(log_file).close()
         except OSError as e:
             print(f"natsfs: cannot open the log file {e.filename}: {e.strerror}", file=sys.stderr)
@@ -457,9 +571,15 @@ def daemon_arguments(argv: list[str], given: Path | None, mountpoint: str) -> li
 def cmd_umount(a: argparse.Namespace) -> int:
     """Unmount; when files are still open, ask the daemon (SIGTERM) to store what is open for
     writing and unmount, and wait for it (its own wait is bounded by --shutdown-timeout)."""
-    target = _outside_path(a.mountpoint)
+    # A symlink to the mount: its target (readlink and the parents only, never a stat through the mount).
+    target = os.path.realpath(a.mountpoint) if os.path.islink(a.mountpoint) else _outside_path(a.mountpoint)
+    kind = _mount_type(target)
+    if kind is None or not kind.endswith("natsfs"):
+        shown = "" if kind is None else f" (it is a {kind} mount)"
+        print(f"natsfs: {target} is not a natsfs mount{shown}", file=sys.stderr)
+        return 1
     write_back = _write_back_progress(target)
-    proc = subprocess.run(["fusermount3", "-u", str(a.mountpoint)], capture_output=True, text=True)
+    proc = subprocess.run(["fusermount3", "-u", target], capture_output=True, text=True)
     if proc.returncode == 0:
         _print_write_back_progress(write_back)
         return 0
@@ -486,28 +606,42 @@ def cmd_umount(a: argparse.Namespace) -> int:
 
 
 def _write_back_progress(target: str) -> list[tuple[int, Path]]:
-    """(pid, progress file) of each daemon of `target` mounted with --write-back: after the unmount it
+    """(pid, progress file) of each daemon of `target` mounted in write-back mode: after the unmount it
     uploads what is still queued and writes its progress there (natsfs.core.writeback)."""
-    from .compose import spool_root  # the mount's modules, only when unmounting
-    from .core.writeback import PROGRESS_FILE
-
     found = []
     for pid in _daemons_of(target):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = [os.fsdecode(x) for x in f.read().split(b"\0")]
+                argv = [os.fsdecode(x) for x in f.read().split(b"\0") if x]
+            cwd = os.readlink(f"/proc/{pid}/cwd")
         except OSError:
             continue
-        if not any(x == "--write-back" or x.startswith("--write-back=") for x in argv):
-            continue
-        cache_dir = cfg.default_cache_dir()
-        for i, x in enumerate(argv):
-            if x == "--cache-dir" and i + 1 < len(argv):
-                cache_dir = Path(argv[i + 1])
-            elif x.startswith("--cache-dir="):
-                cache_dir = Path(x.split("=", 1)[1])
-        found.append((pid, spool_root(cache_dir, Path(target)) / PROGRESS_FILE))
+        progress = write_back_progress_file(argv, cwd, target)
+        if progress is not None:
+            found.append((pid, progress))
     return found
+
+
+def write_back_progress_file(argv: list[str], cwd: str, target: str) -> Path | None:
+    """Where a daemon run as `argv` (its command line, from `cwd`) writes its write-back progress, or None
+    if it is not in write-back mode. Its options are read by the parser it read them with itself, so
+    `-o write_back,cache_dir=...` (natsfs@.service, fstab) counts as much as `--write-back`."""
+    from .compose import spool_root  # the mount's modules, only when unmounting
+    from .core.writeback import PROGRESS_FILE
+
+    if "mount" not in argv:
+        return None
+    args = argv[argv.index("mount") + 1:]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # (a parse error is not ours to print)
+            mount_parser = _mount_parser(build_parser())
+            a = mount_parser.parse_args(expand_mount_options(mount_parser, args))
+        config = config_from_args(a, auth.Connection())
+    except (SystemExit, ValueError):
+        return None
+    if config.write_back is None:
+        return None
+    return spool_root(Path(cwd) / config.cache_dir, Path(target)) / PROGRESS_FILE
 
 
 def _print_write_back_progress(daemons: list[tuple[int, Path]]) -> None:
@@ -535,6 +669,17 @@ def _outside_path(path: Path) -> str:
     """The absolute path of a mountpoint, resolving only its parent (never stat the mount itself)."""
     absolute = os.path.abspath(path)
     return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
+
+
+def _mount_type(target: str) -> str | None:
+    """The type of the last mount on `target` in /proc/self/mounts (`fuse.natsfs`), None if none."""
+    found = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and fields[1].replace("\\040", " ") == target:
+                found = fields[2]
+    return found
 
 
 def _is_mounted(target: str) -> bool:

@@ -66,6 +66,43 @@ def parse_octal(text: str | int) -> int:
     return value
 
 
+def parse_integer(text: str | int) -> int:
+    """A whole number (`1000`, `-1`)."""
+    if isinstance(text, int):
+        return text
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"not a whole number: {text!r}") from None
+
+
+KiB, MiB = 1024, 1024 * 1024
+# The largest payload a nats-server takes (its max_payload setting is capped there): no chunk or meta is
+# bigger. (Chunk sizes above the connected server's max_payload are lowered at mount, mount.py.)
+MAX_PAYLOAD_CAP = 64 * MiB
+# Ids the kernel takes: 32 bits, less (uid_t)-1, which means "no change" to chown and is nobody's id.
+MAX_ID = 2**32 - 2
+MAX_SIZE = 2**63 - 1
+# Durations longer than this (about 100 years) are typos, and overflow the kernel's and trio's timers.
+MAX_DURATION = 100 * 365 * 86400.0
+
+
+def check_bounds(name: str, value: Any, bounds: tuple[float, float] | None) -> None:
+    """`ValueError` (one sentence, naming the option) if the parsed `value` is outside `bounds`. -1 is
+    "no limit" for `max_bytes`, let through by its own parser."""
+    if bounds is None or not isinstance(value, int | float) or (name == "max_bytes" and value == -1):
+        return
+    low, high = bounds
+
+    def shown(x: float) -> str:
+        return f"{x:g} s" if isinstance(value, float) else str(int(x))
+
+    if value < low:
+        raise ValueError(f"{shown(value)} is too small (at least {shown(low)})")
+    if value > high:
+        raise ValueError(f"{shown(value)} is too large (at most {shown(high)})")
+
+
 def parse_bytes_limit(text: str | int) -> int:
     """A size, or -1 (or empty) for no limit."""
     return -1 if text in ("-1", "", -1) else parse_size(text)
@@ -73,14 +110,18 @@ def parse_bytes_limit(text: str | int) -> int:
 
 def option(default: Any = MISSING, *, help: str, parse: Callable[[str], Any] | None = None,
            shown: str | None = None, choices: tuple[str, ...] | None = None, optional: str | None = None,
-           default_factory: Callable[[], Any] | None = None) -> Any:
+           default_factory: Callable[[], Any] | None = None, bounds: tuple[float, float] | None = None) -> Any:
     """A `Config` field that is also a `natsfs mount` option (`--name-with-dashes`, and `-o name=value`).
 
     `parse` turns the command-line text into the field's value (default: the text itself; booleans are
     flags); `shown` is how the default reads in `--help` (e.g. `256MiB` for 268435456); an option with
     `optional` may be given without a value (`--write-back`, `-o write_back`), meaning that text.
+    `bounds` (lowest, highest) is the range a parsed number must be in (`check_bounds`): a value the
+    layers below cannot take (a uid beyond 32 bits, a chunk size of 0) is refused when the mount starts,
+    not met as an error by every later request.
     """
-    metadata = {"help": help, "parse": parse, "shown": shown, "choices": choices, "optional": optional}
+    metadata = {"help": help, "parse": parse, "shown": shown, "choices": choices, "optional": optional,
+                "bounds": bounds}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -103,13 +144,13 @@ class Config:
     cache_dir: Path = option(help="where writes are staged before they are stored", parse=Path,
                              shown="~/.cache/natsfs", default_factory=default_cache_dir)
     cache_size: int = option(256 * 1024 * 1024, help="chunk cache size in memory", parse=parse_size,
-                             shown="256MiB")
+                             shown="256MiB", bounds=(64 * KiB, MAX_SIZE))
     spool_size: int = option(16 * 1024 * 1024 * 1024, help="local disk for staged writes", parse=parse_size,
-                             shown="16GiB")
+                             shown="16GiB", bounds=(1 * MiB, MAX_SIZE))
     chunk_size: int = option(128 * 1024, help="chunk size of objects written through the mount",
-                             parse=parse_size, shown="128KiB")
+                             parse=parse_size, shown="128KiB", bounds=(1 * KiB, MAX_PAYLOAD_CAP))
     max_meta_bytes: int = option(16 * 1024, help="largest meta a change by the mount may grow to", parse=parse_size,
-                                 shown="16KiB")
+                                 shown="16KiB", bounds=(1 * KiB, MAX_PAYLOAD_CAP))
     # Longest subject sent for an object name (its meta's direct get): the server's control line limit
     # (4096 by default, not announced in INFO) minus room for the rest of the PUB/HPUB line.
     max_subject_bytes: int = 4096 - 256
@@ -119,7 +160,8 @@ class Config:
     # Kernel entry/attribute timeouts: never zero (slow and odd on Linux); changes are pushed
     # to the kernel by invalidation instead. The CLI sets both from --entry-timeout.
     entry_timeout: float = option(60.0, help="how long the kernel may keep names and attributes without asking "
-                                  "(changes are pushed to it anyway)", parse=parse_duration, shown="60s")
+                                  "(changes are pushed to it anyway)", parse=parse_duration, shown="60s",
+                                  bounds=(0.001, MAX_DURATION))
     attr_timeout: float = 60.0
     # Readahead grows from the first to the second value while a handle reads sequentially.
     readahead_min: int = 1024 * 1024
@@ -133,17 +175,20 @@ class Config:
     kernel_readahead_kb: int = 1024
     fetch_batch_bytes: int = 4 * 1024 * 1024
     request_timeout: float = option(10.0, help="how long a request to the server may take (an unanswered "
-                                    "write is settled for 3 times this)", parse=parse_duration, shown="10s")
+                                    "write is settled for 3 times this)", parse=parse_duration, shown="10s",
+                                    bounds=(0.001, MAX_DURATION))
     # One deadline for storing a file at close/fsync: this many seconds plus one per
     # `flush_rate_floor` bytes staged (a big file on a slow link is not cut short).
     # (The CLI's default is `default_flush_timeout(servers)`.)
     flush_timeout: float = option(10.0, help="close/fsync fail with EIO when a file is not stored within this "
                                   "(plus 1 s per MiB)", parse=parse_duration,
-                                  shown="10s, 30s with several servers (a cluster's election after a node loss)")
+                                  shown="10s, 30s with several servers (a cluster's election after a node loss)",
+                                  bounds=(0.001, MAX_DURATION))
     flush_rate_floor: int = 1024 * 1024
     # At unmount/SIGTERM: how long the daemon may spend storing files still open for writing.
     shutdown_timeout: float = option(60.0, help="at unmount or SIGTERM, how long to spend storing files "
-                                     "still open for writing", parse=parse_duration, shown="60s")
+                                     "still open for writing", parse=parse_duration, shown="60s",
+                                     bounds=(0, MAX_DURATION))
     # Background timers (seconds). How often the bucket list is read again (buckets other clients
     # created or deleted); how often each loaded bucket's index is checked against the server for metas
     # purged behind its watch's back; how long a bucket's sealed state is trusted before it is read
@@ -161,7 +206,7 @@ class Config:
                                       "file and journal fsynced); they are uploaded in the background DELAY "
                                       "later (default 0s) and replayed by the next mount with the same "
                                       "--cache-dir if the daemon dies", parse=parse_duration, optional="0s",
-                                      shown="off")
+                                      shown="off", bounds=(0, MAX_DURATION))
     # One CPU for the FUSE and NATS threads (natsfs/affinity.py), or wherever the kernel puts them.
     cpus: str = option("one", help="run the daemon's FUSE and NATS threads on one CPU (the one it starts on, or "
                        "one with fewer natsfs mounts; a hand-off between them then wakes no other CPU), or on any",
@@ -170,8 +215,10 @@ class Config:
     upload_worker: bool = True
     # Owner, group and permission bits (0o666/0o777 less `umask`) of objects without stored attributes.
     # The CLI's default is the mounting user and group.
-    uid: int = option(0, help="owner of objects without stored attributes", parse=int, shown="yours")
-    gid: int = option(0, help="group of objects without stored attributes", parse=int, shown="yours")
+    uid: int = option(0, help="owner of objects without stored attributes", parse=parse_integer, shown="yours",
+                      bounds=(0, MAX_ID))
+    gid: int = option(0, help="group of objects without stored attributes", parse=parse_integer, shown="yours",
+                      bounds=(0, MAX_ID))
     umask: int = option(0o022, help="permission bits masked off objects without stored attributes (octal)",
                         parse=parse_octal, shown="022")
     # Show setuid and setgid bits stored in `natsfs.mode` metadata (any client can write them, so they
@@ -181,11 +228,12 @@ class Config:
                                 "(masked off by default)")
     # Bucket defaults for mkdir at the root (issue 4)
     storage: str = option("file", help="storage of new buckets", choices=("file", "memory"))
-    replicas: int = option(1, help="replicas of new buckets", parse=int)
+    replicas: int = option(1, help="replicas of new buckets", parse=parse_integer, bounds=(1, 5))
     compression: bool = option(False, help="compress new buckets (s2)")
-    max_bytes: int = option(-1, help="size limit of new buckets (-1: none)", parse=parse_bytes_limit)
+    max_bytes: int = option(-1, help="size limit of new buckets (-1: none)", parse=parse_bytes_limit,
+                            bounds=(1, MAX_SIZE))
     ttl: float = option(0.0, help="object TTL of new buckets (e.g. 7d; 0: none)", parse=parse_duration,
-                        shown="0")
+                        shown="0", bounds=(0, MAX_DURATION))
     # How to reach NATS beyond the server URLs: user/password, token, NKey, creds, TLS (natsfs/auth.py).
     credentials: Connection = field(default_factory=Connection)
 

@@ -7,9 +7,12 @@ Owns the trio nursery every background task lives in, the mount/unmount calls, s
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import logging
 import os
 import signal
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -44,12 +47,51 @@ class MountError(Exception):
 def check_mountpoint(mountpoint: Path) -> None:
     if not os.path.exists("/dev/fuse"):
         raise MountError("/dev/fuse is missing: this machine cannot mount FUSE filesystems")
-    if not mountpoint.exists():
-        raise MountError(f"mountpoint {mountpoint} does not exist")
-    if not mountpoint.is_dir():
+    try:
+        st = os.stat(mountpoint)
+    except (FileNotFoundError, NotADirectoryError):
+        raise MountError(f"mountpoint {mountpoint} does not exist") from None
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:  # (a FUSE mount whose daemon died; it stays until unmounted)
+            kind = "natsfs" if (_fs_type(mountpoint) or "").endswith("natsfs") else "FUSE"
+            raise MountError(f"mountpoint {mountpoint} is a {kind} mount whose daemon is gone: unmount it first "
+                             f"(natsfs umount {mountpoint})") from None
+        raise MountError(f"cannot use mountpoint {mountpoint}: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
         raise MountError(f"mountpoint {mountpoint} is not a directory")
     if os.path.ismount(mountpoint):
         raise MountError(f"mountpoint {mountpoint} is already a mount point (busy)")
+
+
+def _fs_type(mountpoint: Path) -> str | None:
+    """The type /proc/self/mounts gives the (last) mount on `mountpoint`, e.g. `fuse.natsfs`."""
+    found = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and fields[1].replace("\\040", " ") == str(mountpoint):
+                found = fields[2]
+    return found
+
+
+def lock_mountpoint(mountpoint: Path) -> int | None:
+    """Wait for, and take, the right to mount on `mountpoint` (an flock on the directory, released by
+    closing the returned fd once the mount is live or has failed): `check_mountpoint` and the mount itself
+    are then one step, and of two mounts started together on one directory the second is refused as
+    "already a mount point" instead of stacking on the first. None (no lock) on a directory this user may
+    mount on but not read."""
+    try:
+        fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except PermissionError:
+        return None
+    except OSError as e:
+        raise MountError(f"cannot use mountpoint {mountpoint}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def fuse_options(config: Config) -> set[str]:
@@ -66,6 +108,28 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
     """Mount and serve until unmounted or signalled. Raises `MountError` if the mount cannot start."""
     mountpoint = config.mountpoint.resolve()
     check_mountpoint(mountpoint)
+    # (Waited for here, not in a trio worker thread: one started now would keep the CPU affinity the
+    # daemon's threads have before `affinity.share_one_cpu`. Nothing else runs yet.)
+    lock_fd = lock_mountpoint(mountpoint)
+
+    def unlock() -> None:
+        nonlocal lock_fd
+        if lock_fd is not None:
+            os.close(lock_fd)
+            lock_fd = None
+
+    def mounted() -> None:
+        unlock()
+        on_ready()
+
+    try:
+        check_mountpoint(mountpoint)  # (again: another mount may have taken the lock first, and mounted)
+        await _serve_locked(config, mountpoint, mounted)
+    finally:
+        unlock()
+
+
+async def _serve_locked(config: Config, mountpoint: Path, on_ready: Callable[[], None]) -> None:
     # The FUSE (trio) thread and the NATS (asyncio) thread hand the GIL back and forth all the
     # time; the default 5 ms switch interval makes each FUSE request wait behind a NATS burst.
     sys.setswitchinterval(SWITCH_INTERVAL)
@@ -112,7 +176,11 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
         config = dataclasses.replace(config, chunk_size=chunk_size)
     try:
         worker = UploadWorker(dataclasses.replace(config.credentials, servers=tuple(servers)))
-        built = build_filesystem(config, JetStreams(bridge), file_sender=worker)
+        try:
+            built = build_filesystem(config, JetStreams(bridge), file_sender=worker)
+        except OSError as e:  # (the spool under --cache-dir: a file in the way, no permission, ...)
+            where = f" ({e.filename})" if e.filename else ""
+            raise MountError(f"cannot use the cache dir {config.cache_dir}: {e.strerror or e}{where}") from None
         if config.bucket is not None:
             try:
                 await built.store.bucket_status(config.bucket)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -192,3 +194,130 @@ def test_log_file_is_never_a_symlink_or_another_users_file(tmp_path):
         assert "not this user's own regular file" in err
         assert victim.read_text() == "setting = 1\n" and victim.stat().st_mode & 0o777 == 0o644
     assert not os.path.ismount(mp)
+
+
+def test_log_directory_removed_while_mounted_the_mount_stays_and_serves(nats_url, bucket_name, tmp_path):
+    """A clean-up job removing the log's directory: the next log line must not end the daemon."""
+    nats_py_put(nats_url, bucket_name, "f", b"one\n")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    try:
+        r = run("mount", str(mp), "--server", nats_url, "--data-dir", str(tmp_path / "data"),
+                "--cache-dir", str(tmp_path / "cache"), "--log-file", str(tmp_path / "logdir" / "x.log"))
+        assert r.returncode == 0, r.stderr
+        shutil.rmtree(tmp_path / "logdir")
+        with pytest.raises(OSError):
+            (mp / "bad.name").mkdir()  # an invalid bucket name: refused, with a log line
+        assert (mp / bucket_name / "f").read_bytes() == b"one\n"
+        assert os.path.ismount(mp)
+        assert run("umount", str(mp)).returncode == 0
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def test_mount_on_a_dead_mount_is_one_sentence_naming_umount(nats_url, tmp_path):
+    """A daemon killed -9 leaves its mount (ENOTCONN): mounting there again was an OSError traceback."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    args = ["--server", nats_url, "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache")]
+    try:
+        assert run("mount", str(mp), *args).returncode == 0
+        daemon = next(int(p) for p in os.listdir("/proc")
+                      if p.isdigit() and "--foreground" in _cmdline(int(p)) and str(mp) in _cmdline(int(p)))
+        os.kill(daemon, 9)
+        assert wait_for(lambda: not os.path.exists(f"/proc/{daemon}/cmdline") or _cmdline(daemon) == [])
+        err = _one_sentence(run("mount", str(mp), *args))
+        assert err == (f"natsfs: mountpoint {mp} is a natsfs mount whose daemon is gone: unmount it first "
+                       f"(natsfs umount {mp})")
+        assert run("umount", str(mp)).returncode == 0
+        assert not os.path.ismount(mp)
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [x.decode(errors="replace") for x in f.read().split(b"\0") if x]
+    except OSError:
+        return []
+
+
+def test_two_mounts_started_together_on_one_directory_one_is_refused(nats_url, tmp_path):
+    """Both used to pass the "already a mount point" check, then both mounted (stacked). The check and
+    the mount are one step under an flock on the directory: held here until both daemons are started."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    held = os.open(mp, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        mounts = [subprocess.Popen([*NATSFS, "mount", str(mp), "--server", nats_url, "--data-dir",
+                                    str(tmp_path / "data"), "--cache-dir", str(tmp_path / f"cache{i}"), "--log-file",
+                                    str(tmp_path / f"m{i}.log")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True) for i in range(2)]
+        os.close(held)
+        held = -1
+        results = sorted((p.wait(60), p.stderr.read().strip() if p.stderr else "") for p in mounts)
+        for p in mounts:
+            p.stdout and p.stdout.close()
+            p.stderr and p.stderr.close()
+        assert results == [(0, ""), (1, f"natsfs: mountpoint {mp} is already a mount point (busy)")]
+        with open("/proc/mounts") as f:
+            assert sum(line.split()[1] == str(mp) for line in f) == 1
+    finally:
+        if held >= 0:
+            os.close(held)
+        for _ in range(2):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def test_cache_dir_that_is_a_file_is_one_sentence_naming_it(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    for extra in ([], ["--foreground"]):
+        err = _one_sentence(run("mount", str(mp), *extra, "--server", f"nats://127.0.0.1:{free_port()}",
+                                "--cache-dir", str(tmp_path / "afile"), "--log-file", str(tmp_path / "m.log")))
+        afile = tmp_path / "afile"
+        assert err == f"natsfs: --cache-dir {afile} cannot be used: {afile} is not a directory"
+
+
+def test_log_file_inside_the_mountpoint_is_refused(tmp_path):
+    """(The daemon stats its log path at every line: through its own mount, from the thread that serves
+    it, so `natsfs mount` never returned and every access hung.)"""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    err = _one_sentence(run("mount", str(mp), "--server", f"nats://127.0.0.1:{free_port()}",
+                            "--log-file", str(mp / "self.log"), timeout=20))
+    assert "is inside the mountpoint" in err and not os.path.ismount(mp)
+
+
+def test_a_server_that_never_answers_is_a_sentence_with_a_reason(tmp_path):
+    """A listener that takes the connection and says nothing (a stopped server, another service): the
+    sentence ended in an empty reason ("...:4222: "), a TimeoutError having no text."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"nats://127.0.0.1:{silent.getsockname()[1]}"
+        err = _one_sentence(run("mount", str(mp), "--server", url, "--request-timeout", "1s",
+                                "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache")))
+    assert err == f"natsfs: cannot connect to NATS at {url}: TimeoutError"
+
+
+def test_umount_of_a_non_mount_is_one_sentence_and_of_a_symlink_unmounts_its_target(nats_url, tmp_path):
+    """(Were fusermount3's "failed to unmount X: Invalid argument", also for a symlink to a live mount.)"""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    assert _one_sentence(run("umount", str(mp))) == f"natsfs: {mp} is not a natsfs mount"
+    assert _one_sentence(run("umount", "/proc")) == "natsfs: /proc is not a natsfs mount (it is a proc mount)"
+    (tmp_path / "link").symlink_to(mp)
+    try:
+        assert run("mount", str(mp), "--server", nats_url, "--data-dir", str(tmp_path / "data"),
+                   "--cache-dir", str(tmp_path / "cache")).returncode == 0
+        r = run("umount", str(tmp_path / "link"))
+        assert r.returncode == 0, r.stderr
+        assert not os.path.ismount(mp)
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)

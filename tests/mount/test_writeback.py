@@ -369,3 +369,16 @@ def test_kill_9_after_pending_files_were_replaced_unlinked_or_moved_replays_what
     assert "5 file(s) closed by an earlier run" in m.log()
     assert "not reachable" not in m.log() and " ERROR " not in m.log()
     assert not (spool_root(m.cache_dir, m.path.resolve()) / "lost+found").exists()
+
+
+def test_umount_waits_for_uploads_of_a_mount_given_write_back_as_o_option(nats_url, bucket_name, mounter):
+    """`-o write_back=...` is how natsfs@.service passes it: umount waits and shows progress all the same."""
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url, "--bucket", bucket_name, "-o", "write_back=1h")
+    (m / "f.bin").write_bytes(b"x" * 300_000)
+    assert in_bucket(nats_url, bucket_name, "f.bin") is None
+    r = subprocess.run([sys.executable, "-m", "natsfs", "umount", str(m.path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "1 of 1 write-back upload(s) done" in r.stderr
+    assert nats_py_get(nats_url, bucket_name, "f.bin") == b"x" * 300_000  # stored by the time umount returned

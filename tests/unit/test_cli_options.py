@@ -145,3 +145,106 @@ def test_a_damaged_creds_or_nkey_file_is_one_sentence_naming_it(tmp_path, kind):
             auth.Connection(**{field: str(path)}).check_files()
         message = str(raised.value)
         assert message.startswith(f"{path} (given as --{kind}) is not ") and "SU" not in message
+
+
+@pytest.mark.parametrize("options", [["-o", "write_back,cache_dir=spool"], ["-owrite_back=30s", "--cache-dir=spool"],
+                                     ["--write-back", "--cache-dir", "spool"]])
+def test_umount_finds_write_back_however_the_daemon_was_given_it(options):
+    """natsfs@.service passes NATSFS_OPTIONS as `-o write_back,cache_dir=...`: `natsfs umount` must still
+    wait for the uploads (it reads the daemon's command line with the daemon's own parser)."""
+    from natsfs.cli import write_back_progress_file
+    from natsfs.compose import spool_root
+    from natsfs.core.writeback import PROGRESS_FILE
+
+    argv = ["/usr/bin/python3", "-I", "-m", "natsfs", "mount", "/mnt/x", "--foreground", "--server", "nats://h:4222",
+            *options]
+    assert write_back_progress_file(argv, "/srv", "/mnt/x") == spool_root(Path("/srv/spool"), Path("/mnt/x")) \
+        / PROGRESS_FILE
+    assert write_back_progress_file([*argv[:5], "/mnt/x", "--foreground", "-o", "cache_dir=/c"], "/", "/mnt/x") \
+        is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--uid", "-1"], "--uid: -1 is too small (at least 0)"),
+    (["--uid", "4294967296"], "--uid: 4294967296 is too large (at most 4294967294)"),
+    (["--gid", "99999999999"], "--gid: 99999999999 is too large"),
+    (["--uid", "me"], "--uid: not a whole number: 'me'"),
+    (["--chunk-size", "0"], "--chunk-size: 0 is too small (at least 1024)"),
+    (["--chunk-size", "1GiB"], "--chunk-size: 1073741824 is too large (at most 67108864)"),
+    (["--cache-size", "0"], "--cache-size: 0 is too small"),
+    (["--max-meta-bytes", "10"], "--max-meta-bytes: 10 is too small"),
+    (["--request-timeout", "0"], "--request-timeout: 0 s is too small"),
+    (["--flush-timeout", "0"], "--flush-timeout: 0 s is too small"),
+    (["--entry-timeout", "0"], "--entry-timeout: 0 s is too small"),
+    (["--shutdown-timeout", "99999999999d"], "--shutdown-timeout: 8.64e+15 s is too large"),
+    (["--replicas", "0"], "--replicas: 0 is too small (at least 1)"),
+    (["--max-bytes", "0"], "--max-bytes: 0 is too small (at least 1)"),
+])
+def test_numbers_out_of_range_are_refused_when_parsed(args, message):
+    """(A uid beyond 32 bits mounted, then every request failed EIO; a chunk size of 0 every store.)"""
+    with pytest.raises(ValueError) as e:
+        config_from_args(_mount_parser().parse_args(["/mnt", *args]), auth.Connection())
+    assert str(e.value).startswith(message)
+
+
+def test_numbers_in_range_are_taken():
+    config = config_from_args(_mount_parser().parse_args(
+        ["/mnt", "--uid", "0", "--gid", "4294967294", "--chunk-size", "1KiB", "--max-bytes", "-1", "--replicas", "5",
+         "--shutdown-timeout", "0", "--write-back", "0s"]), auth.Connection())
+    assert (config.uid, config.gid, config.chunk_size, config.max_bytes, config.replicas) == (0, 2**32 - 2, 1024,
+                                                                                              -1, 5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["fsck", "b0", "--grace", "xyz"], "natsfs: argument --grace: not a duration: 'xyz'"),
+    (["bucket", "create", "b", "--max-bytes", "12x"], "natsfs: argument --max-bytes: not a size: '12x'"),
+    (["bucket", "create", "b", "--ttl", "forever"], "natsfs: argument --ttl: not a duration: 'forever'"),
+    (["mount", "/mnt", "-o", "frobnicate"], "natsfs: unknown mount option: frobnicate"),
+])
+def test_refused_arguments_are_one_sentence(argv, message, capsys):
+    """(Were a ValueError traceback at run time, or the usage block before the sentence.)"""
+    from natsfs.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def test_bucket_and_fsck_numbers_are_parsed_with_the_arguments():
+    parser = build_parser()
+    a = parser.parse_args(["bucket", "create", "b", "--max-bytes", "1MiB", "--ttl", "7d", "--replicas", "3"])
+    assert (a.max_bytes, a.ttl, a.replicas) == (1 << 20, 7 * 86400, 3)
+    assert parser.parse_args(["bucket", "create", "b"]).max_bytes == -1
+    assert parser.parse_args(["fsck", "b"]).grace == 300
+
+
+def test_local_paths_inside_the_mountpoint_or_under_a_file_are_refused(tmp_path):
+    """A log inside the mountpoint deadlocked the daemon (it stats the log path through its own mount);
+    a file where a directory must be was a NotADirectoryError traceback."""
+    from natsfs.cli import check_local_paths
+
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "into").symlink_to(mp)
+
+    def problem(*args: str, log: str | None = None) -> str | None:
+        config = config_from_args(_mount_parser().parse_args([str(mp), *args]), auth.Connection())
+        return check_local_paths(config, Path(log) if log else None)
+
+    ok = ["--cache-dir", str(tmp_path / "c"), "--data-dir", str(tmp_path / "d")]
+    assert problem(*ok, log=str(tmp_path / "logs" / "x.log")) is None
+    assert problem(*ok, log=str(mp / "self.log")) == (
+        f"--log-file {mp / 'self.log'} is inside the mountpoint {mp}: the daemon would wait on its own mount; "
+        "choose a path outside it")
+    assert "--log-file" in problem(*ok, log=str(tmp_path / "into" / "x.log"))  # through a symlink
+    assert problem("--cache-dir", str(mp / "c"), "--data-dir", str(tmp_path / "d")).startswith("--cache-dir")
+    assert problem("--cache-dir", str(tmp_path / "c"), "--data-dir", str(mp)).startswith("--data-dir")
+    assert problem("--cache-dir", str(tmp_path / "afile"), "--data-dir", str(tmp_path / "d")) == \
+        f"--cache-dir {tmp_path / 'afile'} cannot be used: {tmp_path / 'afile'} is not a directory"
+    assert problem("--cache-dir", str(tmp_path / "c"), "--data-dir", str(tmp_path / "afile" / "sub")) == \
+        f"--data-dir {tmp_path / 'afile' / 'sub'} cannot be used: {tmp_path / 'afile'} is not a directory"
+    assert problem(*ok, log=str(tmp_path / "afile" / "sub" / "x.log")) == \
+        f"--log-file {tmp_path / 'afile' / 'sub' / 'x.log'} cannot be used: {tmp_path / 'afile'} is not a directory"
