@@ -88,7 +88,7 @@ def check() -> None:
             and isinstance(getattr(client, "_max_pending_size", None), int)
             and inspect.iscoroutinefunction(getattr(client, "_flush_pending", None))):
         missing.append("Client._transport, _pending, _pending_data_size, _max_pending_size, _flush_pending")
-    for name in (*_CLIENT_TASKS, "_subs", "_error_cb"):
+    for name in (*_CLIENT_TASKS, "_subs", "_error_cb", "_current_server"):
         if not hasattr(client, name):
             missing.append(f"Client.{name}")
     if not inspect.iscoroutinefunction(getattr(nats.aio.client.Client, "_close", None)):
@@ -125,7 +125,12 @@ def require_tls(nc: Any, reason: str) -> None:
     process_info = nc._process_info
 
     async def process_info_requiring_tls(info: dict[str, Any], initial_connection: bool = False) -> None:
-        if initial_connection and not info.get("tls_required"):
+        scheme = nc._current_server.uri.scheme if nc._current_server is not None else ""
+        if initial_connection and scheme == "ws":  # (nats-py never goes TLS on a ws:// connection)
+            with contextlib.suppress(Exception):
+                nc._transport.close()
+            raise TlsNotOffered(f"{reason} (a ws:// URL is never TLS: use wss://)")
+        if initial_connection and scheme != "wss" and not info.get("tls_required"):  # (wss: TLS already)
             if not info.get("tls_available"):
                 with contextlib.suppress(Exception):
                     nc._transport.close()

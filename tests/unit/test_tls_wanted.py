@@ -196,3 +196,40 @@ def test_a_server_that_offers_tls_without_requiring_it_is_spoken_to_in_tls(lean)
 def test_natscompat_finds_the_info_hook_in_the_installed_nats_py():
     natscompat.check()
     assert natscompat._info_before_connect()
+
+
+class _HookedClient:
+    """What `natscompat.require_tls` touches of a nats-py client: its current server, transport and
+    `_process_info` (which records the INFOs it is handed)."""
+
+    def __init__(self, url: str) -> None:
+        from urllib.parse import urlparse
+
+        self._current_server = type("Srv", (), {"uri": urlparse(url)})()
+        self._transport = type("T", (), {"close": lambda self: None})()
+        self.infos: list[dict[str, Any]] = []
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        self.infos.append(dict(info))
+
+
+@pytest.mark.parametrize(("url", "info", "outcome"), [
+    ("tls://h", {}, "refused"),
+    ("tls://h", {"tls_available": True}, "tls"),  # offered, not required: nats-py is told it is required
+    ("tls://h", {"tls_required": True}, "tls"),
+    ("ws://h", {"tls_required": True}, "refused"),  # nats-py never upgrades a ws:// connection
+    ("wss://h", {}, "as-is"),  # TLS already, below the websocket
+])
+def test_the_nats_py_hook_decides_before_connect(url, info, outcome):
+    nc = _HookedClient(url)
+    natscompat.require_tls(nc, NO_TLS)
+    if outcome == "refused":
+        with pytest.raises(natscompat.TlsNotOffered, match="does not offer TLS"):
+            asyncio.run(nc._process_info(dict(info), True))
+        assert nc.infos == []
+    else:
+        asyncio.run(nc._process_info(dict(info), True))
+        assert nc.infos == [{**info, "tls_required": True} if outcome == "tls" else info]
+    # Later INFOs (cluster updates over the established connection) pass as they are.
+    asyncio.run(nc._process_info({"connect_urls": []}, False))
+    assert nc.infos[-1] == {"connect_urls": []}
