@@ -19,9 +19,10 @@ import os
 import re
 import ssl
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import nkeys  # type: ignore[import-untyped]
 
@@ -83,6 +84,21 @@ class Connection:
         values = {k: v for k, v in doc.items() if k in known}
         values["servers"] = tuple(values.get("servers") or ())
         return cls(**values)
+
+    def for_server(self, server: str) -> Connection:
+        """The credentials for a connection to `server`. A URL's own userinfo (`user:password@`, or a
+        token as `token@`) wins over every other user, password and token (options, environment,
+        context), as in nats.go, which sends a URL's userinfo whenever it has one; it is taken
+        percent-decoded, as nats.go does (nats-py would send `%2C` as it is), and passed on as explicit
+        credentials (which nats-py and `wire` send before a URL's). NKey and creds files stay: nats.go
+        sends them too."""
+        if not has_userinfo(server):
+            return self
+        userinfo = (server.partition("://")[2] if "://" in server else server).rpartition("@")[0]
+        user, colon, password = userinfo.partition(":")
+        if colon:
+            return replace(self, user=unquote(user), password=unquote(password), token=None)
+        return replace(self, user=None, password=None, token=unquote(user))
 
     def connect_options(self) -> dict[str, Any]:
         """nats-py `connect()` keyword arguments for these credentials (not the servers)."""
@@ -207,7 +223,46 @@ def _read_secret_file(path: str, what: str) -> str:
 
 
 def split_servers(raw: str | None) -> tuple[str, ...]:
-    return tuple(s.strip() for s in (raw or "").split(",") if s.strip())
+    """A comma list of server URLs as its URLs, as nats.go splits it (at every comma).
+
+    A comma, `/`, `?` or `#` inside a URL's password or token would cut that secret in two, and a piece
+    of it would then show as a URL of its own (or a host) in messages: such a list is refused with one
+    sentence that shows none of it. A comma belongs to a password when a piece after it carries an `@`
+    but no scheme (`nats://u:pa,ss@h` gives `nats://u:pa` and `ss@h`); so in a list, each URL with
+    credentials needs its scheme."""
+    pieces = [s.strip() for s in (raw or "").split(",")]
+    servers = tuple(s for s in pieces if s)
+    if len(pieces) > 1 and any("@" in s and "://" not in s for s in pieces):
+        raise Unavailable("a server URL's password or token holds a comma, which separates servers: write it "
+                          "percent-encoded (%2C), and give each server of a list its scheme (nats://user:pw@host)")
+    for server in servers:
+        userinfo = server.partition("://")[2] if "://" in server else server
+        if "@" in userinfo and any(c in userinfo.rpartition("@")[0] for c in "/?#"):
+            raise Unavailable("a server URL's password or token holds '/', '?' or '#', which end the host part of "
+                              "a URL: write them percent-encoded (%2F, %3F, %23)")
+    return servers
+
+
+def has_userinfo(server: str) -> bool:
+    """Whether a server URL carries credentials (`user:password@` or `token@`)."""
+    return "@" in (server.partition("://")[2] if "://" in server else server)
+
+
+def tls_wanted(server: str, auth: Connection | None) -> bool:
+    """Whether a connection to `server` must be TLS, as nats.go decides `Secure`: a `tls://` URL (any in
+    the server list: nats.go turns TLS on for its whole pool), or a TLS CA, client certificate or key.
+    Such a connection to a server that does not offer TLS is refused before anything (credentials) is
+    sent."""
+    if server.partition("://")[0].lower() == "tls":
+        return True
+    if auth is None:
+        return False
+    return bool(auth.tls_ca or auth.tls_cert or auth.tls_key) or any(
+        s.partition("://")[0].lower() == "tls" for s in auth.servers)
+
+
+NO_TLS = ("the server does not offer TLS, which a tls:// URL or a TLS option (--tls-ca, --tls-cert, --tls-key) asks "
+          "for: refusing to send credentials in clear")
 
 
 def resolve(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Connection:

@@ -60,7 +60,7 @@ import nats.errors
 import trio
 
 from . import memory, natscompat, wire
-from .auth import Connection
+from .auth import NO_TLS, Connection, tls_wanted
 from .errors import JetStreamAPIError, NatsFSError, NoConnection, NotFound, NotPermitted, OutcomeUnknown, Unavailable
 from .futures import wait_future
 from .retry import Backoff
@@ -335,9 +335,12 @@ class _Link:
             "flush_timeout": self.connect_timeout,
         }
         if self.auth is not None:
-            options.update(self.auth.connect_options())
+            options.update(self.auth.for_server(server).connect_options())
+        nc = nats.NATS()
+        if tls_wanted(server, self.auth):  # (nats-py itself would send CONNECT in clear to a server without TLS)
+            natscompat.require_tls(nc, NO_TLS)
         try:
-            nc = await asyncio.wait_for(nats.connect(**options), self.connect_timeout * 2 + 2)
+            await asyncio.wait_for(nc.connect(**options), self.connect_timeout * 2 + 2)
         except (TimeoutError, OSError, nats.errors.Error) as e:
             reason = errors[0] if errors else e
             shown = redact_url(server)

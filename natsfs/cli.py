@@ -131,10 +131,21 @@ def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> li
                 parser.error(f"mount option {key} needs a value ({key}=...)")
             else:
                 expanded += [flag, value]
+        elif "@" in option:  # (the rest of a server URL cut at a comma of its password: never shown)
+            parser.error("a server URL with a password or token cannot be a mount option (every user sees "
+                         "those in the process list): use user=NAME with password_file=FILE, or token_file=FILE")
         else:
             parser.error(f"unknown mount option: {key}")
     kernel_args = ["-o", ",".join(kernel)] if kernel else []
     return expanded + rest + kernel_args
+
+
+# mount(8)'s SOURCE is in every user's process list while mounting (mount.fuse3's argv and ours) and in
+# /etc/fstab, which every user reads: credentials there are refused as they are in `-o server=`. An `@`
+# is in no host name or bucket name: a SOURCE holding one carries a userinfo.
+SECRET_IN_SOURCE = ("the mount SOURCE cannot carry a user, password or token (every user sees it in the process "
+                    "list and in /etc/fstab): use user=NAME with password_file=FILE, token_file=FILE, creds=FILE, "
+                    "or $NATS_USER/$NATS_PASSWORD/$NATS_TOKEN in a systemd environment file")
 
 
 def _has_secret(servers: str) -> bool:
@@ -774,10 +785,13 @@ def cmd_fsck(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
+    given = list(sys.argv[1:] if argv is None else argv)
+    argv = normalize_argv(given)
     if argv and argv[0] == "mount":
         mount_parser = next(act for act in parser._actions
                             if isinstance(act, argparse._SubParsersAction)).choices["mount"]
+        if argv != given and "@" in given[0]:  # mount(8)'s form, its SOURCE with a userinfo
+            mount_parser.error(SECRET_IN_SOURCE)
         argv = [argv[0], *expand_mount_options(mount_parser, argv[1:])]
     a = parser.parse_args(argv)
     a.argv = argv

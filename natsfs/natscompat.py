@@ -5,7 +5,8 @@ a hook into its message dispatch (to pace a subscription whose consumer falls be
 INFO as sent (its limits), a subscription's id, the queue of publishes waiting for a flush (a
 closed client never answers them), its transport and queue of bytes for the server (large
 payloads are queued, or written by the upload worker, without being copied into their frames), and a
-closed client's tasks and socket (its own close can stop half-way, see `end_client`). Each is reached
+closed client's tasks and socket (its own close can stop half-way, see `end_client`), and the server's
+INFO before CONNECT (to refuse sending credentials in clear when TLS is wanted, see `require_tls`). Each is reached
 only through a function here, and `check()` verifies that the installed nats-py still has them before
 anything connects, so an incompatible upgrade fails the mount at start with one sentence instead of
 misbehaving later.
@@ -52,6 +53,18 @@ def _version() -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
 
 
+def _info_before_connect() -> bool:
+    """nats-py's handshake hands the first INFO to `_process_info` before it writes CONNECT (what
+    `require_tls` relies on)."""
+    try:
+        source = inspect.getsource(nats.aio.client.Client._process_connect_init)
+    except (AttributeError, OSError, TypeError):
+        return False
+    info_at = source.find("self._process_info(srv_info, initial_connection=True)")
+    connect_at = source.find("self._connect_command()")
+    return 0 <= info_at < connect_at
+
+
 def check() -> None:
     """Raise `IncompatibleNatsPy` (one sentence) unless nats-py has everything this module uses."""
     version = _version()
@@ -75,11 +88,16 @@ def check() -> None:
             and isinstance(getattr(client, "_max_pending_size", None), int)
             and inspect.iscoroutinefunction(getattr(client, "_flush_pending", None))):
         missing.append("Client._transport, _pending, _pending_data_size, _max_pending_size, _flush_pending")
-    for name in (*_CLIENT_TASKS, "_subs", "_error_cb"):
+    for name in (*_CLIENT_TASKS, "_subs", "_error_cb", "_current_server"):
         if not hasattr(client, name):
             missing.append(f"Client.{name}")
     if not inspect.iscoroutinefunction(getattr(nats.aio.client.Client, "_close", None)):
         missing.append("Client._close")
+    process_info = getattr(nats.aio.client.Client, "_process_info", None)
+    if not (inspect.iscoroutinefunction(process_info)
+            and list(inspect.signature(process_info).parameters)[:3] == ["self", "info", "initial_connection"]
+            and _info_before_connect()):
+        missing.append("Client._process_info(info, initial_connection), called before CONNECT is written")
     sub = nats.aio.subscription.Subscription(None)
     if not isinstance(getattr(sub, "_id", None), int):
         missing.append("Subscription._id")
@@ -89,6 +107,38 @@ def check() -> None:
     if missing:
         raise IncompatibleNatsPy(f"{wanted}: the installed nats-py lacks {', '.join(missing)}")
     nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, READ_BUFFER)
+
+
+class TlsNotOffered(nats.errors.Error):
+    """TLS is wanted, and the server's INFO offers none: refused before CONNECT (credentials) is sent."""
+
+
+def require_tls(nc: Any, reason: str) -> None:
+    """Make this (not yet connected) client go TLS whatever the server's INFO says: nats-py upgrades
+    only when the INFO says `tls_required`, and otherwise sends CONNECT, credentials and all, in clear.
+    Its handshake hands the INFO to `_process_info` after reading it and before deciding on TLS and
+    writing CONNECT: there a server that only offers TLS (`tls_available`) is marked as requiring it
+    (nats-py upgrades to it), and one that does not offer it at all fails the connect with
+    `TlsNotOffered(reason)`, its socket closed, before anything else is written. Only the first INFO
+    of a handshake is checked (later ones are cluster updates over the established connection); the
+    bridge never lets nats-py reconnect (each new connection is a new client, hooked anew)."""
+    process_info = nc._process_info
+
+    async def process_info_requiring_tls(info: dict[str, Any], initial_connection: bool = False) -> None:
+        scheme = nc._current_server.uri.scheme if nc._current_server is not None else ""
+        if initial_connection and scheme == "ws":  # (nats-py never goes TLS on a ws:// connection)
+            with contextlib.suppress(Exception):
+                nc._transport.close()
+            raise TlsNotOffered(f"{reason} (a ws:// URL is never TLS: use wss://)")
+        if initial_connection and scheme != "wss" and not info.get("tls_required"):  # (wss: TLS already)
+            if not info.get("tls_available"):
+                with contextlib.suppress(Exception):
+                    nc._transport.close()
+                raise TlsNotOffered(reason)
+            info["tls_required"] = True  # (the dict nats-py keeps as `_server_info` and decides by)
+        await process_info(info, initial_connection)
+
+    nc._process_info = process_info_requiring_tls
 
 
 def server_info(nc: Any) -> dict[str, Any]:

@@ -10,8 +10,10 @@ none more than twice. It sends requests (PUB/HPUB) with a reply subject under it
 subscribes to once; replies go to one callback, synchronously, as they are parsed.
 
 `connect` dials one server the way nats-py does for the same `auth.Connection`: TLS when the server's
-INFO requires it (with the configured CA and client certificate, or the system's trust store),
-user/password, token (also from the URL's userinfo), NKey seed or creds file (signing the server's
+INFO requires it, or when TLS is wanted (a `tls://` URL or a TLS option: `auth.tls_wanted`) and the
+server offers it (with the configured CA and client certificate, or the system's trust store; a server
+that does not offer wanted TLS is refused before CONNECT, so before any credential, is sent),
+user/password, token (the URL's userinfo first: `Connection.for_server`), NKey seed or creds file (signing the server's
 nonce with `nkeys`), and the same connection name. Nothing here reconnects: a connection that fails
 calls its `on_closed` once, and the bridge's `_Link` replaces it, as it does nats-py clients. `-ERR`
 closes the connection, as nats-py does, except a permissions violation (`-ERR 'Permissions Violation for
@@ -46,7 +48,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-from .auth import Connection
+from .auth import NO_TLS, Connection, tls_wanted
 
 log = logging.getLogger(__name__)
 
@@ -535,6 +537,19 @@ def _connect_options(info: dict[str, Any], endpoint: Endpoint, auth: Connection 
     return options
 
 
+def _upgrade_to_tls(info: dict[str, Any], url: str, auth: Connection | None) -> bool:
+    """Whether to go TLS after the server's INFO: when the server requires it, or when TLS is wanted
+    (`auth.tls_wanted`) and the server offers it (`tls_available`). `WireError` when TLS is wanted and
+    the server does not offer it: nothing, no CONNECT and so no credential, has been sent yet."""
+    if info.get("tls_required"):
+        return True
+    if not tls_wanted(url, auth):
+        return False
+    if info.get("tls_available"):
+        return True
+    raise WireError(NO_TLS)
+
+
 def _read_creds(path: str) -> tuple[str, bytearray]:
     """The user JWT and NKey seed of a creds file (the line after each BEGIN marker)."""
     with open(path, "rb") as f:
@@ -585,6 +600,7 @@ async def connect(url: str, *, name: str, auth: Connection | None, timeout: floa
     """Connect to one server, authenticate, subscribe the reply inbox, and check with a ping that the
     server took all of it. `WireError` (or `OSError`, `ssl.SSLError`, `TimeoutError`) if that fails."""
     endpoint = parse_server(url)
+    auth = auth.for_server(url) if auth is not None else None
     loop = asyncio.get_running_loop()
     inbox = f"_INBOX.{os.urandom(11).hex()}"
     protocol, connection = _protocol_reporting_to(on_msg, on_closed, on_refused)
@@ -593,7 +609,7 @@ async def connect(url: str, *, name: str, auth: Connection | None, timeout: floa
         async with asyncio.timeout(timeout):
             transport, _ = await loop.create_connection(lambda: protocol, endpoint.host, endpoint.port)
             info = await protocol.wait_info()
-            if info.get("tls_required"):
+            if _upgrade_to_tls(info, url, auth):
                 wants_files = auth is not None and (auth.tls_ca or auth.tls_cert)
                 context = auth.ssl_context() if auth is not None and wants_files else ssl.create_default_context()
                 tls = await loop.start_tls(transport, protocol, context, server_hostname=endpoint.host)
@@ -883,6 +899,7 @@ async def connect_trio(url: str, *, name: str, auth: Connection | None, timeout:
     TLS when the server's INFO requires it, a ping to check the server took it). `WireError` (or
     `OSError`, `ssl.SSLError`, `TimeoutError`) if that fails."""
     endpoint = parse_server(url)
+    auth = auth.for_server(url) if auth is not None else None
     inbox = f"_INBOX.{os.urandom(11).hex()}"
     protocol, connection = _protocol_reporting_to(on_msg, on_closed, on_refused)
     sock: socket.socket | None = None
@@ -907,7 +924,7 @@ async def connect_trio(url: str, *, name: str, auth: Connection | None, timeout:
             await conn.receive_until(lambda: bool(protocol.info))
             if not protocol.info:
                 raise WireError(protocol.last_error or "the server closed the connection")
-            if protocol.info.get("tls_required"):
+            if _upgrade_to_tls(protocol.info, url, auth):
                 wants_files = auth is not None and (auth.tls_ca or auth.tls_cert)
                 context = auth.ssl_context() if auth is not None and wants_files else ssl.create_default_context()
                 await conn.start_tls(context, endpoint.host)

@@ -15,8 +15,10 @@ import base64
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -244,3 +246,110 @@ def test_a_missing_credentials_file_is_one_sentence(tmp_path):
                           capture_output=True, text=True, env=_env(), timeout=30)
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"natsfs: cannot read {missing} (given as --creds)"
+
+
+class _RecordingProxy:
+    """A TCP proxy to `port` that records every byte the clients send (what a sniffer on the way sees)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.sent = bytearray()
+        self.connections = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                return
+            self.connections += 1
+            self._sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, record: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if record:
+                    self.sent.extend(data)
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._listener.close()
+        for s in self._sockets:
+            s.close()
+
+
+def _tls_files(tmp_path: Path) -> dict[str, str]:
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1")
+    paths = {}
+    for name, blob in [("ca.pem", ca.cert_pem), ("server.pem", server_cert.cert_chain_pems[0]),
+                       ("server.key", server_cert.private_key_pem)]:
+        path = tmp_path / name
+        blob.write_to_path(str(path))
+        paths[name] = str(path)
+    return paths
+
+
+@pytest.mark.parametrize("asked", [["--server", "tls://alice:{pw}@127.0.0.1:{port}"],
+                                   ["--server", "nats://alice:{pw}@127.0.0.1:{port}", "--tls-ca", "{ca}"]],
+                         ids=["tls-url", "tls-ca"])
+def test_tls_asked_of_a_server_without_tls_fails_before_any_credential_is_sent(tmp_path, asked):
+    """A sniffer between natsfs and a plaintext server sees not a byte: the mount and the bucket and fsck
+    commands fail with one sentence before any connection sends its CONNECT."""
+    paths = _tls_files(tmp_path)
+    server = NatsServer(tmp_path / "nats", config=f'authorization {{ user: alice, password: "{SECRET}" }}')
+    server.start()
+    proxy = _RecordingProxy(server.port)
+    try:
+        args = [a.format(pw=SECRET, port=proxy.port, ca=paths["ca.pem"]) for a in asked]
+        mp = tmp_path / "mnt"
+        mp.mkdir()
+        for command in (["mount", str(mp), "--data-dir", str(tmp_path / "data"), "--cache-dir",
+                         str(tmp_path / "cache")], ["bucket", "ls"], ["fsck", "b1"]):
+            proc = subprocess.run([NATSFS, *command, *args], capture_output=True, text=True, env=_env(), timeout=60)
+            assert proc.returncode != 0
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].endswith("does not offer TLS, which a tls:// URL or a TLS option "
+                                                         "(--tls-ca, --tls-cert, --tls-key) asks for: refusing to "
+                                                         "send credentials in clear"), proc.stderr
+            assert SECRET not in proc.stderr
+        with open("/proc/mounts") as f:
+            assert not any(line.split()[1] == str(mp) for line in f)
+        assert proxy.connections >= 3 and bytes(proxy.sent) == b""
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def test_a_server_that_offers_tls_without_requiring_it_is_mounted_over_tls(tmp_path):
+    """`allow_non_tls`: the server's INFO says `tls_available`; TLS asked, every connection of the mount
+    (main, lean reads, upload worker) goes TLS: the sniffer sees no CONNECT and no secret."""
+    paths = _tls_files(tmp_path)
+    config = (f'tls {{ cert_file: "{paths["server.pem"]}", key_file: "{paths["server.key"]}" }}\n'
+              f'allow_non_tls: true\nauthorization {{ user: alice, password: "{SECRET}" }}')
+    server = NatsServer(tmp_path / "nats", config=config)
+    server.start()
+    proxy = _RecordingProxy(server.port)
+    try:
+        args = ["--server", f"tls://alice:{SECRET}@127.0.0.1:{proxy.port}", "--tls-ca", paths["ca.pem"]]
+        made = subprocess.run([NATSFS, "bucket", "create", "b1", *args], capture_output=True, text=True,
+                              env=_env(), timeout=60)
+        assert made.returncode == 0, made.stderr
+        data = os.urandom(6 << 20)  # streamed by the upload worker
+        with mounted(tmp_path, args, _env()) as mp:
+            (mp / "b1" / "big.bin").write_bytes(data)
+            assert (mp / "b1" / "big.bin").read_bytes() == data
+        assert proxy.connections >= 3
+        assert b"CONNECT" not in proxy.sent and SECRET.encode() not in proxy.sent
+    finally:
+        proxy.close()
+        server.stop()
