@@ -1,7 +1,8 @@
 """Mounting: build the layers of one mount (`natsfs.compose`), run pyfuse3 under trio, tear down cleanly.
 
 Owns the trio nursery every background task lives in, the mount/unmount calls, signal handling
-(SIGTERM/SIGINT → `pyfuse3.terminate()`), the embedded server's lifetime, and readiness reporting.
+(SIGTERM/SIGINT/SIGHUP → `pyfuse3.terminate()`, caught until the daemon is done: `_ShutdownSignals`),
+the embedded server's lifetime, and readiness reporting.
 """
 
 from __future__ import annotations
@@ -83,11 +84,16 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
         # The embedded server takes only its own credentials; nothing else configured applies to it.
         user, password = embedded.auth or (None, None)
         config = dataclasses.replace(config, credentials=Connection(user=user, password=password))
-    try:
-        await _serve(config, mountpoint, servers, on_ready)
-    finally:
-        if embedded is not None:
-            await trio.to_thread.run_sync(embedded.stop)
+    async with trio.open_nursery() as signal_nursery:
+        signals = _ShutdownSignals(signal_nursery)
+        try:
+            await _serve(config, mountpoint, servers, on_ready, signals)
+        finally:
+            with trio.CancelScope(shield=True):
+                if embedded is not None:
+                    await trio.to_thread.run_sync(embedded.stop)
+            # Only now, with everything stored or kept and closed, may a signal end the process.
+            signal_nursery.cancel_scope.cancel()
 
 
 async def _keep_cpu_free() -> None:
@@ -99,7 +105,8 @@ async def _keep_cpu_free() -> None:
         rebalancer.check()
 
 
-async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready: Callable[[], None]) -> None:
+async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready: Callable[[], None],
+                 signals: _ShutdownSignals) -> None:
     bridge = Bridge(servers, request_timeout=config.request_timeout, auth=config.credentials)
     try:
         await bridge.connect()
@@ -143,13 +150,13 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             nursery.start_soon(readahead.apply_soon, built.ops)
             if config.cpus == "one":
                 nursery.start_soon(_keep_cpu_free)
-            fuse = _FuseLoop()
             try:
-                nursery.start_soon(fuse.terminate_on_signal)
+                await signals.start(lambda: sum(1 for sf in fs.staging.all() if sf.unstored),
+                                    config.shutdown_timeout)
                 on_ready()
                 await pyfuse3.main()
             finally:
-                fuse.ended()  # from here on, a signal must not touch the (closing) FUSE session
+                signals.fuse_ended()  # from here on, a signal must not touch the (closing) FUSE session
                 with trio.CancelScope(shield=True):
                     await fs.kernel.close()
                     # Every request was answered: the staged bytes are all the writers were told
@@ -217,24 +224,51 @@ class KernelReadahead:
             await trio.sleep(0.01)
 
 
-class _FuseLoop:
-    """Turns SIGTERM/SIGINT/SIGHUP into `pyfuse3.terminate()`, only while the FUSE loop runs
-    (terminating a session that has already ended, e.g. after a lazy unmount, crashes libfuse)."""
+class _ShutdownSignals:
+    """SIGTERM/SIGINT/SIGHUP, caught from the moment the FUSE loop runs until the daemon is done (open
+    files stored or kept in lost+found, connections closed, the kernel mount gone; `serve` ends it).
 
-    def __init__(self) -> None:
-        self.running = True
-        self._scope = trio.CancelScope()
+    The first one ends the FUSE loop (`pyfuse3.terminate()`), which starts the shutdown. Every later one,
+    and one that comes after an unmount started the shutdown, is logged once and changes nothing: the
+    shutdown goes on as started, bounded by --shutdown-timeout. Letting the handlers go at the first
+    signal gave a second one its default action (death, mid-shutdown: the open writers neither stored nor
+    kept under their names, the mount left dead); only SIGKILL may end the daemon sooner.
+    `pyfuse3.terminate()` is called only while the loop runs (terminating a session that has already
+    ended, e.g. after a lazy unmount, crashes libfuse)."""
 
-    def ended(self) -> None:
-        self.running = False
-        self._scope.cancel()
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-    async def terminate_on_signal(self) -> None:
-        with self._scope, trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            async for signum in signals:
-                if not self.running:
-                    return
-                log.info("received %s: unmounting", signal.Signals(signum).name)
-                sdnotify.notify("STOPPING=1", "STATUS=storing open files and unmounting")
-                pyfuse3.terminate()
-                return
+    def __init__(self, nursery: trio.Nursery):
+        self._nursery = nursery
+        self._fuse_running = False
+        self._shutting_down = False
+        self._repeat_logged = False
+        self._unstored: Callable[[], int] = lambda: 0
+        self._timeout = 0.0
+
+    async def start(self, unstored: Callable[[], int], shutdown_timeout: float) -> None:
+        """Catch them from now on; `unstored` counts the files the shutdown still has to store (for the
+        line a repeated signal gets)."""
+        self._unstored, self._timeout = unstored, shutdown_timeout
+        self._fuse_running = True
+        await self._nursery.start(self._receive)
+
+    def fuse_ended(self) -> None:
+        self._fuse_running = False
+        self._shutting_down = True
+
+    async def _receive(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.open_signal_receiver(*self.SIGNALS) as received:
+            task_status.started()
+            async for signum in received:
+                name = signal.Signals(signum).name
+                if self._fuse_running and not self._shutting_down:
+                    self._shutting_down = True
+                    log.info("received %s: unmounting", name)
+                    sdnotify.notify("STOPPING=1", "STATUS=storing open files and unmounting")
+                    pyfuse3.terminate()
+                elif not self._repeat_logged:
+                    self._repeat_logged = True
+                    log.warning("received %s: already shutting down; waiting for %d file(s) still to store "
+                                "(at most --shutdown-timeout %g s, then they are kept in lost+found), then "
+                                "unmounting (only SIGKILL stops it sooner)", name, self._unstored(), self._timeout)
