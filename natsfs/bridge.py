@@ -1811,7 +1811,7 @@ async def _worker_main(connection: Connection) -> None:
         task.add_done_callback(tasks.discard)
     # stdin closed: the daemon is done with us. Don't linger if the server is gone.
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(link.close(), 3)
+        await asyncio.wait_for(link.close(), 2)  # (within the daemon's wait for us, uploader.EXIT_GRACE_S)
 
 
 async def _worker_handle(link: _Link, sessions: dict[str, _WorkerSession], hashing: _Hashing,

@@ -151,8 +151,9 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             if config.cpus == "one":
                 nursery.start_soon(_keep_cpu_free)
             try:
-                await signals.start(lambda: sum(1 for sf in fs.staging.all() if sf.unstored),
-                                    config.shutdown_timeout)
+                await signals.start(unstored=lambda: sum(1 for sf in fs.staging.all() if sf.unstored),
+                                    hurry=fs.cut_shutdown_short, shutdown_timeout=config.shutdown_timeout,
+                                    kept_in="the write-back journal" if config.write_back is not None else "lost+found")
                 on_ready()
                 await pyfuse3.main()
             finally:
@@ -226,13 +227,15 @@ class KernelReadahead:
 
 class _ShutdownSignals:
     """SIGTERM/SIGINT/SIGHUP, caught from the moment the FUSE loop runs until the daemon is done (open
-    files stored or kept in lost+found, connections closed, the kernel mount gone; `serve` ends it).
+    files stored or kept, connections closed, the kernel mount gone; `serve` ends it).
 
-    The first one ends the FUSE loop (`pyfuse3.terminate()`), which starts the shutdown. Every later one,
-    and one that comes after an unmount started the shutdown, is logged once and changes nothing: the
-    shutdown goes on as started, bounded by --shutdown-timeout. Letting the handlers go at the first
-    signal gave a second one its default action (death, mid-shutdown: the open writers neither stored nor
-    kept under their names, the mount left dead); only SIGKILL may end the daemon sooner.
+    The first one ends the FUSE loop (`pyfuse3.terminate()`), which starts the shutdown. The second (or
+    the first after an unmount started the shutdown) is logged once and changes nothing: the shutdown goes
+    on as started, bounded by --shutdown-timeout. The third stops the wait for uploads (one line): what is
+    not stored yet is kept as at the timeout, under its name (lost+found, or the write-back journal), and
+    the unmount is as clean as ever. Later ones are ignored. Letting the handlers go at the first signal
+    gave a second one its default action (death, mid-shutdown: the open writers neither stored nor kept
+    under their names, the mount left dead); only SIGKILL may end the daemon that way.
     `pyfuse3.terminate()` is called only while the loop runs (terminating a session that has already
     ended, e.g. after a lazy unmount, crashes libfuse)."""
 
@@ -242,14 +245,18 @@ class _ShutdownSignals:
         self._nursery = nursery
         self._fuse_running = False
         self._shutting_down = False
-        self._repeat_logged = False
+        self._repeats = 0  # signals after the one that started the shutdown (or after it started)
         self._unstored: Callable[[], int] = lambda: 0
+        self._hurry: Callable[[str], None] = lambda why: None
         self._timeout = 0.0
+        self._kept_in = "lost+found"
 
-    async def start(self, unstored: Callable[[], int], shutdown_timeout: float) -> None:
-        """Catch them from now on; `unstored` counts the files the shutdown still has to store (for the
-        line a repeated signal gets)."""
-        self._unstored, self._timeout = unstored, shutdown_timeout
+    async def start(self, *, unstored: Callable[[], int], hurry: Callable[[str], None], shutdown_timeout: float,
+                    kept_in: str) -> None:
+        """Catch them from now on. `unstored` counts the files the shutdown still has to store, `hurry`
+        stops its wait for them (saying why), `kept_in` says where what is not stored goes."""
+        self._unstored, self._hurry = unstored, hurry
+        self._timeout, self._kept_in = shutdown_timeout, kept_in
         self._fuse_running = True
         await self._nursery.start(self._receive)
 
@@ -267,8 +274,14 @@ class _ShutdownSignals:
                     log.info("received %s: unmounting", name)
                     sdnotify.notify("STOPPING=1", "STATUS=storing open files and unmounting")
                     pyfuse3.terminate()
-                elif not self._repeat_logged:
-                    self._repeat_logged = True
-                    log.warning("received %s: already shutting down; waiting for %d file(s) still to store "
-                                "(at most --shutdown-timeout %g s, then they are kept in lost+found), then "
-                                "unmounting (only SIGKILL stops it sooner)", name, self._unstored(), self._timeout)
+                    continue
+                self._repeats += 1
+                if self._repeats == 1:
+                    log.warning("received %s: already shutting down; waiting for %d file(s) still to store (at "
+                                "most --shutdown-timeout %g s, then they are kept in %s), then unmounting; one "
+                                "more signal stops that wait", name, self._unstored(), self._timeout, self._kept_in)
+                elif self._repeats == 2:
+                    log.warning("received %s again: not waiting for uploads any longer; %d file(s) not stored "
+                                "yet are kept in %s, then the mount is unmounted", name, self._unstored(),
+                                self._kept_in)
+                    self._hurry(f"shutdown cut short by {name}")
