@@ -111,6 +111,9 @@ _WATCH_INTERVAL = 0.25
 _CHUNK_GUESS = 128 * 1024  # the largest reply assumed before one is seen
 # A replaced nats-py client gets this long to finish closing by itself before `_Link._bury` ends the rest.
 _BURY_GRACE = 2.0
+# Closing the mount's connections at unmount waits this long for the server to take what is still queued
+# for it; a server that does not read (stopped, gone without a reset) gets its socket aborted then.
+CLOSE_GRACE_S = 1.0
 
 
 # Kinds of permission refusals logged so far (see `refusal`), for the whole process.
@@ -497,14 +500,28 @@ class _Link:
         nc, self.nc = self.nc, None
         self._fail_all("closing")
         if nc is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.drain(), 2.0)
-            with contextlib.suppress(Exception):
-                await nc.close()
-            if not self.lean:
-                self._start_burial(nc)
+            await self._close_client(nc)
         if self.burials:
             await asyncio.wait(self.burials, timeout=2 * _BURY_GRACE)
+
+    async def _close_client(self, nc: Any) -> None:
+        """Close the current client within `CLOSE_GRACE_S` (then twice that at most, whatever the server
+        does). Not nats-py's `drain`: every request was failed above, so there is nothing to wait for, and
+        a drain cut short leaves a cancelled gather nobody retrieves (asyncio logs it as an ERROR), while
+        its own final flush waits 10 s on a server that does not answer."""
+        closing = asyncio.ensure_future(nc.close())
+        done, _ = await asyncio.wait([closing], timeout=CLOSE_GRACE_S)
+        if not done:
+            # The server does not take the bytes still queued for it: abort the socket; nats-py's close
+            # then ends at once (its wait for the socket to close returns).
+            # (A lean connection's close never waits: it only closes its socket.)
+            ended = natscompat.end_client(nc) if not self.lean else []
+            await asyncio.wait([closing, *ended], timeout=CLOSE_GRACE_S)
+            closing.cancel()
+        if closing.done() and not closing.cancelled():
+            closing.exception()  # retrieved: the client is gone, whatever its close ended with
+        if not self.lean:
+            self._start_burial(nc)
 
     # ---- replies
     def token(self) -> str:
@@ -1908,7 +1925,7 @@ async def _worker_main(connection: Connection) -> None:
         task.add_done_callback(tasks.discard)
     # stdin closed: the daemon is done with us. Don't linger if the server is gone.
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(link.close(), 3)
+        await asyncio.wait_for(link.close(), 2)  # (within the daemon's wait for us, uploader.EXIT_GRACE_S)
 
 
 async def _worker_handle(link: _Link, sessions: dict[str, _WorkerSession], hashing: _Hashing,

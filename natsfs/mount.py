@@ -1,7 +1,8 @@
 """Mounting: build the layers of one mount (`natsfs.compose`), run pyfuse3 under trio, tear down cleanly.
 
 Owns the trio nursery every background task lives in, the mount/unmount calls, signal handling
-(SIGTERM/SIGINT → `pyfuse3.terminate()`), the embedded server's lifetime, and readiness reporting.
+(SIGTERM/SIGINT/SIGHUP → `pyfuse3.terminate()`, caught until the daemon is done: `_ShutdownSignals`),
+the embedded server's lifetime, and readiness reporting.
 """
 
 from __future__ import annotations
@@ -147,11 +148,16 @@ async def _serve_locked(config: Config, mountpoint: Path, on_ready: Callable[[],
         # The embedded server takes only its own credentials; nothing else configured applies to it.
         user, password = embedded.auth or (None, None)
         config = dataclasses.replace(config, credentials=Connection(user=user, password=password))
-    try:
-        await _serve(config, mountpoint, servers, on_ready)
-    finally:
-        if embedded is not None:
-            await trio.to_thread.run_sync(embedded.stop)
+    async with trio.open_nursery() as signal_nursery:
+        signals = _ShutdownSignals(signal_nursery)
+        try:
+            await _serve(config, mountpoint, servers, on_ready, signals)
+        finally:
+            with trio.CancelScope(shield=True):
+                if embedded is not None:
+                    await trio.to_thread.run_sync(embedded.stop)
+            # Only now, with everything stored or kept and closed, may a signal end the process.
+            signal_nursery.cancel_scope.cancel()
 
 
 async def _keep_cpu_free() -> None:
@@ -163,7 +169,8 @@ async def _keep_cpu_free() -> None:
         rebalancer.check()
 
 
-async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready: Callable[[], None]) -> None:
+async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready: Callable[[], None],
+                 signals: _ShutdownSignals) -> None:
     bridge = Bridge(servers, request_timeout=config.request_timeout, auth=config.credentials)
     try:
         await bridge.connect()
@@ -211,13 +218,14 @@ async def _serve(config: Config, mountpoint: Path, servers: list[str], on_ready:
             nursery.start_soon(readahead.apply_soon, built.ops)
             if config.cpus == "one":
                 nursery.start_soon(_keep_cpu_free)
-            fuse = _FuseLoop()
             try:
-                nursery.start_soon(fuse.terminate_on_signal)
+                await signals.start(unstored=lambda: sum(1 for sf in fs.staging.all() if sf.unstored),
+                                    hurry=fs.cut_shutdown_short, shutdown_timeout=config.shutdown_timeout,
+                                    kept_in="the write-back journal" if config.write_back is not None else "lost+found")
                 on_ready()
                 await pyfuse3.main()
             finally:
-                fuse.ended()  # from here on, a signal must not touch the (closing) FUSE session
+                signals.fuse_ended()  # from here on, a signal must not touch the (closing) FUSE session
                 with trio.CancelScope(shield=True):
                     await fs.kernel.close()
                     # Every request was answered: the staged bytes are all the writers were told
@@ -285,24 +293,63 @@ class KernelReadahead:
             await trio.sleep(0.01)
 
 
-class _FuseLoop:
-    """Turns SIGTERM/SIGINT/SIGHUP into `pyfuse3.terminate()`, only while the FUSE loop runs
-    (terminating a session that has already ended, e.g. after a lazy unmount, crashes libfuse)."""
+class _ShutdownSignals:
+    """SIGTERM/SIGINT/SIGHUP, caught from the moment the FUSE loop runs until the daemon is done (open
+    files stored or kept, connections closed, the kernel mount gone; `serve` ends it).
 
-    def __init__(self) -> None:
-        self.running = True
-        self._scope = trio.CancelScope()
+    The first one ends the FUSE loop (`pyfuse3.terminate()`), which starts the shutdown. The second (or
+    the first after an unmount started the shutdown) is logged once and changes nothing: the shutdown goes
+    on as started, bounded by --shutdown-timeout. The third stops the wait for uploads (one line): what is
+    not stored yet is kept as at the timeout, under its name (lost+found, or the write-back journal), and
+    the unmount is as clean as ever. Later ones are ignored. Letting the handlers go at the first signal
+    gave a second one its default action (death, mid-shutdown: the open writers neither stored nor kept
+    under their names, the mount left dead); only SIGKILL may end the daemon that way.
+    `pyfuse3.terminate()` is called only while the loop runs (terminating a session that has already
+    ended, e.g. after a lazy unmount, crashes libfuse)."""
 
-    def ended(self) -> None:
-        self.running = False
-        self._scope.cancel()
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-    async def terminate_on_signal(self) -> None:
-        with self._scope, trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            async for signum in signals:
-                if not self.running:
-                    return
-                log.info("received %s: unmounting", signal.Signals(signum).name)
-                sdnotify.notify("STOPPING=1", "STATUS=storing open files and unmounting")
-                pyfuse3.terminate()
-                return
+    def __init__(self, nursery: trio.Nursery):
+        self._nursery = nursery
+        self._fuse_running = False
+        self._shutting_down = False
+        self._repeats = 0  # signals after the one that started the shutdown (or after it started)
+        self._unstored: Callable[[], int] = lambda: 0
+        self._hurry: Callable[[str], None] = lambda why: None
+        self._timeout = 0.0
+        self._kept_in = "lost+found"
+
+    async def start(self, *, unstored: Callable[[], int], hurry: Callable[[str], None], shutdown_timeout: float,
+                    kept_in: str) -> None:
+        """Catch them from now on. `unstored` counts the files the shutdown still has to store, `hurry`
+        stops its wait for them (saying why), `kept_in` says where what is not stored goes."""
+        self._unstored, self._hurry = unstored, hurry
+        self._timeout, self._kept_in = shutdown_timeout, kept_in
+        self._fuse_running = True
+        await self._nursery.start(self._receive)
+
+    def fuse_ended(self) -> None:
+        self._fuse_running = False
+        self._shutting_down = True
+
+    async def _receive(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.open_signal_receiver(*self.SIGNALS) as received:
+            task_status.started()
+            async for signum in received:
+                name = signal.Signals(signum).name
+                if self._fuse_running and not self._shutting_down:
+                    self._shutting_down = True
+                    log.info("received %s: unmounting", name)
+                    sdnotify.notify("STOPPING=1", "STATUS=storing open files and unmounting")
+                    pyfuse3.terminate()
+                    continue
+                self._repeats += 1
+                if self._repeats == 1:
+                    log.warning("received %s: already shutting down; waiting for %d file(s) still to store (at "
+                                "most --shutdown-timeout %g s, then they are kept in %s), then unmounting; one "
+                                "more signal stops that wait", name, self._unstored(), self._timeout, self._kept_in)
+                elif self._repeats == 2:
+                    log.warning("received %s again: not waiting for uploads any longer; %d file(s) not stored "
+                                "yet are kept in %s, then the mount is unmounted", name, self._unstored(),
+                                self._kept_in)
+                    self._hurry(f"shutdown cut short by {name}")

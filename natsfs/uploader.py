@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 HUNG_AFTER = 5.0
 # While requests wait for the worker, it is pinged this often (so a busy worker keeps answering something).
 PING_EVERY = 1.0
+# At an unmount the worker gets this long to exit once its stdin is closed (then it is killed).
+EXIT_GRACE_S = 3.0
 
 
 class _Child:
@@ -293,7 +295,9 @@ class UploadWorker:
         with trio.CancelScope(shield=True):
             if proc.stdin is not None:
                 await proc.stdin.aclose()
-            with trio.move_on_after(5):
+            # It closes its connection within moments (`CLOSE_GRACE_S`, a socket aborted if the server
+            # does not read); at an unmount nothing it still holds is needed: killed if it takes longer.
+            with trio.move_on_after(EXIT_GRACE_S):
                 await proc.wait()
             if proc.returncode is None:
                 proc.kill()

@@ -86,6 +86,8 @@ OPENER_FDS_INLINE = 64  # an opener with at most this many descriptors is checke
 # the latest DIR_TIME_MAX_S after the first change not stored yet (tar keeps directories busy).
 DIR_TIME_DELAY_S = 0.5
 DIR_TIME_MAX_S = 5.0
+# At an unmount, directory times get what is left of --shutdown-timeout, but at least this long.
+DIR_TIME_AT_UNMOUNT_MIN_S = 1.0
 # How long a close refused at its store waits for the kernel to drop the inode's attributes (a notifier
 # that does not answer costs no more).
 REFUSED_CLOSE_INVALIDATION_S = 1.0
@@ -401,6 +403,9 @@ class Filesystem:
         # Persisted to the directory's marker a moment later (coalesced), where one exists.
         self._dir_mtimes: dict[tuple[str, ...], int] = {}
         self._dir_times_pending: set[tuple[str, ...]] = set()
+        # The unmount's wait for the open writers' uploads (`shutdown`), and why it was cut short.
+        self._shutdown_wait: trio.CancelScope | None = None
+        self._shutdown_cut: str | None = None
         self._dir_gate = _DirTimeGate()
         self._dir_renames = _DirRenameGate()
         # Paths (and everything under them) this mount's renames are moving right now, from before the
@@ -1669,13 +1674,27 @@ class Filesystem:
         silently. In write-back mode: wait for the queued uploads instead; what is still queued after
         `timeout` stays in the spool and the journal for the next mount. Directory times not written
         yet are written last."""
+        deadline = trio.current_time() + timeout
         try:
             await self._shutdown_files(timeout)
         finally:
             await self._unkept_at_unmount()
-            with trio.move_on_after(DIR_TIME_MAX_S):
+            # Within what is left of `timeout` (a server that did not answer the uploads will not answer
+            # these either), but a moment at least.
+            left = deadline - trio.current_time() if self._shutdown_cut is None else 0.0
+            with trio.move_on_after(min(DIR_TIME_MAX_S, max(left, DIR_TIME_AT_UNMOUNT_MIN_S))):
                 await self._store_pending_dir_times()
             self.mut.journal.flush()
+
+    def cut_shutdown_short(self, why: str) -> None:
+        """Stop the unmount's wait for uploads now (or before it starts): what is not stored yet is kept as
+        after --shutdown-timeout (lost+found, one line per file naming `why`; in write-back mode the
+        spool and the journal)."""
+        self._shutdown_cut = why
+        if self._shutdown_wait is not None:
+            self._shutdown_wait.cancel()
+        if self.writeback is not None:
+            self.writeback.cut_drain_short(why)
 
     async def _store_pending_dir_times(self) -> None:
         for directory in list(self._dir_times_pending):
@@ -1698,7 +1717,9 @@ class Filesystem:
             log.info("unmounting: storing %d file(s) still open for writing (%d bytes), for at most %g s",
                      len(pending), sum(sf.size for sf in pending), timeout)
         causes: dict[int, str] = {}
-        with trio.move_on_after(timeout):
+        with trio.move_on_after(timeout) as self._shutdown_wait:
+            if self._shutdown_cut is not None:
+                self._shutdown_wait.cancel()
             for n, sf in enumerate(pending, 1):
                 try:
                     await self._upload(InodeNo(sf.ino))
@@ -1714,8 +1735,9 @@ class Filesystem:
                 self.mut.discard_stream(sf)
                 kept = self._keep(sf)
                 if kept is not None:
+                    cause = causes.get(sf.ino) or self._shutdown_cut or f"no time left after {timeout:g} s"
                     log.warning("%s/%s: not stored before unmounting (%s); its bytes are kept at %s", sf.bucket,
-                                sf.name, causes.get(sf.ino, f"no time left after {timeout:g} s"), kept)
+                                sf.name, cause, kept)
             else:
                 self.mut.discard(sf)
 

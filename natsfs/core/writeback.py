@@ -100,6 +100,9 @@ class WriteBack:
         self._spool_used = trio.Event()  # set by closes: `_spool_ahead` checks its stock
         self._creating_ahead = trio.Lock()  # held while spool files are created ahead (unmount waits)
         self._changed = trio.Event()  # set whenever an upload ends (drain waits on it)
+        # The unmount's wait for the queue (`drain`), and why it was cut short before its timeout.
+        self._drain_wait: trio.CancelScope | None = None
+        self._drain_cut: str | None = None
         # fsyncs of spool files and of the journal, journal records written, uploads done (for the stats).
         self.counters = {"spool_fsyncs": 0, "journal_fsyncs": 0, "records": 0, "uploads": 0}
         # The last file moved to memory, whose spool file goes at the next close (`_to_memory`).
@@ -440,23 +443,40 @@ class WriteBack:
         if total:
             log.info("unmounting: waiting for %d write-back upload(s) (%d bytes), for at most %g s", total,
                      sum(sf.size for sf in self.pending), timeout)
-        with trio.move_on_after(timeout):
+        with trio.move_on_after(timeout) as self._drain_wait:
+            if self._drain_cut is not None:
+                self._drain_wait.cancel()
             while self.pending:
                 self._progress(total)
                 await self._changed.wait()
                 log.info("unmounting: %d of %d write-back upload(s) done", total - len(self.pending), total)
+        self._drain_wait = None
         left = self.pending
         if total:
-            self._progress(total)  # the last line `natsfs umount` prints (removed at the next mount)
+            # The last line `natsfs umount` prints (removed at the next mount).
+            self._progress(total, final=True)
         if left:
-            log.warning("unmounting: %d write-back upload(s) not done after %g s (%s); their bytes stay in %s "
-                        "and the next mount with this cache dir uploads them", len(left), timeout,
+            log.warning("unmounting: %d write-back upload(s) not done%s (%s); their bytes stay in %s "
+                        "and the next mount with this cache dir uploads them", len(left),
+                        f" after {timeout:g} s" if self._drain_cut is None else f", {self._drain_cut}",
                         ", ".join(f"{sf.bucket}/{sf.name}" for sf in left[:5]), self.fs.staging.spool.dir)
 
-    def _progress(self, total: int) -> None:
+    def cut_drain_short(self, why: str) -> None:
+        """Stop the unmount's wait for the queue now (or before it starts): what is still queued stays in
+        the spool and the journal, as after the timeout; `why` says so in the warning line."""
+        self._drain_cut = why
+        if self._drain_wait is not None:
+            self._drain_wait.cancel()
+
+    def _progress(self, total: int, *, final: bool = False) -> None:
         pending = self.pending
-        text = (f"{total - len(pending)} of {total} write-back upload(s) done, "
-                f"{sum(sf.size for sf in pending)} bytes pending\n")
+        text = f"{total - len(pending)} of {total} write-back upload(s) done"
+        if final and pending:
+            text += (f"; {len(pending)} not uploaded ({sum(sf.size for sf in pending)} bytes): they stay in the "
+                     "write-back journal and the next mount with this cache dir and --write-back uploads them")
+        elif pending:
+            text += f", {sum(sf.size for sf in pending)} bytes pending"
+        text += "\n"
         try:
             tmp = self.progress_path.with_suffix(".new")
             tmp.write_text(text)

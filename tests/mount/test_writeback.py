@@ -208,6 +208,42 @@ def _publishes(m: Mount) -> int:
     return sum(n for call, n in _stats(m)["server_calls"].items() if call.startswith("publish"))
 
 
+def test_umount_with_a_stopped_server_keeps_the_pending_upload_for_the_next_mount(private_server, bucket_name,
+                                                                                 mounter):
+    """`natsfs umount` of a write-back mount whose server does not answer (SIGSTOP): the daemon waits
+    --shutdown-timeout for the upload, then exits (closing its connection does not wait on that server,
+    nor leaves an asyncio ERROR), and umount's last line says the file stays in the journal; it exits 0
+    (the mount is gone, nothing is lost). The next write-back mount uploads it."""
+    url = private_server.url
+    create_bucket(url, bucket_name)
+    m = mounter(url, "--bucket", bucket_name, LATER, "--shutdown-timeout", "3s")
+    data = os.urandom(200_000)
+    (m / "pending.bin").write_bytes(data)
+    assert private_server.proc is not None and m.proc is not None
+    proc = m.proc
+    stop_process(private_server.proc.pid)
+    try:
+        started = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "natsfs", "umount", str(m.path)], capture_output=True, text=True,
+                           timeout=60)
+        status = proc.wait(30)
+        took = time.monotonic() - started
+        assert not m.unexpected_log(), m.unexpected_log()  # (complete: the daemon has exited)
+    finally:
+        os.kill(private_server.proc.pid, signal.SIGCONT)
+    assert r.returncode == 0, r.stderr
+    assert status == 0
+    assert took < 3 + 5, f"umount took {took:.1f} s with --shutdown-timeout 3s"
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("natsfs: 0 of 1 write-back upload(s) done; 1 not uploaded (200000 bytes): they stay in "
+                           "the write-back journal"), r.stderr
+    assert not m.mounted()
+    m.proc = None
+    remount(m, "--write-back")
+    assert wait_for(lambda: in_bucket(url, bucket_name, "pending.bin") == data, timeout=60, interval=0.5), \
+        m.log()[-3000:]
+
+
 def test_a_write_and_close_do_not_wait_for_an_upload_stuck_on_a_stopped_server(private_server, bucket_name,
                                                                               mounter):
     """The server is stopped (SIGSTOP: the connection stays open, nothing is answered; the mount notices
