@@ -473,7 +473,7 @@ class Filesystem:
         until something walks the path again.
         """
         if rel is None:
-            if self.ns.single_bucket is None:
+            if self.ns.single_bucket is None and not self.files.is_own((bucket,)):
                 ino = self.inodes.known((bucket,))
                 if ino is None or ino not in self._told_dirs or not self.ns.bucket_listed(bucket):
                     self.kernel.entry(ROOT_INODE, os.fsencode(bucket))
@@ -501,18 +501,20 @@ class Filesystem:
         elif ino is not None:
             self.files.forget_cached_version(ino)
             self.kernel.inode(ino)
-            entry_holds = self._still_a_directory(ino, path)
+            entry_holds = self._still_a_directory(ino, bucket, rel)
         if path and not entry_holds:
             parent = self.inodes.known(path[:-1])
             if parent is not None:
                 self.kernel.entry(parent, os.fsencode(path[-1]))
 
-    def _still_a_directory(self, ino: InodeNo, path: tuple[str, ...]) -> bool:
-        """Whether the kernel holds `ino` as a directory and `path` still shows one: its entry is right."""
-        if ino not in self._told_dirs or self.staging.at_path(path) is not None:
+    def _still_a_directory(self, ino: InodeNo, bucket: str, rel: tuple[str, ...]) -> bool:
+        """Whether the kernel holds `ino` as a directory and `rel` in `bucket` still shows one (a
+        bucket's root included): its entry is right."""
+        if ino not in self._told_dirs or self.staging.at_path(self.ns.mount_path(bucket, rel)) is not None:
             return False
-        node = self.ns.loaded_node(path)
-        return node is not None and node.kind in (DIR, BUCKET, ROOT)
+        index = self.ns.loaded_index(bucket)
+        entry = index.get(rel) if index is not None else None
+        return entry is not None and not isinstance(entry, ObjectInfo)
 
     @contextlib.contextmanager
     def serving(self, inodes: Sequence[InodeNo]) -> Iterator[None]:
@@ -2277,8 +2279,9 @@ class Filesystem:
             raise InvalidArgument(f"invalid bucket name {bucket!r}: letters, digits, '-' and '_' only")
         if await self.ns.bucket_exists(bucket):
             raise AlreadyExists(f"bucket {bucket}")
-        await self.mut.create_bucket(bucket)
-        node = await self.ns.resolve(path)
+        with self.files.changing(path):  # (the kernel learns of the new bucket from our answer)
+            await self.mut.create_bucket(bucket)
+            node = await self.ns.resolve(path)
         return self._attr(self.inodes.lookup(path), node)
 
     async def rmdir(self, parent_inode: InodeNo, name: bytes) -> None:

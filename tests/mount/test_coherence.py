@@ -462,6 +462,19 @@ def test_getcwd_works_in_a_directory_just_made(nats_url, bucket_name, mounter, t
                     break
                 time.sleep(0.001)
             os.chdir(home)
+        for i in range(3):  # a new bucket (mkdir at the root of an all-buckets mount)
+            d = m.path / f"{bucket_name}_b{i}"
+            os.mkdir(d)
+            os.chdir(d)
+            for _ in range(20):
+                try:
+                    os.getcwd()
+                except OSError as e:
+                    failures.append(f"{d}: getcwd: {e}")
+                    break
+                time.sleep(0.001)
+            os.chdir(home)
+            os.rmdir(d)
         assert failures == []
         if shutil.which("git"):
             repo = b / "repo"
