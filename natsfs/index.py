@@ -459,6 +459,7 @@ class BucketIndex:
                     existing.mtime_ns = info.mtime_ns  # set on purpose (utimensat, or entries changed)
                 else:
                     existing.mtime_ns = max(existing.mtime_ns, info.mtime_ns)
+                self._changed(path)  # (the same directory, with the marker's attributes now)
                 return
             if existing is not None:
                 self._hide(existing, f"a directory {'/'.join(path)!r} has the same path")
@@ -504,6 +505,7 @@ class BucketIndex:
         if marker:
             if isinstance(child, Dir) and child.marker is not None and child.marker.name == info.name:
                 child.marker = None
+                self._changed(path)  # (its attributes were the marker's)
                 trail.append((node, last))
                 node = child
             else:

@@ -146,6 +146,10 @@ class Namespace:
         self._bucket_names.add(bucket)
         return True
 
+    def bucket_listed(self, bucket: str) -> bool:
+        """Whether `bucket` was there at the last look (a listing, or a bucket found by name)."""
+        return bucket in self._bucket_names
+
     def loaded_buckets(self) -> list[str]:
         """Buckets whose index is loaded or loading."""
         return list(self._buckets)

@@ -416,6 +416,9 @@ class Filesystem:
         # The size last handed to the kernel for each file inode (the kernel's i_size, as far as we
         # know): an open pinning a version of another size is not served through the page cache.
         self._told_sizes: dict[InodeNo, int] = {}
+        # The inodes last handed to the kernel as directories: a change that leaves such a path a
+        # directory drops only its attributes, never its entry (see `entry_changed`).
+        self._told_dirs: set[InodeNo] = set()
         # Per inode, the calling threads an open of it was refused `ESTALE` for, whose retry has not come
         # yet (see `_kernel_size_stale`): their next open of it is never refused.
         self._size_revalidations: dict[InodeNo, set[int]] = {}
@@ -465,12 +468,20 @@ class Filesystem:
     def entry_changed(self, bucket: str, rel: tuple[str, ...] | None) -> None:
         """The namespace says an entry appeared, changed or vanished: drop what the kernel cached of it.
 
-        Unchanged objects keep their page cache; a changed one loses its attributes, pages and name
-        entry, so the next access comes back to us and sees the new version.
+        Unchanged objects keep their page cache; a changed one loses its attributes and pages, so the
+        next access comes back to us and sees the new version. The name's entry is dropped only where
+        the kernel's may be wrong: the name shows nothing now, or something the kernel holds no inode of
+        (a negative entry, a detached inode), or a thing of another kind. A directory that stays a
+        directory (its marker added, changed, its times stored) and a file this mount is uploading
+        keep their entries: the kernel's invalidation of a directory's entry unhashes it, and a process
+        whose working directory it is then gets ENOENT from getcwd(3) (git, make and shells call it),
+        until something walks the path again.
         """
         if rel is None:
-            if self.ns.single_bucket is None:
-                self.kernel.entry(ROOT_INODE, os.fsencode(bucket))
+            if self.ns.single_bucket is None and not self.files.is_own((bucket,)):
+                ino = self.inodes.known((bucket,))
+                if ino is None or ino not in self._told_dirs or not self.ns.bucket_listed(bucket):
+                    self.kernel.entry(ROOT_INODE, os.fsencode(bucket))
                 self.kernel.inode(ROOT_INODE, attr_only=True)
             return
         path = self.ns.mount_path(bucket, rel)
@@ -486,16 +497,29 @@ class Filesystem:
             # unlinked while open does on a local disk. Neither ever sees the other's bytes or size.
             self._detach(path)
             ino = None
+        entry_holds = False
         if ino is not None and self.files.uploading(ino):
-            # Our own upload: the page cache holds exactly what was written; only attributes moved.
+            # Our own upload: the page cache holds exactly what was written; only attributes moved, and
+            # the name still names this inode.
             self.kernel.inode(ino, attr_only=True)
+            entry_holds = True
         elif ino is not None:
             self.files.forget_cached_version(ino)
             self.kernel.inode(ino)
-        if path:
+            entry_holds = self._still_a_directory(ino, bucket, rel)
+        if path and not entry_holds:
             parent = self.inodes.known(path[:-1])
             if parent is not None:
                 self.kernel.entry(parent, os.fsencode(path[-1]))
+
+    def _still_a_directory(self, ino: InodeNo, bucket: str, rel: tuple[str, ...]) -> bool:
+        """Whether the kernel holds `ino` as a directory and `rel` in `bucket` still shows one (a
+        bucket's root included): its entry is right."""
+        if ino not in self._told_dirs or self.staging.at_path(self.ns.mount_path(bucket, rel)) is not None:
+            return False
+        index = self.ns.loaded_index(bucket)
+        entry = index.get(rel) if index is not None else None
+        return entry is not None and not isinstance(entry, ObjectInfo)
 
     @contextlib.contextmanager
     def serving(self, inodes: Sequence[InodeNo]) -> Iterator[None]:
@@ -582,12 +606,15 @@ class Filesystem:
                 mode = c.dir_mode  # buckets are made with mkdir here
             mode = stat.S_IFDIR | (mode if writable else mode & ~0o222)
             nlink = 2
+            self._told_dirs.add(ino)
         elif node.kind == LINK:
+            self._told_dirs.discard(ino)
             assert node.info is not None
             _, uid, gid = _owner(node.info.attrs, 0, c.uid, c.gid, False)
             mode = stat.S_IFLNK | 0o777
             size = len(os.fsencode(self._link_target(node)))
         else:
+            self._told_dirs.discard(ino)
             info = node.info
             assert info is not None
             mode, uid, gid = _owner(info.attrs, c.file_mode, c.uid, c.gid, c.allow_setuid)
@@ -745,7 +772,22 @@ class Filesystem:
                 raise
             # (renamed while checking: the answer was about the old path)
         async with self._dir_renames.adding(lambda: self.inodes.path_of(parent_inode)) as (directory,):
-            yield checked and directory == path[:-1]
+            here = checked and directory == path[:-1]
+            if not here:
+                yield False
+                return
+            # The new entry is this mount's own change: the kernel learns it from our answer. Its
+            # report (from the store's answer, or the watch when that comes first) must not invalidate
+            # the name: held back while this request runs, it would reach the kernel after the answer
+            # and drop the entry just made (a directory's, with a process already inside it).
+            with self.files.changing(path):
+                try:
+                    yield True
+                except NatsFSError:
+                    # Not made (another client's entry got there first, say): the kernel may hold a
+                    # negative entry for the name; it goes once this request is answered.
+                    self.kernel.entry(parent_inode, os.fsencode(path[-1]))
+                    raise
 
     async def _maybe_node(self, path: tuple[str, ...]) -> Node | None:
         try:
@@ -866,6 +908,7 @@ class Filesystem:
                 self.files.forget_cached_version(ino)
                 self._unlinked_nodes.pop(ino, None)
                 self._told_sizes.pop(ino, None)
+                self._told_dirs.discard(ino)
                 self._size_revalidations.pop(ino, None)
                 # A retry that held it never came (the kernel opens no inode it forgot).
                 for thread in [t for t, h in self._retry_holds.items() if h.ino == ino]:
@@ -937,6 +980,7 @@ class Filesystem:
                 if self.inodes.lookup_count(ino) == 0 and self.inodes.forget(ino, 0):
                     self.files.forget_cached_version(ino)
                     self._told_sizes.pop(ino, None)
+                    self._told_dirs.discard(ino)
                     self._size_revalidations.pop(ino, None)
                 if accepted is None:
                     continue
@@ -1642,6 +1686,7 @@ class Filesystem:
             # a forget.
             self.files.forget_cached_version(ino)
             self._told_sizes.pop(ino, None)
+            self._told_dirs.discard(ino)
             self._size_revalidations.pop(ino, None)
 
     async def _store_in_time(self, ino: InodeNo) -> None:
@@ -2256,8 +2301,9 @@ class Filesystem:
             raise InvalidArgument(f"invalid bucket name {bucket!r}: letters, digits, '-' and '_' only")
         if await self.ns.bucket_exists(bucket):
             raise AlreadyExists(f"bucket {bucket}")
-        await self.mut.create_bucket(bucket)
-        node = await self.ns.resolve(path)
+        with self.files.changing(path):  # (the kernel learns of the new bucket from our answer)
+            await self.mut.create_bucket(bucket)
+            node = await self.ns.resolve(path)
         return self._attr(self.inodes.lookup(path), node)
 
     async def rmdir(self, parent_inode: InodeNo, name: bytes) -> None:

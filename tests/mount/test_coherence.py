@@ -432,3 +432,64 @@ def test_a_reader_in_another_mount_whose_kernel_holds_the_old_size_reads_a_whole
     finally:
         os.kill(notifier, signal.SIGCONT)
     assert wait_for(lambda: read_or_none(r / "f") == new, T)
+
+
+def test_getcwd_works_in_a_directory_just_made(nats_url, bucket_name, mounter, tmp_path):
+    """mkdir D; cd D; getcwd: the mount's own new directory (and its later marker rewrites: a chmod, the
+    directory times stored) never drops the kernel's entry of D, which would leave every process inside
+    it with ENOENT from getcwd (git init: "unable to get current working directory")."""
+    create_bucket(nats_url, bucket_name)
+    m = mounter(nats_url)
+    b = m.path / bucket_name
+    home = os.getcwd()
+    failures: list[str] = []
+    try:
+        for i in range(50):
+            d = b / f"cwd{i}"
+            os.mkdir(d)
+            os.chdir(d)
+            if i % 5 == 0:
+                os.chmod(".", 0o700)  # (rewrites the empty directory's marker)
+            if i % 10 == 0:
+                Path("f").write_bytes(b"x")  # (the directory's times are stored later)
+            for _ in range(20):
+                try:
+                    if os.getcwd() != str(d):
+                        failures.append(f"{d}: getcwd names another directory")
+                        break
+                except OSError as e:
+                    failures.append(f"{d}: getcwd: {e}")
+                    break
+                time.sleep(0.001)
+            os.chdir(home)
+        for i in range(3):  # a new bucket (mkdir at the root of an all-buckets mount)
+            d = m.path / f"{bucket_name}_b{i}"
+            os.mkdir(d)
+            os.chdir(d)
+            for _ in range(20):
+                try:
+                    os.getcwd()
+                except OSError as e:
+                    failures.append(f"{d}: getcwd: {e}")
+                    break
+                time.sleep(0.001)
+            os.chdir(home)
+            os.rmdir(d)
+        assert failures == []
+        if shutil.which("git"):
+            repo = b / "repo"
+            repo.mkdir()
+            env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                   "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(tmp_path)}
+            git = ["git", "-c", "init.defaultBranch=main"]
+            subprocess.run([*git, "init", "-q", "."], cwd=repo, env=env, check=True, capture_output=True)
+            for c in range(3):
+                (repo / "sub").mkdir(exist_ok=True)
+                (repo / "sub" / "f.txt").write_text(f"commit {c}\n")
+                subprocess.run([*git, "add", "-A"], cwd=repo, env=env, check=True, capture_output=True)
+                subprocess.run([*git, "commit", "-q", "-m", f"c{c}"], cwd=repo, env=env, check=True,
+                               capture_output=True)
+            log = subprocess.run([*git, "log", "--oneline"], cwd=repo, env=env, check=True, capture_output=True)
+            assert len(log.stdout.splitlines()) == 3
+    finally:
+        os.chdir(home)
