@@ -5,34 +5,20 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Any
 
 import pyfuse3
 import pytest
 from gowriters import put_object
-from opskit import Ctx, Env, Fields, errno_of
+from opskit import Ctx, Env, Fields
+from test_ops_shared_and_odd_metas import err, stored
 
-from natsfs.adr20 import ObjectStore, digest_of
+from natsfs.adr20 import ObjectStore
 from natsfs.memstreams import MemoryStreams
 
 
 async def one_bucket(ms: MemoryStreams, store: ObjectStore) -> None:
     await store.create_bucket("b", max_bytes=4 << 20)
     await put_object(ms, "b", "old.txt", b"old content")
-
-
-async def err(coro: Any) -> int:
-    with pytest.raises(pyfuse3.FUSEError) as e:
-        await coro
-    return errno_of(e.value)
-
-
-async def stored(env: Env, name: str) -> bytes:
-    info = await env.store.get_info("b", name)
-    assert info is not None and not info.deleted
-    data = b"".join(m.data for m in await env.store.fetch_chunks("b", info.nuid, 1, 10_000, 1 << 30))
-    assert digest_of(data) == info.digest
-    return data
 
 
 def lost_found(env: Env) -> list[str]:
