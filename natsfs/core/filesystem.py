@@ -2372,6 +2372,11 @@ class Filesystem:
             # (One another client changed meanwhile is its own newer version now: it stays.)
             src_sf.replace(None)
             stored = None
+        elif stored is None and src_sf is None:
+            # Deleted (or renamed away) by another client since the kernel's walk found it: nothing to
+            # move, as on a local disk. (Answering 0 here had a rename racing another mount's unlink
+            # succeed while the file was gone.)
+            raise NotFound("/".join(old))
         if stored is not None:
             written = self._written_mtimes.pop((bucket, stored.nuid, stored.revision), None)
             if written is not None:  # the mtime shown (its last write) is the one rename keeps
