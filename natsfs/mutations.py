@@ -971,7 +971,9 @@ class Mutations:
                     log.warning("bucket %s: a failed directory rename could not move %r back to %r (%s); it "
                                 "stays under the new name", bucket, new.name, old.name, e)
 
-        with trio.CancelScope(shield=True):
+        # (Shielded, so that a cancelled rename does not stop half way back; bounded, so that a server that
+        # does not answer holds it no longer than two settled publishes.)
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + 2 * self.store.settle_timeout):
             async with trio.open_nursery() as nursery:
                 for old, new in moved:
                     nursery.start_soon(back, old, new)
