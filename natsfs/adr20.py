@@ -259,6 +259,14 @@ def tombstone_doc(bucket: str, name: str, doc: dict[str, Any]) -> dict[str, Any]
                     base=doc, deleted=True, link=link)
 
 
+def claim_doc(bucket: str, name: str, doc: dict[str, Any]) -> dict[str, Any]:
+    """The delete marker a rename writes under the name it takes away (its claim on that name), and the
+    delete of a name that shares its nuid with another live name: a tombstone as nats.go's Delete writes
+    it, but on a fresh nuid that holds no chunks. Another client's Delete or Put of the name purges the
+    nuid it finds there (nats.go, nats.js): that purges nothing, so the moved object is never destroyed."""
+    return tombstone_doc(bucket, name, dict(doc, nuid=new_nuid()))
+
+
 def usable_fields(doc: dict[str, Any]) -> dict[str, Any]:
     """`doc` without the descriptive fields and entries of the wrong JSON type that `parse_meta` ignores
     (`headers` a string, a metadata value that is a number, ...: `_descriptive_fields`): a rewrite of such
@@ -1716,8 +1724,10 @@ class ObjectStore:
                      ) -> ObjectInfo | None:
         """ADR-20 delete: a tombstone meta (rollup), then purge of the object's chunks. When another live
         name `shared` the nuid (a rename interrupted between its steps), no tombstone may carry it (other
-        clients purge the nuid they find under a deleted name): the name's meta subject is purged instead,
-        up to the revision read, and None is returned."""
+        clients purge the nuid they find under a deleted name): the tombstone gets a fresh nuid instead
+        (`claim_doc`) and no chunk is purged. Either tombstone expects the revision read, so of the
+        writes that expect it (this delete, another client's, a rename's claim of the name) exactly one
+        is stored (`Conflict` for the others)."""
         current = await self._doc_at(bucket, name, expected_revision)
         if current is None:
             raise NotFound(f"{bucket}/{name}")
@@ -1729,8 +1739,8 @@ class ObjectStore:
         check_same_object(bucket, name, doc, expected_nuid)
         nuid = str(doc.get("nuid") or "")
         if shared and nuid:
-            await self.streams.purge_subject(stream_name(bucket), meta_subject(bucket, name), before_seq=revision + 1)
-            return None
+            return await self.publish_meta(bucket, claim_doc(bucket, name, doc), expected_revision=revision,
+                                           timestamp=False)
         # (A tombstone's time is shown nowhere: not read back.)
         info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision,
                                        timestamp=False)
@@ -1744,18 +1754,30 @@ class ObjectStore:
 
     async def rename(self, bucket: str, old: str, new: str, *, expected_revision: int | None = None,
                      expected_nuid: str = "", target_revision: int = 0,
-                     change: Callable[[dict[str, Any]], None] | None = None) -> tuple[ObjectInfo, int]:
-        """Metadata-only rename as nats.go's UpdateMeta does it (same nuid, no data moved):
+                     change: Callable[[dict[str, Any]], None] | None = None,
+                     target_change: Callable[[dict[str, Any]], None] | None = None,
+                     stored: Callable[[ObjectInfo], None] | None = None) -> tuple[ObjectInfo, ObjectInfo]:
+        """Metadata-only rename (same nuid, no data moved), in nats.go's UpdateMeta order, the old name
+        taken by a claim instead of a purge:
         1. the meta under the new name (rollup; expects the target's revision, so another client's
            object there is never replaced unseen),
-        2. purge of the old name's meta subject, up to the revision read (a meta another client wrote
-           there meanwhile stays). No tombstone: one carrying the live nuid would make other clients'
-           Delete or Put of the old name purge the renamed object's chunks.
-        A crash between the steps leaves the object under both names. Returns (new info, the old
-        name's revision that was purged). The caller purges a replaced target's chunks."""
+        2. the claim of the old name: a tombstone on a fresh nuid (`claim_doc`) that expects the
+           revision read. Another client's delete of the old name, or its rename of it, expects that
+           revision too, so exactly one of them is stored. A tombstone carrying the live nuid would make
+           other clients' Delete or Put of the old name purge the renamed object's chunks; this one
+           carries none.
+        A claim refused (the old name was deleted, renamed or changed meanwhile) means this rename lost:
+        the meta it published under the new name is taken back (`_undo_move`, chunks never purged: the
+        nuid belongs to whoever won), and `NotFound` (the old name holds a tombstone or nothing) or
+        `Conflict` (another meta) is raised. A crash between the steps leaves the object under both
+        names. `stored` is called with every meta this stores (the new one, the claim, an undo), as it
+        is stored. Returns (new info, the claim). The caller purges a replaced target's chunks."""
         doc, revision = await self._live_doc(bucket, old, expected_revision, expected_nuid)
         self.check_name(bucket, new)
         moved = _moved_doc(doc, new, change)
+        # The replaced target's meta, stored again should the claim be refused (the new meta's rollup
+        # removes it): a round trip only when this store did not write that meta itself.
+        target = await self._live_target(bucket, new, target_revision) if target_revision else None
         key = (bucket, old)
         self._renaming[key] += 1
         try:
@@ -1763,12 +1785,76 @@ class ObjectStore:
             # directory marker's or link's new time is now, as this machine's clock has it.)
             new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=False,
                                                     replaces=(meta_subject(bucket, old), revision))
-            await self._purge_settled(bucket, meta_subject(bucket, old), revision + 1)
+            if stored is not None:
+                stored(new_info)
+            try:
+                claim = await self.publish_meta(bucket, claim_doc(bucket, old, doc), expected_revision=revision,
+                                                timestamp=False)
+            except Conflict:
+                undone = await self._undo_move(bucket, new_info, moved, target, target_change)
+                if undone is not None and stored is not None:
+                    stored(undone)
+                raise await self._lost_claim(bucket, old) from None
+            if stored is not None:
+                stored(claim)
         finally:
             self._renaming[key] -= 1
             if not self._renaming[key]:
                 del self._renaming[key]
-        return new_info, revision
+        return new_info, claim
+
+    async def _live_target(self, bucket: str, name: str, revision: int) -> dict[str, Any] | None:
+        """The live meta of a rename's target at `revision` (None: anything else, which the rename's
+        publish refuses anyway, or a meta that cannot be read)."""
+        try:
+            current = await self._doc_at(bucket, name, revision)
+        except MalformedMeta:
+            return None
+        if current is None or current[1] != revision or current[0].get("deleted"):
+            return None
+        return current[0]
+
+    async def _undo_move(self, bucket: str, new_info: ObjectInfo, moved: dict[str, Any],
+                         target: dict[str, Any] | None,
+                         target_change: Callable[[dict[str, Any]], None] | None) -> ObjectInfo | None:
+        """Take back the meta a rename that lost its old name stored under the new one: the target it
+        replaced is stored again, else a tombstone on a fresh nuid (announced by the watch, so other
+        mounts drop the name at once; the moved nuid's chunks are never touched). It expects exactly
+        the rename's own meta: anything written there since stays. Shielded, so that a cancelled rename
+        does not leave two names; one that cannot be stored is logged and left (as after a crash)."""
+        if target is not None:
+            restored = dict(target, mtime=ZERO_TIME)
+            if target_change is not None:
+                target_change(restored)
+        else:
+            restored = claim_doc(bucket, new_info.name, moved)
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + self.settle_timeout):
+            try:
+                return await self.publish_meta(bucket, restored, expected_revision=new_info.revision,
+                                               timestamp=False)
+            except Conflict:
+                return None  # written over meanwhile by another client: theirs stays
+            except NatsFSError as e:
+                log.warning("bucket %s: a rename to %r lost its source to another client, and the meta it "
+                            "stored there could not be taken back (%s): both names hold nuid %s (fsck "
+                            "reports it)", bucket, new_info.name, e, new_info.nuid)
+                return None
+        log.warning("bucket %s: a rename to %r lost its source to another client, and the meta it stored there "
+                    "was not taken back in time: both names may hold nuid %s (fsck reports it)", bucket,
+                    new_info.name, new_info.nuid)
+        return None
+
+    async def _lost_claim(self, bucket: str, old: str) -> NatsFSError:
+        """Why a rename's claim of `old` was refused: `NotFound` when the name is deleted now (a tombstone,
+        or nothing: another client deleted it, or renamed it away), else `Conflict` (changed)."""
+        changed = Conflict(f"{bucket}/{old} changed since it was read")
+        try:
+            now = await self.get_info(bucket, old)
+        except NatsFSError:
+            return changed  # (not readable now: it changed, at least)
+        if now is None or now.deleted:
+            return NotFound(f"{bucket}/{old} was deleted or renamed by another client meanwhile")
+        return changed
 
     async def check_rename_size(self, bucket: str, old: str, new: str, *, expected_revision: int,
                                 change: Callable[[dict[str, Any]], None] | None = None) -> None:

@@ -825,19 +825,23 @@ class Mutations:
                             target: ObjectInfo | None, *, keep_target_chunks: bool = False) -> ObjectInfo:
         """Metadata-only rename; replaces `target` (a live object at the new name) as POSIX requires.
 
-        Order (see adr20.ObjectStore.rename): new meta, then the old name's meta subject is purged,
-        then the replaced target's chunks. A crash in between leaves the object reachable under one
-        name or both, and at worst orphaned chunks of the replaced target, never a loss.
+        Order (see adr20.ObjectStore.rename): new meta, then the claim of the old name (a tombstone on a
+        fresh nuid that expects the revision read), then the replaced target's chunks. A crash in
+        between leaves the object reachable under one name or both, and at worst orphaned chunks of the
+        replaced target, never a loss. A claim refused (another client deleted or renamed the old name
+        meanwhile, `NotFound`; changed it, `Conflict`) takes the new meta back: nothing moved, no chunk
+        purged, and the replaced target stays.
         """
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
         info = await self._on_canonical(bucket, info)
         if target is not None:
             target = await self._on_canonical(bucket, target)
-        new_info, old_revision = await self.store.rename(
+        new_info, _claim = await self.store.rename(
             bucket, info.name, new_name, expected_revision=info.revision, expected_nuid=info.nuid,
-            target_revision=target.revision if target is not None else 0, change=_rename_change(info))
-        self._apply(bucket, new_info)
+            target_revision=target.revision if target is not None else 0, change=_rename_change(info),
+            target_change=_rename_change(target) if target is not None else None,
+            stored=lambda stored: self._apply(bucket, stored))
         if index is not None:
             # A hidden alias of the old name on the same nuid (an `adopt_alias` cut short, or a copy)
             # would show at the old name once its canonical subject is empty: it moves too.
@@ -845,7 +849,6 @@ class Mutations:
                 if alias.nuid == info.nuid:
                     await self.store.purge_alias(bucket, subject, alias.revision)
                     index.drop_alias(subject)
-            index.remove_if(info.name, old_revision)
         if (target is not None and target.link is None and target.nuid and target.nuid != info.nuid
                 and not keep_target_chunks
                 and not self._shared_nuid(index, target)):
@@ -889,9 +892,16 @@ class Mutations:
                 log.warning("rename: %s/%r is shown under %s but named otherwise; left in place", bucket,
                             info.name, old_prefix)
         marker = movable.pop() if movable and movable[-1].name == old_prefix else None
-        await self._rename_each(bucket, movable, old_prefix, new_prefix)
-        if marker is not None:
-            await self.rename_object(bucket, marker, new_prefix, None)
+        # The directory's own marker moves first: its claim decides a race with another client's rename
+        # (or rmdir) of the directory before any object moves, so that exactly one of them wins and the
+        # other moves nothing. (The old directory stays visible through the objects not moved yet.)
+        moved_marker = await self.rename_object(bucket, marker, new_prefix, None) if marker is not None else None
+        try:
+            await self._rename_each(bucket, movable, old_prefix, new_prefix)
+        except NatsFSError:
+            if marker is not None and moved_marker is not None:
+                await self._move_back(bucket, [(marker, moved_marker)])
+            raise
 
     async def _check_renamed_sizes(self, bucket: str, moves: list[ObjectInfo], old_prefix: str,
                                    new_prefix: str) -> None:
@@ -922,15 +932,50 @@ class Mutations:
 
     async def _rename_each(self, bucket: str, moves: list[ObjectInfo], old_prefix: str, new_prefix: str) -> None:
         """Rename objects of a directory, `RENAME_DIR_PARALLEL` at a time (each is two round trips, and a
-        Spark task commit renames a directory of several files). The first failure stops the rest."""
+        Spark task commit renames a directory of several files). The first failure (another client
+        deleted, renamed or changed an object meanwhile; the server not answering) starts no more
+        renames, lets those under way end (a rename cut between its steps would leave two names), moves
+        the objects already moved back to their old names, and is raised: a failed rename moved nothing."""
         limiter = trio.CapacityLimiter(RENAME_DIR_PARALLEL)
+        moved: list[tuple[ObjectInfo, ObjectInfo]] = []
+        failures: list[NatsFSError] = []
 
         async def move(info: ObjectInfo) -> None:
             async with limiter:
-                await self.rename_object(bucket, info, new_prefix + info.name[len(old_prefix):], None)
+                if failures:
+                    return
+                try:
+                    new_info = await self.rename_object(bucket, info, new_prefix + info.name[len(old_prefix):], None)
+                except NatsFSError as e:
+                    failures.append(e)
+                    return
+                moved.append((info, new_info))
 
-        with single_errors():
+        async with trio.open_nursery() as nursery:
+            for info in moves:
+                nursery.start_soon(move, info)
+        if failures:
+            await self._move_back(bucket, moved)
+            raise failures[0]
+
+    async def _move_back(self, bucket: str, moved: list[tuple[ObjectInfo, ObjectInfo]]) -> None:
+        """Rename objects a failed directory rename moved back to their old names (each a rename like
+        any other: its claim of the new name expects the meta the rename stored there). One that cannot
+        be moved back (another client changed it meanwhile, the server not answering) stays where it is,
+        one log line each: never lost."""
+        limiter = trio.CapacityLimiter(RENAME_DIR_PARALLEL)
+
+        async def back(old: ObjectInfo, new: ObjectInfo) -> None:
+            async with limiter:
+                try:
+                    await self.rename_object(bucket, new, old.name, None)
+                except NatsFSError as e:
+                    log.warning("bucket %s: a failed directory rename could not move %r back to %r (%s); it "
+                                "stays under the new name", bucket, new.name, old.name, e)
+
+        # (Shielded, so that a cancelled rename does not stop half way back; bounded, so that a server that
+        # does not answer holds it no longer than two settled publishes.)
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + 2 * self.store.settle_timeout):
             async with trio.open_nursery() as nursery:
-                for info in moves:
-                    nursery.start_soon(move, info)
-
+                for old, new in moved:
+                    nursery.start_soon(back, old, new)

@@ -301,7 +301,7 @@ class BucketWatcher:
         if name in self._confirming or self._nursery is None:
             return
         if self.store.renaming_away(self.bucket, name):
-            return  # our own rename: it drops the old name itself once the old meta is purged
+            return  # our own rename: it drops the old name itself once its claim of the old name is stored
         held = self._current().objects.get(name)
         if held is None:
             return

@@ -308,8 +308,9 @@ class _DirRenameGate(_Gate):
     mknod, a rename into, out of or within them) or removed from them (unlink, rmdir), or changed in
     place there (chmod, chown, utimens, truncate, setxattr, removexattr; also of the moved directory
     itself) run one after the other. A rename moves the objects it finds when it starts, each in two
-    steps (its meta under the new name, then a purge of the old name's meta up to the revision it read);
-    an entry published under the old path meanwhile stayed behind and brought the old directory back,
+    steps (its meta under the new name, then its claim of the old name: a tombstone on a fresh nuid that
+    expects the revision it read; before, a purge of the old name's meta up to that revision); an entry
+    published under the old path meanwhile stayed behind and brought the old directory back,
     one removed by its old path between the two steps left a tombstone carrying the renamed object's
     nuid, and one changed by its old path between them got a live meta there again (the purge leaves a
     newer one alone): the object under both names, two live metas with one nuid. So an entry waits while
@@ -2440,6 +2441,11 @@ class Filesystem:
             # (One another client changed meanwhile is its own newer version now: it stays.)
             src_sf.replace(None)
             stored = None
+        elif stored is None and src_sf is None:
+            # Deleted (or renamed away) by another client since the kernel's walk found it: nothing to
+            # move, as on a local disk. (Answering 0 here had a rename racing another mount's unlink
+            # succeed while the file was gone.)
+            raise NotFound("/".join(old))
         if stored is not None:
             written = self._written_mtimes.pop((bucket, stored.nuid, stored.revision), None)
             if written is not None:  # the mtime shown (its last write) is the one rename keeps

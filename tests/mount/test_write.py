@@ -404,7 +404,11 @@ def test_rename_is_metadata_only_and_replaces_the_target(nats_url, bucket_name, 
     os.rename(b / "a.bin", b / "b.bin")
     new_b = meta_json(nats_url, bucket_name, "b.bin")
     assert new_b["nuid"] == a["nuid"] and new_b["size"] == 300_000
-    assert meta_json(nats_url, bucket_name, "a.bin") is None  # purged as nats.go's UpdateMeta does: no tombstone
+    # The rename's claim of the old name: a tombstone on a fresh nuid that holds no chunks (nats.go's
+    # Delete or a nats.js put of a.bin purge that nuid, never the renamed object's).
+    claim = meta_json(nats_url, bucket_name, "a.bin")
+    assert claim["deleted"] is True and claim["nuid"] not in ("", a["nuid"])
+    assert chunk_count(nats_url, bucket_name, claim["nuid"]) == 0
     assert chunk_count(nats_url, bucket_name, old_b["nuid"]) == 0
     assert chunk_count(nats_url, bucket_name, a["nuid"]) == a["chunks"]
     assert nats_py_get(nats_url, bucket_name, "b.bin") == b"A" * 300_000

@@ -35,10 +35,10 @@ import pytest
 import trio
 import trio.testing
 from opskit import CTX, Env, Fields
-from test_ops_entries_in_renamed_dirs import stored_metas, stored_names, tombstones_sharing_a_live_nuid
+from test_ops_entries_in_renamed_dirs import HeldWhen, stored_metas, stored_names, tombstones_sharing_a_live_nuid
 from test_ops_upload_races import bucket_b, ino_of, rename
 
-from natsfs.adr20 import BytesSource, ObjectStore, meta_subject, stream_name
+from natsfs.adr20 import BytesSource, ObjectStore, stream_name
 from natsfs.memstreams import MemoryStreams
 
 
@@ -131,31 +131,10 @@ CHANGES: dict[str, tuple[Callable[[Env, int], Awaitable[None]], str, Callable[[E
 }
 
 
-class HeldWhen:
-    """Holds the first call of the async method `obj.name` whose arguments `when(*args)` picks, until
-    `release()`."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, obj: object, name: str, when: Callable[..., bool]) -> None:
-        self.held = trio.Event()
-        self._gate = trio.Event()
-        real = getattr(obj, name)
-
-        async def held(*args: Any, **kwargs: Any) -> Any:
-            if not self.held.is_set() and when(*args):
-                self.held.set()
-                await self._gate.wait()
-            return await real(*args, **kwargs)
-
-        monkeypatch.setattr(obj, name, held)
-
-    def release(self) -> None:
-        self._gate.set()
-
-
 def between_the_steps_for(monkeypatch: pytest.MonkeyPatch, env: Env, name: str) -> HeldWhen:
-    """Holds a rename's purge of `name`'s meta subject: its meta under the new name is published already."""
-    return HeldWhen(monkeypatch, env.store, "_purge_settled",
-                    lambda bucket, subject, *_: subject == meta_subject("b", name))
+    """Holds a rename's claim of `name` (a tombstone there): its meta under the new name is published already."""
+    return HeldWhen(monkeypatch, env.store, "publish_meta",
+                    lambda bucket, doc, *_: bool(doc.get("deleted")) and doc.get("name") == name)
 
 
 def old_name(entry: str) -> str:

@@ -28,6 +28,27 @@ from natsfs.adr20 import BytesSource, ObjectStore, parse_meta, stream_name
 from natsfs.memstreams import MemoryStreams
 
 
+class HeldWhen:
+    """Holds the first call of the async method `obj.name` whose arguments `when(*args)` picks, until
+    `release()`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, obj: object, name: str, when: Callable[..., bool]) -> None:
+        self.held = trio.Event()
+        self._gate = trio.Event()
+        real = getattr(obj, name)
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            if not self.held.is_set() and when(*args):
+                self.held.set()
+                await self._gate.wait()
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(obj, name, held)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
 async def dir_with_a_file(ms: MemoryStreams, store: ObjectStore) -> None:
     await bucket_b(ms, store)
     await store.put("b", "d/f", BytesSource(b"in d"), expected_revision=0)
@@ -230,9 +251,8 @@ def test_an_entry_removed_while_its_directory_is_renamed_is_removed_from_the_ren
             return real_apply(info)
 
         monkeypatch.setattr(index, "apply", apply)
-        # The rename's first purge of an old name (d/f, or the marker d/s/; the marker d/ is last): its
-        # new meta is published already.
-        hold = Held(monkeypatch, env.store, "_purge_settled")
+        # The rename's first claim of an old name (its tombstone there): its new meta is published already.
+        hold = HeldWhen(monkeypatch, env.store, "publish_meta", lambda bucket, doc, *_: bool(doc.get("deleted")))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(rename(env, "d", "e"))
             await hold.held.wait()

@@ -25,7 +25,7 @@ from test_ops_changes_in_renamed_dirs import HeldWhen, jittered
 from test_ops_entries_in_renamed_dirs import stored_names
 from test_ops_upload_races import ino_of
 
-from natsfs.adr20 import BytesSource, ObjectStore, meta_subject
+from natsfs.adr20 import BytesSource, ObjectStore
 from natsfs.core.filesystem import AttrChanges
 from natsfs.errors import DetachedPath
 from natsfs.inodes import DETACHED, InodeNo
@@ -109,9 +109,9 @@ def test_no_detached_path_becomes_an_object_name(ops_env):
 
 
 def between_the_steps_for(monkeypatch: pytest.MonkeyPatch, env: Env, name: str) -> HeldWhen:
-    """Holds a rename's purge of `name`'s meta subject: its meta under the new name is published already."""
-    return HeldWhen(monkeypatch, env.store, "_purge_settled",
-                    lambda bucket, subject, *_: subject == meta_subject("b", name))
+    """Holds a rename's claim of `name` (a tombstone there): its meta under the new name is published already."""
+    return HeldWhen(monkeypatch, env.store, "publish_meta",
+                    lambda bucket, doc, *_: bool(doc.get("deleted")) and doc.get("name") == name)
 
 
 def under(top: str, names: set[str]) -> set[str]:

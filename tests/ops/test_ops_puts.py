@@ -208,14 +208,16 @@ def test_puts_left_by_a_killed_daemon_are_cleaned_at_the_next_mount(ops_env, tmp
     ops_env(body, streams=ms, purge_check_delay=0.0)
 
 
-def test_rename_purges_the_old_meta_and_leaves_no_tombstone(ops_env):
+def test_rename_leaves_the_old_name_a_tombstone_that_carries_no_live_nuid(ops_env):
     async def body(env: Env):
         old = await env.store.get_info("b", "old.txt")
         b = (await env.lookup("b")).st_ino
         await env.ops.rename(b, b"old.txt", b, b"new.txt", 0, Ctx())
-        assert env.streams.subjects(stream_name("b")).get(meta_subject("b", "old.txt")) is None
-        # nats.go's Delete(old.txt) finds nothing to purge; the renamed object is intact.
-        assert await env.store.get_info("b", "old.txt") is None
+        # The rename's claim of the old name: nats.go's Delete(old.txt) purges its nuid, which holds nothing;
+        # the renamed object is intact.
+        claim = await env.store.get_info("b", "old.txt")
+        assert claim is not None and claim.deleted and claim.nuid not in ("", old.nuid)
+        assert await env.store.chunk_index("b", claim.nuid) == []
         assert (await env.store.get_info("b", "new.txt")).nuid == old.nuid
         assert await stored(env, "new.txt") == b"old content"
         assert "old.txt" not in (await env.listdir(b)).names
@@ -486,12 +488,15 @@ def test_chunks_whose_purge_fails_are_purged_once_the_server_answers(ops_env):
     ops_env(body, setup=one_bucket, purge_check_delay=0.0)
 
 
-def test_a_rename_retries_the_purge_of_the_old_name(ops_env):
+def test_a_rename_retries_the_claim_of_the_old_name(ops_env):
     async def body(env: Env):
         b = (await env.lookup("b")).st_ino
-        env.streams.fail_next("purge_subject", Unavailable("a moment away"), times=2)
+        env.streams.fail_next("publish", Unavailable("a moment away"), times=2,
+                              subject=meta_subject("b", "old.txt"))
         await env.ops.rename(b, b"old.txt", b, b"new.txt", 0, Ctx())
-        assert await env.store.get_info("b", "old.txt") is None
+        assert not env.streams._faults
+        gone = await env.store.get_info("b", "old.txt")
+        assert gone is not None and gone.deleted
         assert await stored(env, "new.txt") == b"old content"
 
     ops_env(body, setup=one_bucket)

@@ -178,15 +178,21 @@ def test_no_answer_at_all_is_outcome_unknown_and_the_chunks_stay():
     run(body)
 
 
-def test_rename_purges_only_up_to_the_revision_it_read():
+def test_rename_claims_the_old_name_with_a_tombstone_that_carries_no_live_nuid():
+    """The old name gets a tombstone that expected the revision read (its claim), on a fresh nuid: nats.go's
+    Delete of the old name then purges nothing of the renamed object."""
     async def body(ms: MemoryStreams, store: ObjectStore) -> None:
         a = await put_object(ms, "b", "a", b"data")
-        new, revision = await store.rename("b", "a", "z", expected_revision=a.revision)
-        assert revision == a.revision and new.nuid == a.nuid
-        assert await store.get_info("b", "a") is None
+        new, claim = await store.rename("b", "a", "z", expected_revision=a.revision)
+        assert new.nuid == a.nuid and claim.revision > new.revision
+        assert claim.deleted and claim.nuid not in ("", a.nuid)
+        gone = await store.get_info("b", "a")
+        assert gone is not None and gone.deleted and gone.revision == claim.revision
+        assert await store.chunk_index("b", claim.nuid) == []
+        assert len(await store.chunk_index("b", a.nuid)) == 1
         # A bounded purge leaves a newer meta alone.
         later = await put_object(ms, "b", "a", b"again")
-        await store.purge_tombstone("b", "a", a.revision)
+        await store.purge_tombstone("b", "a", claim.revision)
         assert (await store.get_info("b", "a")).nuid == later.nuid
 
     run(body)
