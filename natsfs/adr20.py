@@ -102,6 +102,7 @@ from .streams import (
     EXPECTED_LAST_MSG_ID,
     EXPECTED_LAST_SUBJECT_SEQ,
     EXPECTED_STREAM,
+    MAX_STREAM_NAME,
     MSG_ID,
     ROLLUP,
     AccountLimits,
@@ -109,6 +110,7 @@ from .streams import (
     StoredMsg,
     Streams,
     StreamState,
+    literal_subject,
 )
 
 log = logging.getLogger(__name__)
@@ -163,6 +165,9 @@ MAX_TIME_NS = 2**63 - 1
 # timestamp, dev_t): a value outside [low, high) is unusable and ignored, as a value that is not a number is.
 _ATTR_LIMITS = {ATTR_MODE: (0, 2**32), ATTR_UID: (0, 2**32), ATTR_GID: (0, 2**32),
                 ATTR_MTIME: (MIN_TIME_NS, MAX_TIME_NS + 1), ATTR_RDEV: (0, 2**64)}
+# What a numeric POSIX attribute's string must be (`natsfs.mtime_ns` alone may be negative).
+_DIGITS = re.compile(r"[0-9]+")
+_SIGNED_DIGITS = re.compile(r"-?[0-9]+")
 # The largest size a file can show (off_t), and nats.go's bound (uint32) on a chunk count.
 MAX_OBJECT_SIZE = 2**63 - 1
 MAX_CHUNKS = 2**32 - 1
@@ -359,6 +364,15 @@ def chunk_subject(bucket: str, nuid: str) -> str:
     return f"$O.{bucket}.C.{nuid}"
 
 
+def _delete_marker(data: bytes) -> bool:
+    """Whether a meta message is a delete marker (a tombstone), read as leniently as anything can be."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("deleted") is True
+
+
 def valid_bucket_name(name: str) -> bool:
     return bool(BUCKET_NAME_RE.match(name))
 
@@ -531,10 +545,15 @@ def _attrs_from(metadata: dict[str, Any], name: str, ignored: Ignored | None) ->
         if not isinstance(raw, str):
             unusable(key, raw)  # not the string another client should have written
             return None
+        # ASCII digits only (a sign only where the value may be negative): int() alone also takes
+        # "0o777", " 755", "7_5_5", "+755" and digits of other scripts ("٧٥٥"), which no writer means.
+        if not (_SIGNED_DIGITS if key == ATTR_MTIME else _DIGITS).fullmatch(raw):
+            unusable(key, raw)
+            return None
         try:
             v = int(raw, base)
         except ValueError:
-            unusable(key, raw)
+            unusable(key, raw)  # an 8 or a 9 in an octal mode
             return None
         low, high = _ATTR_LIMITS[key]
         if not low <= v < high:
@@ -679,6 +698,10 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
     `_descriptive_fields`), a POSIX attribute of the metadata that is not a number or out of its type's
     range. The object shows as if it were absent (the attribute's default applies), and `ignored` is
     told why: once for the fields of the wrong type, once per unusable attribute."""
+    if msg.subject and not literal_subject(msg.subject):
+        # Stored as published (`$O.b.M.>`), but no client can address it, and any change of it would
+        # purge its subject, which matches every meta subject in the bucket.
+        raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) is under a wildcard subject")
     token = msg.subject.rsplit(".", 1)[-1] if msg.subject else ""
     try:
         doc = json.loads(msg.data)
@@ -838,9 +861,16 @@ class ObjectStore:
             shown = name.encode("utf-8", "backslashreplace").decode("utf-8")
             raise BadName(f"{bucket}/{shown}: the name is not UTF-8 (no ADR-20 client could use it)") from None
         longest = len(last_meta_request_subject(bucket, name))
-        if longest > self.max_subject_bytes:
+        if longest > self.subject_limit:
             raise NameTooLong(f"{bucket}/{name[:40]}...: the name's subjects would be {longest} bytes, over the "
-                              f"limit of {self.max_subject_bytes}")
+                              f"limit of {self.subject_limit}")
+
+    @property
+    def subject_limit(self) -> int:
+        """The longest subject sent: `max_subject_bytes`, or less where the server turned out to take less
+        (a `max_control_line` under its default, which INFO does not announce)."""
+        learned = self.streams.subject_limit
+        return self.max_subject_bytes if learned is None else min(self.max_subject_bytes, learned)
 
     def check_meta_payload(self, bucket: str, doc: dict[str, Any], data: bytes | None = None) -> None:
         """`TooBig` when a meta would be over the server's max payload (with room for its headers)."""
@@ -1105,6 +1135,9 @@ class ObjectStore:
         flag that lets puts of up to `ATOMIC_MAX_CHUNKS` chunks go as one atomic batch."""
         if not valid_bucket_name(bucket):
             raise InvalidArgument(f"invalid bucket name {bucket!r} (letters, digits, - and _ only)")
+        if len(stream_name(bucket)) > MAX_STREAM_NAME:  # (a bucket name of up to 251 characters)
+            raise NameTooLong(f"bucket name of {len(bucket)} characters: its stream {STREAM_PREFIX}<name> "
+                              f"would be over JetStream's {MAX_STREAM_NAME}")
         config: dict[str, Any] = {
             "name": stream_name(bucket),
             "description": description or None,
@@ -1188,7 +1221,20 @@ class ObjectStore:
             await watch.close()
 
     async def live_object_count(self, bucket: str) -> int:
-        return len(await self.live_objects(bucket))
+        """How many objects deleting the bucket would destroy: every meta subject whose last message is not
+        a delete marker, also one this mount skips (see `parse_meta`) that other clients still list (nats.go
+        lists a meta whose nuid names no subject, or one under another name's subject). Counting only the
+        objects this mount shows had `rmdir` of a bucket that looked empty delete such objects."""
+        watch = await self.watch_metas(bucket)
+        live = 0
+        try:
+            while True:
+                batch = await watch.next_batch(timeout=5.0)
+                live += sum(1 for m in batch.msgs if not _delete_marker(m.data))
+                if batch.caught_up:
+                    return live
+        finally:
+            await watch.close()
 
     # ---------------------------------------------------------------- chunks
     async def fetch_chunks(self, bucket: str, nuid: str, start_seq: int, count: int,
@@ -1311,6 +1357,7 @@ class ObjectStore:
                 # Neither ack came. The chunk is sent again (same id: stored once) before anything else;
                 # if that fails too, its error goes up with the meta's outcome unknown.
                 assert chunk is not None
+                self._refuse_unsendable(bucket, subject, e)
                 await self.streams.publish_many([chunk], 1)
                 ambiguous = e
                 mine = await self._read_back(bucket, subject, data, expected_revision, deadline, e)
@@ -1325,6 +1372,7 @@ class ObjectStore:
                     raise
                 return mine
             except Unavailable as e:
+                self._refuse_unsendable(bucket, subject, e)
                 log.debug("%s: the meta publish got no answer (%s); reading it back", subject, e)
                 ambiguous = e
                 mine = await self._read_back(bucket, subject, data, expected_revision, deadline, e)
@@ -1344,6 +1392,22 @@ class ObjectStore:
             if stored is not None and stored.seq == seq:
                 return stored
             return StoredMsg(seq, subject, headers, data, time.time_ns())
+
+    def _refuse_unsendable(self, bucket: str, subject: str, cause: NatsFSError) -> None:
+        """After a meta publish on `subject` got no answer: where the connection was lost meanwhile for a
+        control line over the server's `max_control_line` (see `Bridge.subject_limit`), a subject over
+        what the server takes was that line, or as long: never processed, so not stored (`NameTooLong`);
+        sent again, or read back by a direct get on a longer subject, it would only drop the connection
+        again, every 2 s until `settle_timeout`. A publish that fits but whose read-back would not is
+        `OutcomeUnknown` at once."""
+        limit = self.subject_limit
+        if len(subject) > limit:
+            raise NameTooLong(f"{subject[:60]}...: not stored: the server takes no subject over {limit} bytes "
+                              f"(its max_control_line) and dropped the connection ({cause})")
+        if len(f"$JS.API.DIRECT.GET.{stream_name(bucket)}.{subject}") > limit:
+            raise OutcomeUnknown(f"{subject[:60]}...: the meta publish got no answer ({cause}), and the server "
+                                 f"takes no subject as long as its read-back (over {limit} bytes): it may or "
+                                 f"may not be stored")
 
     async def _publish_after(self, chunk: ChunkMsg, subject: str, data: bytes, headers: dict[str, str]) -> int:
         """A one-chunk put's meta sent right behind its chunk, both in flight at once: one round trip, as

@@ -215,11 +215,25 @@ def _context(name: str | None, environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _read_secret_file(path: str, what: str) -> str:
+    """The secret in `path`, stripped. A file that is not UTF-8 text, or holds nothing, is one sentence
+    naming the file (never a byte of its content), not a traceback or a connection refused for no
+    stated reason."""
     try:
-        with open(path) as f:
-            return f.read().strip()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise Unavailable(f"cannot read the {what} file {path}: {e.strerror}") from None
+    try:
+        secret = data.decode().strip()
+    except UnicodeDecodeError:
+        raise Unavailable(f"the {what} file {path} is not UTF-8 text") from None
+    if not secret:
+        raise Unavailable(f"the {what} file {path} is empty")
+    return secret
+
+
+# The URL schemes nats-py connects with.
+SCHEMES = ("nats", "tls", "ws", "wss")
 
 
 def split_servers(raw: str | None) -> tuple[str, ...]:
@@ -236,6 +250,11 @@ def split_servers(raw: str | None) -> tuple[str, ...]:
         raise Unavailable("a server URL's password or token holds a comma, which separates servers: write it "
                           "percent-encoded (%2C), and give each server of a list its scheme (nats://user:pw@host)")
     for server in servers:
+        scheme = server.partition("://")[0] if "://" in server else "nats"
+        if scheme.lower() not in SCHEMES:
+            # (nats-py took http:// for a host name to resolve: "Name or service not known")
+            raise Unavailable(f"a server URL starts with {scheme}://, which is no NATS scheme: use nats://, tls://, "
+                              "ws:// or wss://")
         userinfo = server.partition("://")[2] if "://" in server else server
         if "@" in userinfo and any(c in userinfo.rpartition("@")[0] for c in "/?#"):
             raise Unavailable("a server URL's password or token holds '/', '?' or '#', which end the host part of "
@@ -263,6 +282,15 @@ def tls_wanted(server: str, auth: Connection | None) -> bool:
 
 NO_TLS = ("the server does not offer TLS, which a tls:// URL or a TLS option (--tls-ca, --tls-cert, --tls-key) asks "
           "for: refusing to send credentials in clear")
+CLIENT_CERT_WANTED = ("the server asks for a TLS client certificate, and none was given (--tls-cert and --tls-key, "
+                      "or $NATS_CERT and $NATS_KEY)")
+
+
+def client_cert_missing(info: Mapping[str, Any], auth: Connection | None) -> bool:
+    """Whether a failed connection is explained by the server's INFO asking for a client certificate
+    (`tls_verify`) that was not given: the server then drops the connection with a TLS alert that, by
+    timing, reaches the client as `Connection lost` or a broken pipe rather than as the alert."""
+    return bool(info.get("tls_verify")) and not (auth is not None and auth.tls_cert)
 
 
 def resolve(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Connection:

@@ -33,6 +33,11 @@ thread, which took 0.1-0.13 ms off each request's round trip on the test machine
 (random 4 KiB reads 0.77-0.83 -> 0.61-0.71 ms p50) and 5-10 % off the daemon's CPU per MiB of a cold
 read. A `_Link` on the asyncio thread drives it instead where the trio one cannot be made (or with
 `trio_reads=False`).
+The trio thread's lean connection also takes the deliveries of one-shot headers-only consumers (the
+chunk-size scans of `JetStreams.subject_index`: `Bridge.open_deliveries`, `Deliveries`), off the main
+connection and without a message object per delivery; what they mean is `jetstream`'s to check. They
+hold no reply budget: the consumer's flow control, answered by the reader as it parses it, bounds what
+waits unread for them, and a loss with only deliveries in flight is no kick.
 
 Nothing outside this module (and `natsfs.wire`, which only it imports) imports asyncio or nats; nats
 exceptions become `natsfs.errors`, and nats-py internals are reached only through `natsfs.natscompat`.
@@ -60,7 +65,7 @@ import nats.errors
 import trio
 
 from . import memory, natscompat, wire
-from .auth import NO_TLS, Connection, tls_wanted
+from .auth import CLIENT_CERT_WANTED, NO_TLS, Connection, client_cert_missing, tls_wanted
 from .errors import JetStreamAPIError, NatsFSError, NoConnection, NotFound, NotPermitted, OutcomeUnknown, Unavailable
 from .futures import wait_future
 from .retry import Backoff
@@ -98,6 +103,11 @@ _BUDGET_REGROW_S = 600.0
 # A lean-connection loss followed this soon by the main connection's was the server going away, not a
 # kick: the budget shrunk for it (the server took the lean connection back before it went) is given back.
 _SHRINK_UNDO_S = 5.0
+# How the server's -ERR for a control line over its `max_control_line` reads, as nats-py reports it.
+CONTROL_LINE_EXCEEDED = "maximum control line exceeded"
+# A subject shorter than this cannot be what a server's max_control_line refused (it would refuse the
+# mount's every request): a loss for that reason with no request in flight longer teaches nothing.
+_SHORTEST_SUBJECT_LEARNED = 256
 # While the lean connection is being replaced, batched direct gets go over the main connection, which
 # carries the watchers and publishes: read traffic must never get it dropped, so replies in flight there
 # have a budget of their own that is always the floor (the lean connection is back within moments).
@@ -347,6 +357,8 @@ class _Link:
         except (TimeoutError, OSError, nats.errors.Error) as e:
             reason = errors[0] if errors else e
             shown = redact_url(server)
+            if client_cert_missing(natscompat.server_info(nc), self.auth):
+                raise Unavailable(f"cannot connect to NATS at {shown}: {CLIENT_CERT_WANTED}") from None
             raise Unavailable(f"cannot connect to NATS at {shown}: {str(reason) or type(reason).__name__}") from None
         client.append(nc)
         natscompat.guard_close(nc)
@@ -666,6 +678,85 @@ class _TrioCollector:
             self.done.set()
 
 
+# A delivery of a consumer scan: (subject, reply subject, `Nats-Msg-Size`), None for the size when the
+# message was no headers-only delivery with a readable size.
+Delivery = tuple[bytes, bytes, int | None]
+
+
+class Deliveries:
+    """What a JetStream push consumer delivers to a subject of the trio thread's lean connection
+    (`Bridge.open_deliveries`): a one-shot headers-only scan, read without crossing to the asyncio
+    thread and without a message object per delivery (`wire.DeliverySink`). The reader answers the
+    consumer's flow-control requests as it parses them, so once everything before them is taken: the
+    server never runs more than its flow-control window ahead, and a scan of many small messages,
+    which the server sends faster than Python parses them, cannot pile up past the server's
+    `max_pending` and get the connection dropped. Heartbeats are ignored (a stalled consumer is
+    resumed). `next` raises once the connection is lost (after handing over what came before), or
+    when the server refused the subscription."""
+
+    def __init__(self, reads: _TrioReads, conn: wire.TrioWireConnection, subject: str):
+        self.subject = subject
+        self._reads = reads
+        self._conn = conn
+        self._rows: list[Delivery] = []
+        self._wake = trio.Event()
+        self.error: Unavailable | NotPermitted | None = None
+        self._sid: int | None = None
+
+    def _open(self) -> None:
+        try:
+            self._sid = self._conn.subscribe(self.subject, self)
+        except wire.WireError as e:
+            raise Unavailable(f"subscribe to {self.subject}: {e}") from None
+        self._reads.deliveries[self.subject] = self
+
+    # ---- wire.DeliverySink (the reader's task)
+    def headers_only(self, rows: list[tuple[bytes, bytes, int]]) -> None:
+        self._rows += rows
+        self._wake.set()
+
+    def message(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes | bytearray) -> None:
+        if headers is not None and headers.get("Status") == "100" and not data and not reply.startswith("$JS.ACK."):
+            # Flow control (a request, answered on its `$JS.FC` reply subject) or a heartbeat (which
+            # names a stalled consumer's resume subject, if it is stalled): no delivery. (A delivery,
+            # whatever headers its message has, comes with a `$JS.ACK` reply: it is a row, for the
+            # caller to judge; nothing is published to a subject another client's headers name.)
+            for answer in (reply, headers.get("Nats-Consumer-Stalled")):
+                if answer and answer.startswith("$JS.FC."):
+                    with contextlib.suppress(wire.WireError):
+                        self._conn.publish(answer)
+            return
+        size = headers.get("Nats-Msg-Size") if headers and "Status" not in headers and not data else None
+        self._rows.append((subject.encode(), reply.encode(),
+                           int(size) if size is not None and size.isdigit() and len(size) < 19 else None))
+        self._wake.set()
+
+    def fail(self, error: Unavailable | NotPermitted) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake.set()
+
+    # ---- the scan's task
+    async def next(self, timeout: float) -> list[Delivery]:
+        """The deliveries that came since the last call, waiting up to `timeout` s for one (an empty
+        list when none came)."""
+        with trio.move_on_after(timeout):
+            while not self._rows and self.error is None:
+                self._wake = trio.Event()
+                await self._wake.wait()
+        rows, self._rows = self._rows, []
+        if not rows and self.error is not None:
+            raise self.error
+        return rows
+
+    def close(self) -> None:
+        """Unsubscribe (the caller deletes its consumer)."""
+        self._reads.deliveries.pop(self.subject, None)
+        sid, self._sid = self._sid, None
+        if sid is not None and not self._conn.is_closed:
+            self._conn.unsubscribe(sid)
+
+
 class _TrioReads:
     """The lean connection for batched direct gets, driven by the trio thread itself
     (`wire.TrioWireConnection`): a read's request is written, and its replies parsed and handed to
@@ -688,6 +779,7 @@ class _TrioReads:
         self.nc: wire.TrioWireConnection | None = None
         self.prefix = ""
         self.waiters: dict[str, _TrioCollector | Subscription] = {}
+        self.deliveries: dict[str, Deliveries] = {}  # by subject
         self._next_token = 0
         self._next_server = 0
         self._server_index = 0  # in `servers`, of the current connection (or the last one)
@@ -767,6 +859,16 @@ class _TrioReads:
     def _refused(self, kind: str, subject: str) -> None:
         """`_Link.refused` for this connection (the trio thread parses its `-ERR`)."""
         wanted = subject.lower()
+        if kind == "subscription":
+            for d in list(self.deliveries.values()):
+                if d.subject.lower() == wanted:
+                    # (Not `refusal`: its one line per kind would be one per scan, each subject being
+                    # new; the caller scans another way and remembers.)
+                    del self.deliveries[d.subject]
+                    log.debug("the server refused the subscription to %s (deliveries of a scan)", d.subject)
+                    d.fail(NotPermitted(f"permission denied: the NATS server does not let this user subscribe "
+                                        f"to {d.subject}", kind=kind, subject=d.subject))
+                    return
         if kind == "publish":
             for token, waiter in self.waiters.items():
                 if waiter.subject.lower() == wanted:
@@ -779,6 +881,9 @@ class _TrioReads:
         waiters, self.waiters = self.waiters, {}
         for waiter in waiters.values():
             waiter.fail_in_trio(reason)
+        deliveries, self.deliveries = self.deliveries, {}
+        for d in deliveries.values():
+            d.fail(Unavailable(f"deliveries to {d.subject}: connection to NATS lost ({reason})"))
 
     def _on_msg(self, subject: str, headers: dict[str, str] | None, data: bytes | bytearray) -> None:
         prefix = self.prefix
@@ -803,6 +908,18 @@ class _TrioReads:
             self.waiters.pop(token, None)
             raise Unavailable(f"{subject}: not sent ({e})") from None
         return token
+
+    def open_deliveries(self) -> Deliveries:
+        """A fresh subject of this connection for a consumer's deliveries (`Bridge.open_deliveries`).
+        It is under the reply inbox's prefix but one token deeper, so the inbox's `<prefix>.*`
+        subscription does not get them too."""
+        conn = self.nc
+        if conn is None or conn.is_closed:
+            raise Unavailable("the lean connection to NATS is being replaced")
+        self._next_token += 1
+        d = Deliveries(self, conn, f"{self.prefix}.d.{self._next_token}")
+        d._open()
+        return d
 
     async def request_many(self, subject: str, payload: bytes, timeout: float) -> list[Msg]:
         collector = _TrioCollector(subject)
@@ -1157,6 +1274,10 @@ class Bridge:
         # Replies in flight when the lean connection of the trio thread was lost while the main one stayed,
         # until a retry of its server tells a kick (shrink for them) from the server's death (no shrink).
         self._kick_verdict: int | None = None
+        self._main_lost_at = -1e9  # (monotonic) when the main connection was last lost
+        # The longest subject the server is known to take, learned when it dropped the main connection
+        # for a control line over its `max_control_line` (which INFO does not announce): None until then.
+        self.subject_limit: int | None = None
         self._largest_reply = _CHUNK_GUESS
         self.connected = False
         self.reconnects = 0
@@ -1250,10 +1371,31 @@ class Bridge:
 
     # ---- connection events (asyncio side, then trio)
     def _lost(self, reason: str) -> None:
+        if CONTROL_LINE_EXCEEDED in reason.lower():
+            self._learn_subject_limit()
         # With a lean connection the main one carries reads only within the fallback budget, which no
         # server's `max_pending` minds: its loss is no kick.
         in_flight = self._budget.used if self._reads is None else 0
         self.call_in_trio(lambda: self._lost_in_trio(in_flight))
+
+    def _learn_subject_limit(self) -> None:
+        """The server dropped the main connection for a control line over its `max_control_line` (smaller
+        than the default 4096 the names are checked against): the longest subject of the requests in
+        flight was that line's, or as long (the rest of a line, its reply subject and sizes, is about the
+        same for every request). Subjects as long as it are refused from now on (`NameTooLong`, checked
+        before anything is sent) rather than sent again, each time losing the connection and everything
+        in flight on it. (Runs on the asyncio thread before the waiters fail: they are still listed.)"""
+        assert self._link is not None
+        waiters = list(self._link.waiters.values())
+        longest = max((len(str(getattr(waiter, "subject", "")).encode()) for waiter in waiters), default=0)
+        if longest < _SHORTEST_SUBJECT_LEARNED:
+            return  # the line was no request's (no waiter's subject is long): nothing to learn of names
+        limit = longest - 1
+        if self.subject_limit is None or limit < self.subject_limit:
+            self.subject_limit = limit
+            log.warning("the server refused a control line over its max_control_line (a request on a "
+                        "%d-byte subject): names whose subjects would be over %d bytes are refused "
+                        "(ENAMETOOLONG) from now on", limit + 1, limit)
 
     def _reads_lost(self, reason: str) -> None:
         """The lean connection of the asyncio thread was lost (it reconnects on its own, quietly: a server
@@ -1270,7 +1412,7 @@ class Bridge:
         takes the lean connection again dropped it (`reads_retried_in_trio`). Meanwhile reads go over
         the main connection within the fallback budget."""
         in_flight = self._budget.used
-        if not (self.connected and self._would_shrink(in_flight)):
+        if not (self.connected and self._would_shrink(in_flight)) or self._main_lost_lately():
             return False
         self._kick_verdict = in_flight
         return True
@@ -1290,11 +1432,18 @@ class Bridge:
                      _size(self._budget.limit))
 
     def _lean_lost_in_trio(self, in_flight: int) -> None:
-        if self.connected:  # (with the main connection gone too, the server went away: no kick)
+        if self.connected and not self._main_lost_lately():  # (the main one gone too: the server went away)
             self._shrink_budget(in_flight)
+
+    def _main_lost_lately(self) -> bool:
+        """The main connection was lost moments ago: a loss of the lean one now is the same event (a
+        restart, or a kick of every connection of ours) even when the main one is already back, which
+        under load can come before the lean connection's loss reaches trio; no slow-consumer kick."""
+        return time.monotonic() - self._main_lost_at <= _SHRINK_UNDO_S
 
     def _lost_in_trio(self, in_flight: int) -> None:
         self.connected = False
+        self._main_lost_at = time.monotonic()
         # A lean-connection loss still waiting for its verdict was the server going away too, no kick,
         # whatever the retry of its server finds.
         self._kick_verdict = None
@@ -1534,6 +1683,16 @@ class Bridge:
 
     def new_inbox(self) -> str:
         return f"_INBOX.{os.urandom(11).hex()}"
+
+    def open_deliveries(self) -> Deliveries:
+        """A subject on the trio thread's lean connection for the deliveries of a one-shot push
+        consumer (a headers-only scan), subscribed now; `Unavailable` when there is no such connection
+        (none is used, it is driven by the asyncio thread, or it is being replaced): the caller then
+        scans over the main connection. Close it when done."""
+        reads = self._reads
+        if not isinstance(reads, _TrioReads):
+            raise Unavailable("no lean connection of the trio thread")
+        return reads.open_deliveries()
 
     @property
     def max_payload(self) -> int:
@@ -1897,15 +2056,21 @@ async def _send_range(link: _Link, req: dict[str, Any], s: _WorkerSession) -> di
     return {"chunks": acks.sent, "bytes": end - start, "most_in_flight": s.most_in_flight}
 
 
+# The upload worker's exit status when it could connect to no server (EX_TEMPFAIL): an outage the daemon's
+# own connection reports, not a death of the worker to log (see uploader.UploadWorker).
+WORKER_FOUND_NO_SERVER = 75
+
+
 async def _worker_main(connection: Connection) -> None:
     # Quiet: stderr is the daemon's; the daemon notices a dead worker or failed ranges and says so itself.
     link = _Link(connection.servers, name="natsfs-upload-worker", connect_timeout=5, quiet=True,
                  auth=connection)
     try:
-        # Without a server the worker just exits and the daemon publishes in-process.
+        # Without a server the worker just exits (saying so by its status) and the daemon publishes
+        # in-process.
         await link.open()
     except Unavailable:
-        raise SystemExit(1) from None
+        raise SystemExit(WORKER_FOUND_NO_SERVER) from None
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)

@@ -19,44 +19,22 @@ chunk count it proves (the chunks before it, itself and the server's count of th
 meta's, its bytes fit the meta's size and it was stored before the meta. So a chunk is served only when
 its offset is proven. Replies without that count (a stream that does not allow direct gets is read with
 STREAM.MSG.GET, see natsfs.jetstream) prove no offset: such a version is mapped by the scan below (their
-bytes are kept, under their own sequences). A read far from what is known first tries to compute the
-layout (below), and otherwise maps the whole version with one headers-only scan (no payloads). A
-version whose chunks do not match its meta is placed once by `place_chunks`, which serves what it can
-prove and marks the rest unreadable (EIO); each such version is logged once. Readahead runs in the
+bytes are kept, under their own sequences). A read far from what is known maps the whole version
+with one headers-only scan (no payloads; see "Random access" below). A version whose chunks do not
+match its meta is placed once by `place_chunks`, which serves what it can prove and marks the rest
+unreadable (EIO); each such version is logged once. Readahead runs in the
 background, under one byte budget shared equally by the versions being read (see `ChunkCache`), and its
 failures are left for the foreground read to report. Digests are checked per version: each read hands
 what it serves (and what readahead brought in after it) to one hashing thread, in chunk order.
 
-Random access without a scan (`_compute`). One writer stores a version's n chunks at consecutive
-sequences F..F+n-1, every one holding the meta's `max_chunk_size` c bytes but the last. Two probes show
-it, with the walk's own premise (the messages on this nuid's chunk subject S below the meta's sequence
-are the version's chunks, in order; the walk relies on the same when it takes the first reply as chunk 0):
-1. the first message on S (direct get from sequence 1) is at F, with n-1 more after it (its
-   `Nats-Num-Pending`), holds c bytes, and lies below the meta: chunk 0, proven as a walk proves it;
-2. the message at F+n-1 is on S, with nothing on S after it, holds t = size - c*(n-1) bytes, 0 < t <= c,
-   and lies below the meta.
-Sequences only grow and a stored message never changes: n messages on S from F on (1), none after
-F+n-1 (2), so all n lie in [F, F+n-1], which holds n sequences: every one of them is a chunk, chunk i at
-F+i. Sizes: every chunk holds at most c bytes (the writer's declared `max_chunk_size`; nats.go, nats-py
-and natsfs fill a buffer of that size, and a short read in the middle makes a chunk smaller, never
-larger), the chunks hold `size` bytes in all (the meta), and the last holds t, so the other n-1 hold
-c*(n-1) bytes at most c each: every one holds exactly c, and chunk i starts at c*i. A short chunk in
-the middle makes the last one longer than t, so (2) fails and the version is scanned.
-The two probes are two moments, so their order matters: the count (1) is taken after the last
-chunk's probe (2), again if need be. At the moment of (2) nothing on S lies after F+n-1; messages
-only ever join a stream at higher sequences, so the n messages (1) counts later from F on all lie in
-[F, F+n-1] (a writer adding to this nuid's subject meanwhile is outside the premise). A chunk deleted
-between the probes leaves (1) counting fewer and fails it; asked the other way round, a deleted last
-chunk with another writer's message between this version's chunks could make both probes agree on a
-layout that is off by one. So nothing rests on the probes alone: every later reply for a computed
-slot must be on S, at the slot's sequence exactly, hold the slot's size, and carry the pending count of
-its index (n-1-i, counted by the server when it answers); a reply that does not fit, or a chunk that
-does not come back, drops the computed slots (`_Unproven`) and the version is mapped by a scan, which
-decides what can be served. Bytes are cached by (bucket, nuid, sequence), which a reply proves by
-itself, so nothing cached under computed slots can land at another offset after a re-map. The digest
-is checked as usual when a read from the front passes every chunk. Interleaved writers, short chunks,
-a missing chunk or a message of another subject at a computed sequence all fail a probe or a fit and
-fall back to the scan (tests/unit/test_chunk_cache.py, "computed layouts").
+Random access. A read far from what is known maps the version with one headers-only scan
+(sequence and size of every chunk) before it serves a byte. Computing the slots from two probes instead
+(the first chunk and the last, at consecutive sequences, every chunk but the last `max_chunk_size`
+bytes) rested on the writer: a chunk larger than `max_chunk_size`, or a meta whose `size` is not what
+its chunks hold, lets both probes and every fetched chunk fit while chunk i does not start at
+`max_chunk_size * i`, and the bytes it served (and the kernel kept in its page cache) came from another
+offset, unnoticed by the digest check, which hashes chunks by their proven order. Any client of a
+bucket can write such a meta; only the sizes of all the chunks before a byte prove its offset.
 """
 
 from __future__ import annotations
@@ -114,10 +92,6 @@ HASH_BACKLOG = 16 * 1024 * 1024
 # The sequence of a slot that stands for bytes whose chunks cannot be placed (missing, or not provably
 # where they seem to be). Stream sequences start at 1.
 UNPROVEN = 0
-
-
-class _Unproven(Exception):
-    """A reply does not fit the computed slot it was asked for: the version is mapped by a scan."""
 
 
 class ChunkLRU:
@@ -205,7 +179,7 @@ class Layout:
     (stream sequence and end offset), known from the front. A damaged version (see `place_chunks`)
     also has one `UNPROVEN` slot covering the bytes no chunk can be proven to hold."""
 
-    __slots__ = ("busy", "complete", "computed", "ends", "error", "error_began", "generation", "gone", "grew",
+    __slots__ = ("busy", "complete", "ends", "error", "error_began", "generation", "gone", "grew",
                  "hash_pos", "hasher", "intact", "last_read", "read_end", "reported", "retry_error", "runs", "seqs",
                  "verdict", "walk_to", "window")
 
@@ -213,9 +187,6 @@ class Layout:
         self.seqs = array("q")
         self.ends = array("q")
         self.complete = False  # slots cover the whole size
-        # The slots were computed from two probes (`ChunkCache._compute`): every reply is checked
-        # against its slot (sequence, pending count, size), and any mismatch re-maps the version.
-        self.computed = False
         self.intact = True  # the slots are exactly the meta's chunks, all present: the digest can be checked
         self.gone: set[int] = set()  # slots whose chunk vanished after its place was proven
         self.generation = 0  # bumped when the slots are rebuilt, so a read that waited looks again
@@ -270,29 +241,7 @@ class Layout:
         self.gone = gone
         self.intact = intact
         self.complete = True
-        self.computed = False
         self.generation += 1
-
-    def fill_contiguous(self, first_seq: int, chunks: int, chunk_size: int, size: int) -> None:
-        """Slots for `chunks` chunks at consecutive sequences from `first_seq`, all `chunk_size` bytes but
-        the last (see `ChunkCache._compute` for when that is proven)."""
-        while len(self.seqs) < chunks:
-            idx = len(self.seqs)
-            self.append(first_seq + idx, size - self.known_bytes if idx == chunks - 1 else chunk_size)
-        self.complete = True
-        self.computed = True
-        self.generation += 1
-
-    def unprove(self) -> None:
-        """Forget computed slots, keeping the first chunk (proven on its own, as a walk proves it), and
-        restart the digest check: the chunks it took in may not be the version's."""
-        del self.seqs[1:]
-        del self.ends[1:]
-        self.complete = self.computed = False
-        self.hasher = hashlib.sha256()
-        self.hash_pos = 0
-        self.generation += 1
-
 
 @dataclass
 class Placement:
@@ -419,7 +368,6 @@ class CacheStats:
         self.chunks_fetched = 0
         self.bytes_fetched = 0
         self.index_scans = 0
-        self.layouts_computed = 0
         self.hits = 0
         self.misses = 0
         self.reads = 0
@@ -497,11 +445,7 @@ class ChunkCache:
                     raise self._refused(info, layout, "digest")
                 generation = layout.generation
                 first, last = layout.chunk_at(offset), layout.chunk_at(end - 1)
-                try:
-                    pieces = await self._pieces(info, layout, first, last)
-                except _Unproven:
-                    await self._remap(info, layout, generation)
-                    continue
+                pieces = await self._pieces(info, layout, first, last)
                 if layout.generation == generation:
                     break
                 # The slots were rebuilt while this read waited: look again.
@@ -659,8 +603,7 @@ class ChunkCache:
             else:
                 layout.busy = True
                 try:
-                    if not await self._compute(info, layout):
-                        await self._map_all(info, layout)
+                    await self._map_all(info, layout)
                 finally:
                     layout.busy = False
                     layout.wake()
@@ -764,85 +707,6 @@ class ChunkCache:
             log.exception("fetching %s/%s failed unexpectedly", info.bucket, info.name)
             layout.error, layout.retry_error = Unavailable(f"{info.bucket}/{info.name}: fetch failed: {e!r}"), False
             layout.error_began = began
-        finally:
-            layout.busy = False
-            layout.wake()
-
-    async def _compute(self, info: ObjectInfo, layout: Layout) -> bool:
-        """Prove with two probes that the version's chunks sit at consecutive sequences, every one but
-        the last `info.chunk_size` bytes, and fill the layout so (True); False when that cannot be shown
-        (the caller scans). The argument is in the module's design note ("Random access")."""
-        chunks, step = info.chunks, info.chunk_size
-        tail = info.size - step * (chunks - 1)
-        if chunks < 2 or step <= 0 or not 0 < tail <= step or layout.gone or not layout.intact:
-            return False
-        subject = chunk_subject(info.bucket, info.nuid)
-        guessed: list[StoredMsg] | None = None
-        counted_after_last = False  # whether the count of chunk 0 was taken after the last probe
-        if not layout.seqs:
-            # With the meta right after the last chunk (one writer), the last probe's sequence is known
-            # already: it goes first, and its answer is used only if the first probe confirms it.
-            if info.revision > chunks:
-                guessed = await self._fetch(info, info.revision - 1, 1, step)
-            # The first chunk: the first message on the subject, with chunks-1 more after it (what a
-            # walk checks for chunk 0). It is kept whatever the rest turns out to be.
-            msgs = await self._fetch(info, 1, 1, step)
-            if not msgs:
-                return False
-            m = msgs[0]
-            if m.subject != subject:
-                raise self._stray(info, layout, m, f"a chunk of {subject}")
-            if m.pending != chunks - 1 or len(m.data) != step or (info.revision and m.seq > info.revision):
-                return False
-            layout.append(m.seq, step)
-            self._store(info, layout, 0, m.data)
-            layout.wake()
-            counted_after_last = guessed is not None
-        first = layout.seqs[0]
-        if any(layout.seqs[k] != first + k or layout.size_of(k) != step for k in range(len(layout.seqs))):
-            return False
-        last_seq = first + chunks - 1
-        if info.revision and last_seq > info.revision:
-            return False
-        if not (guessed and guessed[0].seq == last_seq):
-            guessed, counted_after_last = await self._fetch(info, last_seq, 1, step), False
-        if not guessed:
-            return False
-        m = guessed[0]
-        if m.subject != subject:
-            raise self._stray(info, layout, m, f"a chunk of {subject}")
-        if m.seq != last_seq or m.pending != 0 or len(m.data) != tail:
-            return False
-        if not counted_after_last:
-            # The count must be taken after the last probe: a chunk deleted between the two is then
-            # seen (chunk 0 answered with fewer chunks after it), never mistaken for a layout.
-            recount = await self._fetch(info, first, 1, step)
-            if not recount or recount[0].seq != first or recount[0].subject != subject \
-                    or recount[0].pending != chunks - 1:
-                return False
-        layout.fill_contiguous(first, chunks, step, info.size)
-        self._store(info, layout, chunks - 1, m.data)
-        self.stats.layouts_computed += 1
-        return True
-
-    def _fits(self, info: ObjectInfo, layout: Layout, idx: int | None, m: StoredMsg) -> bool:
-        """Whether reply `m` is the chunk of computed slot `idx`: its sequence, the number of chunks the
-        server counts after it, and its size (see `_compute`)."""
-        return (idx is not None and m.seq == layout.seqs[idx] and m.pending == info.chunks - 1 - idx
-                and len(m.data) == layout.size_of(idx))
-
-    async def _remap(self, info: ObjectInfo, layout: Layout, generation: int) -> None:
-        """A computed layout met a reply that does not fit: map the version by a scan (once)."""
-        while layout.busy:
-            await layout.grew.wait()
-        if layout.generation != generation or not layout.computed:
-            return  # another read re-mapped it already
-        layout.busy = True
-        try:
-            log.debug("object %s/%s (version %s): a chunk is not where its computed slot says; scanning",
-                      info.bucket, info.name, info.nuid)
-            layout.unprove()
-            await self._map_all(info, layout)
         finally:
             layout.busy = False
             layout.wake()
@@ -992,8 +856,6 @@ class ChunkCache:
                 if m.seq > last_seq:
                     break  # beyond the run (chunks in it are gone)
                 idx = slot_of.get(m.seq)
-                if layout.computed and not self._fits(info, layout, idx, m):
-                    raise _Unproven
                 if idx is None or len(m.data) != layout.size_of(idx):
                     raise self._stray(info, layout, m, "a chunk of this version's layout")
                 out[idx] = m.data
@@ -1004,8 +866,6 @@ class ChunkCache:
                     missing.append(k)
             if layout.generation != generation:
                 return out
-            if missing and layout.computed:
-                raise _Unproven
             if missing:
                 layout.gone.update(missing)
                 layout.intact = False
@@ -1029,8 +889,6 @@ class ChunkCache:
         if not msgs or msgs[0].seq > seq:
             return False
         m = msgs[0]
-        if layout.computed and m.subject == subject and not self._fits(info, layout, idx, m):
-            raise _Unproven
         if m.subject != subject or m.seq != seq or len(m.data) != layout.size_of(idx):
             raise self._stray(info, layout, m, f"chunk {idx} (seq {seq})")
         out[idx] = m.data
@@ -1076,8 +934,6 @@ class ChunkCache:
             await self._fetch_claimed(info, layout, *run)
         except NatsFSError as e:
             log.debug("readahead of %s/%s stopped: %s", info.bucket, info.name, e)
-        except _Unproven:
-            log.debug("readahead of %s/%s stopped: a chunk does not fit its computed slot", info.bucket, info.name)
         except Exception:
             log.exception("readahead of %s/%s failed unexpectedly", info.bucket, info.name)
         finally:

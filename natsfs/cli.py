@@ -116,7 +116,10 @@ def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> li
         elif key in ("server", "servers") and _has_secret(value):
             parser.error("a server URL with a password or token cannot be a mount option (every user sees "
                          "those in the process list): use user=NAME with password_file=FILE, or token_file=FILE")
-        elif key in IGNORED_MOUNT_OPTIONS or option.startswith(IGNORED_MOUNT_PREFIXES):
+        elif (key in IGNORED_MOUNT_OPTIONS and not (has_value and key == "user")) \
+                or option.startswith(IGNORED_MOUNT_PREFIXES):
+            # (mount(8)'s bare `user` flag is dropped; `user=NAME` is the NATS user, which the refusals
+            # above and the README tell fstab users to give with password_file=)
             continue
         elif key in actions and actions[key].option_strings:
             action = actions[key]
@@ -797,7 +800,17 @@ def main(argv: list[str] | None = None) -> int:
     a.argv = argv
     handlers: dict[str, Any] = {"mount": cmd_mount, "umount": cmd_umount, "bucket": cmd_bucket,
                                 "status": cmd_status, "fsck": cmd_fsck}
-    return int(handlers[a.command](a))
+    try:
+        code = int(handlers[a.command](a))
+        sys.stdout.flush()  # (a reader gone before the last line breaks the pipe here, not at exit)
+        return code
+    except BaseException as e:
+        if not isinstance(single_error(e), BrokenPipeError):
+            raise
+        # The reader of our output went away (`natsfs bucket ls | head -1`): stop quietly, as a filter
+        # killed by SIGPIPE would, and keep the interpreter's last flush from failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

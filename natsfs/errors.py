@@ -178,6 +178,16 @@ class TooBig(NatsFSError):
     log_level = logging.INFO
 
 
+class MarkerShaped(NatsFSError):
+    """A store that would make another client's object `x/` with bytes (a file, shown as `x%2F`) a directory
+    marker, or replace it by one: an empty version of that file (every natsfs mount would show the
+    directory `x` instead, and hide a file `x`), or the marker a `chmod`/`utime` of the directory `x`
+    needs. Refused before anything is sent."""
+
+    errno = _errno.EPERM
+    log_level = logging.INFO
+
+
 class OverStreamLimits(TooBig):
     """A version the bucket's stream limits could never hold whole (more chunks than its
     `max_msgs_per_subject`, more bytes than its `max_bytes` or more messages than its `max_msgs` with
@@ -249,6 +259,12 @@ ERR_INSUFFICIENT_RESOURCES = 10023
 ERR_MEMORY_RESOURCES_EXCEEDED = 10028
 ERR_NO_MESSAGE_FOUND = 10037
 ERR_STORAGE_RESOURCES_EXCEEDED = 10047
+ERR_MAXIMUM_STREAMS = 10027  # maximum number of streams reached (the account's max_streams)
+ERR_STREAM_MAX_BYTES_OVER_ACCOUNT = 10122  # stream max bytes exceeds account limit max stream bytes
+# A stream (bucket) the account's JetStream limits leave no room for: its count, or storage to reserve.
+ERR_ACCOUNT_LIMITS_FOR_A_STREAM = frozenset({ERR_MAXIMUM_STREAMS, ERR_ACCOUNT_RESOURCES_EXCEEDED,
+                                             ERR_INSUFFICIENT_RESOURCES, ERR_MEMORY_RESOURCES_EXCEEDED,
+                                             ERR_STORAGE_RESOURCES_EXCEEDED, ERR_STREAM_MAX_BYTES_OVER_ACCOUNT})
 ERR_MSG_TOO_BIG = 10054  # message size exceeds maximum allowed
 ERR_STREAM_NAME_IN_USE = 10058
 ERR_STREAM_NOT_FOUND = 10059

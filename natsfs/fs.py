@@ -35,6 +35,7 @@ _BY_HANDLE = frozenset({"read", "write", "flush", "fsync", "release", "readdir",
 _TWO_INODES = {"rename": (0, 2), "link": (0, 1)}
 # A failure seen again within this many seconds is counted, not logged again.
 REPEAT_WINDOW_S = 60.0
+RENAME_WHITEOUT = 1 << 2  # renameat2's flag from <linux/fs.h>, which pyfuse3 does not name
 _REPEATS_KEPT = 1000
 
 
@@ -268,7 +269,8 @@ class Operations(pyfuse3.Operations):
                      flags: int, ctx: pyfuse3.RequestContext) -> None:
         await self.fs.rename(InodeNo(parent_inode_old), name_old, InodeNo(parent_inode_new), name_new,
                              noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE),
-                             exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))
+                             exchange=bool(flags & pyfuse3.RENAME_EXCHANGE),
+                             whiteout=bool(flags & RENAME_WHITEOUT))
 
     @_boundary
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext

@@ -71,13 +71,16 @@ from .adr20 import (
 from .chunk_cache import place_checking_gaps
 from .errors import MalformedMeta, NameTooLong, NatsFSError
 from .names import placement
-from .streams import StoredMsg
+from .streams import StoredMsg, literal_subject
 
 GRACE_S = 300.0
 # Objects checked at once (each one headers-only scan of its chunks; `--verify` reads them too).
 PARALLEL = 8
 # Versions of one name checked before it is noted as changing (each found wrong, then found replaced).
 VERSIONS = 3
+
+# A nuid that, as the last token of a chunk subject, matches every chunk subject of the bucket.
+_WILDCARD_TOKENS = ("*", ">")
 
 # Kinds of finding. Problems are everything but the NOTES.
 ORPHAN = "orphan chunks"
@@ -207,16 +210,23 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     tombstones: dict[str, tuple[ObjectInfo, str]] = {}  # subject -> (info, the subject)
     ignored_fields: dict[str, list[str]] = {}  # subject -> the fields of its live meta a mount ignores
     referenced: set[str] = set()  # nuids a meta that is not a tombstone names
+    wildcard_nuids: dict[str, str] = {}  # tombstone subject -> its nuid, `*` or `>` (see below)
     for m in metas:
         token = m.subject.rsplit(".", 1)[-1]
         held = _doc_nuid(m)
         if held is not None and not held[1]:
             referenced.add(held[0])
+        elif held is not None and held[0] in _WILDCARD_TOKENS:
+            wildcard_nuids[m.subject] = held[0]
         ignored: list[str] = []
         try:
             info = parse_meta(bucket, m, ignored.append)
         except MalformedMeta as e:
-            report.findings.append(Finding(BAD_META, m.subject, str(e), basis={m.subject: m.seq}))
+            why = str(e)
+            if held is not None and held[0] in _WILDCARD_TOKENS:
+                why += (f"; another client's Put or Delete of this name would purge $O.{bucket}.C.{held[0]}: "
+                        "every chunk in the bucket")
+            report.findings.append(Finding(BAD_META, m.subject, why, basis={m.subject: m.seq}))
             continue
         if decode_token(token) is None:
             report.findings.append(Finding(BAD_NAME, info.name, "its meta subject is not base64 of UTF-8",
@@ -260,7 +270,8 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
         report.findings.extend(Finding(BAD_FIELD, info.name, why, basis={subject: info.revision})
                                for why in ignored_fields.get(subject, ()))
         if placement(info.name, marker_candidate=info.size == 0)[0] is None:
-            report.findings.append(Finding(HIDDEN, _short(info.name),
+            report.findings.append(Finding(HIDDEN, _short(info.name) or "''",
+                                           "the empty name (no file name is empty)" if not info.name else
                                            "no path segment may be empty, '.', '..' or over 255 bytes, and "
                                            "escaped it is still over 255 bytes (other clients can use it)",
                                            basis={subject: info.revision}))
@@ -279,7 +290,19 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                                            "rename?): deleting one with another client destroys the others",
                                            basis={shown[i.name][0]: i.revision for i in infos}))
     dangerous: list[tuple[Finding, str, int]] = []  # (finding, tombstone subject, its revision)
+    chunked = sorted(i.name for i in live.values() if i.nuid and i.link is None)
     for t, subject in tombstones.values():
+        wildcard = wildcard_nuids.get(subject)
+        if wildcard is not None and chunked and subject == meta_subject(bucket, t.name):
+            # (A mount ignores such a nuid; nats.go's Delete and nats.js's put of the name purge
+            # `$O.<bucket>.C.` + nuid, which this one makes a filter matching every chunk subject.)
+            f = Finding(SHARED_TOMBSTONE, t.name, f"carries the nuid {wildcard!r}, a wildcard: a Delete or Put of "
+                        f"this name by another client would purge the chunks of every object in the bucket "
+                        f"({_short(chunked[0])!r} and {len(chunked) - 1} more)", repairable=True,
+                        basis={subject: t.revision})
+            report.findings.append(f)
+            dangerous.append((f, subject, t.revision))
+            continue
         # (A live meta of the same name under another subject is no other owner: purging this
         # tombstone would only bring that name back.)
         owners = [i.name for i in by_nuid.get(t.nuid, ()) if i.name != t.name] if t.nuid else []
@@ -379,7 +402,13 @@ async def _repair(finding: Finding, action: Awaitable[None]) -> None:
 async def _check_orphan(store: ObjectStore, report: Report, stream: str, subject: str, count: int, grace_s: float,
                         clock: Callable[[], int]) -> tuple[Finding, StoredMsg] | None:
     """An unreferenced chunk subject: a put in progress when its newest chunk is young, else orphans
-    (returned with that newest chunk, for a repair)."""
+    (returned with that newest chunk, for a repair). One under a wildcard subject (`$O.b.C.>`, which
+    another client can publish to) is never purged: a purge by it would remove every chunk it matches."""
+    if not literal_subject(subject):
+        report.findings.append(Finding(ORPHAN, subject, f"{count} chunks under a wildcard subject, which no "
+                                       "nuid names; left alone: a purge by this subject would remove every "
+                                       "chunk subject it matches (delete its messages by sequence)"))
+        return None
     newest = await store.streams.last_msg(stream, subject)
     if newest is None:
         return None  # purged meanwhile

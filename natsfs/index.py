@@ -47,14 +47,28 @@ _PURGED_KEPT = 10_000
 
 
 class Dir:
-    """A directory: its children by name, and the marker object that keeps it alive when empty."""
+    """A directory: its children by name, and the marker object that keeps it alive when empty.
 
-    __slots__ = ("children", "marker", "mtime_ns")
+    A directory without a marker exists because names imply it, and goes with its last entry, except
+    where this mount removed that entry itself (`BucketIndex.own_removal`): then it is `kept`, empty, in
+    this mount only (nothing stored; other clients see it gone), as on a local disk, until this mount
+    removes it (`drop_empty`) or something is placed under it again. `removing` counts this mount's
+    removals under way in it, which no report of them (the watch may deliver one first) prunes it for."""
+
+    __slots__ = ("children", "kept", "marker", "mtime_ns", "removing")
 
     def __init__(self, mtime_ns: int = 0):
         self.children: dict[str, Dir | ObjectInfo] = {}
         self.marker: ObjectInfo | None = None
         self.mtime_ns = mtime_ns
+        self.kept = False
+        self.removing = 0
+
+    def vacant(self) -> bool:
+        """Nothing keeps it for other clients: no marker, no removal of ours under way, and no entries but
+        directories only this mount keeps (they go with it)."""
+        return (self.marker is None and not self.removing
+                and all(isinstance(c, Dir) and c.kept and c.vacant() for c in self.children.values()))
 
 
 def is_marker(info: ObjectInfo) -> bool:
@@ -70,6 +84,10 @@ class BucketIndex:
         self.root = Dir(created_ns)
         self.hidden: dict[str, str] = {}  # object name -> why it is not shown
         self.escaped: set[str] = set()  # names shown under an escaped name
+        # Name -> the line last logged about where it shows (hidden, and why; or escaped, and as what), so
+        # that another client updating such an object again and again (a status file `x/` with bytes)
+        # gets one line, not one per version. Dropped when the name goes away.
+        self._told: dict[str, str] = {}
         self.created_ns = created_ns
         # Called with the path of every entry that appeared, changed or disappeared, once the update that
         # changed it is complete (`_update`): never while a path is between its old and new entry.
@@ -220,6 +238,7 @@ class BucketIndex:
             if old is None:
                 return False
             del self.objects[name]
+            self._told.pop(name, None)
             self._retry_hidden()
             return True
         if self.tombstones:
@@ -295,6 +314,7 @@ class BucketIndex:
             self._unmap_nuid(shown)
             self._unplace(shown)
         if best is None:
+            self._told.pop(name, None)
             self._retry_hidden()
             return True
         self.odd_subjects[name] = best[0]
@@ -342,6 +362,7 @@ class BucketIndex:
             del self.purged[next(iter(self.purged))]  # the oldest: long overtaken by the watch
         self._unmap_nuid(old)
         self._unplace(old)
+        self._told.pop(name, None)
         self._retry_hidden()
         self._settle_alias(name)
         return True
@@ -362,8 +383,95 @@ class BucketIndex:
         self.odd_subjects.pop(name, None)
         self._unmap_nuid(held)
         self._unplace(held)
+        self._told.pop(name, None)
         self._retry_hidden()
         return True
+
+    @contextlib.contextmanager
+    def own_removal(self, directory: Path) -> Iterator[None]:
+        """This mount removes (unlinks, renames away, rmdirs) an entry of `directory`: a directory without
+        a marker that this leaves empty is kept, empty, in this mount (`Dir.kept`), not dropped as one
+        another client emptied is: `rm -r` removes its entries, then rmdirs it. Held while the removal
+        runs, so that the watch delivering its tombstone first does not prune it either; a removal that
+        failed leaves an emptied directory to go as today (another client removed the entry)."""
+        held = self.get(directory) if directory else None
+        if not isinstance(held, Dir):
+            yield
+            return
+        held.removing += 1
+        was_kept = held.kept  # (a rename into it that failed and took its entry back: still kept)
+        done = False
+        try:
+            yield
+            done = True
+        finally:
+            held.removing -= 1
+            if not held.removing and self.get(directory) is held and held.vacant():
+                if done or was_kept:
+                    held.kept = True
+                else:
+                    with self._update():
+                        self._prune(directory)
+
+    def drop_empty(self, directory: Path) -> None:
+        """This mount's rmdir of a directory without a marker (kept, see `own_removal`): it goes from this
+        mount; nothing was stored for it."""
+        held = self.get(directory) if directory else None
+        if isinstance(held, Dir) and not held.children and held.marker is None:
+            with self._update():
+                self._prune(directory, keep_kept=False)
+
+    def move_kept(self, old: Path, new: Path) -> bool:
+        """This mount renames a directory it keeps (`Dir.vacant`: nothing under it is stored) from `old` to
+        `new`: it moves in this mount only, as it stays empty and unstored, replacing a vacant directory
+        there; False (nothing moved) when `new`'s parent is no directory or another entry holds `new`."""
+        if not old or not new:
+            return False
+        old_parent, new_parent = self.get(old[:-1]), self.get(new[:-1])
+        if not isinstance(old_parent, Dir) or not isinstance(new_parent, Dir):
+            return False
+        moved = old_parent.children.get(old[-1])
+        there = new_parent.children.get(new[-1])
+        if not isinstance(moved, Dir) or not moved.vacant() or (
+                there is not None and not (isinstance(there, Dir) and there.vacant())):
+            return False
+        with self._update():
+            del old_parent.children[old[-1]]
+            self._changed(old)
+            moved.kept = True
+            new_parent.children[new[-1]] = moved
+            self._changed(new)
+        return True
+
+    def carry_kept(self, old: Dir) -> None:
+        """Take over the directories this mount keeps (`Dir.kept`) from `old`, the root of the index this
+        one replaces (rebuilt after the watch started over), where their parent is still a directory and
+        the name still free: they are this mount's, and no stored object tells of them."""
+        stack: list[tuple[Path, Dir]] = [((), old)]
+        while stack:
+            prefix, d = stack.pop()
+            for name, child in d.children.items():
+                if not isinstance(child, Dir):
+                    continue
+                path = (*prefix, name)
+                if child.kept and child.vacant():
+                    parent = self.get(prefix)
+                    if isinstance(parent, Dir) and name not in parent.children:
+                        parent.children[name] = child
+                else:
+                    stack.append((path, child))
+
+    def _prune(self, directory: Path, *, keep_kept: bool = True) -> None:
+        """Drop `directory` and the directories above it that it leaves vacant (`Dir.vacant`)."""
+        while directory:
+            parent = self.get(directory[:-1])
+            d = parent.children.get(directory[-1]) if isinstance(parent, Dir) else None
+            if not isinstance(parent, Dir) or not isinstance(d, Dir) or (d.kept and keep_kept) or not d.vacant():
+                return
+            del parent.children[directory[-1]]
+            self._changed(directory)
+            directory = directory[:-1]
+            keep_kept = True
 
     def remove_if(self, name: str, revision: int) -> bool:
         """`remove(name)` only if the index still holds it at `revision` (nothing newer arrived)."""
@@ -377,6 +485,7 @@ class BucketIndex:
         self.root = Dir(self.created_ns)
         self.hidden.clear()
         self.escaped.clear()
+        self._told.clear()
         self._by_nuid.clear()
         self.tombstones.clear()
         self._tomb_nuid.clear()
@@ -428,19 +537,23 @@ class BucketIndex:
             self.on_change(path)
 
     def _hide(self, info: ObjectInfo, why: str) -> None:
-        if info.name not in self.hidden:
+        if info.name not in self.hidden and self._told.get(info.name) != why:
             log.warning("bucket %s: object %r is not shown: %s", self.bucket, info.name, why)
+        self._told[info.name] = why
         self.hidden[info.name] = why
 
     def _place(self, info: ObjectInfo) -> None:
         marker = is_marker(info)
         path, escaped = placement(info.name, marker_candidate=marker)
         if path is None:
-            self._hide(info, "its name cannot be a file name (a segment over 255 bytes)")
+            self._hide(info, "its name cannot be a file name (" + ("it is empty" if not info.name else
+                                                                   "a segment over 255 bytes") + ")")
             return
         node = self.root
         for depth, seg in enumerate(path[:-1]):
             child = node.children.get(seg)
+            if isinstance(child, Dir):
+                child.kept = False  # implied by a name again (or held by a marker): no longer this mount's
             if child is None or not isinstance(child, Dir):
                 if child is not None:
                     # A directory beats a file at the same path.
@@ -455,6 +568,7 @@ class BucketIndex:
         if marker:
             if isinstance(existing, Dir):
                 existing.marker = info
+                existing.kept = False
                 if info.attrs is not None and info.attrs.mtime_ns is not None:
                     existing.mtime_ns = info.mtime_ns  # set on purpose (utimensat, or entries changed)
                 else:
@@ -480,8 +594,13 @@ class BucketIndex:
         node.children[last] = info
         self.hidden.pop(info.name, None)
         if escaped:
-            log.info("bucket %s: object %r is shown as %r", self.bucket, info.name, path[0])
+            told = f"shown as {path[0]!r}"
+            if self._told.get(info.name) != told:
+                log.info("bucket %s: object %r is shown as %r", self.bucket, info.name, path[0])
+            self._told[info.name] = told
             self.escaped.add(info.name)
+        else:
+            self._told.pop(info.name, None)
         self._changed(path)
 
     def _unplace(self, info: ObjectInfo) -> None:
@@ -519,7 +638,7 @@ class BucketIndex:
         while trail:
             parent, seg = trail.pop()
             d = parent.children.get(seg)
-            if isinstance(d, Dir) and not d.children and d.marker is None:
+            if isinstance(d, Dir) and not d.kept and d.vacant():
                 del parent.children[seg]
                 self._changed((*tuple(s for _, s in trail), seg))
             else:

@@ -16,6 +16,11 @@ the stream's leader and carry subject and sequence but no count of the messages 
 -1), so the chunk cache proves such a version's layout with a headers-only scan instead of pending
 counts (natsfs.chunk_cache).
 
+Headers-only scans (`subject_index`: the sequence and size of every chunk of a version) go over the
+bridge's lean connection when the trio thread drives one: a one-shot consumer delivers there, its
+deliveries checked from their reply subjects in one compiled match each (`_take_deliveries`). Any doubt,
+a lost connection or a refusal sends the scan to the ordered consumer over the main connection.
+
 Users without direct-get permission. A server that refuses `$JS.API.DIRECT.GET.<stream>` to the user
 (a permissions violation, `NotPermitted`) gets the same `STREAM.MSG.GET` requests instead, from then on
 for that stream (`direct_refused`); if those are refused too, the read fails with EACCES.
@@ -27,6 +32,7 @@ import base64
 import contextlib
 import json
 import logging
+import re
 import time
 import weakref
 from collections import Counter
@@ -35,7 +41,7 @@ from typing import Any
 
 import trio
 
-from .bridge import Bridge, Msg, Subscription
+from .bridge import Bridge, Deliveries, Msg, Subscription
 from .errors import (
     ERR_ACCOUNT_RESOURCES_EXCEEDED,
     ERR_DUPLICATE_IN_PROCESS,
@@ -76,6 +82,7 @@ from .streams import (
     StoredMsg,
     StreamState,
     WatchBatch,
+    check_purge_filter,
     limit_refusal,
     parse_rfc3339_ns,
 )
@@ -98,6 +105,8 @@ _READ_ATTEMPT_S = 3.0
 _READ_ONLY_API = ("INFO", "STREAM.INFO.", "STREAM.NAMES", "STREAM.LIST", "STREAM.MSG.GET.", "CONSUMER.INFO.")
 # `STREAM.MSG.GET` requests in flight at once for one batched get of a stream without direct gets.
 MSG_GET_PARALLEL = 8
+# Why a direct get had no responders (`Streams._why_no_responders`).
+_NO_DIRECT, _GONE, _TRANSIENT = "no direct gets", "no such stream", "transient"
 
 
 async def _noting_first_subject(msgs: AsyncIterable[tuple[str, bytes, dict[str, str]]], first: list[str]
@@ -187,6 +196,9 @@ class JetStreams:
         self.no_direct: set[str] = set()
         # Streams whose direct gets the server refuses this user (permissions): read with STREAM.MSG.GET.
         self.direct_refused: set[str] = set()
+        # The server refused a scan over the lean connection (its subscription, or the consumer): scans go
+        # over the main connection from then on (`subject_index`).
+        self._lean_scans_refused = False
         # Open watches and scans, told when the connection is replaced (their consumers may be gone).
         self._watches: weakref.WeakSet[_ConsumerStream] = weakref.WeakSet()
         previous = bridge.on_reconnect
@@ -247,19 +259,23 @@ class JetStreams:
             log.info("stream %s: the server refuses this user direct gets (%s): its chunks are read through "
                      "the stream's leader (STREAM.MSG.GET), one message per request", stream, e.subject)
 
-    async def _refuses_direct(self, stream: str) -> bool:
-        """A direct get on `stream` was answered "no responders": whether that is because the stream does
-        not allow direct gets (read its config, once, without waiting out an election) rather than a
-        stream between leaders (transient, asked again by the caller)."""
+    async def _why_no_responders(self, stream: str) -> str:
+        """A direct get on `stream` was answered "no responders": why. `NO_DIRECT`: the stream does not
+        allow direct gets (its config read once, without waiting out an election); `GONE`: there is no
+        such stream (deleted by another client under a reader: it holds no messages, so the read ends as
+        for a version purged under it, `ESTALE`, instead of asking again until its deadline, `EIO` after
+        15 s); else `TRANSIENT` (a stream between leaders, or not known: asked again by the caller)."""
         if stream in self.no_direct:
-            return True
+            return _NO_DIRECT
         try:
             info = await self.bridge.api(f"STREAM.INFO.{stream}", None,
                                          min(self.bridge.request_timeout, _READ_ATTEMPT_S))
             self._note_config(_stream_state(info), refused=True)
+        except JetStreamAPIError as e:
+            return _GONE if e.err_code == ERR_STREAM_NOT_FOUND or e.code == 404 else _TRANSIENT
         except (NatsFSError, KeyError, TypeError, ValueError):
-            return False  # not known: taken as the transient kind, as before
-        return stream in self.no_direct
+            return _TRANSIENT  # not known: taken as the transient kind, as before
+        return _NO_DIRECT if stream in self.no_direct else _TRANSIENT
 
     async def subject_count(self, stream: str, filter_subject: str) -> int:
         """How many subjects matching `filter_subject` hold messages, without listing them.
@@ -379,6 +395,11 @@ class JetStreams:
         """The largest message the server takes (from its INFO)."""
         return self.bridge.max_payload
 
+    @property
+    def subject_limit(self) -> int | None:
+        """The longest subject the server was found to take (see `Bridge.subject_limit`)."""
+        return self.bridge.subject_limit
+
     async def publish_many(self, msgs: Sequence[tuple[str, bytes, dict[str, str] | None]],
                            window: int = 32) -> list[int]:
         """Publish stream messages (chunks, each with its own `Nats-Msg-Id`), pipelined. Messages that
@@ -495,6 +516,7 @@ class JetStreams:
 
     async def purge_subject(self, stream: str, subject: str, *, before_seq: int = 0) -> None:
         self.calls["purge_subject"] += 1
+        check_purge_filter(subject)
         body: dict[str, Any] = {"filter": subject}
         if before_seq:
             body["seq"] = before_seq
@@ -550,8 +572,12 @@ class JetStreams:
             if floored is body or not replies or replies[0].status != "412":
                 break
             await self._floor_refused(stream)
-        if replies and replies[0].status == "503" and await self._refuses_direct(stream):
-            return await _MsgGets(self, stream, subject, start_seq, batch, max_bytes).all()
+        if replies and replies[0].status == "503":
+            why = await self._why_no_responders(stream)
+            if why == _NO_DIRECT:
+                return await _MsgGets(self, stream, subject, start_seq, batch, max_bytes).all()
+            if why == _GONE:
+                return []
         out: list[StoredMsg] = []
         for m in replies:
             if m.headers and "Nats-Sequence" in m.headers:
@@ -574,7 +600,10 @@ class JetStreams:
         sub = await self.bridge.request_stream(f"$JS.API.DIRECT.GET.{stream}", _asking(body), max_bytes=max_bytes)
 
         async def without_direct() -> _MsgGets | None:
-            if not await self._refuses_direct(stream):
+            why = await self._why_no_responders(stream)
+            if why == _GONE:
+                return _MsgGets(self, stream, subject, start_seq, 0, max_bytes)  # (asks nothing: no messages)
+            if why != _NO_DIRECT:
                 return None
             return _MsgGets(self, stream, subject, start_seq, batch, max_bytes)
 
@@ -587,7 +616,62 @@ class JetStreams:
                            on_no_responders=without_direct, on_not_permitted=not_permitted)
 
     async def subject_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
-        """(sequence, payload size) of every message on `subject`, without fetching payloads."""
+        """(sequence, payload size) of every message on `subject`, without fetching payloads: over the
+        lean connection (`_lean_index`) when there is one; on any doubt about what that delivered, or
+        when it cannot be made (no such connection, lost, refused), by the ordered consumer over the
+        main connection, as without one."""
+        self.calls["subject_index"] += 1
+        if self.bridge.reads_in_trio and not self._lean_scans_refused:
+            try:
+                return await self._lean_index(stream, subject)
+            except _ScanDoubt as e:
+                log.info("scan of %s over the lean connection: %s; scanning again over the main one", subject, e)
+            except NotPermitted as e:
+                # (The user may not subscribe there, or create consumers: not worth asking every time.)
+                self._lean_scans_refused = True
+                log.info("scans go over the main connection from now on: %s", e)
+            except NatsFSError as e:
+                log.debug("scan of %s over the lean connection: %s; scanning over the main one", subject, e)
+        return await self._ordered_index(stream, subject)
+
+    async def _lean_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
+        """`subject_index` by a one-shot headers-only push consumer delivering to the trio thread's
+        lean connection (`Bridge.open_deliveries`, which answers its flow control), no acks, deleted
+        at the end. Proven as the ordered consumer's scan is (`_take_deliveries`); `_ScanDoubt` for
+        anything else, `Unavailable` when the connection is lost before the last delivery came."""
+        self.calls["lean_scans"] += 1
+        deliveries = self.bridge.open_deliveries()
+        name = ""
+        try:
+            config: dict[str, Any] = {
+                "deliver_subject": deliveries.subject,
+                "filter_subject": subject,
+                "deliver_policy": "all",
+                "ack_policy": "none",
+                "replay_policy": "instant",
+                "headers_only": True,
+                "flow_control": True,  # (see `Deliveries`; the server wants heartbeats with it)
+                "idle_heartbeat": int(HEARTBEAT_S * 1e9),
+                "mem_storage": True,
+                "num_replicas": 1,
+                "inactive_threshold": int(30e9),  # (deleted below; this if that is lost)
+            }
+            info = await _api(self.bridge, f"CONSUMER.CREATE.{stream}", {"stream_name": stream, "config": config})
+            name = str(info.get("name") or "")
+            if not name:
+                raise _ScanDoubt(f"consumer of {stream} created without a name")
+            if int(info.get("num_pending", -1)) == 0:
+                return []  # (nothing on the subject)
+            return await _take_deliveries(deliveries, stream, name, subject, self.bridge.request_timeout)
+        finally:
+            deliveries.close()
+            if name:
+                with trio.CancelScope(shield=True), trio.move_on_after(2), contextlib.suppress(NatsFSError):
+                    await _api(self.bridge, f"CONSUMER.DELETE.{stream}.{name}")
+
+    async def _ordered_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
+        """`subject_index` by an ordered consumer over the main connection (re-created on gaps, stalls
+        and reconnects)."""
         scan = _ConsumerStream(self.bridge, stream, subject, deliver_policy="all", headers_only=True)
         await scan.start()
         self._watches.add(scan)
@@ -644,6 +728,55 @@ class JetStreams:
         await w.start(stream_created_ns=(await self.stream_info(stream)).created_ns)
         self._watches.add(w)
         return w
+
+
+class _ScanDoubt(Unavailable):
+    """A scan's deliveries did not prove what it returns (the caller scans again another way)."""
+
+
+async def _take_deliveries(deliveries: Deliveries, stream: str, consumer: str, subject: str, timeout: float
+                           ) -> list[tuple[int, int]]:
+    """What `_lean_index` proves of the deliveries of its consumer (`deliver_policy` all): (stream
+    sequence, `Nats-Msg-Size`) of each, in order, up to the one that leaves nothing pending. Each must
+    be the next one of this consumer (its reply subject, `_ack_pattern`: this stream and consumer,
+    consumer sequences 1, 2, 3... without a gap, stream sequences rising), on `subject`, with a size;
+    `_ScanDoubt` otherwise. `Unavailable` when none came for `timeout` s or the connection was lost
+    before the last one. (A few microseconds a delivery: thousands come for a large object.)"""
+    want_subject = subject.encode()
+    ack = _ack_pattern(stream, consumer)
+    out: list[tuple[int, int]] = []
+    last = 0  # the stream sequence of the last delivery
+    cseq = 0
+    while True:
+        rows = await deliveries.next(timeout)
+        if not rows:
+            raise Unavailable(f"scan of {subject}: no deliveries for {timeout:g}s")
+        for delivered_subject, reply, size in rows:
+            m = ack.fullmatch(reply)
+            if m is None:
+                raise _ScanDoubt(f"a delivery with the reply subject {reply!r}")
+            sseq, delivered = int(m[1] or m[4]), int(m[2] or m[5])
+            if delivered != cseq + 1:
+                raise _ScanDoubt(f"consumer sequence {delivered} after {cseq}")
+            if sseq <= last:
+                raise _ScanDoubt(f"stream sequence {sseq} after {last}")
+            if delivered_subject != want_subject or size is None:
+                raise _ScanDoubt(f"unexpected delivery {delivered_subject!r} seq {sseq}")
+            cseq, last = delivered, sseq
+            out.append((sseq, size))
+            if (m[3] or m[6]) == b"0":  # nothing pending after it
+                return out
+
+
+def _ack_pattern(stream: str, consumer: str) -> re.Pattern[bytes]:
+    """The reply subject of a delivery of `consumer` of `stream`: `$JS.ACK.<stream>.<consumer>.<delivered>.
+    <stream seq>.<consumer seq>.<ts>.<pending>`, or with a domain and an account hash before the
+    stream and a token after it; groups (stream seq, consumer seq, pending) of the one form or the
+    other (1-3 or 4-6). Numbers as the server writes them: digits, no sign, no leading zero."""
+    name = re.escape(stream.encode()) + rb"\." + re.escape(consumer.encode())
+    n = rb"(?:0|[1-9][0-9]{0,19})"
+    tail = rb"\." + n + rb"\.(" + n + rb")\.(" + n + rb")\." + n + rb"\.(" + n + rb")"
+    return re.compile(rb"\$JS\.ACK\.(?:" + name + tail + rb"|[^.]+\.[^.]+\." + name + tail + rb"\.[^.]+)")
 
 
 class BatchStream:
@@ -833,11 +966,13 @@ class _ConsumerStream:
         self._pending_reset = False
         self._stale = False  # re-create before waiting again (the connection was re-established)
         self._backoff = Backoff(1.0, 5.0, clock=time.monotonic)  # re-creating the consumer
+        self._failure_said = False  # a failed re-creation of this streak was said at WARNING
         self._retry_at = 0.0
         self._closed = False
 
     def idle_for(self) -> float:
         return time.monotonic() - self._last_activity
+
 
     def mark_stale(self) -> None:
         """The connection was re-established: the consumer may be gone with the server; re-create it."""
@@ -944,16 +1079,22 @@ class _ConsumerStream:
         except NotFound:
             raise
         except NatsFSError as e:
-            level = logging.WARNING if not self._backoff.failures else logging.DEBUG
-            log.log(level, "watch %s: could not re-create the consumer (%s): %s; retrying",
-                    self.filter_subject, why, e)
+            # Without a connection the bridge has said so once (`lost the connection to NATS`): a line per
+            # watch (one per bucket) would repeat that one outage many times over.
+            outage = isinstance(e, NoConnection) or not self.bridge.connected
+            said = not self._backoff.failures and not outage
+            self._failure_said = self._failure_said or said
+            log.log(logging.WARNING if said else logging.DEBUG,
+                    "watch %s: could not re-create the consumer (%s): %s; retrying", self.filter_subject, why, e)
             self._retry_at = time.monotonic() + self._backoff.next_pause()
             self._last_activity = time.monotonic()
             return False
         if self._backoff.failures:
-            log.warning("watch %s: consumer re-created after %d failed attempts", self.filter_subject,
-                        self._backoff.failures)
+            log.log(logging.WARNING if self._failure_said else logging.DEBUG,
+                    "watch %s: consumer re-created after %d failed attempts", self.filter_subject,
+                    self._backoff.failures)
         self._backoff.reset()
+        self._failure_said = False
         self._stale = False
         return True
 
@@ -1013,8 +1154,9 @@ class _ConsumerStream:
             out.caught_up = True
             self._caught_up_reported = True
         if not msgs and not self._stale and self.idle_for() > STALL_S:
-            log.warning("watch %s: no heartbeat for %.1fs; re-creating consumer", self.filter_subject,
-                        self.idle_for())
+            # (No heartbeat while the connection is down is that outage, which the bridge says once.)
+            log.log(logging.WARNING if self.bridge.connected else logging.DEBUG,
+                    "watch %s: no heartbeat for %.1fs; re-creating consumer", self.filter_subject, self.idle_for())
             await self._try_recreate("stalled")
         return out
 

@@ -20,7 +20,10 @@ replaced by a rename, before its upload is closed by a `done` that is synced lik
 a failed CRC ends the readable journal: that torn record and whatever follows it is skipped (one log
 line), everything before it is used. The journal is rewritten with only its live records (compaction:
 temporary file, fsync, rename, fsync of the directory) when it is opened after a torn tail or once
-most of its records are dead.
+most of its records are dead. Compaction only saves space: one that fails while the mount runs (a
+local disk with no room for the copy, though the records still fit in the zeros ahead) fails no
+close; the records go on into the journal as it is (one warning line) and it is tried again after
+`_COMPACT_MIN` more records.
 
 A live record is keyed by `id` (the spool file's name) and holds what `staging.StagedFile.journal_entry`
 writes: bucket, name, base version, state, attributes, xattr changes, and for a small file its bytes
@@ -98,6 +101,8 @@ class WriteBackJournal:
         self.pending: dict[str, dict[str, Any]] = {}  # id -> latest record, in replay order
         self.torn_at: int | None = None  # where a torn tail started when the journal was opened
         self._written = 0  # records in the file (live and dead)
+        # After a failed compaction: the record count at which to try again (None: no failure pending).
+        self._compact_retry_at: int | None = None
         self._fd = -1
         self._end = 0  # where the next record goes (the zeros start)
         self._size = 0  # the file's size (records and the zeros after them)
@@ -131,6 +136,9 @@ class WriteBackJournal:
         dead = self._written - len(self.pending)
         return dead >= _COMPACT_MIN and dead > _COMPACT_FACTOR * len(self.pending)
 
+    def _compaction_due(self) -> bool:
+        return self._mostly_dead() and (self._compact_retry_at is None or self._written >= self._compact_retry_at)
+
     def _append(self, recs: list[dict[str, Any]], sync: bool, compact: bool = True) -> None:
         data = b"".join(frame(json.dumps(rec, separators=(",", ":")).encode()) for rec in recs)
         if self._end + len(data) > self._size:
@@ -145,8 +153,8 @@ class WriteBackJournal:
         self._written += len(recs)
         for rec in recs:
             self._apply(rec)
-        if compact and self._mostly_dead():
-            self.compact()
+        if compact:
+            self.compact_if_due()
 
     def _grow(self, need: int) -> None:
         """Zeros after the records for this and later records (synced with the record that needs them)."""
@@ -192,28 +200,56 @@ class WriteBackJournal:
 
     @property
     def wants_compaction(self) -> bool:
-        return self._mostly_dead()
+        return self._compaction_due()
+
+    def compact_if_due(self) -> None:
+        """`compact` once most records are dead, never raising: the records are durable whether or not
+        the rewrite succeeds, so a failure (a disk with no room for the copy) is one warning line, the
+        journal goes on as it is, and the rewrite is tried again after `_COMPACT_MIN` more records."""
+        if not self._compaction_due():
+            return
+        try:
+            self.compact()
+        except OSError as e:
+            if self._compact_retry_at is None:
+                log.warning("write-back journal %s: not compacted (%s); records go on into it as it is, the "
+                            "compaction is tried again later", self.path, e.strerror or e)
+            self._compact_retry_at = self._written + _COMPACT_MIN
+        else:
+            if self._compact_retry_at is not None:
+                log.info("write-back journal %s: compacted", self.path)
+            self._compact_retry_at = None
 
     def compact(self) -> None:
-        """Rewrite the journal with only its live records, atomically (rename over the old file)."""
+        """Rewrite the journal with only its live records, atomically (rename over the old file). On an
+        `OSError` before the rename the journal stays as it was (and the temporary copy goes)."""
         tmp = self.path.with_suffix(".compact")
         data = b"".join(frame(json.dumps(rec, separators=(",", ":")).encode()) for rec in self.pending.values())
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, self.path)
+        # The new file is the journal from here on: switch to it before anything else can fail, or later
+        # records would go into the replaced (unlinked) file.
+        self.close()
+        self._written = len(self.pending)
+        self._end = self._size = len(data)
+        self._open()
         dfd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-        self.close()
-        self._written = len(self.pending)
-        self._end = self._size = len(data)
-        self._open()
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -11,8 +11,9 @@ A target inside the mount is `../` once per directory between the link and the m
 validated segments, so it can only end inside the mount. A target that cannot be shown inside the
 mount reads as a relative path in the link's own directory whose first segment starts with
 `nats-object:` (never `..`): a link into another bucket of a `--bucket` mount reads as
-`nats-object:<bucket>/<name segments>`, and a link whose bucket fails the bucket-name rule or whose
-name cannot be shown reads as `nats-object:?/invalid-link` (`?` is never part of a bucket name).
+`nats-object:<bucket>/<name segments>`, and a link whose bucket fails the bucket-name rule, whose
+name cannot be shown, or whose target would be `PATH_MAX` bytes or more (no symlink the kernel takes)
+reads as `nats-object:?/invalid-link` (`?` is never part of a bucket name).
 Neither leaves the mount: the kernel resolves them inside the link's directory, where they dangle.
 
 A symlink made with `ln -s` carries its target text verbatim in `natsfs.symlink` (see
@@ -64,25 +65,34 @@ class LinkTarget:
     hostile: bool = False
 
 
-def link_target(link: Link, link_path: tuple[str, ...], single_bucket: str | None) -> LinkTarget:
+def link_target(link: Link, link_path: tuple[str, ...], single_bucket: str | None, *,
+                marker: bool = False) -> LinkTarget:
     """The symlink target of `link`, shown at mount path `link_path` (its own, validated, segments).
 
-    `single_bucket` is the bucket of a `--bucket` mount (None for an all-buckets mount).
+    `single_bucket` is the bucket of a `--bucket` mount (None for an all-buckets mount). `marker`: the
+    linked object is a directory marker (an empty object named `dir/`), which shows as its directory.
     """
     if not valid_bucket_name(link.bucket):
         return LinkTarget(INVALID_TARGET, f"its bucket {link.bucket!r} is not a valid bucket name", hostile=True)
     segments: tuple[str, ...] = ()
     if link.name is not None:
-        placed, _escaped = placement(link.name)
+        placed, _escaped = placement(link.name, marker_candidate=marker)
         if placed is None:
             return LinkTarget(INVALID_TARGET, f"its object name {link.name!r} cannot be shown", hostile=True)
         segments = placed
     if single_bucket is not None and link.bucket != single_bucket:
         text = FOREIGN_PREFIX + link.bucket + "/" + "/".join(segments)
-        return LinkTarget(text, f"it points into bucket {link.bucket!r}, outside this --bucket mount")
-    in_mount = segments if single_bucket is not None else (link.bucket, *segments)
-    up = "../" * (len(link_path) - 1)
-    return LinkTarget((up + "/".join(in_mount)) or ".")
+        target = LinkTarget(text, f"it points into bucket {link.bucket!r}, outside this --bucket mount")
+    else:
+        in_mount = segments if single_bucket is not None else (link.bucket, *segments)
+        up = "../" * (len(link_path) - 1)
+        target = LinkTarget((up + "/".join(in_mount)) or ".")
+    if len(os.fsencode(target.text)) >= PATH_MAX:
+        # The kernel takes no symlink text of PATH_MAX bytes or more (readlink failed with EIO, and
+        # nothing was logged): the name of a link another client wrote can be that long.
+        return LinkTarget(INVALID_TARGET, f"its target would be {len(os.fsencode(target.text))} bytes, more "
+                                          f"than a symlink holds ({PATH_MAX - 1})", hostile=True)
+    return target
 
 
 

@@ -55,12 +55,14 @@ from .streams import (
     EXPECTED_LAST_MSG_ID,
     EXPECTED_LAST_SUBJECT_SEQ,
     EXPECTED_STREAM,
+    MAX_STREAM_NAME,
     MSG_ID,
     ROLLUP,
     AccountLimits,
     StoredMsg,
     StreamState,
     WatchBatch,
+    check_purge_filter,
     limit_refusal,
 )
 
@@ -194,6 +196,7 @@ class MemoryStreams:
         self._faults: list[tuple[str, str | None, BaseException]] = []
         self._lost_acks: list[str | None] = []
         self.max_payload = 1024 * 1024
+        self.subject_limit: int | None = None  # (a real server's max_control_line, learned: see Bridge)
         # Batches open at once (nats-server counts them per stream; tests use one stream at a time).
         self.max_open_batches = 50
         self.open_batches = 0
@@ -355,6 +358,9 @@ class MemoryStreams:
     async def create_stream(self, config: dict[str, Any]) -> StreamState:
         await self._enter("create_stream")
         cfg = _normalize(config)
+        if len(cfg["name"]) > MAX_STREAM_NAME:  # (as nats-server answers it)
+            raise JetStreamAPIError(f"stream name is too long, maximum allowed is {MAX_STREAM_NAME}",
+                                    code=500, err_code=10052)
         existing = self._streams.get(cfg["name"])
         if existing is not None:
             if existing.config != cfg:
@@ -584,6 +590,7 @@ class MemoryStreams:
 
     async def purge_subject(self, stream: str, subject: str, *, before_seq: int = 0) -> None:
         await self._enter("purge_subject")
+        check_purge_filter(subject)
         st = self._get(stream)
         if st.config.get("sealed"):
             raise ReadOnly(f"stream {stream} is sealed")

@@ -25,13 +25,13 @@ from . import affinity, memory, sdnotify
 from .adr20 import chunk_size_within
 from .auth import Connection
 from .bridge import Bridge
-from .compose import build_filesystem
+from .compose import build_filesystem, spool_root
 from .config import Config
 from .errors import NatsFSError, NotFound
 from .fs import Operations
 from .jetstream import JetStreams
 from .kernel import clone_device, session_device_fd
-from .secrecy import redact_urls
+from .secrecy import private_dir, redact_urls
 from .server import EmbeddedServer
 from .uploader import UploadWorker
 
@@ -95,6 +95,35 @@ def lock_mountpoint(mountpoint: Path) -> int | None:
     return fd
 
 
+DAEMON_LOCK = "daemon.lock"
+
+
+def lock_cache_root(root: Path, mountpoint: Path) -> int:
+    """Take, for the daemon's whole life, the right to use this mountpoint's directory under the cache dir
+    (spool, put journal, write-back journal, lost+found). An unmount returns while its daemon may still be
+    finishing (settling puts, storing directory times, write-back uploads, its embedded server): a new
+    mount of the same mountpoint waits for it, with one line, instead of moving the spool files that
+    daemon still uses to lost+found as leftovers, or writing the journals it writes. The fd is never
+    closed (and not inherited), so the lock goes with the process, also a killed one."""
+    private_dir(root)
+    fd = os.open(root / DAEMON_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.warning("waiting for the daemon of an earlier mount of %s to finish (it still uses %s)",
+                    mountpoint, root)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        log.info("the daemon of the earlier mount of %s has finished", mountpoint)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def fuse_options(config: Config) -> set[str]:
     options = set(pyfuse3.default_options)
     # nodev: a device node any client of the bucket can describe must never open a device of this host.
@@ -125,6 +154,11 @@ async def serve(config: Config, on_ready: Callable[[], None] = lambda: None) -> 
 
     try:
         check_mountpoint(mountpoint)  # (again: another mount may have taken the lock first, and mounted)
+        try:
+            lock_cache_root(spool_root(config.cache_dir, mountpoint), mountpoint)  # (held until exit)
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename else ""
+            raise MountError(f"cannot use the cache dir {config.cache_dir}: {e.strerror or e}{where}") from None
         await _serve_locked(config, mountpoint, mounted)
     finally:
         unlock()

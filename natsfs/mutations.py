@@ -44,12 +44,15 @@ from .adr20 import (
 )
 from .config import Config
 from .errors import (
+    ERR_ACCOUNT_LIMITS_FOR_A_STREAM,
     ERR_STREAM_NAME_IN_USE,
     AlreadyExists,
     Conflict,
     JetStreamAPIError,
     MalformedMeta,
+    MarkerShaped,
     NatsFSError,
+    NoSpace,
     NotEmpty,
     NotFound,
     NotPermitted,
@@ -58,7 +61,8 @@ from .errors import (
     single_error,
     single_errors,
 )
-from .index import BucketIndex, Dir
+from .index import BucketIndex, Dir, is_marker
+from .names import placement
 from .namespace import Namespace
 from .staging import StagedFile, Staging, UnfinishedPut, WriteState
 
@@ -73,6 +77,8 @@ RENAME_DIR_PARALLEL = 8  # objects of a directory renamed at once
 # answers STREAM.INFO within milliseconds; one that is connected but stopped would cost the request
 # timeout at every open for writing).
 SEALED_REFRESH_WAIT_S = 0.25
+# How often the unmount asks again whether the puts this run left are settled (`settle_at_unmount`).
+UNMOUNT_SETTLE_POLL_S = 0.2
 
 
 def _digest_of_file(fd: int, size: int) -> bytes:
@@ -94,20 +100,25 @@ _MOVE_GROWTH = 128
 GO_ESCAPE_GROWTH = 6
 
 
-def _rename_change(info: ObjectInfo) -> Callable[[dict[str, Any]], None] | None:
+def _rename_change(info: ObjectInfo, extra_metadata: dict[str, str] | None = None
+                   ) -> Callable[[dict[str, Any]], None] | None:
     """What a rename changes in an object's meta besides its name: rename(2) keeps a file's mtime, but a
     new meta message gets a new timestamp, so a file keeps it as `natsfs.mtime_ns` (a directory marker's
-    or link's new time is now)."""
-    if info.link is not None or info.name.endswith("/"):
+    or link's new time is now). An object named `x/` with bytes is a file (shown as `x%2F`), not a marker.
+    `extra_metadata` is set too (a moved symlink's signature, see `Filesystem._move_signatures`)."""
+    keeps_mtime = info.link is None and not is_marker(info)
+    if not keeps_mtime and not extra_metadata:
         return None
     mtime_ns = info.mtime_ns
 
-    def keep_mtime(doc: dict[str, Any]) -> None:
+    def change(doc: dict[str, Any]) -> None:
         metadata = metadata_of(doc)
-        metadata.setdefault(ATTR_MTIME, str(mtime_ns))
+        if keeps_mtime:
+            metadata.setdefault(ATTR_MTIME, str(mtime_ns))
+        metadata.update(extra_metadata or {})
         doc["metadata"] = metadata
 
-    return keep_mtime
+    return change
 
 
 class Mutations:
@@ -253,7 +264,7 @@ class Mutations:
             # The meta's new message would otherwise give the file a new mtime.
             doc["metadata"] = metadata_of(doc) | {ATTR_MTIME: str(mtime_ns)}
 
-        keep = None if info.link is not None or info.name.endswith("/") else keep_mtime
+        keep = None if info.link is not None or is_marker(info) else keep_mtime
         try:
             moved = await self.store.adopt_alias(bucket, info.name, subject, info.revision, keep)
         except Conflict:
@@ -287,6 +298,21 @@ class Mutations:
             await trio.sleep(self.config.settle_interval)
             await self.settle_puts()
             await self.purge_shared_tombstones()
+
+    async def settle_at_unmount(self, timeout: float) -> None:
+        """Unmounting: settle what this run's puts left (a streamed put given up when its file was written
+        out of order, a failed close) for at most `timeout`, as the background passes would have done a
+        few seconds later: a clean unmount leaves the next mount no record to check, and so no warning
+        about "unfinished puts of an earlier run" that only a killed daemon should cause. What is not
+        settled in time (a server that does not answer) stays in the journal for the next mount."""
+        if self.config.read_only or not self.store.connected:
+            return  # (without a connection every pass would only wait for one)
+        with trio.move_on_after(timeout):
+            while self.journal.pending:
+                await self.settle_puts()
+                if self.journal.pending:
+                    # (a purged put's chunk subject is read back `purge_check_delay` after its purge)
+                    await trio.sleep(UNMOUNT_SETTLE_POLL_S)
 
     async def settle_puts(self) -> None:
         """One pass over the unfinished puts: keep those whose meta holds their nuid, purge the chunks of
@@ -547,6 +573,9 @@ class Mutations:
             # at its revision, with its attributes.
             await self._own_meta_ended.wait()
         await self.check_writable(sf.bucket)
+        if sf.size == 0 and sf.name.endswith("/"):
+            raise MarkerShaped(f"{sf.bucket}/{sf.name}: an empty object with this name is a directory marker, "
+                               f"which would show as a directory instead of this file")
         if sf.resumed:
             sf.resumed = False
             already = await self._stored_by_earlier_run(sf)
@@ -758,6 +787,10 @@ class Mutations:
         except JetStreamAPIError as e:
             if e.err_code == ERR_STREAM_NAME_IN_USE:
                 raise AlreadyExists(f"bucket {bucket} exists") from None
+            if e.err_code in ERR_ACCOUNT_LIMITS_FOR_A_STREAM:
+                # As a full disk refuses a mkdir: ENOSPC, said once, not an EIO logged as a failure.
+                raise NoSpace(f"bucket {bucket} not created: the account's JetStream limits leave no room for "
+                              f"it ({e.description})") from None
             raise
         self._sealed[bucket] = (time.monotonic(), False)  # made here, unsealed: known, also offline
         await self.ns.refresh_buckets()
@@ -768,8 +801,8 @@ class Mutations:
         """rmdir of a bucket directory: only when the bucket holds no live objects."""
         if self.config.read_only:
             raise ReadOnly("this mount is read-only")
-        if await self.store.live_object_count(bucket):
-            raise NotEmpty(f"bucket {bucket} holds objects")
+        if live := await self.store.live_object_count(bucket):
+            raise NotEmpty(f"bucket {bucket} holds {live} objects (counting those this mount does not show)")
         await self.store.delete_bucket(bucket)
         self.forget_sealed(bucket)
         await self.ns.refresh_buckets()
@@ -813,6 +846,10 @@ class Mutations:
             raise NotEmpty(f"{bucket}/{'/'.join(rel)}")
         if directory.marker is not None:
             await self.delete(bucket, directory.marker)
+        else:
+            index = self.ns.loaded_index(bucket)
+            if index is not None:
+                index.drop_empty(rel)  # (kept by this mount only: nothing stored to delete)
 
     async def set_dir_attrs(self, bucket: str, rel: Path, directory: Dir, attrs: PosixAttrs) -> None:
         if directory.marker is None:
@@ -822,7 +859,8 @@ class Mutations:
 
     # ------------------------------------------------------------------ renames
     async def rename_object(self, bucket: str, info: ObjectInfo, new_name: str,
-                            target: ObjectInfo | None, *, keep_target_chunks: bool = False) -> ObjectInfo:
+                            target: ObjectInfo | None, *, keep_target_chunks: bool = False,
+                            extra_metadata: dict[str, str] | None = None) -> ObjectInfo:
         """Metadata-only rename; replaces `target` (a live object at the new name) as POSIX requires.
 
         Order (see adr20.ObjectStore.rename): new meta, then the claim of the old name (a tombstone on a
@@ -839,7 +877,8 @@ class Mutations:
             target = await self._on_canonical(bucket, target)
         new_info, _claim = await self.store.rename(
             bucket, info.name, new_name, expected_revision=info.revision, expected_nuid=info.nuid,
-            target_revision=target.revision if target is not None else 0, change=_rename_change(info),
+            target_revision=target.revision if target is not None else 0,
+            change=_rename_change(info, extra_metadata),
             target_change=_rename_change(target) if target is not None else None,
             stored=lambda stored: self._apply(bucket, stored))
         if index is not None:
@@ -856,8 +895,9 @@ class Mutations:
         return new_info
 
     async def rename_dir(self, bucket: str, old_rel: Path, directory: Dir, new_rel: Path,
-                         target: Dir | None) -> None:
-        """Move every object under a directory (and its marker) to the new prefix, one object at a time."""
+                         target: Dir | None, extra_metadata: dict[str, dict[str, str]] | None = None) -> None:
+        """Move every object under a directory (and its marker) to the new prefix, one object at a time;
+        `extra_metadata` by object name is set on those objects as they move."""
         await self.check_writable(bucket)
         if target is not None:
             if target.children:
@@ -891,17 +931,37 @@ class Mutations:
             else:
                 log.warning("rename: %s/%r is shown under %s but named otherwise; left in place", bucket,
                             info.name, old_prefix)
+        self._refuse_markers_over_files(bucket, moves, old_prefix, new_prefix)
         marker = movable.pop() if movable and movable[-1].name == old_prefix else None
         # The directory's own marker moves first: its claim decides a race with another client's rename
         # (or rmdir) of the directory before any object moves, so that exactly one of them wins and the
         # other moves nothing. (The old directory stays visible through the objects not moved yet.)
         moved_marker = await self.rename_object(bucket, marker, new_prefix, None) if marker is not None else None
         try:
-            await self._rename_each(bucket, movable, old_prefix, new_prefix)
+            await self._rename_each(bucket, movable, old_prefix, new_prefix, extra_metadata or {})
         except NatsFSError:
             if marker is not None and moved_marker is not None:
                 await self._move_back(bucket, [(marker, moved_marker)])
             raise
+
+    def _refuse_markers_over_files(self, bucket: str, moves: list[ObjectInfo], old_prefix: str,
+                                   new_prefix: str) -> None:
+        """`MarkerShaped` before anything moves when a moved directory marker would land on another
+        client's object with bytes under that name (`e/`, shown as the file `e%2F`): its rename would
+        replace that file (the server refused it as a change by another client, `ESTALE`, which nothing
+        was)."""
+        index = self.ns.loaded_index(bucket)
+        if index is None:
+            return
+        for info in moves:
+            if not is_marker(info) or not info.name.startswith(old_prefix):
+                continue
+            new_name = new_prefix + info.name[len(old_prefix):]
+            held = index.objects.get(new_name)
+            if held is not None and not held.deleted and not is_marker(held):
+                raise MarkerShaped(f"{bucket}/{new_name}: an object with bytes holds the name the moved "
+                                   f"directory's marker needs (it shows as "
+                                   f"{'/'.join(placement(new_name)[0] or ())!r}); nothing moved")
 
     async def _check_renamed_sizes(self, bucket: str, moves: list[ObjectInfo], old_prefix: str,
                                    new_prefix: str) -> None:
@@ -930,7 +990,8 @@ class Mutations:
                 for info in near:
                     nursery.start_soon(check, info)
 
-    async def _rename_each(self, bucket: str, moves: list[ObjectInfo], old_prefix: str, new_prefix: str) -> None:
+    async def _rename_each(self, bucket: str, moves: list[ObjectInfo], old_prefix: str, new_prefix: str,
+                           extra_metadata: dict[str, dict[str, str]]) -> None:
         """Rename objects of a directory, `RENAME_DIR_PARALLEL` at a time (each is two round trips, and a
         Spark task commit renames a directory of several files). The first failure (another client
         deleted, renamed or changed an object meanwhile; the server not answering) starts no more
@@ -945,7 +1006,8 @@ class Mutations:
                 if failures:
                     return
                 try:
-                    new_info = await self.rename_object(bucket, info, new_prefix + info.name[len(old_prefix):], None)
+                    new_info = await self.rename_object(bucket, info, new_prefix + info.name[len(old_prefix):], None,
+                                                        extra_metadata=extra_metadata.get(info.name))
                 except NatsFSError as e:
                     failures.append(e)
                     return

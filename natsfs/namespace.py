@@ -221,11 +221,22 @@ class Namespace:
                         mtime_ns=idx.root.mtime_ns if idx else self.started_ns)
         if self.single_bucket is None and not await self.bucket_exists(bucket):
             raise NotFound(f"no bucket {bucket!r}")
+        if not rel:
+            return self._node(bucket, rel, await self._root_index(bucket))
         index = await self.index(bucket)
         entry = index.get(rel)
         if entry is None:
             raise NotFound(f"{bucket}/{'/'.join(rel)}")
         return self._node(bucket, rel, entry)
+
+    async def _root_index(self, bucket: str) -> Dir:
+        """The root of a `--bucket` mount: its bucket's tree, or an empty directory while the bucket does
+        not exist (another client deleted it; it shows again once created again). The root of a mount
+        answering ENOENT broke `ls` and `cd` of the mountpoint and every process inside it."""
+        try:
+            return (await self.index(bucket)).root
+        except NotFound:
+            return Dir(self.started_ns)
 
     def loaded_node(self, path: Path) -> Node | None:
         """What `resolve` answers for an entry inside a bucket whose index is loaded, without waiting;
@@ -254,10 +265,14 @@ class Namespace:
                 out.append((b, Node(BUCKET, b, (), idx.root if idx else None,
                                     mtime_ns=idx.root.mtime_ns if idx else self.started_ns)))
             return out
-        index = await self.index(bucket)
-        entry = index.get(rel)
-        if entry is None:
-            raise NotFound(f"{bucket}/{'/'.join(rel)}")
+        if not rel and self.single_bucket is not None:
+            entry: Dir | ObjectInfo = await self._root_index(bucket)
+        else:
+            index = await self.index(bucket)
+            found = index.get(rel)
+            if found is None:
+                raise NotFound(f"{bucket}/{'/'.join(rel)}")
+            entry = found
         if not isinstance(entry, Dir):
             raise NotADirectory(f"{bucket}/{'/'.join(rel)}")
         return [(name, self._node(bucket, (*rel, name), child)) for name, child in sorted(entry.children.items())]

@@ -6,7 +6,8 @@ INFO as sent (its limits), a subscription's id, the queue of publishes waiting f
 closed client never answers them), its transport and queue of bytes for the server (large
 payloads are queued, or written by the upload worker, without being copied into their frames), and a
 closed client's tasks and socket (its own close can stop half-way, see `end_client`), and the server's
-INFO before CONNECT (to refuse sending credentials in clear when TLS is wanted, see `require_tls`). Each is reached
+INFO before CONNECT (to refuse sending credentials in clear when TLS is wanted, see `require_tls`) (and
+a warning asyncio logs at the end of each of its TLS connections, see `_quiet_tls_eof_warning`). Each is reached
 only through a function here, and `check()` verifies that the installed nats-py still has them before
 anything connects, so an incompatible upgrade fails the mount at start with one sentence instead of
 misbehaving later.
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -107,6 +109,24 @@ def check() -> None:
     if missing:
         raise IncompatibleNatsPy(f"{wanted}: the installed nats-py lacks {', '.join(missing)}")
     nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, READ_BUFFER)
+    _quiet_tls_eof_warning()
+
+
+# nats-py goes TLS by `start_tls` with a new `StreamReaderProtocol` whose `connection_made` is never called,
+# so that protocol believes it is not over SSL and answers the end of every TLS connection (an unmount,
+# a server going away, each `natsfs bucket` command) with `eof_received() -> True`, which asyncio's SSL
+# transport reports as a WARNING: a line in the log, and on stderr, for nothing that went wrong.
+_TLS_EOF_WARNING = "returning true from eof_received() has no effect when using ssl"
+
+
+def _not_the_tls_eof_warning(record: logging.LogRecord) -> bool:
+    return record.getMessage() != _TLS_EOF_WARNING
+
+
+def _quiet_tls_eof_warning() -> None:
+    asyncio_log = logging.getLogger("asyncio")
+    if _not_the_tls_eof_warning not in asyncio_log.filters:
+        asyncio_log.addFilter(_not_the_tls_eof_warning)
 
 
 class TlsNotOffered(nats.errors.Error):

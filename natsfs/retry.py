@@ -70,6 +70,7 @@ class Restarts:
         self.stable = stable
         self.give_up_after = give_up_after
         self._backoff = Backoff(first, cap, clock=clock)
+        self._server_backoff = Backoff(first, cap, clock=clock)  # (see `no_server`)
         self._clock = clock
         self._started_at: float | None = None
         self.failing = False  # the last `give_up_after` (or more) starts all failed
@@ -90,7 +91,15 @@ class Restarts:
         if lived is not None and lived >= self.stable:
             self.failing = False
             self._backoff.reset()
+            self._server_backoff.reset()
         return self._backoff.next_pause()
+
+    def no_server(self) -> float:
+        """The child ended because it could reach no server (the daemon's own connection says that
+        outage once): no failure of the child, so not counted toward `failing`; the pause before the
+        next start grows as for failed restarts, apart from them."""
+        self._started_at = None
+        return self._server_backoff.next_pause()
 
     def newly_failing(self) -> bool:
         """True once per streak: the restart that just failed was the `give_up_after`-th in a row."""

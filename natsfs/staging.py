@@ -80,6 +80,9 @@ _FILL_PIECE = 1024 * 1024
 _JOURNAL_COMPACT = 4096
 # Closing lines of the put journal written with its next record, at most this many held back.
 _CLOSES_HELD = 64
+# A full spool is warned of once per this many seconds; the refusals in between are counted in the next
+# warning (a program retrying its write, or `truncate` to a terabyte in a loop, logged a line per call).
+SPOOL_FULL_WARNING_INTERVAL_S = 60.0
 
 
 @dataclass
@@ -231,11 +234,14 @@ def _journal_line(rec: dict[str, str]) -> bytes:
 
 
 class Spool:
-    def __init__(self, root: Path, limit: int):
+    def __init__(self, root: Path, limit: int, *, clock: Callable[[], float] = time.monotonic):
         self.dir = Path(root) / "spool"
         self.lost_found = Path(root) / "lost+found"
         self.limit = limit
         self.used = 0
+        self._clock = clock
+        self._full_warned_at: float | None = None
+        self._full_refusals_unwarned = 0
         # Bytes (in whole pages) of staged files kept in memory files (see `StagedFile.to_memory`).
         self.memory_used = 0
         # Empty spool files created ahead on a worker thread (write-back mode, see `create_ahead`).
@@ -315,9 +321,20 @@ class Spool:
     def charge(self, old_size: int, new_size: int) -> None:
         delta = new_size - old_size
         if delta > 0 and self.used + delta > self.limit:
-            log.warning("spool is full: %d of %d bytes staged; refusing %d more", self.used, self.limit, delta)
+            self._warn_full(delta)
             raise NoSpace(f"spool full ({self.limit} bytes, --spool-size)", log_level=logging.DEBUG)
         self.used += delta
+
+    def _warn_full(self, delta: int) -> None:
+        now = self._clock()
+        if self._full_warned_at is not None and now - self._full_warned_at < SPOOL_FULL_WARNING_INTERVAL_S:
+            self._full_refusals_unwarned += 1
+            return
+        since = (f" ({self._full_refusals_unwarned} more refused since the last such warning)"
+                 if self._full_refusals_unwarned else "")
+        log.warning("spool is full: %d of %d bytes staged; refusing %d more%s", self.used, self.limit, delta, since)
+        self._full_warned_at = now
+        self._full_refusals_unwarned = 0
 
     def _lost_path(self, bucket: str, name: str) -> Path:
         d = private_dir(self.lost_found / bucket)
@@ -657,11 +674,11 @@ class StagedFile:
     def attrs(self) -> PosixAttrs:
         return PosixAttrs(self.mode, self.uid, self.gid, self.mtime_ns if self.mtime_explicit else None)
 
-    def as_info(self) -> ObjectInfo:
+    def as_info(self) -> StagedVersion:
         base = self.base
-        return ObjectInfo(bucket=self.bucket, name=self.name, nuid=base.nuid if base else "", size=self.size,
-                          chunks=0, digest="", mtime_ns=self.mtime_ns,
-                          revision=self.base_revision, attrs=PosixAttrs(self.mode, self.uid, self.gid, None))
+        return StagedVersion(bucket=self.bucket, name=self.name, nuid=base.nuid if base else "", size=self.size,
+                             chunks=0, digest="", mtime_ns=self.mtime_ns,
+                             revision=self.base_revision, attrs=PosixAttrs(self.mode, self.uid, self.gid, None))
 
     def apply_xattr_changes(self, doc: dict[str, Any], changes: list[tuple[str, bytes | None]] | None = None) -> None:
         for key, value in self.xattr_changes if changes is None else changes:
@@ -901,6 +918,13 @@ class StagedFile:
             self._leave_memory()
             self.spool_path.unlink(missing_ok=True)  # (a spool file not dropped yet)
         return kept
+
+
+@dataclass(slots=True)
+class StagedVersion(ObjectInfo):
+    """What a staged file shows (`StagedFile.as_info`): its bytes are in the staging area, not in the
+    bucket. Its nuid is the version it was staged from and its size the staged one, so no chunk of the
+    bucket is ever read for it: a handle that opened it reads the staged file while it serves reads."""
 
 
 class Staging:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from .errors import NatsFSError
+from .errors import InvalidArgument, NatsFSError
 
 # Header names used on the wire.
 ROLLUP = "Nats-Rollup"
@@ -34,6 +34,7 @@ BATCH_ID = "Nats-Batch-Id"
 BATCH_SEQUENCE = "Nats-Batch-Sequence"
 BATCH_COMMIT = "Nats-Batch-Commit"
 BATCH_MAX_MSGS = 1000
+MAX_STREAM_NAME = 255  # nats-server refuses a longer stream name (err_code 10052)
 BATCH_IDLE_S = 10.0
 
 
@@ -132,6 +133,11 @@ class Streams(Protocol):
         """The largest message the server takes."""
 
     @property
+    def subject_limit(self) -> int | None:
+        """The longest subject the server was found to take (None: not found out, see
+        `Bridge.subject_limit`)."""
+
+    @property
     def connected(self) -> bool:
         """Whether there is a connection to the server now (False while reconnecting)."""
 
@@ -191,6 +197,21 @@ class Streams(Protocol):
     async def stream_updates(self) -> StreamUpdates:
         """Follow the server's advisories of stream config updates (none arrive where the account may
         not subscribe to them: then nothing is announced)."""
+
+
+def literal_subject(subject: str) -> bool:
+    """Whether `subject` names one subject: no empty token and no wildcard token (`*`, `>`). JetStream
+    stores a message another client published to `$O.b.M.>` or `$O.b.C.*` under that very subject, but a
+    purge (or a last-message request) by it applies to every subject it matches."""
+    return all(token and token not in ("*", ">") for token in subject.split("."))
+
+
+def check_purge_filter(subject: str) -> None:
+    """Refuse a purge by a subject that is not literal: every purge natsfs makes is of one subject, and
+    one by a wildcard (a subject taken from the stream, where another client stored it) would remove
+    the messages of every subject it matches, other objects' metas or chunks."""
+    if not literal_subject(subject):
+        raise InvalidArgument(f"not purging {subject!r}: a wildcard subject matches other subjects too")
 
 
 def limit_refusal(subject: str, description: str) -> str:

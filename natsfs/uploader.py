@@ -10,7 +10,10 @@ more of it can be published, and while it has not answered, the put is not settl
 
 A worker that dies (a crash, `kill -9`, the OOM killer) is reaped at once, said at WARNING, and a new
 one started (`retry.Restarts`: a worker that dies at once every time is started less and less often,
-and after a few in a row that is said once at ERROR; puts are published in-process meanwhile). Requests
+and after a few in a row that is said once at ERROR; puts are published in-process meanwhile). One that
+ends because it could reach no server (`bridge.WORKER_FOUND_NO_SERVER`: started while the server is away
+or refuses the credentials) is started again the same way, said at DEBUG only: the daemon's own
+connection reports that outage. Requests
 it had not answered fail with `Unavailable`, and their callers send those files again in-process in a
 new put session (the old one's chunks are purged). A put session stays with the worker process it began
 on, which holds its hash: after a restart, what is left of it is refused (`Unavailable`) too.
@@ -44,7 +47,7 @@ import trio
 
 from . import affinity
 from .auth import Connection
-from .bridge import refusal
+from .bridge import WORKER_FOUND_NO_SERVER, refusal
 from .errors import JetStreamAPIError, OutcomeUnknown, Unavailable
 from .jetstream import map_publish_error
 from .retry import Restarts, Silence, describe_exit
@@ -135,27 +138,40 @@ class UploadWorker:
                 status = await child.proc.wait()  # reaped: no zombie
                 if self._closing:
                     return
-            # (First: a worker that ran long enough ends a streak of failed restarts, and its death is an
-            # ordinary one, said at WARNING.)
-            pause = self.restarts.died()
-            if child is not None:
-                if child.hung and not self.restarts.failing:
-                    log.warning("upload worker (pid %d) did not answer for %g s (stopped, or stuck); killed it, "
-                                "starting a new one (puts it was sending are sent again in-process)",
-                                child.proc.pid, self.hung_after)
-                elif self.restarts.failing:
-                    log.debug("upload worker (pid %d) %s (%s)", child.proc.pid,
-                              "did not answer" if child.hung else "died", describe_exit(status))
-                else:
-                    log.warning("upload worker (pid %d) died (%s); starting a new one (puts it was sending "
-                                "are sent again in-process)", child.proc.pid, describe_exit(status))
-            if self.restarts.newly_failing():
-                log.error("upload worker failed %d times in a row; publishing in-process, trying again "
-                          "every %g s at most", self.restarts.failures, self.restarts.cap)
+            if child is not None and not child.hung and status == WORKER_FOUND_NO_SERVER:
+                # The server is away (or refuses our credentials): the daemon's connection says so once;
+                # a line per worker start meanwhile would only repeat it as deaths and "failures".
+                pause = self.restarts.no_server()
+                log.debug("upload worker (pid %d) found no NATS server; starting a new one in %g s",
+                          child.proc.pid, pause)
+            else:
+                pause = self._said_dead(child, status if child is not None else None)
             await trio.sleep(pause)
             if self._closing:
                 return
             child = self._child = await self._spawn()
+
+    def _said_dead(self, child: _Child | None, status: int | None) -> float:
+        """Log a worker's death (or a start that failed: `child` None) as `restarts` sees it; the pause
+        before the next start."""
+        # (First: a worker that ran long enough ends a streak of failed restarts, and its death is an
+        # ordinary one, said at WARNING.)
+        pause = self.restarts.died()
+        if child is not None:
+            if child.hung and not self.restarts.failing:
+                log.warning("upload worker (pid %d) did not answer for %g s (stopped, or stuck); killed it, "
+                            "starting a new one (puts it was sending are sent again in-process)",
+                            child.proc.pid, self.hung_after)
+            elif self.restarts.failing:
+                log.debug("upload worker (pid %d) %s (%s)", child.proc.pid,
+                          "did not answer" if child.hung else "died", describe_exit(status))
+            else:
+                log.warning("upload worker (pid %d) died (%s); starting a new one (puts it was sending "
+                            "are sent again in-process)", child.proc.pid, describe_exit(status))
+        if self.restarts.newly_failing():
+            log.error("upload worker failed %d times in a row; publishing in-process, trying again "
+                      "every %g s at most", self.restarts.failures, self.restarts.cap)
+        return pause
 
     async def _watch(self, child: _Child, nursery: trio.Nursery) -> None:
         """While requests wait for `child`, ping it every `ping_every` s; kill it when nothing at all came
@@ -224,13 +240,19 @@ class UploadWorker:
             # The worker's connection was lost or replaced: callers fall back to publishing in-process.
             cls = OutcomeUnknown if error["kind"] == "outcome_unknown" else Unavailable
             raise cls(str(error.get("description", "upload worker failed")))
-        if error and int(error.get("code", 0)) == 503:
-            # No responders: the worker cannot tell a missing stream from one between leaders; the
-            # caller sends the file again in-process, where that is told apart (JetStreams.publish_many).
-            raise Unavailable(f"upload worker: {error.get('description', 'no responders')}")
         if error:
-            raise map_publish_error(JetStreamAPIError(error.get("description", "error"), code=int(error.get("code", 0)),
-                                                      err_code=int(error.get("err_code", 0))), body.get("subject", ""))
+            refused = map_publish_error(JetStreamAPIError(error.get("description", "error"),
+                                                          code=int(error.get("code", 0)),
+                                                          err_code=int(error.get("err_code", 0))),
+                                        body.get("subject", ""))
+            if int(error.get("code", 0)) == 503 and isinstance(refused, JetStreamAPIError):
+                # No responders, or a JetStream between leaders: the worker cannot tell a missing stream
+                # from one between leaders; the caller sends the file again in-process, where that is
+                # told apart (JetStreams.publish_many). A definite refusal that also comes with code 503
+                # (the stream's limits: "maximum bytes exceeded", err_code 10077) is raised as such: sent
+                # again it would only be refused again, after sending the whole file a second time.
+                raise Unavailable(f"upload worker: {error.get('description', 'no responders')}")
+            raise refused
         return reply
 
     async def _request(self, child: _Child, body: dict[str, Any]) -> dict[str, Any]:

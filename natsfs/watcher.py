@@ -276,6 +276,7 @@ class BucketWatcher:
             for name, rev in old.tombstones.items():
                 if rev > newest:
                     new.forget(name, rev)
+            new.carry_kept(old.root)
         paths = changed_paths(old.root, new.root)
         new.on_change = self._report
         self.index = new

@@ -26,7 +26,11 @@ contains a credential.
 (the bridge's `_TrioReads`): a non-blocking socket read by one task, with requests written from the
 calling task, so a read's request and replies never cross to the asyncio thread. The handshake and
 the CONNECT fields and TLS are the same (TLS through an `ssl.SSLObject` over memory buffers, which
-decrypts straight into the buffers the protocol offers).
+decrypts straight into the buffers the protocol offers). It also subscribes subjects of its own beside
+the inbox (`TrioWireConnection.subscribe`) for the deliveries of a JetStream push consumer (a headers-only
+scan: thousands of ~150-byte messages), handed with their reply subjects to a `DeliverySink`: a run of
+plain headers-only frames is parsed one regular-expression match each (`_HEADERS_ONLY`, whose byte counts
+are checked against what matched) and handed over as one list, anything else as a reply is.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
 import trio
@@ -109,6 +113,35 @@ OnMsg = Callable[[str, dict[str, str] | None, bytes | bytearray], None]
 OnRefused = Callable[[str, str], None]
 
 
+class DeliverySink(Protocol):
+    """Where the messages on a subscription of the connection's own besides its reply inbox go (the
+    deliveries of a JetStream push consumer: `TrioWireConnection.subscribe`), with their reply subjects
+    (a delivery's `$JS.ACK...` subject says its stream and consumer sequences and what is pending)."""
+
+    def headers_only(self, rows: list[tuple[bytes, bytes, int]]) -> None:
+        """Headers-only deliveries (subject, reply, `Nats-Msg-Size`: the size of the message each stands
+        for) whose whole header block is that size, as the server sends them for messages without
+        headers: the common case, parsed in one regular-expression match each (see `_HEADERS_ONLY`),
+        handed over a run at a time. The list is the sink's to keep."""
+
+    def message(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes | bytearray) -> None:
+        """Any other message (more headers, a payload, a status), parsed as a reply is, except that a
+        repeated header keeps its last value (the server appends `Nats-Msg-Size` to the message's own
+        headers, which may hold one too)."""
+
+
+# A headers-only delivery of a message without headers of its own, in one piece: `HMSG <subject> <sid>
+# <reply> <#header bytes> <#total bytes>`, the header block `NATS/1.0`, `Nats-Msg-Size: <n>`, and no payload.
+# The byte counts are checked against what matched (the header block's length, no payload), so the
+# frame is the server's own and not text inside another message's headers.
+_HEADERS_ONLY = re.compile(rb"HMSG ([^ \r\n]+) (\d+) ([^ \r\n]+) (\d+) (\d+)\r\nNATS/1\.0\r\n"
+                           rb"Nats-Msg-Size: (\d{1,18})\r\n\r\n\r\n")
+# The length of such a header block besides the size's digits: `NATS/1.0\r\nNats-Msg-Size: ` and two CRLFs.
+_HEADERS_ONLY_FIXED = len(b"NATS/1.0\r\nNats-Msg-Size: \r\n\r\n")
+# The sid of the reply inbox's subscription (every other sid is a `DeliverySink`'s).
+INBOX_SID = b"1"
+
+
 class WireError(Exception):
     """The connection failed or is closed; the text names no credential."""
 
@@ -165,9 +198,10 @@ def unsupported(servers: tuple[str, ...] | list[str], auth: Connection | None) -
     return None
 
 
-def parse_headers(raw: bytes) -> dict[str, str] | None:
+def parse_headers(raw: bytes, *, last_wins: bool = False) -> dict[str, str] | None:
     """A header block (`NATS/1.0[ status[ description]]\\r\\nKey: Value\\r\\n...\\r\\n\\r\\n`) as a dict,
-    the first value of a repeated key; an inline status becomes `Status` (and `Description`)."""
+    the first value of a repeated key (the last with `last_wins`, as nats-py keeps them); an inline
+    status becomes `Status` (and `Description`)."""
     lines = raw.decode("utf-8", "replace").split("\r\n")
     headers: dict[str, str] = {}
     first = lines[0]
@@ -180,7 +214,7 @@ def parse_headers(raw: bytes) -> dict[str, str] | None:
     for line in lines[1:]:
         key, sep, value = line.partition(":")
         key = key.strip()
-        if sep and key and key not in headers:
+        if sep and key and (last_wins or key not in headers):
             headers[key] = value.strip()
     return headers or None
 
@@ -204,13 +238,16 @@ class WireProtocol(asyncio.BufferedProtocol):
         self._view = memoryview(self._buf)
         self._start = 0  # parsed up to here
         self._end = 0  # received up to here
-        # A message whose header block is not complete yet: (subject, header bytes, total bytes).
-        self._head: tuple[str, int, int] | None = None
+        # A message whose header block is not complete yet: (subject, header bytes, total bytes, sid,
+        # reply subject).
+        self._head: tuple[str, int, int, bytes, str] | None = None
+        # Subscriptions besides the reply inbox, by sid (`TrioWireConnection.subscribe`).
+        self.deliveries: dict[bytes, DeliverySink] = {}
         # The payload being read straight into place: its buffer, how much of it is there, and the
         # message it belongs to.
         self._target: memoryview | None = None
         self._target_pos = 0
-        self._target_msg: tuple[str, dict[str, str] | None, bytearray] | None = None
+        self._target_msg: tuple[str, dict[str, str] | None, bytearray, bytes, str] | None = None
         self._skip = 0  # bytes of a payload's trailing CRLF still to come
         self._read_size = CONTROL_BUFFER  # the most one read into the control buffer asks for
         self.transport: asyncio.Transport | None = None
@@ -298,6 +335,8 @@ class WireProtocol(asyncio.BufferedProtocol):
                     break
                 continue
             start = self._start
+            if self.deliveries and buf.startswith(b"HMSG ", start) and self._headers_only(start):
+                continue
             eol = buf.find(_CRLF, start, self._end)
             if eol < 0:
                 break
@@ -307,6 +346,33 @@ class WireProtocol(asyncio.BufferedProtocol):
         if self._start == self._end:
             self._start = self._end = 0
 
+    def _headers_only(self, start: int) -> bool:
+        """Hand the whole headers-only deliveries from `start` on to their sinks, a run of them per
+        call, each parsed in one match (see `_HEADERS_ONLY`); False (nothing taken) when the first is
+        not one, which the general parser then takes."""
+        buf, end, match, deliveries = self._buf, self._end, _HEADERS_ONLY.match, self.deliveries
+        pos = start
+        sink: DeliverySink | None = None
+        rows: list[tuple[bytes, bytes, int]] = []
+        while (m := match(buf, pos, end)) is not None:
+            subject, sid, reply, header_size, total, size = m.groups()
+            to = deliveries.get(sid)
+            if to is None or header_size != total or int(header_size) != _HEADERS_ONLY_FIXED + len(size):
+                break
+            if to is not sink:
+                if sink is not None:
+                    sink.headers_only(rows)
+                    rows = []
+                sink = to
+            rows.append((subject, reply, int(size)))
+            pos = m.end()
+        if sink is None:
+            return False
+        self._start = pos
+        self._read_size = CONTROL_BUFFER
+        sink.headers_only(rows)
+        return True
+
     def _control(self, line: bytes) -> None:
         op, _, args = line.partition(b" ")
         op = op.upper()
@@ -315,13 +381,15 @@ class WireProtocol(asyncio.BufferedProtocol):
             parts = args.split()
             if len(parts) not in (3, 4):
                 raise WireError("protocol error: malformed MSG")
-            self._head = (parts[0].decode(), 0, int(parts[-1]))
+            self._head = (parts[0].decode(), 0, int(parts[-1]), parts[1],
+                          parts[2].decode() if len(parts) == 4 else "")
         elif op == b"HMSG":
             # HMSG <subject> <sid> [reply-to] <#header bytes> <#total bytes>
             parts = args.split()
             if len(parts) not in (4, 5):
                 raise WireError("protocol error: malformed HMSG")
-            self._head = (parts[0].decode(), int(parts[-2]), int(parts[-1]))
+            self._head = (parts[0].decode(), int(parts[-2]), int(parts[-1]), parts[1],
+                          parts[2].decode() if len(parts) == 5 else "")
         elif op == b"PING":
             self._write(b"PONG\r\n")
         elif op == b"PONG":
@@ -359,7 +427,7 @@ class WireProtocol(asyncio.BufferedProtocol):
     def _take_payload(self) -> bool:
         """Take the message in `_head` from the buffer; False while its header block is incomplete."""
         assert self._head is not None
-        subject, header_size, total = self._head
+        subject, header_size, total, sid, reply = self._head
         start, end = self._start, self._end
         if end - start < header_size:
             if header_size > len(self._buf) - start:
@@ -370,14 +438,17 @@ class WireProtocol(asyncio.BufferedProtocol):
                     self._buf, self._view = bigger, memoryview(bigger)
             return False
         self._head = None
-        headers = parse_headers(bytes(self._view[start : start + header_size])) if header_size else None
+        # (A delivery's headers keep the last value of a repeated key: a headers-only delivery of a message
+        # that had a `Nats-Msg-Size` of its own carries that one first and the server's after it.)
+        headers = (parse_headers(bytes(self._view[start : start + header_size]), last_wins=sid != INBOX_SID)
+                   if header_size else None)
         start += header_size
         size = total - header_size
         have = min(size, end - start)
         if size == 0:
             self._start = start
             self._skip = 2
-            self._on_msg(subject, headers, b"")
+            self._dispatch(subject, headers, b"", sid, reply)
             return True
         data = payload_buffer(size)  # (not zero-filled: `have` bytes now, the rest straight from the socket)
         data[:have] = self._view[start : start + have]
@@ -385,21 +456,36 @@ class WireProtocol(asyncio.BufferedProtocol):
         self._read_size = CONTROL_READ_AFTER_LARGE if size >= CONTROL_BUFFER else CONTROL_BUFFER
         if have < size:
             self._target, self._target_pos = memoryview(data), have
-            self._target_msg = (subject, headers, data)
+            self._target_msg = (subject, headers, data, sid, reply)
             return False
         self._skip = 2
-        self._on_msg(subject, headers, data)
+        self._dispatch(subject, headers, data, sid, reply)
         return True
 
     def _finish_target(self) -> None:
         assert self._target_msg is not None
-        subject, headers, data = self._target_msg
+        subject, headers, data, sid, reply = self._target_msg
         self._target, self._target_msg = None, None
         self._start = self._end = 0
         self._skip = 2
-        self._on_msg(subject, headers, data)
+        self._dispatch(subject, headers, data, sid, reply)
+
+    def _dispatch(self, subject: str, headers: dict[str, str] | None, data: bytes | bytearray, sid: bytes,
+                  reply: str) -> None:
+        """A whole message: the reply inbox's to `on_msg`, a delivery to its sink; one for a subscription
+        since ended (`TrioWireConnection.unsubscribe`: the server may have sent it before it knew) is dropped."""
+        if sid == INBOX_SID:
+            self._on_msg(subject, headers, data)
+            return
+        sink = self.deliveries.get(sid)
+        if sink is not None:
+            sink.message(subject, reply, headers, data)
 
     # ---- sending
+    def write_control(self, line: bytes) -> None:
+        """Send a protocol line as it is (SUB, UNSUB); `WireError` if the connection is closed."""
+        self._write(line)
+
     def _write(self, data: bytes) -> None:
         if self.closed or self.transport is None or self.transport.is_closing():
             raise WireError(self.last_error or "connection closed")
@@ -712,12 +798,33 @@ class TrioWireConnection(_ConnectionState):
         self._stop = trio.Event()
         self._unyielded = 0  # bytes read since the reader last let other tasks run
         self._incoming: ssl.MemoryBIO | None = None  # (TLS: what the socket brought, not yet decrypted)
+        self._next_sid = int(INBOX_SID)  # (`subscribe`'s sids follow the inbox's)
 
     def publish(self, subject: str, payload: bytes = b"", reply: str = "",
                 headers: dict[str, str] | None = None) -> None:
         """Send a request now (what the socket does not take waits for `run`); `WireError` if the
         connection is closed or the message too large."""
         self._protocol.publish(subject, payload, reply, headers)
+
+    def subscribe(self, subject: str, sink: DeliverySink) -> int:
+        """Subscribe `subject` (not under the reply inbox) for `sink`; its sid. `WireError` if the
+        connection is closed. A refusal of the server comes later, to `on_refused`."""
+        self._next_sid += 1
+        sid = self._next_sid
+        self._protocol.deliveries[str(sid).encode()] = sink
+        try:
+            self._protocol.write_control(f"SUB {subject} {sid}\r\n".encode())
+        except WireError:
+            del self._protocol.deliveries[str(sid).encode()]
+            raise
+        return sid
+
+    def unsubscribe(self, sid: int) -> None:
+        """End a `subscribe`: nothing more reaches its sink (what the server sent before it took the
+        UNSUB is dropped)."""
+        if self._protocol.deliveries.pop(str(sid).encode(), None) is not None:
+            with contextlib.suppress(WireError):
+                self._protocol.write_control(f"UNSUB {sid}\r\n".encode())
 
     def close(self) -> None:
         self._protocol.last_error = self._protocol.last_error or "closed by the client"

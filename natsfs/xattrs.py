@@ -94,9 +94,10 @@ def list_object(doc: dict[str, Any], revision: int, left_out: Callable[[str], No
     """The attribute names of an object. Keys that make no usable name are left out; `left_out` is told
     of each name (its repr, cut short)."""
     # A metadata key `nats.x` would list as `user.nats.x`, a name that reads natsfs's own facts instead.
-    names = [(USER + k, not k.startswith(NS[len(USER):])) for k in sorted(_metadata(doc))
+    # An empty key would list as `user.`, a name local filesystems refuse (EINVAL): a copy would fail.
+    names = [(USER + k, bool(k) and not k.startswith(NS[len(USER):])) for k in sorted(_metadata(doc))
              if not k.startswith(OWN_PREFIX)]
-    if doc.get("description"):
+    if _description(doc):
         names.append((DESCRIPTION, True))
     names += [(HEADER + h, True) for h in sorted(_headers(doc))]
     out = []
@@ -116,8 +117,12 @@ def _short_key(name: str) -> str:
 
 
 def get_object(doc: dict[str, Any], revision: int, name: str) -> bytes:
+    """An attribute's value. An empty metadata value or header (`""`, null, no values) is an empty
+    attribute, as a local disk keeps `setfattr -v ""`: it is listed, so it must read. An empty
+    description is no description (nats.go omits it)."""
+    value: str | None
     if name == DESCRIPTION:
-        value = doc.get("description")
+        value = _description(doc) or None
     elif name.startswith(HEADER):
         values = _headers(doc).get(name[len(HEADER):])
         value = "\n".join(values) if values is not None else None
@@ -128,9 +133,15 @@ def get_object(doc: dict[str, Any], revision: int, name: str) -> bytes:
         value = None if key.startswith(OWN_PREFIX) else _metadata(doc).get(key)
     else:
         value = None
-    if value is None or value == "":
+    if value is None:
         raise NoAttribute(name)
-    return str(value).encode()
+    return value.encode()
+
+
+def _description(doc: dict[str, Any]) -> str:
+    # (One of another JSON type is ignored, as `natsfs.adr20.parse_meta` does: never turned into text.)
+    description = doc.get("description")
+    return description if isinstance(description, str) else ""
 
 
 def set_object(doc: dict[str, Any], name: str, value: bytes | None, flags: int = 0) -> None:
@@ -223,7 +234,7 @@ def list_bucket(config: dict[str, Any], size: int, messages: int) -> list[bytes]
     meta = config.get("metadata")
     keys = sorted(k for k in meta if not k.startswith("_nats")) if isinstance(meta, dict) else []
     # (Keys that make no usable attribute name are left out, as for objects.)
-    names = [USER + k for k in keys if attribute_name(USER + k) is not None and not (USER + k).startswith(NS)]
+    names = [USER + k for k in keys if k and attribute_name(USER + k) is not None and not (USER + k).startswith(NS)]
     if config.get("description"):
         names.append(DESCRIPTION)
     return [n.encode() for n in names]
@@ -238,7 +249,7 @@ def get_bucket(config: dict[str, Any], size: int, messages: int, name: str) -> b
     elif name.startswith(USER) and not name.startswith(NS):
         key = name[len(USER):]
         value = None if key.startswith("_nats") else (config.get("metadata") or {}).get(key)
-    if value is None or value == "":
+    if value is None or (value == "" and name == DESCRIPTION):
         raise NoAttribute(name)
     return str(value).encode()
 

@@ -40,6 +40,7 @@ from ..adr20 import (
     Link,
     ObjectInfo,
     PosixAttrs,
+    meta_subject,
     set_posix_attrs,
     valid_bucket_name,
 )
@@ -54,6 +55,8 @@ from ..errors import (
     InvalidArgument,
     IsADirectory,
     KernelSizeStale,
+    MalformedMeta,
+    MarkerShaped,
     NameTooLong,
     NatsFSError,
     NotADirectory,
@@ -65,6 +68,7 @@ from ..errors import (
     Unavailable,
 )
 from ..handles import DirHandle, FileHandle, HandleNo, HandleTable
+from ..index import Dir, is_marker
 from ..inodes import ROOT_INODE, InodeNo, InodeTable
 from ..journal import WriteBackJournal
 from ..kernel import DEGRADED_TIMEOUT, KernelNotifier
@@ -74,13 +78,14 @@ from ..names import NAME_MAX, placement
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from ..openers import Openers, ProcOpeners
 from ..secrecy import redact_urls
-from ..staging import StagedFile, Staging, WriteState
+from ..staging import StagedFile, StagedVersion, Staging, WriteState
 from ..status import recent_problems
 from ..streams import Payload
 from .openfiles import OpenFileTable
 from .writeback import INLINE_BYTES, WriteBack
 
 WRITTEN_MTIMES_MAX = 10_000
+
 OPENER_FDS_INLINE = 64  # an opener with at most this many descriptors is checked without a worker thread
 # A directory's time is stored to its marker once no entry of it changed for DIR_TIME_DELAY_S, and at
 # the latest DIR_TIME_MAX_S after the first change not stored yet (tar keeps directories busy).
@@ -88,6 +93,9 @@ DIR_TIME_DELAY_S = 0.5
 DIR_TIME_MAX_S = 5.0
 # At an unmount, directory times get what is left of --shutdown-timeout, but at least this long.
 DIR_TIME_AT_UNMOUNT_MIN_S = 1.0
+# The unmount settles the puts this run left (read back `purge_check_delay` after their purge) for at
+# most that delay plus this, within what --shutdown-timeout leaves.
+UNMOUNT_SETTLE_EXTRA_S = 2.0
 # How long a close refused at its store waits for the kernel to drop the inode's attributes (a notifier
 # that does not answer costs no more).
 REFUSED_CLOSE_INVALIDATION_S = 1.0
@@ -108,6 +116,12 @@ _T = TypeVar("_T")
 
 XATTR_STATS = b"user.natsfs.stats"
 PETABYTE = 1 << 50
+
+
+def _bytes_never_stored(info: StagedVersion) -> Stale:
+    """A handle (or an inode held by one) on this mount's staged bytes that went to lost+found unstored."""
+    return Stale(f"{info.bucket}/{info.name}: the bytes it opened were never stored (another client's version "
+                 f"won; they are kept in lost+found)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +252,18 @@ def _privileged(caller: Caller | None) -> bool:
 
 def _name(raw: bytes) -> str:
     return os.fsdecode(raw)
+
+
+def _objects_below(directory: Dir) -> Iterator[tuple[tuple[str, ...], ObjectInfo]]:
+    """Every object shown under `directory`, with its path below it (markers are not shown)."""
+    stack: list[tuple[tuple[str, ...], Dir]] = [((), directory)]
+    while stack:
+        below, d = stack.pop()
+        for name, child in d.children.items():
+            if isinstance(child, Dir):
+                stack.append(((*below, name), child))
+            else:
+                yield (*below, name), child
 
 
 def _new_name(raw: bytes) -> str:
@@ -582,6 +608,24 @@ class Filesystem:
         if ino is not None:
             self.files.forget_cached_version(ino)
 
+    def _detach_if_left_behind(self, ino: InodeNo) -> None:
+        """After this mount's upload of `ino` lost to another client's version: handles still open on
+        it (other readers and writers of the staged bytes, which went to lost+found) hold a version the
+        path no longer shows. The watch's report of that version came while the file was staged, which
+        detaches nothing, so it is detached now, as the watch does (the next open did it, but until then
+        an `ftruncate` through such a handle truncated and stored the other client's version)."""
+        try:
+            path = self.inodes.path_of(ino)
+            bucket, rel = self.ns.split(path)
+        except DetachedPath:
+            return
+        if bucket is None or not rel or not self._readers_left_behind(ino, bucket, rel):
+            return
+        self._detach(path)
+        parent = self.inodes.known(path[:-1])
+        if parent is not None:
+            self.kernel.entry(parent, os.fsencode(path[-1]))
+
     def _readers_left_behind(self, ino: InodeNo, bucket: str, rel: tuple[str, ...]) -> bool:
         """Whether `ino` has handles open for reading a version the path no longer shows."""
         if not self.files.is_open(ino) or self.files.uploading(ino) or self.staging.get(ino) is not None:
@@ -664,7 +708,7 @@ class Filesystem:
                                 "written by this user", info.name, node.bucket, OUTSIDE_TARGET, text)
                 return OUTSIDE_TARGET
         assert info.link is not None
-        target = link_target(info.link, link_path, self.ns.single_bucket)
+        target = link_target(info.link, link_path, self.ns.single_bucket, marker=self._links_a_marker(info.link))
         if target.outside is None and self._held_by_another(info.link):
             target = LinkTarget(HIDDEN_TARGET, f"its object {info.link.name!r} is hidden by another entry at its "
                                                "path (see the daemon log)")
@@ -681,9 +725,28 @@ class Filesystem:
         index = self.ns.loaded_index(link.bucket)
         if index is None or link.name is None:
             return False
+        if self._links_a_marker(link):
+            return False  # it shows as its directory, which is where the link leads
         placed, _ = placement(link.name)
         entry = index.get(placed) if placed is not None else None
         return entry is not None and (not isinstance(entry, ObjectInfo) or entry.name != link.name)
+
+    def _refuse_unreadable_meta(self, bucket: str, name: str) -> None:
+        """A name whose meta subject holds a meta this mount skipped (not ADR-20 it can read) shows
+        nothing, but its store would fail when it reads that meta back: at the close, with the bytes
+        sent to lost+found. Refuse at once instead, as `symlink` and `mknod` do."""
+        index = self.ns.loaded_index(bucket)
+        if index is not None and meta_subject(bucket, name) in index.malformed:
+            raise MalformedMeta(f"{bucket}/{name}: its meta subject holds a meta this mount cannot read (logged "
+                                "when it was skipped; `natsfs fsck` reports it): fix or remove it with another "
+                                "client first")
+
+    def _links_a_marker(self, link: Link) -> bool:
+        """Whether a link names a directory marker (an empty `dir/` object) of a loaded bucket: it shows
+        as its directory, so the link must lead there, not to the escaped name `dir%2F`."""
+        index = self.ns.loaded_index(link.bucket)
+        target = index.objects.get(link.name) if index is not None and link.name is not None else None
+        return target is not None and is_marker(target)
 
     def _known_sealed(self, bucket: str) -> bool:
         return bool(self.mut.known_sealed(bucket))
@@ -1352,6 +1415,10 @@ class Filesystem:
             return
         base = sf.base
         assert base is not None
+        if isinstance(base, StagedVersion):
+            # Staged from what a handle opened on this mount's staged bytes, which went to lost+found
+            # unstored (an inode detached while such a handle holds it shows that version, `_node`).
+            raise _bytes_never_stored(base)
 
         async def read(offset: int, size: int) -> Payload:
             return await self.cache.read(base, offset, size)
@@ -1393,6 +1460,7 @@ class Filesystem:
                 # created again meanwhile (by another writer): open that file, as on a local disk.
                 return None
             return info, self._attr(ino, await self._node(ino))
+        self._refuse_unreadable_meta(bucket, "/".join(rel))
         bits, gid = await self._new_owner(parent_inode, mode, caller)
         async with self._new_entry(parent_inode, path, lambda: self._check_parent(path)) as here:
             if here:
@@ -1417,6 +1485,13 @@ class Filesystem:
         sf = self.staging.get(handle.ino)
         if sf is not None and sf.serves_reads:
             return await sf.read(off, size)
+        if isinstance(handle.info, StagedVersion):
+            # Opened while this mount staged the file, and those bytes are gone from the staging area
+            # without being stored (the close lost to another client's version: they are in lost+found).
+            # The bucket holds nothing of them: this is a version purged under the reader, not a damaged
+            # object (the chunk cache, asked for a version of chunks=0 and the base's nuid, logged an
+            # ERROR and failed EIO).
+            raise _bytes_never_stored(handle.info)
         ra = handle.plan_readahead(off, size, self.config.readahead_min, self.config.readahead_max)
         try:
             return await self.cache.read(handle.info, off, size, ra)
@@ -1520,6 +1595,11 @@ class Filesystem:
             return pinned
         if node.kind == FILE and node.info is not None and node.info.nuid == handle.info.nuid:
             return node
+        if isinstance(handle.info, StagedVersion):
+            # Opened while this mount staged the file, whose bytes went to lost+found unstored (see
+            # `read`): nothing in the bucket to start from (the copy-on-write of its base failed EIO
+            # with an ERROR claiming the object damaged).
+            raise _bytes_never_stored(handle.info)
         return pinned
 
     def _file_handle(self, fh: HandleNo) -> FileHandle:
@@ -1585,8 +1665,10 @@ class Filesystem:
         try:
             await self.writeback.closed(sf, replaced=replaced)
         except OSError as e:
-            raise NatsFSError(f"{sf.bucket}/{sf.name}: the staged bytes could not be made durable on local disk: "
-                              f"{e}", errno=e.errno or errno.EIO) from None
+            # The same text for every file (a full disk refuses a run of closes: logged once, see
+            # `FailureLog`); the last release's line names each file and what becomes of it.
+            raise NatsFSError(f"the staged bytes could not be made durable on local disk: {e}",
+                              errno=e.errno or errno.EIO) from None
 
     async def _journal_unlinked(self, files: Sequence[StagedFile]) -> None:
         """Write-back mode: staged files just unlinked or replaced by a rename replay no more after a
@@ -1730,6 +1812,9 @@ class Filesystem:
             left = deadline - trio.current_time() if self._shutdown_cut is None else 0.0
             with trio.move_on_after(min(DIR_TIME_MAX_S, max(left, DIR_TIME_AT_UNMOUNT_MIN_S))):
                 await self._store_pending_dir_times()
+            if self._shutdown_cut is None:
+                left = max(deadline - trio.current_time(), 0.0)
+                await self.mut.settle_at_unmount(min(left, self.config.purge_check_delay + UNMOUNT_SETTLE_EXTRA_S))
             self.mut.journal.flush()
 
     def cut_shutdown_short(self, why: str) -> None:
@@ -1802,6 +1887,7 @@ class Filesystem:
             # shows from now on: dropped, or a read would mix the two.
             self.files.forget_cached_version(ino)
             self.kernel.inode(ino)
+            self._detach_if_left_behind(ino)
             kept = self._keep(sf)
             if kept is None:  # (logged) the caller learns that the local disk is full: ENOSPC
                 raise NotKept(f"{e}; the local disk refused the copy for lost+found", log_level=logging.DEBUG) from None
@@ -1852,7 +1938,15 @@ class Filesystem:
         """No handle has `sf` open any more and nothing works on it: store or keep its bytes, and drop it."""
         if self.writeback is not None and sf.unstored:
             if not self.writeback.queued(sf):
-                await self._journal(sf)
+                try:
+                    await self._journal(sf)
+                except NatsFSError as e:
+                    # The local disk takes no record (full): the bytes are only here, and no close is left
+                    # to report it to (the failed close said ENOSPC). Held until the unmount they would
+                    # be lost to any crash before it: uploaded now instead, without a record.
+                    log.error("%s/%s: %s; it is uploaded without a write-back record (a crash before the upload "
+                              "loses it)", sf.bucket, sf.name, e)
+                    self.writeback.schedule(sf, self.writeback.delay)
             return  # the write-back uploader stores it and then drops it
         shown = self._staged_node(sf) if sf.unstored and sf.never_stored else None
         self.staging.remove(sf)
@@ -2049,6 +2143,8 @@ class Filesystem:
                 node = await self._path_node(self.ns.mount_path(node.bucket, node.rel))
                 assert node.dir is not None and node.bucket is not None
                 marker = node.dir.marker
+                if marker is None:
+                    self._refuse_marker_over_a_file(node.bucket, "/".join(node.rel) + "/")
                 await self.mut.set_dir_attrs(node.bucket, node.rel, node.dir,
                                              _merged(marker.attrs if marker else None, changes, self.config.dir_mode))
             return
@@ -2185,7 +2281,7 @@ class Filesystem:
             kept = self._open_here(ino) or (stored is not None and stored.link is None and stored.size > 0)
             if ino is not None:
                 self._unlinked_nodes[ino] = node
-            with self.files.changing(path):
+            with self.files.changing(path), self._own_removal(path):
                 try:
                     if stored is not None:
                         await self.mut.delete(bucket, stored, keep_chunks=kept)
@@ -2209,6 +2305,13 @@ class Filesystem:
             self._detach(path)
         self._entries_changed(path[:-1])
         await self._journal_unlinked(unlinked)
+
+    def _own_removal(self, path: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
+        """This mount removes (or renames away, or over) the entry at `path`: a directory without a marker
+        that this empties stays, empty, in this mount (`BucketIndex.own_removal`)."""
+        bucket, rel = self.ns.split(path)
+        index = self.ns.loaded_index(bucket) if bucket is not None and len(rel) > 1 else None
+        return index.own_removal(rel[:-1]) if index is not None else contextlib.nullcontext()
 
     @contextlib.asynccontextmanager
     async def _uploads_settled(self, *paths: tuple[str, ...], subtree: bool = False) -> AsyncIterator[None]:
@@ -2267,6 +2370,17 @@ class Filesystem:
             return mode, caller.gid
         return mode | (stat.S_ISGID if directory else 0), parent.gid
 
+    def _refuse_marker_over_a_file(self, bucket: str, marker_name: str) -> None:
+        """A `chmod`/`utime` of a directory without a marker stores one: where another client's object with
+        bytes holds that name (shown escaped), the marker would replace it. Refused `EPERM`, one line (it
+        was `EEXIST` from the server's refusal, an errno chmod(2) never gives, and no line)."""
+        index = self.ns.loaded_index(bucket)
+        holder = index.objects.get(marker_name) if index is not None else None
+        if holder is not None and not holder.deleted:
+            raise MarkerShaped(f"{bucket}/{marker_name}: an object with bytes holds the name the directory's "
+                               f"marker needs (it shows as {'/'.join(placement(marker_name)[0] or ())!r}): its "
+                               f"attributes cannot be stored")
+
     async def mkdir(self, parent_inode: InodeNo, name: bytes, mode: int, caller: Caller) -> Attributes:
         self._refuse_if_read_only()
         path = (*self.inodes.path_of(parent_inode), _new_name(name))
@@ -2324,6 +2438,11 @@ class Filesystem:
         if bucket is None or not rel:
             if self.ns.single_bucket is not None or bucket is None:
                 raise NatsFSError("the root of the mount", errno=errno.EBUSY, log_level=logging.INFO)
+            if any(sf.shadows_index for sf in self.staging.named(path, subtree=True)):
+                # A file this mount shows there and has not stored yet (being written, or waiting for its
+                # write-back upload) is an entry, as on a local disk: deleting the bucket lost its bytes
+                # to lost+found at its close (ENOENT).
+                raise NotEmpty(f"bucket {bucket} holds files this mount has not stored yet")
             await self.mut.delete_bucket(bucket)
             self._detach(path)
             return
@@ -2331,18 +2450,22 @@ class Filesystem:
             node = await self._path_node(path)
             if node.dir is None:
                 raise NotADirectory("/".join(path))
-            await self.mut.rmdir(bucket, rel, node.dir, path)
+            with self._own_removal(path):
+                await self.mut.rmdir(bucket, rel, node.dir, path)
         self._detach(path)
         self._dir_mtimes.pop(path, None)
         self._entries_changed(path[:-1])
 
     async def rename(self, parent_inode_old: InodeNo, name_old: bytes, parent_inode_new: InodeNo, name_new: bytes,
-                     *, noreplace: bool = False, exchange: bool = False) -> None:
+                     *, noreplace: bool = False, exchange: bool = False, whiteout: bool = False) -> None:
         self._refuse_if_read_only()
         old = (*self.inodes.path_of(parent_inode_old), _name(name_old))
         new = (*self.inodes.path_of(parent_inode_new), _new_name(name_new))
         if exchange:
             raise InvalidArgument("RENAME_EXCHANGE is not supported")
+        if whiteout:
+            # A plain rename would answer 0 and leave no whiteout behind; overlayfs checks for one.
+            raise InvalidArgument("RENAME_WHITEOUT is not supported")
         bucket_old, rel_old = self.ns.split(old)
         bucket_new, rel_new = self.ns.split(new)
         if bucket_old is None or bucket_new is None or not rel_old or not rel_new or bucket_old != bucket_new:
@@ -2389,7 +2512,7 @@ class Filesystem:
             # split the tree (the renamed directory's contents under a second top directory).
             await self._check_parent(new)
             with self._moving(old, new):
-                with self.files.changing(old, new):
+                with self.files.changing(old, new), self._own_removal(old), self._own_removal(new):
                     replaced = await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
                 staged_moved = self._move_staged(bucket, old, new)
                 self.inodes.move(old, new)
@@ -2417,7 +2540,20 @@ class Filesystem:
             if dst is not None and self.staging.children(new):
                 raise NotEmpty("/".join(new))  # files being written there count
             assert src.dir is not None
-            await self.mut.rename_dir(bucket, rel_old, src.dir, rel_new, dst.dir if dst is not None else None)
+            if src.dir.vacant():
+                # A directory this mount keeps empty (its last entry removed here; nothing stored): it
+                # moves in this mount only, and stays unstored (a marker at the target is deleted, as
+                # any rename over an empty directory does).
+                await self.mut.rename_dir(bucket, rel_old, src.dir, rel_new, dst.dir if dst is not None else None)
+                index = self.ns.loaded_index(bucket)
+                if index is None or not index.move_kept(rel_old, rel_new):
+                    raise NotFound("/".join(old))
+                return []
+            signatures = await self._move_signatures(bucket, [
+                (info, self.ns.mount_path(bucket, (*rel_old, *below)), self.ns.mount_path(bucket, (*rel_new, *below)))
+                for below, info in _objects_below(src.dir)])
+            await self.mut.rename_dir(bucket, rel_old, src.dir, rel_new, dst.dir if dst is not None else None,
+                                      signatures)
             return []
         if dst is not None and dst.kind == DIR:
             raise IsADirectory("/".join(new))
@@ -2450,7 +2586,9 @@ class Filesystem:
             written = self._written_mtimes.pop((bucket, stored.nuid, stored.revision), None)
             if written is not None:  # the mtime shown (its last write) is the one rename keeps
                 stored = dataclasses.replace(stored, mtime_ns=written)
-            await self.mut.rename_object(bucket, stored, "/".join(rel_new), target, keep_target_chunks=target_open)
+            signature = (await self._move_signatures(bucket, [(stored, old, new)])).get(stored.name)
+            await self.mut.rename_object(bucket, stored, "/".join(rel_new), target, keep_target_chunks=target_open,
+                                         extra_metadata=signature)
         elif target is not None and src_sf is not None and src_sf.base is None and not target_open:
             # A file that exists only in the staging area replaces an object (an atomic save: write a
             # temporary file, rename it over): its upload replaces that object, which other clients
@@ -2469,6 +2607,31 @@ class Filesystem:
             dst_sf.unlink()
             return [dst_sf]
         return []
+
+    async def _move_signatures(self, bucket: str, moves: Sequence[tuple[ObjectInfo, tuple[str, ...], tuple[str, ...]]]
+                               ) -> dict[str, dict[str, str]]:
+        """The signature (`natsfs.symlink_sig`) each symlink among `moves` (object, old and new mount
+        path) needs to keep reading as its text after this mount moves it: a text that stays in the mount
+        only from its old place (`../../x` moved one directory up) read as `nats-object:?/outside-link`
+        (or another client's computed target) once moved, though it read verbatim before, as on a local
+        disk, where a rename never changes a symlink's text. Such a move is this user's own, as `mv`
+        between buckets is (it makes the symlink again with `ln -s`, which signs). A text that did not
+        read verbatim before is left as it is, and a signature stays valid (it covers bucket and text).
+        A key the signer refuses leaves the text unsigned: the rename itself is not refused for it."""
+        out: dict[str, dict[str, str]] = {}
+        for info, old, new in moves:
+            attrs = info.attrs
+            text = attrs.symlink if attrs is not None and info.size == 0 else None
+            if (text is None or not stays_in_mount(text, old, self._mount_root)
+                    or stays_in_mount(text, new, self._mount_root)
+                    or self.signer.verify(bucket, text, attrs.symlink_sig if attrs is not None else None)):
+                continue
+            try:
+                signature = await trio.to_thread.run_sync(self.signer.sign, bucket, text)
+            except NatsFSError:  # (a refused or unwritable key, logged by the signer): the move still goes
+                continue
+            out[info.name] = {ATTR_SYMLINK_SIG: signature}
+        return out
 
     def _move_staged(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...]) -> list[StagedFile]:
         """Staged files at or under `old` now belong to `new` (and to the renamed objects' revisions)."""
@@ -2535,9 +2698,14 @@ class Filesystem:
         bsize = 4096
         used, total = 0, -1
         if self.ns.single_bucket is not None:
-            status = await self.ns.store.bucket_status(self.ns.single_bucket)
-            used, total = status.size, status.max_bytes
-            files = status.messages
+            try:
+                status = await self.ns.store.bucket_status(self.ns.single_bucket)
+                used, total = status.size, status.max_bytes
+                files = status.messages
+            except NotFound:
+                # Another client deleted the bucket: the root shows an empty directory until it is created
+                # again, so the mount is an empty filesystem (ENOENT made `df` fail on the mountpoint).
+                files = 0
         else:
             limits = await self.ns.store.account_limits()
             used, total = limits.storage_used, limits.max_storage
@@ -2610,16 +2778,29 @@ class Filesystem:
 
     async def _adr20_target(self, directory: tuple[str, ...], text: str) -> tuple[str, str | None] | None:
         """(bucket, object name or None for the bucket) when `text` names a stored object (not a link)
-        or a bucket of this mount, else None."""
+        or a bucket of this mount as the kernel resolves it, else None."""
         try:
-            target_path = self._link_target_path(directory, text)
+            target_path, climbed_out_of, names_a_directory = self._link_target_path(directory, text)
         except NatsFSError:
             return None
+        # The kernel resolves `..` physically: `x/..` is where `x` is only when `x` is a directory (a
+        # symlink `x` leads elsewhere, a file `x` fails ENOTDIR), so a link is made only where the
+        # text's lexical reading is the one the kernel follows; other clients then see the object
+        # this mount's symlink leads to, never one it does not.
+        for climbed in climbed_out_of:
+            try:
+                node = await self._maybe_node(climbed)
+            except NatsFSError:
+                return None
+            if node is None or node.kind not in (ROOT, BUCKET, DIR):
+                return None
         target_bucket, target_rel = self.ns.split(target_path)
         if target_bucket is None:
             return None
         if not target_rel:
             return (target_bucket, None) if await self.ns.bucket_exists(target_bucket) else None
+        if names_a_directory:  # `file/`, `file/.`: the kernel answers ENOTDIR, it never reaches the file
+            return None
         try:
             node = await self._maybe_node(target_path)
         except NatsFSError:
@@ -2629,9 +2810,12 @@ class Filesystem:
         stored = await self._index_info(target_path)
         return (target_bucket, stored.name) if stored is not None else None
 
-    def _link_target_path(self, directory: tuple[str, ...], target: str) -> tuple[str, ...]:
-        """The mount path a symlink target names, relative to the link's directory or absolute
-        under the mountpoint; `EXDEV` for anything outside the mount."""
+    def _link_target_path(self, directory: tuple[str, ...], target: str
+                          ) -> tuple[tuple[str, ...], list[tuple[str, ...]], bool]:
+        """The mount path a symlink target names read lexically, relative to the link's directory or
+        absolute under the mountpoint (`EXDEV` for anything outside the mount); with the paths each
+        `..` climbed out of (the kernel climbs only out of a directory), and whether the text ends in
+        `/`, `.` or `..` (it then names a directory)."""
         outside = NatsFSError(f"link target {target!r} is outside the mount", errno=errno.EXDEV,
                               log_level=logging.INFO)
         if target.startswith("/"):
@@ -2643,16 +2827,18 @@ class Filesystem:
         else:
             parts = list(directory)
             segments = target.split("/")
+        climbed_out_of: list[tuple[str, ...]] = []
         for seg in segments:
             if seg in ("", "."):
                 continue
             if seg == "..":
                 if not parts:
                     raise outside
+                climbed_out_of.append(tuple(parts))
                 parts.pop()
             else:
                 parts.append(seg)
-        return tuple(parts)
+        return tuple(parts), climbed_out_of, segments[-1] in ("", ".", "..")
 
     # ------------------------------------------------------------------ extended attributes
     async def _meta_doc(self, node: Node) -> tuple[dict[str, Any], int]:

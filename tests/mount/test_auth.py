@@ -330,6 +330,50 @@ def test_tls_asked_of_a_server_without_tls_fails_before_any_credential_is_sent(t
         server.stop()
 
 
+def test_a_server_asking_for_a_client_certificate_not_given_is_one_sentence_saying_so(tmp_path):
+    """`verify: true` and no --tls-cert: the server drops the connection with a TLS alert, which reached
+    the mount as `Connection lost` (or the alert's OpenSSL text, by timing); its INFO said why."""
+    paths = _tls_files(tmp_path)
+    server = NatsServer(tmp_path / "nats", config=(f'tls {{ cert_file: "{paths["server.pem"]}", key_file: '
+                                                   f'"{paths["server.key"]}", ca_file: "{paths["ca.pem"]}", '
+                                                   f'verify: true }}\nauthorization {{ user: alice, password: '
+                                                   f'"{SECRET}" }}'))
+    server.start()
+    try:
+        args = ["--server", f"tls://alice:{SECRET}@127.0.0.1:{server.port}", "--tls-ca", paths["ca.pem"]]
+        mp = tmp_path / "mnt"
+        mp.mkdir()
+        for command in (["mount", str(mp), "--data-dir", str(tmp_path / "data"), "--cache-dir",
+                         str(tmp_path / "cache")], ["bucket", "ls"]):
+            proc = subprocess.run([NATSFS, *command, *args], capture_output=True, text=True, env=_env(), timeout=60)
+            assert proc.returncode != 0
+            assert proc.stderr.strip().splitlines() == [
+                f"natsfs: cannot connect to NATS at tls://alice:***@127.0.0.1:{server.port}: the server asks for a "
+                "TLS client certificate, and none was given (--tls-cert and --tls-key, or $NATS_CERT and "
+                "$NATS_KEY)"], proc.stderr
+        with open("/proc/mounts") as f:
+            assert not any(line.split()[1] == str(mp) for line in f)
+    finally:
+        server.stop()
+
+
+def test_commands_over_tls_print_nothing_but_their_answer(tmp_path):
+    """nats-py's TLS connections end with an asyncio WARNING (`returning true from eof_received() has no
+    effect when using ssl`): it was printed on stderr by every `natsfs bucket` command over TLS."""
+    config, options, _env_extra, scheme, _secret = _setup("tls", tmp_path)
+    server = NatsServer(tmp_path / "nats", config=config)
+    server.start()
+    try:
+        url = f"{scheme}://127.0.0.1:{server.port}"
+        for command in (["bucket", "create", "b1"], ["bucket", "ls"]):
+            proc = subprocess.run([NATSFS, *command, "--server", url, *options], capture_output=True, text=True,
+                                  env=_env(), timeout=60)
+            assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+        assert proc.stdout.startswith("b1\t")
+    finally:
+        server.stop()
+
+
 def test_a_server_that_offers_tls_without_requiring_it_is_mounted_over_tls(tmp_path):
     """`allow_non_tls`: the server's INFO says `tls_available`; TLS asked, every connection of the mount
     (main, lean reads, upload worker) goes TLS: the sniffer sees no CONNECT and no secret."""

@@ -238,3 +238,27 @@ def test_copies_of_a_meta_with_other_claims_fail_alone(nats_url, bucket_name, mo
         assert sorted(name for name in copies for line in lines if f"/{name} " in line) == sorted(copies), lines
         assert len(lines) == 3, lines
         assert m.alive
+
+
+def test_an_oversized_chunk_never_shifts_the_bytes_a_far_read_serves(nats_url, bucket_name, mounter):
+    """Another client's object declares max_chunk_size 128 KiB but its chunk 1 holds 20,000 bytes more
+    (chunk 38 as many less; sizes and digest are right: nats.go reads it whole). A tail read first, then
+    a read at 30 * 128 KiB + 100: that byte is chunk 29's. Computing the layout from the first and the
+    last chunk served chunk 30's there, and the kernel kept it: a later cat returned 4096 wrong bytes
+    with no error."""
+    create_bucket(nats_url, bucket_name)
+    sizes = [CHUNK, CHUNK + 20_000] + [CHUNK] * 36 + [CHUNK - 20_000, 5000]
+    chunks = [bytes([65 + k % 26]) * n for k, n in enumerate(sizes)]
+    data = b"".join(chunks)
+    raw_put(nats_url, bucket_name, "lookalike.bin", chunks, meta_extra={"options": {"max_chunk_size": CHUNK}})
+    m = mounter(nats_url)
+    p = m / bucket_name / "lookalike.bin"
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 100, len(data) - 100) == data[-100:]
+        off = 30 * CHUNK + 100
+        assert os.pread(fd, 16, off) == data[off : off + 16]
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == data
+    assert m.alive

@@ -19,11 +19,13 @@ import pytest
 from helpers import (
     create_bucket,
     nats_py_get,
+    nats_py_put,
     race_atomic_saves,
     raw_put,
     saved_version,
     wait_for,
     whole_version,
+    with_nats,
     with_store,
 )
 
@@ -308,6 +310,31 @@ def test_symlink_text_from_another_client_never_leads_out_of_the_mount(nats_url,
         assert os.readlink(b / name) == "nats-object:?/outside-link"
         assert not os.path.exists(b / name)
     assert m.log().count("leaves the mount") == 3
+
+
+# ---------------------------------------------------------------- directories implied by names
+def test_rm_r_of_a_directory_implied_by_another_clients_names_succeeds(nats_url, bucket_name, pb):
+    """A directory that exists only because another client's object names imply it (no marker): `rm -r`
+    unlinks its last entry, then rmdirs it. The directory stays, empty, in this mount until that rmdir
+    (as on a local disk; ENOENT before), and nothing is stored for it: the bucket ends empty for nats-py."""
+    _, b = pb
+    nats_py_put(nats_url, bucket_name, "zz/a", b"1")
+    nats_py_put(nats_url, bucket_name, "yy/sub/b", b"2")
+    assert wait_for(lambda: (b / "zz" / "a").exists() and (b / "yy" / "sub" / "b").exists(), 10)
+    for name in ("zz", "yy"):
+        done = subprocess.run(["rm", "-r", str(b / name)], capture_output=True, text=True)
+        assert (done.returncode, done.stderr) == (0, "")
+        assert not (b / name).exists()
+    assert os.listdir(b) == []
+
+    async def names(nc, js) -> list[str]:
+        obs = await js.object_store(bucket_name)
+        try:
+            return [i.name for i in await obs.list() if not i.deleted]
+        except Exception:  # nats-py: no objects at all
+            return []
+
+    assert with_nats(nats_url, names) == []
 
 
 # ---------------------------------------------------------------- directory times

@@ -387,6 +387,37 @@ def test_chunks_fit_a_server_with_a_small_max_payload(tmp_path, mounter):
         server.stop()
 
 
+def test_a_server_with_a_small_max_control_line_drops_the_connection_once_per_limit_learned(tmp_path, mounter):
+    """nats-server's `max_control_line` (4096 by default, which the names are checked against) is not in
+    its INFO. Set to 1024, a mkdir whose meta subject is over it had the mount send that subject again and
+    again while settling the publish: the server dropped the connection every 2 s for 30 s (a WARNING and
+    an INFO line each, and everything else in flight failed with it), then the mkdir failed EIO. Now the
+    connection is dropped once, the mkdir fails ENAMETOOLONG (nothing stored), and names as long are
+    refused before anything is sent, as over the default limit."""
+    server = own_server(tmp_path, "max_control_line: 1024")
+    try:
+        create_bucket(server.url, "b")
+        m = mounter(server.url)
+        deep = m.path / "b" / ("a" * 255) / ("b" * 255)
+        deep.mkdir(parents=True)  # its meta subject is about 690 bytes: taken
+        with pytest.raises(OSError) as e:
+            (deep / ("c" * 255)).mkdir()  # about 1030 bytes: the server drops the connection
+        assert e.value.errno == errno.ENAMETOOLONG
+        assert m.log().count("lost the connection to NATS") == 1
+        with pytest.raises(OSError) as e:
+            (deep / ("d" * 255)).mkdir()  # as long: refused before it is sent
+        assert e.value.errno == errno.ENAMETOOLONG
+        with pytest.raises(OSError) as e:
+            (deep / ("e" * 255)).write_bytes(b"x")
+        assert e.value.errno == errno.ENAMETOOLONG
+        assert m.log().count("lost the connection to NATS") == 1
+        assert sorted(os.listdir(deep)) == []
+        (deep / "short").write_bytes(b"still served")  # the mount works on
+        assert fresh_get(server.url, "b", f"{'a' * 255}/{'b' * 255}/short") == b"still served"
+    finally:
+        server.stop()
+
+
 @pytest.mark.expect_log(
     "(read|flush): .*connection to NATS",
     "kick/w/[0-9]+.bin: closed without a successful upload",

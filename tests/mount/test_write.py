@@ -511,6 +511,7 @@ def test_rename_flags(nats_url, bucket_name, wb):
     assert _renameat2(b / "one", b / "two", 1) == errno.EEXIST  # RENAME_NOREPLACE
     assert _renameat2(b / "one", b / "three", 1) == 0
     assert _renameat2(b / "three", b / "two", 2) == errno.EINVAL  # RENAME_EXCHANGE
+    assert _renameat2(b / "three", b / "two", 4) == errno.EINVAL  # RENAME_WHITEOUT (was a plain rename)
     assert (b / "three").read_bytes() == b"1" and (b / "two").read_bytes() == b"2"
 
 

@@ -409,6 +409,29 @@ def test_a_link_to_a_hidden_name_never_reaches_the_entry_that_hides_it(ops_env):
     ops_env(body, setup=links_to_hidden_names, bucket="b")
 
 
+async def links_to_markers(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    await put_object(ms, "b", "dm/", b"")  # a directory marker: shows as the directory dm
+    await put_object(ms, "b", "dm/inner", b"inner")
+    await put_object(ms, "b", "full/", b"bytes")  # not a marker (it has bytes): shows as the file full%2F
+    for name, target in (("to-marker", "dm/"), ("to-full", "full/"), ("to-missing", "gone/")):
+        await put_link(ms, "b", name, "b", target, style="go")
+
+
+def test_a_link_to_a_directory_marker_leads_to_its_directory(ops_env):
+    """A marker `dm/` shows as the directory `dm`; a link another client made to it (nats.go's AddLink
+    takes any live object) read as `dm%2F`, a name that shows nothing, so it dangled."""
+    async def body(env: Env):
+        expected = {"to-marker": "dm", "to-full": "full%2F", "to-missing": "gone%2F"}
+        for name, target in expected.items():
+            attr = await env.lookup(name)
+            assert await env.ops.readlink(attr.st_ino, None) == target.encode(), name
+        assert (await env.listdir((await env.lookup("dm")).st_ino)).names == ["inner"]
+        assert await env.cat("full%2F") == b"bytes"
+
+    ops_env(body, setup=links_to_markers, bucket="b")
+
+
 def test_readlink_in_a_single_bucket_mount(ops_env):
     async def body(env: Env):
         root = await env.ops.getattr(ROOT, None)
@@ -440,6 +463,20 @@ def test_statfs_single_bucket_uses_bucket_size_and_limit(ops_env):
         assert s.f_bfree == s.f_bavail == ((10 << 20) - st.size) // 4096
         assert st.size > len(DATA)
         assert s.f_files == st.messages + 1_000_000
+
+    ops_env(body, setup=two_buckets, bucket="alpha")
+
+
+def test_statfs_of_a_single_bucket_mount_whose_bucket_was_deleted_is_an_empty_filesystem(ops_env):
+    """The root of a --bucket mount stays an empty directory while its bucket does not exist: `statfs`
+    answered ENOENT, so `df` failed on the mountpoint."""
+    async def body(env: Env):
+        await env.store.delete_bucket("alpha")
+        s = await env.ops.statfs(None)
+        assert s.f_bsize == 4096 and s.f_namemax == 255
+        assert s.f_bfree == s.f_blocks and s.f_blocks * 4096 >= 1 << 49
+        await env.store.create_bucket("alpha", max_bytes=1 << 20)  # and its own numbers once created again
+        assert (await env.ops.statfs(None)).f_blocks == (1 << 20) // 4096
 
     ops_env(body, setup=two_buckets, bucket="alpha")
 
@@ -637,6 +674,27 @@ def test_deleted_bucket_while_indexed_then_recreated(ops_env):
     ops_env(body, setup=two_buckets)
 
 
+def test_a_bucket_mounts_root_stays_an_empty_directory_while_its_bucket_is_deleted(ops_env):
+    """`--bucket alpha` and another client deletes alpha: the mountpoint shows an empty directory (it
+    answered ENOENT: `ls` and `cd` of the mountpoint failed, and every process inside it), and the bucket's
+    objects again once it is created again."""
+    async def body(env: Env):
+        assert (await env.listdir(ROOT)).names == ["dir", "f.txt", "marker"]
+        await env.store.delete_bucket("alpha")
+        await env.settle()
+        for _ in range(2):  # (the second time without a watcher of the bucket left)
+            assert stat.S_ISDIR((await env.ops.getattr(ROOT, None)).st_mode)
+            assert (await env.listdir(ROOT)).names == []
+            assert await fuse_error(env.ops.lookup(ROOT, b"f.txt", None)) == errno.ENOENT
+        await env.store.create_bucket("alpha")
+        await put_object(env.streams, "alpha", "again.txt", b"second life")
+        await env.settle()
+        assert (await env.listdir(ROOT)).names == ["again.txt"]
+        assert await env.cat("again.txt") == b"second life"
+
+    ops_env(body, setup=two_buckets, bucket="alpha")
+
+
 def test_hostile_live_meta_is_skipped_and_the_mount_keeps_working(ops_env):
     async def body(env: Env):
         await env.lookup("alpha/f.txt")  # the index is loaded and watching
@@ -710,3 +768,21 @@ def test_many_concurrent_reads_through_ops(ops_env):
         assert len(env.fs.handles) == 0
 
     ops_env(body, setup=two_buckets, streams=MemoryStreams(delay=0.0005))
+
+
+@pytest.mark.parametrize("flag", [pyfuse3.RENAME_EXCHANGE, 1 << 2], ids=["RENAME_EXCHANGE", "RENAME_WHITEOUT"])
+def test_rename_flags_it_cannot_honour_are_einval_and_move_nothing(ops_env, flag):
+    """renameat2 with RENAME_WHITEOUT was taken as a plain rename: 0, the target replaced, and no
+    whiteout left at the old name (overlayfs relies on one). Like RENAME_EXCHANGE it is refused."""
+
+    async def body(env: Env) -> None:
+        await put_object(env.streams, "alpha", "g.txt", b"g")
+        await env.settle()
+        alpha = await env.lookup("alpha")
+        assert await fuse_error(env.ops.rename(alpha.st_ino, b"f.txt", alpha.st_ino, b"g.txt", flag, CTX)) \
+            == errno.EINVAL
+        assert await env.cat("alpha/f.txt") == b"hello alpha\n"
+        assert await env.cat("alpha/g.txt") == b"g"
+        assert {"f.txt", "g.txt"} <= set(await env.store.live_objects("alpha"))
+
+    ops_env(body, setup=two_buckets)

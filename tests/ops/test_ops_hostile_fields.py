@@ -427,3 +427,61 @@ def test_a_link_with_a_wildcard_nuid_never_purges_other_objects_chunks(ops_env, 
             assert await env.cat("b/evil-link") == b"new bytes"
 
     ops_env(body, setup=setup)
+
+
+async def empty_values(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    await raw_put(ms, "b", "empties", b"e", metadata={"empty": "", "null": None, "": "no name", "ok": "1"},
+                  headers={"None": [], "Blank": [""], "Null": None, "Ok": ["v"]}, description="")
+
+
+def test_every_listed_attribute_reads_and_an_empty_value_is_an_empty_attribute(ops_env):
+    """Other clients write metadata values "" or null and headers without values: they were listed but
+    read ENODATA (`rsync -X` exits 23, "get_xattr_data ... No data available"), and `setfattr -v ""`
+    through the mount listed a name that did not read. A local disk keeps an empty value; so does natsfs.
+    A metadata key "" (`user.`, which local filesystems refuse) is not listed."""
+    async def body(env: Env):
+        ino = (await env.lookup("b/empties")).st_ino
+        names = await env.ops.listxattr(ino, Ctx())
+        assert sorted(names) == [b"user.empty", b"user.nats.header.Blank", b"user.nats.header.None",
+                                 b"user.nats.header.Null", b"user.nats.header.Ok", b"user.null", b"user.ok"]
+        got = {n: await env.ops.getxattr(ino, n, Ctx()) for n in names}
+        assert got == {b"user.empty": b"", b"user.nats.header.Blank": b"", b"user.nats.header.None": b"",
+                       b"user.nats.header.Null": b"", b"user.nats.header.Ok": b"v", b"user.null": b"",
+                       b"user.ok": b"1"}
+        assert await err(env.ops.getxattr(ino, b"user.nats.description", Ctx())) == errno.ENODATA
+        await env.ops.setxattr(ino, b"user.set-empty", b"", Ctx())
+        assert await env.ops.getxattr(ino, b"user.set-empty", Ctx()) == b""
+        assert b"user.set-empty" in await env.ops.listxattr(ino, Ctx())
+        doc = json.loads((await env.streams.last_msg("OBJ_b", meta_subject("b", "empties"))).data)
+        assert doc["metadata"]["set-empty"] == "" and doc["metadata"][""] == "no name"
+
+    ops_env(body, setup=empty_values)
+
+
+async def unreadable_metas(ms: MemoryStreams, store: ObjectStore) -> None:
+    await store.create_bucket("b")
+    await raw_put(ms, "b", "dotted-nuid", b"", nuid="a.b", size=1, chunks=1)  # nats.go reads this one
+    await ms.publish(meta_subject("b", "not-json"), b"{not json", {ROLLUP: "sub"})
+
+
+@pytest.mark.expect_log(r"b/(dotted-nuid|not-json): its meta subject holds a meta this mount cannot read")
+def test_creating_a_name_whose_meta_the_mount_cannot_read_fails_at_once(ops_env):
+    """The name shows nothing (its meta is skipped), so `echo x > name` created it, and every close failed
+    EIO with the bytes sent to lost+found (the store reads the meta back): a shell redirection, which
+    does not check close, reported success and the file was gone. The create itself is refused now."""
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        for name in (b"dotted-nuid", b"not-json"):
+            assert await err(env.ops.create(b, name, 0o644, os.O_WRONLY | os.O_CREAT, Ctx())) == errno.EIO
+            assert await err(env.ops.lookup(b, name, Ctx())) == errno.ENOENT
+        fi, _ = await env.ops.create(b, b"other", 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+        await env.ops.write(fi.fh, 0, b"fine\n")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        await env.settle()
+        assert await env.cat("b/other") == b"fine\n"
+        assert not (env.fs.staging.spool.lost_found / "b").exists()
+        assert json.loads((await env.streams.last_msg("OBJ_b", meta_subject("b", "dotted-nuid"))).data)["nuid"] == "a.b"
+
+    ops_env(body, setup=unreadable_metas)

@@ -16,6 +16,7 @@ from opskit import Ctx, Env, Fields, errno_of
 
 from natsfs import fsck
 from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
+from natsfs.errors import InvalidArgument
 from natsfs.memstreams import MemoryStreams
 from natsfs.streams import ROLLUP
 
@@ -393,3 +394,42 @@ def test_fsck_counts_and_reports_aliases_as_the_mount_shows_them(ops_env):
         assert await env.cat("b/only.txt") == b"old client only\n"
 
     ops_env(body, setup=hostile_aliases)
+
+
+# ---------------------------------------------------------------- metas and chunks under wildcard subjects
+WILDCARD_NAMES = ["a.txt", "b.txt", "dir/c.txt"]
+
+
+async def wildcard_metas(ms: MemoryStreams, store: ObjectStore) -> None:
+    """Another client published to `$O.b.M.*` and `$O.b.M.>` (no rollup: with one, the server itself
+    purges every meta the subject matches) and to `$O.b.C.*`: JetStream stores each under that very
+    subject, which a purge by it would apply to every meta (or chunk) subject it matches."""
+    await store.create_bucket("b")
+    for name in WILDCARD_NAMES:
+        await put_object(ms, "b", name, f"{name} bytes\n".encode())
+    victim = await doc_of(ms, "a.txt")
+    for token, name in (("*", "star"), (">", "gt")):
+        await ms.publish(f"$O.b.M.{token}", meta_json(dict(victim, name=name)))
+    await ms.publish("$O.b.C.*", b"junk")
+
+
+@pytest.mark.expect_log(r"meta \$O\.b\.M\.\* \(seq \d+\) is under a wildcard subject")
+def test_metas_and_chunks_under_wildcard_subjects_never_make_the_mount_or_fsck_purge_others(ops_env, caplog):
+    """Shown as aliases, a chmod of `star` moved it to its canonical subject and purged `$O.b.M.*`: the
+    meta of every object in the bucket. fsck --repair purged `$O.b.C.*` as an orphan: every chunk."""
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        assert (await env.listdir(b)).names == ["a.txt", "b.txt", "dir"]
+        assert await err(env.lookup("b/star")) == errno.ENOENT
+        report = await fsck.check_bucket(env.store, "b", repair=True, grace_s=0)
+        kinds = {f.where: f.kind for f in report.findings}
+        assert kinds == {"$O.b.M.*": fsck.BAD_META, "$O.b.M.>": fsck.BAD_META, "$O.b.C.*": fsck.ORPHAN}
+        assert not any(f.repaired for f in report.findings)
+        with pytest.raises(InvalidArgument):
+            await env.streams.purge_subject(stream_name("b"), "$O.b.M.*")
+        for name in WILDCARD_NAMES:
+            assert await stored(env, name) == f"{name} bytes\n".encode()
+            assert await env.cat(f"b/{name}") == f"{name} bytes\n".encode()
+        assert {"$O.b.M.*", "$O.b.M.>", "$O.b.C.*"} <= set(env.streams.subjects(stream_name("b")))
+
+    ops_env(body, setup=wildcard_metas)

@@ -15,8 +15,8 @@ import trio
 from gowriters import put_object
 from opskit import ROOT, Ctx, Env, Fields, errno_of
 
-from natsfs.adr20 import ObjectStore, chunk_subject, digest_of, meta_subject, stream_name
-from natsfs.errors import NoSpace, Unavailable
+from natsfs.adr20 import ROLLUP, ObjectStore, chunk_subject, digest_of, meta_json, meta_subject, stream_name
+from natsfs.errors import JetStreamAPIError, NoSpace, PermissionDenied, Unavailable
 from natsfs.memstreams import MemoryStreams
 from natsfs.mutations import STREAM_BATCH
 
@@ -320,6 +320,160 @@ def test_mkdir_where_an_object_with_bytes_holds_the_marker_name(ops_env, caplog)
     ops_env(body, setup=setup)
 
 
+def test_rename_of_a_file_shown_under_a_marker_name_keeps_its_mtime(ops_env):
+    """Another client's `tr/` with bytes is the file `tr%2F`, not a directory marker: `mv tr%2F t` keeps its
+    mtime as `natsfs.mtime_ns`, as for any file (the new meta's timestamp showed, in every mount)."""
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await one_bucket(ms, store)
+        await put_object(ms, "b", "tr/", b"content under a marker's name")
+
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        mtime_ns = (await env.lookup("b/tr%2F")).st_mtime_ns
+        await env.ops.rename(b, b"tr%2F", b, b"t", 0, Ctx())
+        doc, _ = await env.store.get_meta_doc("b", "t")
+        assert (doc.get("metadata") or {}).get("natsfs.mtime_ns") == str(mtime_ns)
+        assert (await env.lookup("b/t")).st_mtime_ns == mtime_ns
+        assert await env.cat("b/t") == b"content under a marker's name"
+
+    ops_env(body, setup=setup)
+
+
+@pytest.mark.expect_log(r"b/rep/: (closed without a successful upload|not stored) \(an empty object with this name "
+                        r"is a directory marker")
+def test_a_file_shown_under_a_marker_name_is_never_emptied_into_a_directory(ops_env, caplog):
+    """Another client's `rep/` with bytes is the file `rep%2F`. Emptied (`truncate`, `open(O_TRUNC)` and
+    close), its store would be an empty `rep/`: a directory marker, which showed as the directory `rep` in
+    every mount, the file gone and another client's file `rep` hidden by it. Refused with `EPERM` instead,
+    nothing stored (the emptied file is kept in lost+found, as any refused store); refilled after `O_TRUNC`,
+    it is stored as any file."""
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await one_bucket(ms, store)
+        await put_object(ms, "b", "rep/", b"content under a marker's name")
+        await put_object(ms, "b", "rep", b"a file of its own")
+
+    async def body(env: Env):
+        caplog.set_level("INFO")
+        b = (await env.lookup("b")).st_ino
+        before = await env.store.get_info("b", "rep/")
+        ino = (await env.lookup("b/rep%2F")).st_ino
+        attr = pyfuse3.EntryAttributes()
+        attr.st_size = 0
+        assert await err(env.ops.setattr(ino, attr, Fields(update_size=True), None, Ctx())) == errno.EPERM
+        fi = await env.open(ino, os.O_WRONLY | os.O_TRUNC)
+        assert await err(env.ops.flush(fi.fh)) == errno.EPERM
+        await env.ops.release(fi.fh)
+        await env.settle()
+        assert (await env.store.get_info("b", "rep/")).revision == before.revision  # nothing stored
+        assert (await env.listdir(b)).names == ["old.txt", "rep", "rep%2F"]
+        assert stat.S_ISREG((await env.lookup("b/rep")).st_mode)
+        assert await env.cat("b/rep") == b"a file of its own"
+        assert await env.cat("b/rep%2F") == b"content under a marker's name"
+        kept = sorted(p.name for p in (env.fs.staging.spool.lost_found / "b").iterdir())
+        assert len(kept) == 2 and all(name.startswith("rep%2F.") for name in kept)
+
+        fi = await env.open((await env.lookup("b/rep%2F")).st_ino, os.O_WRONLY | os.O_TRUNC)
+        await env.ops.write(fi.fh, 0, b"new")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        assert await stored(env, "rep/") == b"new"
+
+    ops_env(body, setup=setup)
+
+
+def test_chmod_of_a_directory_whose_marker_name_holds_a_file_is_refused_eperm(ops_env, caplog):
+    """Another client's `g/` with bytes shows as the file `g%2F`, and `g/x` makes the directory `g`, which has
+    no marker: a `chmod` or `utime` of `g` would store one, replacing that file. Refused `EPERM` with one
+    line, nothing stored (was `EEXIST`, which chmod(2) never gives, and no line)."""
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await one_bucket(ms, store)
+        await put_object(ms, "b", "g/", b"content under a marker's name")
+        await put_object(ms, "b", "g/x", b"x")
+
+    async def body(env: Env):
+        caplog.set_level("INFO")
+        g = await env.lookup("b/g")
+        before = await env.store.get_info("b", "g/")
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode = stat.S_IFDIR | 0o700
+        attr.st_mtime_ns = 10**18
+        for fields in (Fields(update_mode=True), Fields(update_mtime=True)):
+            assert await err(env.ops.setattr(g.st_ino, attr, fields, None, Ctx())) == errno.EPERM
+        assert (await env.store.get_info("b", "g/")).revision == before.revision
+        assert await env.cat("b/g%2F") == b"content under a marker's name"
+        assert len([r for r in caplog.records if "holds the name the directory's marker needs" in r.message]) == 2
+
+    ops_env(body, setup=setup)
+
+
+def test_rename_of_a_directory_whose_marker_would_replace_a_file_is_refused_eperm(ops_env, caplog):
+    """Another client's `e/` with bytes shows as the file `e%2F`. `mv d e` of a directory with a marker
+    would move the marker `d/` onto `e/`, replacing that file: refused `EPERM` with one line, nothing moved
+    (was `ESTALE` and a warning that another client changed it, which nothing had). A directory without a
+    marker (only names under it) needs none there and moves."""
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await one_bucket(ms, store)
+        await put_object(ms, "b", "e/", b"content under a marker's name")
+        await put_object(ms, "b", "implied/f", b"f")
+
+    async def body(env: Env):
+        caplog.set_level("INFO")
+        b = (await env.lookup("b")).st_ino
+        d = (await env.ops.mkdir(b, b"d", 0o755, Ctx())).st_ino
+        await write_file(env, d, "f", b"in d")
+        assert await err(env.ops.rename(b, b"d", b, b"e", 0, Ctx())) == errno.EPERM
+        await env.settle()
+        assert await env.cat("b/e%2F") == b"content under a marker's name"
+        assert await env.cat("b/d/f") == b"in d"
+        assert (await env.store.get_info("b", "d/")) is not None
+        assert (await env.store.get_info("b", "e/f")) is None
+        assert [r.levelname for r in caplog.records if "holds the name the moved directory's marker needs" in
+                r.message] == ["INFO"]
+
+        await env.ops.rename(b, b"implied", b, b"e", 0, Ctx())
+        assert await env.cat("b/e/f") == b"f"
+        assert await env.cat("b/e%2F") == b"content under a marker's name"
+
+    ops_env(body, setup=setup)
+
+
+def test_handles_opened_on_staged_bytes_that_lost_to_another_client_get_estale(ops_env):
+    """A reader and a second writer open a file while a writer of this mount has it staged (they read and
+    write those bytes, as on a local disk); another client's version wins, and the writer's close keeps
+    the bytes in lost+found. The other handles then get `ESTALE`, a version gone under them; before, the
+    chunk cache was asked for the staged version (the base's nuid, chunks 0) and failed `EIO` with an
+    ERROR claiming the object damaged."""
+    async def body(env: Env):
+        ino = (await env.lookup("b/old.txt")).st_ino
+        writer = await env.open(ino, os.O_RDWR)
+        await env.ops.write(writer.fh, 0, b"NEW")
+        reader = await env.open(ino, os.O_RDONLY)
+        second = await env.open(ino, os.O_RDWR)
+        assert await env.ops.read(reader.fh, 0, 100) == b"NEW content"
+        await put_object(env.streams, "b", "old.txt", b"another client's")
+        await env.settle()
+        assert await err(env.ops.flush(writer.fh)) == errno.ESTALE
+        await env.ops.release(writer.fh)
+        assert await err(env.ops.read(reader.fh, 0, 100)) == errno.ESTALE
+        assert await err(env.ops.write(second.fh, 0, b"more")) == errno.ESTALE
+        # The inode is detached from the path (its handles hold a version the path no longer shows): an
+        # ftruncate through the second handle stages from that version, ESTALE too; it truncated and
+        # stored the other client's version, which that handle never read.
+        assert env.fs.inodes.path_of(ino) != ("b", "old.txt")
+        attr = pyfuse3.EntryAttributes()
+        attr.st_size = 3
+        assert await err(env.ops.setattr(ino, attr, Fields(update_size=True), second.fh, Ctx())) == errno.ESTALE
+        late = await env.ops.open(ino, os.O_RDONLY, Ctx())  # through the inode the kernel still holds
+        assert await err(env.ops.read(late.fh, 0, 100)) == errno.ESTALE
+        await env.ops.release(late.fh)
+        for h in (reader, second):
+            await env.ops.flush(h.fh)
+            await env.ops.release(h.fh)
+        assert await env.cat("b/old.txt") == b"another client's"
+
+    ops_env(body, setup=one_bucket)
+
+
 def test_rename_over_an_entry_shown_under_an_escaped_name(ops_env):
     """Object `q\0` shows as `q%00`; `mv src q%00` replaces what shows there, as on a local disk: the
     literal name `q%00` is stored and `q\0` is deleted (was a false ESTALE every time)."""
@@ -382,6 +536,80 @@ def test_symlink_rules(ops_env):
     ops_env(body, setup=one_bucket)
 
 
+def test_symlink_is_an_adr20_link_only_to_the_object_the_kernel_follows_it_to(ops_env):
+    """The kernel resolves `x/..` physically: a text reaching `old.txt` only when read lexically (through
+    a symlink, a missing name, a file, or with a trailing `/`) leads nowhere in this mount, so it must not
+    become an ADR-20 link that other clients follow to `old.txt`."""
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        d = (await env.ops.mkdir(b, b"d", 0o755, Ctx())).st_ino
+        await env.ops.mkdir(d, b"e", 0o755, Ctx())
+        await env.ops.symlink(b, b"deep", b"d/e", Ctx())  # deep/.. is d, not b
+
+        async def linked(text: bytes) -> dict[str, Any] | None:
+            name = f"l{len(env.streams.subjects(stream_name('b')))}".encode()
+            attr = await env.ops.symlink(b, name, text, Ctx())
+            assert await env.ops.readlink(attr.st_ino, Ctx()) == text
+            doc, _ = await env.store.get_meta_doc("b", name.decode())
+            return doc["options"].get("link")
+
+        for text in (b"deep/../old.txt", b"missing/../old.txt", b"old.txt/../old.txt", b"old.txt/",
+                     b"old.txt/.", b"../b/old.txt/.."):
+            assert await linked(text) is None, text
+        for text in (b"d/../old.txt", b"d/e/../../old.txt", b"./old.txt", b"../b/old.txt"):
+            assert await linked(text) == {"bucket": "b", "name": "old.txt"}, text
+        assert await linked(b"../b/") == {"bucket": "b"}
+        assert await linked(b"d/../../b") == {"bucket": "b"}
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_a_moved_symlink_keeps_reading_as_its_text(ops_env):
+    """A rename never changes a symlink's text on a local disk. A text that stays in the mount only from
+    its old place (`../../b/old.txt` one directory up, or its directory moved up) is signed as it moves:
+    it read as its ADR-20 link's computed target or `nats-object:?/outside-link` (one WARNING that said
+    another client wrote it) after `mv`."""
+    async def body(env: Env):
+        b = (await env.lookup("b")).st_ino
+        m1 = (await env.ops.mkdir(b, b"m1", 0o755, Ctx())).st_ino
+        m2 = (await env.ops.mkdir(m1, b"m2", 0o755, Ctx())).st_ino
+        await env.ops.symlink(m1, b"to-old", b"../../b/old.txt", Ctx())  # also an ADR-20 link
+        await env.ops.symlink(m2, b"up3", b"../../../x", Ctx())
+        await env.ops.symlink(m2, b"near", b"sibling", Ctx())
+        await put_object(env.streams, "b", "m1/m2/theirs", b"", metadata={"natsfs.symlink": "/etc/shadow"})
+        await env.settle()
+
+        async def text(path: str) -> bytes:
+            return await env.ops.readlink((await env.lookup(path)).st_ino, Ctx())
+
+        await env.ops.rename(m1, b"to-old", b, b"to-old-up", 0, Ctx())
+        await env.ops.rename(m1, b"m2", b, b"m2-up", 0, Ctx())
+        await env.settle()
+        assert await text("b/to-old-up") == b"../../b/old.txt"
+        assert await text("b/m2-up/up3") == b"../../../x"
+        assert await text("b/m2-up/near") == b"sibling"
+        assert await text("b/m2-up/theirs") == b"nats-object:?/outside-link"  # not this user's: stays so
+        signed = {}
+        for name in ("to-old-up", "m2-up/up3", "m2-up/near", "m2-up/theirs"):
+            doc, _ = await env.store.get_meta_doc("b", name)
+            signed[name] = "natsfs.symlink_sig" in doc["metadata"]
+        assert signed == {"to-old-up": True, "m2-up/up3": True, "m2-up/near": False, "m2-up/theirs": False}
+        doc, _ = await env.store.get_meta_doc("b", "to-old-up")
+        assert doc["options"]["link"] == {"bucket": "b", "name": "old.txt"}
+
+        # A signing key the signer refuses does not refuse the rename: the text just moves unsigned.
+        def refuse(bucket: str, text: str) -> str:
+            raise PermissionDenied("the key is another user's")
+
+        await env.ops.symlink(m1, b"again", b"../../b/old.txt", Ctx())
+        env.fs.signer.sign = refuse  # type: ignore[method-assign]
+        await env.ops.rename(m1, b"again", b, b"again-up", 0, Ctx())
+        doc, _ = await env.store.get_meta_doc("b", "again-up")
+        assert "natsfs.symlink_sig" not in doc["metadata"]
+
+    ops_env(body, setup=one_bucket)
+
+
 def test_symlink_text_from_other_clients_stays_in_the_mount(ops_env):
     """natsfs.symlink written by another client (no valid signature of this user) shows verbatim only
     when it cannot leave the mount."""
@@ -424,6 +652,89 @@ def test_buckets_by_mkdir_and_rmdir(ops_env):
         assert "fresh" not in await env.store.list_buckets()
 
     ops_env(body, setup=one_bucket)
+
+
+@pytest.mark.expect_log(r"skipping malformed meta")
+def test_rmdir_of_a_bucket_counts_objects_this_mount_does_not_show(ops_env):
+    """A meta this mount skips (an unusable nuid, a size in 0 chunks, under another name's subject) is
+    still an object nats.go lists: `rmdir` of the bucket, empty as shown, deleted them with it."""
+    odd_metas = (("bad-nuid", "bad-nuid", {"nuid": "not a token", "size": 3, "chunks": 1}),
+                 ("no-chunks", "no-chunks", {"nuid": "n1", "size": 3, "chunks": 0}),
+                 ("on-another-subject", "elsewhere", {"nuid": "n2", "size": 0, "chunks": 0}))
+
+    async def body(env: Env):
+        for name, subject_name, fields in odd_metas:
+            await env.store.create_bucket(name)
+            doc = {"name": name, "bucket": name, "mtime": "2024-01-01T00:00:00Z", **fields}
+            await env.streams.publish(meta_subject(name, subject_name), meta_json(doc), {ROLLUP: "sub"})
+            assert (await env.listdir((await env.lookup(name)).st_ino)).names == []  # looks empty
+            assert await err(env.ops.rmdir(ROOT, name.encode(), Ctx())) == errno.ENOTEMPTY
+            assert name in await env.store.list_buckets()
+        # Delete markers alone still leave a bucket that rmdir deletes.
+        await env.store.create_bucket("tombs")
+        await env.streams.publish(meta_subject("tombs", "gone"), meta_json(
+            {"name": "gone", "bucket": "tombs", "nuid": "n3", "deleted": True}), {ROLLUP: "sub"})
+        await env.ops.rmdir(ROOT, b"tombs", Ctx())
+        assert "tombs" not in await env.store.list_buckets()
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_rmdir_of_a_bucket_with_a_file_being_written_is_enotempty(ops_env):
+    """A new file this mount shows but has not stored yet is an entry of its bucket, as on a local disk:
+    rmdir deleted the bucket under it, and its close failed ENOENT with its bytes in lost+found."""
+    async def body(env: Env):
+        fresh = await env.ops.mkdir(ROOT, b"fresh", 0o755, Ctx())
+        fi, _ = await env.ops.create(fresh.st_ino, b"new.txt", 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+        await env.ops.write(fi.fh, 0, b"being written")
+        assert await err(env.ops.rmdir(ROOT, b"fresh", Ctx())) == errno.ENOTEMPTY
+        assert "fresh" in await env.store.list_buckets()
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        info = await env.store.get_info("fresh", "new.txt")
+        assert info is not None and info.size == len(b"being written")
+
+    ops_env(body, setup=one_bucket)
+
+
+@pytest.mark.parametrize("description, err_code", [("maximum number of streams reached", 10027),
+                                                    ("insufficient storage resources available", 10047),
+                                                    ("stream max bytes exceeds account limit max stream bytes",
+                                                     10122)])
+def test_a_bucket_the_accounts_limits_leave_no_room_for_is_enospc_said_once(ops_env, caplog, description,
+                                                                            err_code):
+    """mkdir at the root when the account's JetStream limits (max_streams, storage to reserve) refuse the
+    stream: ENOSPC, as a full disk refuses a mkdir, with one WARNING naming the limit; not EIO logged as
+    an ERROR. Nothing is created, and the next mkdir the limits allow works."""
+
+    async def body(env: Env):
+        caplog.set_level(logging.DEBUG)
+        env.streams.fail_next("create_stream", JetStreamAPIError(description, code=400, err_code=err_code))
+        assert await err(env.ops.mkdir(ROOT, b"fresh", 0o755, Ctx())) == errno.ENOSPC
+        assert "fresh" not in await env.store.list_buckets()
+        lines = [r for r in caplog.records if description in r.getMessage()]
+        assert [(r.levelno, r.getMessage()) for r in lines] == [
+            (logging.WARNING, f"mkdir: bucket fresh not created: the account's JetStream limits leave no room "
+                              f"for it ({description})")]
+        await env.ops.mkdir(ROOT, b"fresh", 0o755, Ctx())
+        assert "fresh" in await env.store.list_buckets()
+
+    ops_env(body, setup=one_bucket)
+
+
+def test_mkdir_of_a_bucket_name_too_long_for_a_stream_is_enametoolong(ops_env, caplog):
+    """A stream name is at most 255 characters, so a bucket name at most 251 ("OBJ_" + name): a longer
+    one (still a valid file name) was sent to the server, whose refusal became EIO with an ERROR line."""
+    async def body(env: Env):
+        longest = b"n" * 251
+        assert (await env.ops.mkdir(ROOT, longest, 0o755, Ctx())).st_mode & 0o040000
+        for size in (252, 255):
+            assert await err(env.ops.mkdir(ROOT, b"n" * size, 0o755, Ctx())) == errno.ENAMETOOLONG
+        assert sorted(len(b) for b in await env.store.list_buckets()) == [1, 251]
+
+    with caplog.at_level(logging.INFO):
+        ops_env(body, setup=one_bucket)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_the_fast_tier_streams_a_growing_file_before_it_is_closed(ops_env):

@@ -5,13 +5,16 @@ upload is retried, and a later mount with the same cache dir replays what an ear
 from __future__ import annotations
 
 import base64
+import errno
 import logging
 import os
 from pathlib import Path
 
+import pyfuse3
+import pytest
 import trio
 from gowriters import put_object
-from opskit import CTX, ROOT, Env
+from opskit import CTX, ROOT, Ctx, Env
 from test_ops_write import stored, write_file
 
 from natsfs.adr20 import ObjectStore
@@ -506,3 +509,43 @@ def test_a_replay_of_two_live_records_of_one_name_keeps_the_later_one_only(ops_e
     assert not lost_found(tmp_path).exists()
     assert not (spool_dir(tmp_path) / older["id"]).exists()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "f.txt" in r.getMessage()]
+
+
+@pytest.mark.expect_log(r"the staged bytes could not be made durable on local disk")
+def test_a_close_the_local_disk_could_not_journal_is_uploaded_at_its_release(ops_env, caplog):
+    """A cache disk too full for the journal record: the close fails with ENOSPC, and the bytes are only
+    in the daemon. Its last release held them, unqueued, until the unmount (a crash before it lost
+    them; seen on a full tmpfs cache dir): it queues the upload instead, with one error line naming the
+    file. The closes' own line is the same for every file (a run of them is logged once)."""
+    async def body(env: Env):
+        journal = journal_of(env)
+
+        def disk_full(records: object, **kwargs: object) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        journal.commit = disk_full  # type: ignore[method-assign]
+        fi, _ = await env.ops.create(ROOT, b"nospace.txt", 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+        await env.ops.write(fi.fh, 0, b"the bytes")
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await env.ops.flush(fi.fh)
+        assert e.value.errno == errno.ENOSPC
+        await env.ops.release(fi.fh)
+        fi, _ = await env.ops.create(ROOT, b"second.txt", 0o644, os.O_WRONLY | os.O_CREAT, Ctx())
+        await env.ops.write(fi.fh, 0, b"more bytes")
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await env.ops.flush(fi.fh)
+        assert e.value.errno == errno.ENOSPC
+        await env.ops.release(fi.fh)
+        with trio.fail_after(30):  # a liveness bound, not a speed target
+            while None in [await env.store.get_info("b", n) for n in ("nospace.txt", "second.txt")]:
+                await trio.sleep(0.01)
+        assert await stored(env, "nospace.txt") == b"the bytes"
+        assert await stored(env, "second.txt") == b"more bytes"
+        assert journal.pending == {}
+        why = "the staged bytes could not be made durable on local disk: [Errno 28] No space left on device"
+        assert [r.getMessage() for r in caplog.records if "made durable" in r.getMessage()] == [
+            f"flush: {why}",
+            f"b/nospace.txt: {why}; it is uploaded without a write-back record (a crash before the upload loses it)",
+            f"b/second.txt: {why}; it is uploaded without a write-back record (a crash before the upload loses it)"]
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)

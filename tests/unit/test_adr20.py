@@ -366,6 +366,23 @@ def test_an_mtime_ns_that_is_no_int64_number_is_still_ignored(raw):
     assert len(why) == 1 and "natsfs.mtime_ns" in why[0]
 
 
+@pytest.mark.parametrize(("key", "raw"), [
+    ("natsfs.mode", "0o777"), ("natsfs.mode", " 755"), ("natsfs.mode", "755\n"), ("natsfs.mode", "7_5_5"),
+    ("natsfs.mode", "+755"), ("natsfs.mode", "\u0667\u0665\u0665"), ("natsfs.mode", "8"), ("natsfs.uid", "+0"),
+    ("natsfs.uid", "\u0661\u0662"), ("natsfs.gid", "1_000"), ("natsfs.rdev", " 1"),
+    ("natsfs.mtime_ns", "1_000_000_000"), ("natsfs.mtime_ns", "+1"), ("natsfs.mtime_ns", " -1"),
+])
+def test_a_posix_attribute_that_is_not_a_string_of_ascii_digits_is_ignored(key, raw):
+    """int() alone took these (an octal mode "0o777" showed as 0777, Arabic-Indic digits as a uid), where
+    SEMANTICS ignores every value that is not a string of digits (with one warning, fsck reports it)."""
+    why: list[str] = []
+    doc = {"name": "x", "nuid": "abc", "size": 1, "chunks": 1, "metadata": {key: raw}}
+    info = parse_meta("b", msg("x", doc), why.append)
+    assert info.attrs is not None
+    assert (info.attrs.mode, info.attrs.uid, info.attrs.gid, info.attrs.rdev, info.attrs.mtime_ns) == (None,) * 5
+    assert len(why) == 1 and f"unusable {key}" in why[0]
+
+
 @pytest.mark.parametrize("value", [420, None, ["644"]])
 def test_non_string_natsfs_metadata_never_escapes_as_typeerror(value):
     doc = {"name": "x", "nuid": "abc", "size": 1, "chunks": 1, "metadata": {"natsfs.mode": value}}

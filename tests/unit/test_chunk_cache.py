@@ -729,9 +729,8 @@ def test_walk_never_takes_the_reply_after_a_lost_one_as_its_chunk():
     run_tampered(body, cache_bytes=1 << 20)
 
 
-@pytest.mark.parametrize("layout", ["scanned", "computed"])
 @pytest.mark.parametrize("tamper", ["other-subject", "swapped", "lost"])
-def test_fetch_fills_each_slot_only_with_its_own_sequence(tamper, layout):
+def test_fetch_fills_each_slot_only_with_its_own_sequence(tamper):
     data = blob(6 * CHUNK)
 
     def change(msgs: list[StoredMsg]) -> list[StoredMsg]:
@@ -742,11 +741,9 @@ def test_fetch_fills_each_slot_only_with_its_own_sequence(tamper, layout):
         return msgs[1:]
 
     async def body(ms, streams, cache):
-        # A declared chunk size the chunks do not have cannot be computed from: scanned.
-        declared = CHUNK if layout == "computed" else 2 * CHUNK
-        info = await put_object(ms, "b", "t", data, chunk_size=declared, chunk_sizes=[CHUNK] * 6)
+        info = await put_object(ms, "b", "t", data, chunk_size=CHUNK)
         assert await cache.read(info, 5 * CHUNK, 10) == data[5 * CHUNK : 5 * CHUNK + 10]  # layout known
-        assert (cache.stats.index_scans, cache.stats.layouts_computed) == ((0, 1) if layout == "computed" else (1, 0))
+        assert cache.stats.index_scans == 1
         streams.tamper = change
         if tamper == "lost":
             # The chunk that did not come back is asked for alone, and found.
@@ -759,10 +756,10 @@ def test_fetch_fills_each_slot_only_with_its_own_sequence(tamper, layout):
     run_tampered(body, cache_bytes=64 * CHUNK)
 
 
-# ---------------------------------------------------------------- computed layouts (random access, no scan)
-def test_far_read_of_a_contiguous_version_needs_two_probes_and_no_scan():
-    """One writer: chunks at consecutive sequences, all of the declared size but the last. A tail read
-    asks for the first and the last chunk only; then any chunk is one direct get, in any order."""
+# ---------------------------------------------------------------- random access (one scan, then any chunk)
+def test_far_read_maps_the_version_with_one_scan_then_each_chunk_is_one_get():
+    """A tail read maps the version with one headers-only scan (no payloads) before it serves a byte;
+    then any chunk is one direct get, in any order."""
     data = blob(40 * CHUNK + 1234)
 
     async def body(ms, store, cache):
@@ -770,14 +767,14 @@ def test_far_read_of_a_contiguous_version_needs_two_probes_and_no_scan():
         ms.calls.clear()
         assert await cache.read(info, len(data) - 1000, 1000) == data[-1000:]
         s = cache.stats
-        assert (s.layouts_computed, s.index_scans, ms.calls["subject_index"]) == (1, 0, 0)
-        assert s.chunks_fetched == 2 and s.bytes_fetched == CHUNK + 1234
+        assert (s.index_scans, ms.calls["subject_index"]) == (1, 1)
+        assert s.chunks_fetched == 1 and s.bytes_fetched == 1234
         order = list(range(1, 40))
         RNG.shuffle(order)
         for k in order:
             off = k * CHUNK + 17
             assert await cache.read(info, off, 4096) == data[off : off + 4096]
-        assert s.index_scans == 0 and s.chunks_fetched == 41
+        assert s.index_scans == 1 and s.chunks_fetched == 40
         # Every chunk has passed: the digest is checked at the end of a read from the front.
         assert await cache.read(info, 0, len(data)) == data
         layout = cache._layouts[layout_key(info)]
@@ -786,9 +783,9 @@ def test_far_read_of_a_contiguous_version_needs_two_probes_and_no_scan():
     run(body, background=False)
 
 
-def test_interleaved_writers_are_scanned_not_computed():
-    """Another writer's chunks sit between every pair: the last probe finds no chunk of this version at
-    the computed sequence, so the version is scanned, and every byte reads exactly."""
+def test_interleaved_writers_are_read_exactly():
+    """Another writer's chunks sit between every pair: the scan places each chunk at its own sequence,
+    and every byte reads exactly."""
     a, b = blob(6 * CHUNK), blob(6 * CHUNK)
 
     async def body(ms, store, cache):
@@ -801,7 +798,7 @@ def test_interleaved_writers_are_scanned_not_computed():
                        revision=(await ms.stream_info(stream_name("b"))).last_seq + 1)
         got = await read_each_chunk(cache, info_a, a, [5, 2, 4, 0, 3, 1])
         assert got == {k: a[k * CHUNK : (k + 1) * CHUNK] for k in range(6)}
-        assert cache.stats.layouts_computed == 0 and cache.stats.index_scans == 1
+        assert cache.stats.index_scans == 1
 
     run(body)
 
@@ -810,14 +807,14 @@ def test_interleaved_writers_are_scanned_not_computed():
     [CHUNK, CHUNK // 2, CHUNK, CHUNK, CHUNK // 2],  # a short read in the middle, as nats.go may write
     [CHUNK, CHUNK, CHUNK // 2, CHUNK // 2, CHUNK],  # the same bytes in other chunks: the last is full
 ])
-def test_short_chunks_in_the_middle_are_scanned_not_computed(sizes):
+def test_short_chunks_in_the_middle_read_exactly(sizes):
     data = blob(sum(sizes))
 
     async def body(ms, store, cache):
         info = await put_object(ms, "b", "s", data, chunk_size=CHUNK, chunk_sizes=sizes)
         got = await read_each_chunk_at(cache, info, data, sizes, [4, 1, 3, 0, 2])
         assert got == [data[o : o + z] for o, z in zip(offsets(sizes), sizes, strict=True)]
-        assert cache.stats.layouts_computed == 0 and cache.stats.index_scans == 1
+        assert cache.stats.index_scans == 1
 
     run(body)
 
@@ -845,89 +842,51 @@ def test_a_chunk_deleted_before_the_first_read_is_placed_by_a_scan(caplog):
         await ms.delete_msg(stream_name("b"), chunk_seqs(ms, info)[3])
         got = await read_each_chunk(cache, info, data, [7, 3, 0, 5, 1, 2, 4, 6])
         assert got == {k: "EIO" if k == 3 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(8)}
-        assert cache.stats.layouts_computed == 0
         return info
 
     info = run(body, cache_bytes=1 << 20)
     assert len(damage_records(caplog, info)) == 1
 
 
-@pytest.mark.expect_log("object b/d .*1 of 8 chunks missing")
-def test_a_chunk_deleted_after_the_layout_was_computed_is_settled_by_a_scan(caplog):
-    """The computed slots stand for a layout that changed: the fetch that finds a chunk gone, or the
-    next chunk in its slot, re-maps the version, and no byte of another offset is served."""
-    data = blob(8 * CHUNK)
-    caplog.set_level(logging.DEBUG)
+# A hostile writer's version whose first and last chunk, and every chunk a far read fetches, look as one
+# writer filling `max_chunk_size` chunks would leave them, but whose chunk k does not start at CHUNK * k:
+# chunk 1 is larger than the declared chunk size (and the meta's size is what the chunks hold), or
+# chunk 1 is short and the meta claims the bytes of full chunks (a size its chunks do not hold).
+LOOKALIKES = {
+    "oversized chunk": ([CHUNK, CHUNK + 5000, CHUNK, CHUNK, CHUNK - 5000, 1000], None),
+    "size not held": ([CHUNK, CHUNK - 5000, CHUNK, CHUNK, CHUNK, 1000], 5 * CHUNK + 1000),
+}
+
+
+@pytest.mark.expect_log("object b/h .*(the meta says|cannot be read)")
+@pytest.mark.parametrize("kind", list(LOOKALIKES))
+def test_a_far_read_never_serves_bytes_of_another_offset_whatever_the_meta_claims(kind):
+    """The tail first, then chunk 2's and chunk 3's bytes: each read gives the bytes at that offset of
+    the chunks in their order (as nats.go's Get streams them), or EIO for a version whose chunks do not
+    hold its size, never the bytes a chunk of the declared size would hold there."""
+    sizes, claimed = LOOKALIKES[kind]
+    data = blob(sum(sizes))
 
     async def body(ms, store, cache):
-        info = await put_object(ms, "b", "d", data, chunk_size=CHUNK)
-        assert await cache.read(info, 7 * CHUNK, 10) == data[7 * CHUNK : 7 * CHUNK + 10]
-        assert cache.stats.layouts_computed == 1
-        await ms.delete_msg(stream_name("b"), chunk_seqs(ms, info)[3])
-        got = await read_each_chunk(cache, info, data, [3, 4, 2, 5, 1, 6, 0, 7])
-        assert got == {k: "EIO" if k == 3 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(8)}
-        assert cache.stats.index_scans == 2  # the chunk index, and the one gap that could hold chunk 3
-        return info
-
-    info = run(body, cache_bytes=1 << 20)
-    assert len(damage_records(caplog, info)) == 1
-
-
-@pytest.mark.expect_log("object b/r .*chunks? missing")
-def test_the_last_chunk_deleted_between_the_probes_is_never_mistaken_for_a_layout():
-    """Another writer's message sits between chunks 2 and 3, every chunk is full, and the last chunk is
-    deleted right after the first probe. Counted before the last probe, chunk 0 would still have five
-    chunks after it and chunk 4 (then the last on the subject, full size) would pass as the last: off
-    by one from chunk 3 on. The count is taken after the last probe, so the layout is never computed
-    and every read gives its own bytes or EIO."""
-    data = blob(6 * CHUNK)
-
-    async def body(ms, store, cache):
-        nuid = "R" * 22
-        subject = chunk_subject("b", nuid)
-        for k in range(6):
-            await ms.publish(subject, data[k * CHUNK : (k + 1) * CHUNK])
-            if k == 2:
-                await ms.publish(chunk_subject("b", "X" * 22), b"other writer")
-        meta = await put_object(ms, "b", "r", b"", chunk_size=CHUNK)
-        info = _with(meta, nuid=nuid, size=len(data), chunks=6, digest=digest_of(data), chunk_size=CHUNK,
-                     revision=(await ms.stream_info(stream_name("b"))).last_seq + 1)
-        last_seq = (await ms.stream_info(stream_name("b"))).last_seq - 1  # the meta is after it
-        fetch, calls = cache._fetch, []
-
-        async def fetch_then_delete(*args: Any, **kw: Any) -> list[StoredMsg]:
-            msgs = await fetch(*args, **kw)
-            calls.append(args)
-            if len(calls) == 1:
-                await ms.delete_msg(stream_name("b"), last_seq)
-            return msgs
-
-        cache._fetch = fetch_then_delete
-        got = await read_each_chunk(cache, info, data, [4, 3, 0, 1, 2, 5])
-        assert cache.stats.layouts_computed == 0
-        assert got == {k: "EIO" if k == 5 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(6)}
+        info = await put_object(ms, "b", "h", data, chunk_size=CHUNK, chunk_sizes=sizes)
+        if claimed is not None:
+            info = _with(info, size=claimed)
+        got = {}
+        for off in (claimed or len(data)) - 100, 2 * CHUNK + 100, 3 * CHUNK + 100:
+            try:
+                got[off] = await cache.read(info, off, 64)
+            except Corrupt:
+                got[off] = "EIO"
+        if claimed is None:
+            assert got == {off: data[off : off + 64] for off in got}
+            assert await cache.read(info, 0, len(data)) == data
+        else:
+            assert all(v == "EIO" or v == data[off : off + 64] for off, v in got.items()), got
 
     run(body, cache_bytes=1 << 20)
 
 
-def test_a_foreign_message_at_a_computed_sequence_is_never_served():
-    """The computed slots of a version whose chunk 2 was replaced, after the probes, by the next
-    chunk (the server says so by its pending count): the reply does not fit and a scan decides."""
-    data = blob(5 * CHUNK)
-
-    async def body(ms, streams, cache):
-        info = await put_object(ms, "b", "f", data, chunk_size=CHUNK)
-        assert await cache.read(info, 4 * CHUNK, 10) == data[4 * CHUNK : 4 * CHUNK + 10]
-        assert cache.stats.layouts_computed == 1
-        streams.tamper = lambda msgs: [replace(msgs[0], pending=msgs[0].pending - 1)]
-        assert await cache.read(info, 2 * CHUNK, 10) == data[2 * CHUNK : 2 * CHUNK + 10]
-        assert cache.stats.index_scans == 1
-        assert await cache.read(info, 0, len(data)) == data
-
-    run_tampered(body, cache_bytes=1 << 20)
-
-
-def test_a_failed_probe_surfaces_as_its_own_error_and_the_next_read_works():
+def test_a_failed_far_fetch_surfaces_as_its_own_error_and_the_next_read_works():
     data = blob(8 * CHUNK)
 
     async def body(ms, store, cache):
@@ -936,7 +895,6 @@ def test_a_failed_probe_surfaces_as_its_own_error_and_the_next_read_works():
         with pytest.raises(Stale, match="injected"):
             await cache.read(info, 7 * CHUNK, 10)
         assert await cache.read(info, 7 * CHUNK, 10) == data[7 * CHUNK : 7 * CHUNK + 10]
-        assert cache.stats.layouts_computed == 1
 
     run(body)
 
@@ -1015,9 +973,8 @@ def test_readahead_grows_while_reads_are_sequential_and_collapses_on_a_random_re
         assert await cache.read(info, far, 4096, ra) == data[far : far + 4096]
         assert cache.stats.readahead_collapses == 1
         await trio.testing.wait_all_tasks_blocked()
-        # Nothing ahead of it: its own chunk, the last one and chunk 0 counted again after it (the
-        # probes that prove where chunks are).
-        assert cache.stats.chunks_fetched - fetched == 3
+        # Nothing ahead of it: its own chunk only (a scan, which fetches no payload, placed it).
+        assert cache.stats.chunks_fetched - fetched == 1
 
     run(body, cache_bytes=16 << 20)
 
@@ -1057,7 +1014,7 @@ def test_a_version_whose_layout_is_known_gets_several_batched_requests_in_flight
 
     async def body(ms, store, cache):
         info = await put_object(ms, "b", "known.bin", data, chunk_size=64 * KiB)
-        await cache.read(info, info.size - 10, 10)  # the layout is computed: no walk needed from here
+        await cache.read(info, info.size - 10, 10)  # the layout is mapped: no walk needed from here
         requests = Requests(store)
         assert await read_sequentially(cache, info, 64 * KiB, 1 << 20, 2 << 20) == data
         assert requests.peak[info.nuid] >= 2
@@ -1196,7 +1153,7 @@ def test_a_stream_without_direct_gets_reads_exactly_with_every_check(order, capl
             k: "EIO" if k == 3 else data[k * CHUNK : (k + 1) * CHUNK] for k in range(8)}
         with pytest.raises(Corrupt):
             await cache.read(lying, 0, len(data))
-        assert ms.calls["msg_get"] > 0 and cache.stats.layouts_computed == 0
+        assert ms.calls["msg_get"] > 0
         return broken, lying
 
     broken, lying = run(body, batch_bytes=128 * KiB)

@@ -87,6 +87,17 @@ def test_a_server_url_without_secrets_is_a_mount_option():
         ["--server", "nats://h:4222", "/mnt"]
 
 
+def test_user_with_a_value_is_the_nats_user_and_the_bare_user_flag_is_dropped(tmp_path):
+    """What the refusals of secrets in mount options advise (`user=NAME` with `password_file=FILE`) works
+    from fstab: mount.fuse3 passes `user=NAME` on (and drops mount(8)'s bare `user` flag itself)."""
+    (tmp_path / "pw").write_text("s3cr3t\n")
+    argv = expand_mount_options(_mount_parser(), ["/mnt", "-o", f"user=alice,password_file={tmp_path / 'pw'},user,"
+                                                  "users,_netdev"])
+    a = _mount_parser().parse_args(argv)
+    connection = auth.resolve({name: getattr(a, name, None) for name in auth.OPTION_DESTS}, environ={})
+    assert (connection.user, connection.password) == ("alice", "s3cr3t")
+
+
 def test_daemon_gets_the_users_arguments_without_connection_options():
     argv = ["mount", "--bucket", "b", "rel/mnt", "--server", "nats://u:pw@h", "--password=pw", "--token-file",
             "/t", "--log-file", "/l", "--cache-size", "1GiB", "-o", "allow_other", "--read-only"]
@@ -123,6 +134,31 @@ def test_secret_files_and_variables(tmp_path):
                      {"HOME": str(tmp_path), "NATS_TOKEN": "tok"})
     assert c.password == "from-file" and c.token == "tok" and c.servers == ("nats://a", "nats://b")
     assert c.connect_options() == {"password": "from-file", "token": "tok"}
+
+
+@pytest.mark.parametrize("content, message", [(b"\xe8s3cr3t\xff", "is not UTF-8 text"), (b" \n", "is empty")])
+@pytest.mark.parametrize("option, what", [("password_file", "password"), ("token_file", "token")])
+def test_a_password_or_token_file_that_holds_no_secret_is_one_sentence_naming_it(tmp_path, content, message,
+                                                                                 option, what):
+    """Not a traceback (UnicodeDecodeError, with a byte of the secret in it), nor a connection refused with
+    an Authorization Violation for no stated reason: the file named, nothing of its content shown."""
+    path = tmp_path / "secret"
+    path.write_bytes(content)
+    with pytest.raises(auth.Unavailable) as refused:
+        auth.resolve({option: str(path)}, {"HOME": str(tmp_path)})
+    assert str(refused.value) == f"the {what} file {path} {message}"
+
+
+@pytest.mark.parametrize("servers", ["http://alice:s3cr3t@h:4222", "nats://a:4222,HTTPS://h:4222"])
+def test_a_server_url_of_no_nats_scheme_is_one_sentence_without_its_secret(servers):
+    """nats-py took `http://h:4222` for a host to resolve, and the mount failed with `Name or service not
+    known`."""
+    with pytest.raises(auth.Unavailable) as refused:
+        auth.resolve({"server": servers}, {})
+    assert "is no NATS scheme: use nats://, tls://, ws:// or wss://" in str(refused.value)
+    assert "s3cr3t" not in str(refused.value)
+    assert auth.resolve({"server": "NATS://a:1,tls://b:2,ws://c:3,wss://d:4,e:5"}, {}).servers == (
+        "NATS://a:1", "tls://b:2", "ws://c:3", "wss://d:4", "e:5")
 
 
 @pytest.mark.parametrize("kind", ["creds", "nkey"])
@@ -248,3 +284,27 @@ def test_local_paths_inside_the_mountpoint_or_under_a_file_are_refused(tmp_path)
         f"--data-dir {tmp_path / 'afile' / 'sub'} cannot be used: {tmp_path / 'afile'} is not a directory"
     assert problem(*ok, log=str(tmp_path / "afile" / "sub" / "x.log")) == \
         f"--log-file {tmp_path / 'afile' / 'sub' / 'x.log'} cannot be used: {tmp_path / 'afile'} is not a directory"
+
+
+def test_output_to_a_reader_that_went_away_ends_quietly(tmp_path):
+    """`natsfs bucket ls | head -1`: the reader closes the pipe; the command ended in a BrokenPipeError
+    traceback. Now it stops with no output on stderr and the status of a filter killed by SIGPIPE."""
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "from natsfs import cli\n"
+              "def many_lines(a):\n"
+              "    for i in range(200000):\n"
+              "        print(f'bucket{i}\\t0 bytes')\n"
+              "    return 0\n"
+              "cli.cmd_bucket = many_lines\n"
+              "sys.exit(cli.main(['bucket', '--server', 'nats://127.0.0.1:1', 'ls']))\n")
+    reader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              cwd=tmp_path)
+    assert reader.stdout is not None and reader.stderr is not None
+    assert reader.stdout.readline() == b"bucket0\t0 bytes\n"
+    reader.stdout.close()  # as `head -1` does after its line
+    stderr = reader.stderr.read()
+    assert reader.wait(60) == 141
+    assert stderr == b""

@@ -450,3 +450,35 @@ def test_findings_from_metas_changed_before_they_are_read_again_are_void():
         assert json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "ghost"))).data)["deleted"]
 
     run(body)
+
+
+def test_a_tombstone_whose_nuid_is_a_wildcard_is_dangerous_and_repaired():
+    """nats.go's Delete and nats.js's put of a name purge `$O.b.C.` + the nuid its tombstone carries:
+    with `>` or `*` that filter matches every chunk subject. A mount ignores such a nuid, and fsck said
+    "clean"; it is a tombstone sharing every live nuid. A wildcard in an alias tombstone, which no
+    client reads by name, or in a bucket without chunks is no danger."""
+    async def body(ms, store, clock):
+        await put_object(ms, "b", "good", b"good bytes", chunk_size=CHUNK)
+        for name, nuid in (("bomb", ">"), ("bomb2", "*")):
+            doc = {"name": name, "bucket": "b", "nuid": nuid, "size": 0, "chunks": 0, "deleted": True}
+            await ms.publish(meta_subject("b", name), json.dumps(doc).encode(), {ROLLUP: "sub"})
+        doc = {"name": "alias", "bucket": "b", "nuid": ">", "size": 0, "chunks": 0, "deleted": True}
+        await ms.publish(meta_subject("b", "alias").rstrip("="), json.dumps(doc).encode(), {ROLLUP: "sub"})
+        # A live meta with such a nuid is unreadable to a mount (left alone), and says why it matters.
+        doc = {"name": "live", "bucket": "b", "nuid": "*", "size": 1, "chunks": 1}
+        await ms.publish(meta_subject("b", "live"), json.dumps(doc).encode(), {ROLLUP: "sub"})
+        report = await fsck.check_bucket(store, "b")
+        assert kinds(report, left=True) == [(fsck.SHARED_TOMBSTONE, "bomb"), (fsck.SHARED_TOMBSTONE, "bomb2"),
+                                            (fsck.BAD_META, meta_subject("b", "live"))]
+        details = {f.where: f.detail for f in report.findings}
+        assert "would purge the chunks of every object" in details["bomb"]
+        assert "would purge $O.b.C.*: every chunk in the bucket" in details[meta_subject("b", "live")]
+        report = await fsck.check_bucket(store, "b", repair=True)
+        assert [f.kind for f in report.problems_left] == [fsck.BAD_META]
+        assert all(f.repaired for f in report.findings if f.kind == fsck.SHARED_TOMBSTONE)
+        subjects = ms.subjects(stream_name("b"))
+        assert meta_subject("b", "bomb") not in subjects and meta_subject("b", "bomb2") not in subjects
+        assert meta_subject("b", "alias").rstrip("=") in subjects and meta_subject("b", "live") in subjects
+        assert await read(store, "good") == b"good bytes"
+
+    run(body)

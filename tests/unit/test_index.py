@@ -81,6 +81,15 @@ def test_unshowable_name_is_hidden():
     assert changes == [("ok",)]
 
 
+def test_the_empty_name_is_hidden_with_a_warning_that_says_why(caplog):
+    """Another client can store the name "" (under a subject of its own): it can be no file name, and
+    the warning said "a segment over 255 bytes"."""
+    idx, _ = make(obj(""), obj("ok"))
+    assert tree(idx.root) == {"ok": "ok"} and "" in idx.hidden
+    assert [r.getMessage() for r in caplog.records if "not shown" in r.getMessage()] == [
+        "bucket b: object '' is not shown: its name cannot be a file name (it is empty)"]
+
+
 def test_real_name_beats_escaped_name_either_order():
     idx, _ = make(obj("."), obj("%2E"))
     assert idx.get(("%2E",)).name == "%2E"
@@ -128,6 +137,26 @@ def test_hidden_file_overwritten_while_hidden_stays_hidden_then_returns_new_vers
     assert isinstance(idx.get(("clash",)), Dir)
     idx.apply(obj("clash/x", deleted=True))
     assert idx.get(("clash",)) is newer
+
+
+def test_an_odd_name_updated_again_and_again_is_logged_once_until_it_goes_away(caplog):
+    """Another client rewriting an escaped (`x/` with bytes) or a hidden (a file where a directory is) object
+    over and over gets one line each, not one per version (a status file put every second logged a line
+    every second); once the name is deleted and comes back, it is logged again."""
+    caplog.set_level("INFO", logger="natsfs.index")
+    idx, _ = make(obj("clash/x"))
+    for _ in range(5):
+        idx.apply(obj("esc/"))
+        idx.apply(obj("clash"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["bucket b: object 'esc/' is shown as 'esc%2F'",
+                     "bucket b: object 'clash' is not shown: a directory 'clash' has the same path"]
+    idx.apply(obj("esc/", deleted=True))
+    idx.apply(obj("clash", deleted=True))
+    idx.apply(obj("esc/"))
+    idx.apply(obj("clash"))
+    assert [r.getMessage() for r in caplog.records][2:] == lines
+    assert tree(idx.root) == {"clash": {"x": "clash/x"}, "esc%2F": "esc/"}
 
 
 def test_hidden_file_deleted_while_hidden_does_not_come_back():
@@ -415,3 +444,61 @@ def test_an_alias_not_shown_holds_its_nuid_without_making_the_name_shared():
     assert idx.hidden_alias_holders("other") == ()
     idx.apply_alias(ALIAS, obj("doc.txt", rev=6, nuid="shared", deleted=True))
     assert idx.hidden_alias_holders("shared") == ()
+
+
+# ---------------------------------------------------------------- implied directories this mount emptied
+def test_a_directory_emptied_by_an_own_removal_is_kept_and_one_emptied_by_another_client_goes():
+    a, b = obj("zz/a"), obj("zz/b")
+    idx, changes = make(a, b)
+    with idx.own_removal(("zz",)):
+        # The watch may deliver this mount's tombstone before the removal ends: still not pruned.
+        idx.apply(obj("zz/a", deleted=True))
+    assert tree(idx.root) == {"zz": {"b": "zz/b"}}
+    changes.clear()
+    idx.apply(obj("zz/b", deleted=True))  # another client's removal of the last entry
+    assert tree(idx.root) == {}
+    assert changes == [("zz", "b"), ("zz",)]
+    idx, changes = make(obj("p/zz/a"))
+    changes.clear()
+    with idx.own_removal(("p", "zz")):
+        idx.apply(obj("p/zz/a", deleted=True))
+    assert tree(idx.root) == {"p": {"zz": {}}}
+    assert changes == [("p", "zz", "a")]  # (the directory never reported as gone)
+    idx.drop_empty(("p", "zz"))  # this mount's rmdir of it: its implied parent goes with it (not held)
+    assert tree(idx.root) == {}
+
+
+def test_a_failed_own_removal_leaves_an_emptied_directory_to_go():
+    idx, _ = make(obj("zz/a"))
+    try:
+        with idx.own_removal(("zz",)):
+            idx.apply(obj("zz/a", deleted=True))  # another client deleted it meanwhile
+            raise RuntimeError("the delete was refused")
+    except RuntimeError:
+        pass
+    assert tree(idx.root) == {}
+    with idx.own_removal(("zz",)):  # (no such directory: nothing held)
+        pass
+    idx, _ = make(obj("zz/a"))
+    with idx.own_removal(("zz",)):
+        idx.apply(obj("zz/a", deleted=True))
+    try:
+        with idx.own_removal(("zz",)):  # a rename into the kept directory, taken back as it failed
+            idx.apply(obj("zz/n"))
+            idx.apply(obj("zz/n", deleted=True))
+            raise RuntimeError("the claim was refused")
+    except RuntimeError:
+        pass
+    assert tree(idx.root) == {"zz": {}}
+
+
+def test_kept_directories_survive_an_index_rebuilt_aside():
+    idx, _ = make(obj("p/zz/a"), obj("p/x"))
+    with idx.own_removal(("p", "zz")):
+        idx.apply(obj("p/zz/a", deleted=True))
+    rebuilt, _ = make(obj("p/x"))
+    rebuilt.carry_kept(idx.root)
+    assert tree(rebuilt.root) == {"p": {"x": "p/x", "zz": {}}}
+    moved, _ = make(obj("q/y"))  # (a parent gone meanwhile: nothing to keep it in)
+    moved.carry_kept(idx.root)
+    assert tree(moved.root) == {"q": {"y": "q/y"}}

@@ -227,6 +227,40 @@ def test_no_responders_to_a_direct_get_of_a_stream_that_allows_them_stays_transi
     trio.run(main)
 
 
+def test_no_responders_to_a_direct_get_of_a_deleted_stream_is_no_messages_at_once():
+    """A bucket deleted by another client under a reader: its direct gets have no responders and its
+    config read says there is no such stream. No messages then (the chunk cache's "chunks of version are
+    gone", ESTALE, as for a version purged under the reader), not "status 503" asked again until the
+    read's deadline (EIO after 15 s, twice for a kernel read, with an ERROR line)."""
+    bridge = ScriptedBridge()
+    js = JetStreams(bridge)  # type: ignore[arg-type]
+
+    class NoResponders:
+        async def next_batch(self, timeout: Any = None) -> list[Msg]:
+            return [status("503")]
+
+        async def unsubscribe(self) -> None:
+            pass
+
+    async def request_stream(subject: str, payload: Any = b"", *, max_bytes: int = 0) -> NoResponders:
+        bridge.requests.append((subject, b""))
+        return NoResponders()
+
+    bridge.request_stream = request_stream  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        bridge.replies.append(status("503"))
+        bridge.api_replies.append(JetStreamAPIError("stream not found", code=404, err_code=10059))
+        assert await js.get_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20) == []
+        bridge.api_replies.append(JetStreamAPIError("stream not found", code=404, err_code=10059))
+        batches = await js.stream_batch("OBJ_b", "$O.b.C.n", 1, 8, 1 << 20)
+        assert await batches.next() is None
+        assert bridge.api_calls == [("STREAM.INFO.OBJ_b", None)] * 2 and not js.no_direct
+        assert [s for s, _ in bridge.requests] == ["$JS.API.DIRECT.GET.OBJ_b"] * 2  # no STREAM.MSG.GET
+
+    trio.run(main)
+
+
 def test_a_stream_without_direct_gets_is_read_with_stream_msg_get():
     """"No responders" from a stream whose config does not allow direct gets: the batch is made of
     STREAM.MSG.GET requests (next by subject), chained by sequence, without pending counts; later

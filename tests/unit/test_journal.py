@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import struct
 import zlib
 from pathlib import Path
+
+import pytest
 
 from natsfs.adr20 import ObjectInfo, PosixAttrs
 from natsfs.journal import GROW_BYTES, WriteBackJournal, frame, read_records
@@ -214,3 +218,42 @@ def test_commit_closes_records_in_order_with_one_write_and_leaves_out_dones_of_n
     assert [(r["op"], r["id"]) for r in read_records(path.read_bytes())[0]] == [
         ("put", "a"), ("done", "a"), ("put", "b"), ("put", "c"), ("done", "c")]
     assert list(WriteBackJournal(path).pending) == ["b"]
+
+
+def test_a_compaction_the_disk_has_no_room_for_fails_no_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A local disk full to the last page still takes records (they go into the zeros grown ahead), but
+    not the copy a compaction writes: the records written are durable all the same, so the record (a
+    close) must not fail, and nothing of the copy may stay behind. Seen on a full tmpfs cache dir: every
+    close of a rewritten pending file returned ENOSPC, and the last one was uploaded after a crash."""
+    path = tmp_path / "wb.journal"
+    j = WriteBackJournal(path)
+    j.record(entry("live", "kept"))
+    real_write = os.write
+    disk_full = True
+
+    def write(fd: int, data: bytes) -> int:
+        if disk_full and os.readlink(f"/proc/self/fd/{fd}").endswith(".compact"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    with caplog.at_level(logging.INFO, logger="natsfs.journal"):
+        for i in range(150):  # compaction is due (and fails) many times over
+            j.record(entry(f"t{i}", f"tmp{i}"))
+            j.done(f"t{i}")
+        j.record(entry("last", "after"))
+        assert not path.with_suffix(".compact").exists()
+        assert len(read_records(path.read_bytes())[0]) == 302  # nothing rewritten, nothing lost
+        assert [r.getMessage() for r in caplog.records if "not compacted" in r.getMessage()] == [
+            f"write-back journal {path}: not compacted (No space left on device); records go on into it as it "
+            "is, the compaction is tried again later"]
+        disk_full = False  # room again: the next compaction due succeeds
+        for i in range(70):
+            j.record(entry(f"u{i}", f"more{i}"))
+            j.done(f"u{i}")
+    records = read_records(path.read_bytes())[0]
+    assert [r["id"] for r in records[:2]] == ["live", "last"] and not any(r["id"].startswith("t") for r in records)
+    assert any(r.getMessage() == f"write-back journal {path}: compacted" for r in caplog.records)
+    j.close()
+    assert [r["name"] for r in WriteBackJournal(path).pending.values()] == ["kept", "after"]

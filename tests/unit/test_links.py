@@ -45,6 +45,11 @@ def lexically_inside(target: str, link_path: tuple[str, ...]) -> bool:
     (Link("/etc", "passwd"), ("a", "l"), None, INVALID_TARGET),
     (Link("", "x"), ("a", "l"), None, INVALID_TARGET),
     (Link("b", "n" * 300), ("a", "l"), None, INVALID_TARGET),
+    # A target the kernel cannot take (PATH_MAX bytes or more): readlink gave EIO, with no log line.
+    (Link("b", "/".join(["s" * 250] * 20)), ("a", "l"), None, INVALID_TARGET),
+    (Link("b", "/".join(["d" * 255] * 16 + ["x"])), ("l",), "b", INVALID_TARGET),  # 4097 bytes
+    (Link("o", "/".join(["d" * 255] * 16)), ("l",), "b", INVALID_TARGET),  # nats-object:o/ + 4095 bytes
+    (Link("b", "/".join(["d" * 255] * 16)), ("l",), "b", "/".join(["d" * 255] * 16)),  # 4095 bytes: it fits
 ])
 def test_targets(link, link_path, single, expected):
     target = link_target(link, link_path, single)

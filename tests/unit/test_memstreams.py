@@ -76,7 +76,8 @@ def test_stream_info_accounts_bytes_consistently():
         st = await ms.stream_info("S")
         assert st.messages == 2 and (st.first_seq, st.last_seq) == (1, 2)
         assert st.bytes == stored_size("s.a", None, b"xyz") + stored_size("s.b", {"K": "v"}, b"12345")
-        await ms.purge_subject("S", "s.>")
+        for subject in ("s.a", "s.b"):  # (a purge by a wildcard is refused: see streams.check_purge_filter)
+            await ms.purge_subject("S", subject)
         st = await ms.stream_info("S")
         assert (st.messages, st.bytes, st.first_seq, st.last_seq) == (0, 0, 3, 2)
         assert (await ms.account_limits()).storage_used == 0

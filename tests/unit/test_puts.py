@@ -215,6 +215,23 @@ def test_names_are_checked_before_anything_is_sent():
     run(body)
 
 
+def test_a_subject_limit_learned_from_the_server_refuses_longer_names_before_anything_is_sent():
+    """A server whose max_control_line is under the default dropped the connection for a subject of 600
+    bytes (`Bridge.subject_limit`): names whose subjects reach that are refused as over the default are."""
+    async def body(ms: MemoryStreams, store: ObjectStore) -> None:
+        name = "n" * 400  # its subjects: about 570 bytes, well within the default 3840
+        await store.put("b", name, BytesSource(b"x"))
+        ms.subject_limit = 560
+        before = ms.calls.copy()
+        with pytest.raises(NameTooLong) as e:
+            await store.put("b", "m" * 400, BytesSource(b"x"))
+        assert "over the limit of 560" in str(e.value)
+        assert ms.calls == before
+        await store.put("b", "m" * 300, BytesSource(b"x"))  # shorter names are sent as before
+
+    run(body)
+
+
 # ---------------------------------------------------------------- one-chunk puts in one round trip
 async def _put_small_file(store: ObjectStore, tmp_path, name: str, data: bytes, **kw) -> ObjectInfo:  # type: ignore[no-untyped-def]
     path = tmp_path / f"spool-{name}"

@@ -21,7 +21,7 @@ import trustme
 
 from natsfs import natscompat, wire
 from natsfs.auth import NO_TLS, Connection, tls_wanted
-from natsfs.bridge import _Link, _worker_main
+from natsfs.bridge import WORKER_FOUND_NO_SERVER, _Link, _worker_main
 from natsfs.errors import Unavailable
 
 PASSWORD = "S3cret,pw@/:%#?"  # (every kind of character that must never leave in clear)
@@ -159,7 +159,7 @@ def test_the_upload_worker_refuses_a_server_without_tls_before_connect(plain_ser
     url = f"tls://alice:{QUOTED}@127.0.0.1:{plain_server.port}"
     with pytest.raises(SystemExit) as e:
         asyncio.run(_worker_main(Connection(servers=(url,))))
-    assert e.value.code == 1
+    assert e.value.code == WORKER_FOUND_NO_SERVER
     assert plain_server.received and plain_server.all_received() == b""
 
 

@@ -155,13 +155,14 @@ async def _until(done: object) -> None:
 SERVERS = ["nats://n0:4222", "nats://n1:4222", "nats://n2:4222"]
 
 
-@pytest.mark.parametrize("what", ["kick", "server died", "both lost"])
+@pytest.mark.parametrize("what", ["kick", "server died", "both lost", "main lost first"])
 def test_a_lost_lean_connection_shrinks_the_budget_only_when_its_server_takes_it_back(monkeypatch, caplog, what):
     """The lean connection lost with replies in flight while the main one stays: its next attempt goes to
     the same server. A server that takes it back dropped it, a kick: the budget drops to its floor (the
     WARNING). One that refuses it went away (a cluster node died, the main connection is on another):
     the budget stays, one INFO line, and the connection moves on to the next server. The main
-    connection lost meanwhile is the server going away as well: no shrink, whatever the retry finds."""
+    connection lost meanwhile is the server going away as well: no shrink, whatever the retry finds; so
+    is the main connection lost moments before, even when it is back by the time the lean loss is seen."""
     fake = _FakeServers(SERVERS)
     monkeypatch.setattr(bridge_mod.wire, "connect_trio", fake.connect_trio)
     caplog.set_level(logging.DEBUG, logger="natsfs.bridge")
@@ -179,6 +180,9 @@ def test_a_lost_lean_connection_shrinks_the_budget_only_when_its_server_takes_it
                 fake.up.discard(SERVERS[0])
             if what == "both lost":
                 fake.held.add(SERVERS[0])
+            if what == "main lost first":
+                bridge._lost_in_trio(0)
+                bridge._restored_in_trio()
             first.drop("Slow Consumer" if what == "kick" else "unexpected EOF")
             if what == "both lost":
                 await _until(lambda: len(fake.attempts) == 2)  # the retry is under way ...
@@ -196,8 +200,11 @@ def test_a_lost_lean_connection_shrinks_the_budget_only_when_its_server_takes_it
                 assert bridge._budget.limit == 32 * MiB and not shrunk
                 assert [r.levelno for r in gone] == [logging.INFO]
                 assert "n0:4222" in gone[0].getMessage()
-            else:
+            elif what == "both lost":
                 assert fake.attempts == [SERVERS[0], SERVERS[0]]
+                assert bridge._budget.limit == 32 * MiB and not shrunk and not gone
+            else:  # no verdict to wait for: the next server in turn
+                assert fake.attempts == [SERVERS[0], SERVERS[1]]
                 assert bridge._budget.limit == 32 * MiB and not shrunk and not gone
             # A loss with no replies in flight leaves no verdict to wait for: the next server in turn.
             bridge._budget.release(held)

@@ -4,6 +4,8 @@ reads its stdin until closed): only the daemon's side is under test here."""
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import signal
@@ -17,6 +19,7 @@ import trio
 
 from natsfs import uploader
 from natsfs.auth import Connection
+from natsfs.errors import NatsFSError, NoSpace, Unavailable
 from natsfs.retry import Restarts
 
 
@@ -195,3 +198,103 @@ def test_a_drop_the_worker_does_not_answer_is_not_taken_for_done_until_that_work
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+# A stand-in worker whose every send is answered with the error reply given as its argument (JSON).
+_REFUSING_STAND_IN = r"""
+import json, sys
+error = json.loads(sys.argv[1])
+sys.stdin.readline()  # the connection
+while line := sys.stdin.readline():
+    req = json.loads(line)
+    reply = {"id": req["id"]} if req["op"] == "ping" else {"id": req["id"], "error": error}
+    print(json.dumps(reply), flush=True)
+"""
+
+
+@pytest.mark.parametrize(("error", "raised"), [
+    # The bucket's limits (nats-server answers these with code 503): refused for good, never sent again.
+    ({"description": "maximum bytes exceeded", "code": 503, "err_code": 10077}, NoSpace),
+    ({"description": "maximum messages exceeded", "code": 503, "err_code": 10077}, NoSpace),
+    # No responders, or a JetStream between leaders: sent again in-process.
+    ({"description": "no stream takes $O.b.C.S", "code": 503, "err_code": 0}, Unavailable),
+    ({"description": "JetStream cluster not available", "code": 503, "err_code": 10008}, Unavailable),
+])
+def test_a_refusal_by_the_buckets_limits_that_comes_with_code_503_is_not_taken_for_an_unavailable_worker(
+        monkeypatch, error, raised):
+    """A worker's publish refused for the bucket's max_bytes made the put send the whole file again
+    in-process (after an INFO line `the upload worker could not send it`), only to be refused again."""
+    real_open_process = trio.lowlevel.open_process
+
+    async def stand_in(argv: list[str], **kwargs: Any) -> trio.Process:
+        return await real_open_process([sys.executable, "-c", _REFUSING_STAND_IN, json.dumps(error)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    monkeypatch.setattr(uploader.trio.lowlevel, "open_process", stand_in)
+    worker = uploader.UploadWorker(Connection(servers=("nats://127.0.0.1:1",)), Restarts(first=0.01))
+
+    async def main() -> BaseException:
+        async with trio.open_nursery() as nursery:
+            await worker.start(nursery)
+            with trio.fail_after(20), pytest.raises(NatsFSError) as caught:
+                await worker.send_range("S", "$O.b.C.S", "/dev/null", 0, 1, 1, 1)
+            await worker.close()
+            nursery.cancel_scope.cancel()
+        return caught.value
+
+    got = trio.run(main)
+    assert type(got) is raised, got
+    if raised is NoSpace:
+        assert got.errno == errno.ENOSPC and "maximum" in str(got)
+
+
+def test_a_worker_that_finds_no_server_exits_saying_so():
+    """Its exit status tells the daemon the server is away, not that it died."""
+    from natsfs.bridge import WORKER_FOUND_NO_SERVER
+
+    proc = subprocess.run([sys.executable, "-I", "-m", "natsfs.bridge", "upload-worker"], capture_output=True,
+                          input=Connection(servers=("nats://127.0.0.1:1",)).to_json().encode() + b"\n",
+                          timeout=60)
+    assert proc.returncode == WORKER_FOUND_NO_SERVER, proc.stderr
+
+
+def test_workers_started_while_no_server_answers_are_not_said_as_deaths_or_failures(monkeypatch, caplog):
+    """A server away (or refusing the credentials) while a worker starts: the daemon's connection says
+    that once; each worker start meanwhile ended with a WARNING `died (exit status 1)` and, after five, an
+    ERROR `failed 5 times in a row`. They are started again (with growing pauses) and said at DEBUG."""
+    from natsfs.bridge import WORKER_FOUND_NO_SERVER
+
+    caplog.set_level(logging.DEBUG, logger="natsfs")
+    real_open_process = trio.lowlevel.open_process
+    no_server_starts = [7]  # more than give_up_after
+    starts = [0]
+
+    async def stand_in(argv: list[str], **kwargs: Any) -> trio.Process:
+        starts[0] += 1
+        if no_server_starts[0]:
+            no_server_starts[0] -= 1
+            code = f"import sys; sys.stdin.readline(); sys.exit({WORKER_FOUND_NO_SERVER})"
+        else:
+            code = "import sys; sys.stdin.read()"
+        return await real_open_process([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE)
+
+    monkeypatch.setattr(uploader.trio.lowlevel, "open_process", stand_in)
+    worker = uploader.UploadWorker(Connection(servers=("nats://127.0.0.1:1",)),
+                                   Restarts(first=0.01, cap=0.02, stable=10, give_up_after=5))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await worker.start(nursery)
+            with trio.fail_after(30):
+                while starts[0] < 8 or not worker.alive:  # the eighth runs
+                    await trio.sleep(0.01)
+            assert not worker.restarts.failing
+            await worker.close()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    about_workers = [r for r in caplog.records if "upload worker" in r.getMessage()]
+    assert [r.levelno for r in about_workers if r.levelno >= logging.INFO] == [], \
+        [r.getMessage() for r in about_workers]
+    assert sum("found no NATS server" in r.getMessage() for r in about_workers) == 7

@@ -363,3 +363,103 @@ def test_the_trio_driver_reads_sends_what_the_socket_did_not_take_and_ends_once(
         assert len(closed) == 1 and conn.is_closed
 
     trio.run(main)
+
+
+class Sink:
+    """A `DeliverySink` that notes what it was handed, both ways alike: (subject, reply, Nats-Msg-Size)
+    for a headers-only delivery whose only header is the size, else (subject, reply, headers, data)."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[Any, ...]] = []
+        self.runs = 0  # lists handed over by the one-match path
+
+    def headers_only(self, rows: list[tuple[bytes, bytes, int]]) -> None:
+        self.runs += 1
+        self.got += [(s.decode(), r.decode(), n) for s, r, n in rows]
+
+    def message(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes | bytearray) -> None:
+        if headers is not None and list(headers) == ["Nats-Msg-Size"] and not data:
+            self.got.append((subject, reply, int(headers["Nats-Msg-Size"])))
+        else:
+            self.got.append((subject, reply, headers, bytes(data)))
+
+
+def delivery(subject: str, sid: int, reply: str, headers: bytes) -> bytes:
+    return f"HMSG {subject} {sid} {reply} {len(headers)} {len(headers)}\r\n".encode() + headers + b"\r\n"
+
+
+def ack(seq: int, pending: int) -> str:
+    return f"$JS.ACK.OBJ_b.scan.1.{seq}.{seq}.1795544086202843333.{pending}"
+
+
+# A scan's deliveries on sid 2 among a request's replies on the inbox (sid 1): plain headers-only frames
+# (the one-match path), one whose message had headers of its own, one whose header value is the text of
+# a whole plain frame (only the byte counts tell it is not one), a flow-control request, and a delivery
+# for a sid nobody subscribed (dropped).
+FAKE_FRAME = delivery("$O.b.C.n", 2, ack(99, 0), b"NATS/1.0\r\nNats-Msg-Size: 1\r\n\r\n").decode()
+FAKE_FRAME = FAKE_FRAME.replace("\r\n", " ").strip()  # (a header value has no CRLF)
+DELIVERIES = b"".join([
+    delivery("$O.b.C.n", 2, ack(1, 5), b"NATS/1.0\r\nNats-Msg-Size: 131072\r\n\r\n"),
+    delivery("$O.b.C.n", 2, ack(2, 4), b"NATS/1.0\r\nNats-Msg-Size: 0\r\n\r\n"),
+    msg("_INBOX.x.1", b"a reply between deliveries"),
+    delivery("$O.b.C.n", 2, ack(3, 3), b"NATS/1.0\r\nX-Own: yes\r\nNats-Msg-Size: 7\r\n\r\n"),
+    delivery("$O.b.C.n", 2, ack(4, 2), f"NATS/1.0\r\nX-Text: {FAKE_FRAME}\r\nNats-Msg-Size: 5\r\n\r\n".encode()),
+    delivery("_INBOX.x.d.2", 2, "$JS.FC.OBJ_b.scan.Ab1", b"NATS/1.0 100 FlowControl Request\r\n\r\n"),
+    delivery("$O.b.C.n", 3, ack(9, 0), b"NATS/1.0\r\nNats-Msg-Size: 9\r\n\r\n"),
+    delivery("$O.b.C.n", 2, ack(5, 1), b"NATS/1.0\r\nNats-Msg-Size: 1000\r\n\r\n"),
+    delivery("$O.b.C.n", 2, ack(6, 0), b"NATS/1.0\r\nNats-Msg-Size: 3\r\n\r\n"),
+])
+
+DELIVERED = [
+    ("$O.b.C.n", ack(1, 5), 131072),
+    ("$O.b.C.n", ack(2, 4), 0),
+    ("$O.b.C.n", ack(3, 3), {"X-Own": "yes", "Nats-Msg-Size": "7"}, b""),
+    ("$O.b.C.n", ack(4, 2), {"X-Text": FAKE_FRAME, "Nats-Msg-Size": "5"}, b""),
+    ("_INBOX.x.d.2", "$JS.FC.OBJ_b.scan.Ab1", {"Status": "100", "Description": "FlowControl Request"}, b""),
+    ("$O.b.C.n", ack(5, 1), 1000),
+    ("$O.b.C.n", ack(6, 0), 3),
+]
+
+
+def test_deliveries_on_a_subscription_reach_its_sink_whole_and_in_order_from_any_split():
+    """What a scan's subscription gets is the same whether a frame came whole (one match, handed over a
+    run at a time) or cut anywhere (the general parser), and the inbox's replies still go to `on_msg`."""
+    whole = Harness()
+    sink = Sink()
+    whole.protocol.deliveries[b"2"] = sink
+    whole.feed(DELIVERIES, len(DELIVERIES))
+    assert sink.got == DELIVERED and sink.runs == 2  # (the first two plain frames, then the last two)
+    assert whole.msgs == [("_INBOX.x.1", None, b"a reply between deliveries")]
+    for cut in range(1, len(DELIVERIES)):
+        h = Harness()
+        h.protocol.deliveries[b"2"] = sink = Sink()
+        h.feed_split(DELIVERIES, cut)
+        assert sink.got == DELIVERED, cut
+        assert len(h.msgs) == 1 and not h.transport.aborted
+    one = Harness()
+    one.protocol.deliveries[b"2"] = sink = Sink()
+    one.feed(DELIVERIES, 1)
+    assert sink.got == DELIVERED and sink.runs == 0
+
+
+def test_a_headers_only_frame_whose_counts_do_not_match_goes_to_the_general_parser():
+    """A frame that looks plain but says a longer header block (or a payload) is read by its byte
+    counts, as any message is."""
+    headers = b"NATS/1.0\r\nNats-Msg-Size: 12\r\n\r\n"
+    odd = f"HMSG $O.b.C.n 2 {ack(1, 0)} {len(headers)} {len(headers) + 4}\r\n".encode() + headers + b"data\r\n"
+    h = Harness()
+    h.protocol.deliveries[b"2"] = sink = Sink()
+    h.feed(odd, len(odd))
+    assert sink.got == [("$O.b.C.n", ack(1, 0), {"Nats-Msg-Size": "12"}, b"data")] and sink.runs == 0
+
+
+def test_a_delivery_whose_message_had_a_size_header_of_its_own_gets_the_servers():
+    """The server appends `Nats-Msg-Size` to the message's own headers: a delivery's repeated header
+    keeps its last value (a reply's, its first, as before)."""
+    own = b"NATS/1.0\r\nNats-Msg-Size: 5\r\nX-A: 1\r\nNats-Msg-Size: 100\r\n\r\n"
+    stream = delivery("$O.b.C.n", 2, ack(1, 0), own) + hmsg("_INBOX.x.1", b"NATS/1.0\r\nK: 1\r\nK: 2\r\n\r\n", b"")
+    h = Harness()
+    h.protocol.deliveries[b"2"] = sink = Sink()
+    h.feed(stream, len(stream))
+    assert sink.got == [("$O.b.C.n", ack(1, 0), {"Nats-Msg-Size": "100", "X-A": "1"}, b"")]
+    assert h.msgs == [("_INBOX.x.1", {"K": "1"}, b"")]

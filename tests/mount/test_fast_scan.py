@@ -1,0 +1,231 @@
+"""The chunk-size scan over the lean connection (`JetStreams._lean_index`: a one-shot headers-only
+consumer delivering to the trio thread's connection) against a real nats-server: it returns exactly
+what the ordered consumer over the main connection returns, for chunks of unequal sizes, chunks
+interleaved with other objects' chunks, chunks with headers of their own (which the server keeps in
+its headers-only deliveries); a scan cut by a lost lean connection raises instead of returning what
+came before, and
+`subject_index` then answers in full over the main connection; a user who may not subscribe to its
+delivery subject gets the same answer the other way; no consumer is left behind."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import pytest
+import trio
+from helpers import create_bucket, wait_for, with_nats
+from test_lean_reads import kick_lean
+from test_transport import KICKABLE, own_server
+
+from natsfs.bridge import Bridge, Deliveries, _TrioReads
+from natsfs.errors import Unavailable
+from natsfs.jetstream import JetStreams
+
+BUCKET = "scan"
+STREAM = f"OBJ_{BUCKET}"
+
+
+def subject(nuid: str) -> str:
+    return f"$O.{BUCKET}.C.{nuid}"
+
+
+def publish(url: str, msgs: list[tuple[str, bytes, dict[str, str] | None]]) -> None:
+    """Publish chunk messages in this order (the stream's sequences follow it)."""
+
+    async def fn(nc: Any, js: Any) -> None:
+        for subj, data, headers in msgs:
+            await js.publish(subj, data, headers=headers)
+
+    with_nats(url, fn)
+
+
+def consumers(url: str) -> int:
+    async def fn(nc: Any, js: Any) -> int:
+        return (await js.stream_info(STREAM)).state.consumer_count
+
+    return with_nats(url, fn)
+
+
+def uneven_and_interleaved(url: str) -> dict[str, list[int]]:
+    """Objects whose chunk messages are: `uneven` (sizes 0, 1, 128 KiB, 1000 KiB, ...), `a` and `b`
+    interleaved one for one, `many` (3000 small chunks of unequal sizes, with other objects' chunks
+    between some of them), `headed` (chunks with headers of their own, which the server's
+    headers-only deliveries keep, one of them a `Nats-Msg-Size`). name -> the chunk sizes."""
+    create_bucket(url, BUCKET)
+    sizes = {"uneven": [128 * 1024, 0, 1, 128 * 1024, 1000 * 1024, 77, 128 * 1024 + 3]}
+    msgs: list[tuple[str, bytes, dict[str, str] | None]] = [(subject("uneven"), os.urandom(n), None)
+                                                           for n in sizes["uneven"]]
+    sizes["a"], sizes["b"] = [10 + i for i in range(40)], [500 - i for i in range(40)]
+    for x, y in zip(sizes["a"], sizes["b"], strict=True):
+        msgs += [(subject("a"), os.urandom(x), None), (subject("b"), os.urandom(y), None)]
+    sizes["many"] = [(i * 37) % 300 for i in range(3000)]
+    for i, n in enumerate(sizes["many"]):
+        msgs.append((subject("many"), os.urandom(n), None))
+        if i % 97 == 0:
+            msgs.append((subject("other"), b"x", None))
+    # (The last one claims another size in a `Nats-Msg-Size` of its own: the server's comes after it.)
+    sizes["headed"] = [5, 6, 7, 8]
+    msgs += [(subject("headed"), os.urandom(n), {"X-Note": f"chunk {n}"}) for n in sizes["headed"][:-1]]
+    msgs.append((subject("headed"), os.urandom(8), {"Nats-Msg-Size": "131072", "X-Note": "claims"}))
+    publish(url, msgs)
+    return sizes
+
+
+def test_the_fast_scan_returns_exactly_what_the_ordered_scan_does(private_server):
+    url = private_server.url
+    sizes = uneven_and_interleaved(url)
+
+    async def main() -> None:
+        bridge = Bridge([url])
+        await bridge.connect()
+        js = JetStreams(bridge)
+        try:
+            assert bridge.reads_in_trio
+            for nuid in [*sizes, "none"]:
+                ordered = await js._ordered_index(STREAM, subject(nuid))
+                assert [n for _, n in ordered] == sizes.get(nuid, [])
+                assert await js._lean_index(STREAM, subject(nuid)) == ordered, nuid
+                before = js.calls["lean_scans"]
+                assert await js.subject_index(STREAM, subject(nuid)) == ordered
+                assert js.calls["lean_scans"] == before + 1  # (it took the lean connection)
+        finally:
+            await bridge.close()
+
+    trio.run(main)
+    assert consumers(url) == 0
+
+
+@pytest.mark.parametrize("through", ["parts", "subject_index"])
+def test_a_scan_cut_by_a_kicked_lean_connection_never_yields_a_partial_layout(tmp_path, monkeypatch, through):
+    """The lean connection is lost after the first deliveries of a scan arrived and before the rest
+    did: `_lean_index` raises `Unavailable` rather than return them, and `subject_index` answers
+    in full over the main connection."""
+    server = own_server(tmp_path, KICKABLE)
+    url = server.url
+    try:
+        sizes = uneven_and_interleaved(url)
+        cut: list[int] = []
+
+        async def first_deliveries_then_kick(self: Deliveries, timeout: float) -> list[Any]:
+            rows = await real_next(self, timeout)
+            if cut:
+                return rows
+            # The connection is lost when only the first few deliveries came (the rest are dropped here,
+            # as if they had not arrived yet): the kick is sent and seen before they are handed on.
+            cut.append(len(rows))
+            assert await trio.to_thread.run_sync(kick_lean, url) == 1
+            with trio.fail_after(20):
+                while self.error is None:
+                    await trio.sleep(0.01)
+            self._rows.clear()  # (nor had any that came meanwhile)
+            return rows[:3]
+
+        real_next = Deliveries.next
+        monkeypatch.setattr(Deliveries, "next", first_deliveries_then_kick)
+
+        async def main() -> None:
+            bridge = Bridge([url], request_timeout=20)
+            await bridge.connect()
+            js = JetStreams(bridge)
+            try:
+                ordered = await js._ordered_index(STREAM, subject("many"))
+                assert [n for _, n in ordered] == sizes["many"]
+                if through == "parts":
+                    with pytest.raises(Unavailable, match="connection to NATS lost"):
+                        await js._lean_index(STREAM, subject("many"))
+                else:
+                    assert await js.subject_index(STREAM, subject("many")) == ordered
+                assert cut
+            finally:
+                await bridge.close()
+
+        trio.run(main)
+    finally:
+        server.stop()
+
+
+def test_a_user_who_may_not_subscribe_to_the_scan_subject_gets_the_same_answer(tmp_path, caplog):
+    """The server refuses the lean connection's subscription for the deliveries (a permissions
+    violation): the scan is made over the main connection, with the same answer, and so are later
+    ones, without asking again; nothing is logged above INFO."""
+    conf = """
+authorization {
+  users: [
+    { user: admin, password: admin }
+    { user: noscan, password: noscan,
+      permissions: { publish: { allow: [">"] }, subscribe: { allow: [">"], deny: ["_INBOX.*.d.*"] } } }
+  ]
+}
+"""
+    server = own_server(tmp_path, conf)
+    admin = server.url.replace("nats://", "nats://admin:admin@")
+    try:
+        sizes = uneven_and_interleaved(admin)
+
+        async def main() -> None:
+            bridge = Bridge([server.url.replace("nats://", "nats://noscan:noscan@")])
+            await bridge.connect()
+            js = JetStreams(bridge)
+            try:
+                assert bridge.reads_in_trio
+                with pytest.raises(Exception, match="permission"):
+                    await js._lean_index(STREAM, subject("a"))
+                for nuid in ("a", "b", "uneven"):
+                    got = await js.subject_index(STREAM, subject(nuid))
+                    assert [n for _, n in got] == sizes[nuid]
+                assert js.calls["lean_scans"] == 2  # (the one above, and the first of these)
+            finally:
+                await bridge.close()
+
+        caplog.clear()
+        trio.run(main)
+        assert not [r.getMessage() for r in caplog.records if r.levelno > logging.INFO]
+    finally:
+        server.stop()
+
+
+def test_a_scan_of_many_small_messages_stays_within_a_small_max_pending(tmp_path, caplog):
+    """40,000 empty chunks: the server sends their deliveries (about 6 MB) faster than the reader parses
+    them, past a `max_pending` of 2 MB, unless the flow control holds it back: the scan answers it and
+    ends over the same lean connection, with the ordered scan's answer."""
+    server = own_server(tmp_path, KICKABLE)
+    url = server.url
+    count = 40_000
+    try:
+        create_bucket(url, BUCKET)
+
+        async def publish_fast(nc: Any, js: Any) -> None:
+            for _ in range(count):
+                await nc.publish(subject("tiny"), b"")
+            await nc.flush()
+
+        with_nats(url, publish_fast)
+
+        async def stored(nc: Any, js: Any) -> int:
+            return (await js.stream_info(STREAM)).state.messages
+
+        # (Published without acks: the stream may still be storing the last of them.)
+        assert wait_for(lambda: with_nats(url, stored) == count, timeout=60)
+
+        async def main() -> None:
+            bridge = Bridge([url])
+            await bridge.connect()
+            js = JetStreams(bridge)
+            try:
+                reads = bridge._reads
+                assert isinstance(reads, _TrioReads) and reads.nc is not None
+                lean = reads.nc
+                caplog.set_level(logging.DEBUG, logger="natsfs.jetstream")
+                got = await js.subject_index(STREAM, subject("tiny"))
+                assert len(got) == count and {n for _, n in got} == {0}
+                assert reads.nc is lean and js.calls["lean_scans"] == 1
+                assert not [r for r in caplog.records if "over the main one" in r.getMessage()]
+                assert got == await js._ordered_index(STREAM, subject("tiny"))
+            finally:
+                await bridge.close()
+
+        trio.run(main)
+    finally:
+        server.stop()
