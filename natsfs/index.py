@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 from .adr20 import ObjectInfo
@@ -44,6 +45,11 @@ Path = tuple[str, ...]
 Entry = "Dir | ObjectInfo"
 # How many purged names are remembered (against stale messages resurrecting them).
 _PURGED_KEPT = 10_000
+# How long a directory whose marker another client's rename claimed counts as being moved by that rename
+# (`renamed_away`): far longer than a directory rename takes, and short enough that the entries a mount
+# that died half way left behind can be renamed again.
+CLAIMED_DIR_MOVING_S = 60.0
+_CLAIMS_PRUNED_AT = 1024
 
 
 class Dir:
@@ -114,6 +120,9 @@ class BucketIndex:
         self._tomb_by_nuid: dict[str, str] = {}
         # Tombstones whose nuid a live object under another name holds: name -> (revision, nuid).
         self.shared_tombstones: dict[str, tuple[int, str]] = {}
+        # Directory markers a rename claimed (a tombstone on a fresh nuid replaced the live marker): marker
+        # name -> (the claim's revision, when it was applied here, monotonic). See `renamed_away`.
+        self.claimed_markers: dict[str, tuple[int, float]] = {}
 
     # ------------------------------------------------------------------ queries
     def get(self, path: Path) -> Dir | ObjectInfo | None:
@@ -235,6 +244,8 @@ class BucketIndex:
         if info.deleted:
             self.tombstones[name] = info.revision
             self._note_tombstone(name, info)
+            if old is not None and is_marker(old) and info.nuid and info.nuid != old.nuid:
+                self._note_claimed_marker(name, info.revision)
             if old is None:
                 return False
             del self.objects[name]
@@ -244,6 +255,7 @@ class BucketIndex:
         if self.tombstones:
             self.tombstones.pop(name, None)
             self._drop_tomb_nuid(name)
+            self.claimed_markers.pop(name, None)
         self._show(info)
         return True
 
@@ -413,6 +425,41 @@ class BucketIndex:
                     with self._update():
                         self._prune(directory)
 
+    def _note_claimed_marker(self, name: str, revision: int) -> None:
+        now = time.monotonic()
+        if len(self.claimed_markers) >= _CLAIMS_PRUNED_AT:  # (only recent claims count: the rest go)
+            for old_name, (_, applied) in list(self.claimed_markers.items()):
+                if now - applied > CLAIMED_DIR_MOVING_S:
+                    del self.claimed_markers[old_name]
+        self.claimed_markers[name] = (revision, now)
+
+    def renamed_away(self, path: Path) -> bool:
+        """Whether another client is renaming the directory at `path` away: a rename's claim replaced its
+        marker (applied here less than `CLAIMED_DIR_MOVING_S` ago) after every entry still shown under it
+        was stored, so those are the entries that rename has yet to move. A directory rename moves its
+        marker first, and its claim decides a race with another rename of the directory; a mount that
+        learns of the claim before its own rename reads the marker must not move the entries left
+        (both renames then moved part of the directory: the one that claimed the marker lost its entries
+        and moved the marker back, the other's target had no marker)."""
+        held = self.get(path) if path else None
+        claim = self.claimed_markers.get("/".join(path) + "/")
+        if not isinstance(held, Dir) or held.marker is not None or claim is None:
+            return False
+        revision, applied = claim
+        if time.monotonic() - applied > CLAIMED_DIR_MOVING_S:
+            return False
+        stack = [held]
+        while stack:
+            d = stack.pop()
+            for child in d.children.values():
+                if isinstance(child, Dir):
+                    if child.marker is not None and child.marker.revision > revision:
+                        return False
+                    stack.append(child)
+                elif child.revision > revision:
+                    return False  # (stored after the claim: not among what that rename moves)
+        return True
+
     def drop_empty(self, directory: Path) -> None:
         """This mount's rmdir of a directory without a marker (kept, see `own_removal`): it goes from this
         mount; nothing was stored for it."""
@@ -491,6 +538,7 @@ class BucketIndex:
         self._tomb_nuid.clear()
         self._tomb_by_nuid.clear()
         self.shared_tombstones.clear()
+        self.claimed_markers.clear()
         self.purged.clear()
         self.malformed.clear()
         self.aliases.clear()

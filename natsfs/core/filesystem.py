@@ -2549,6 +2549,11 @@ class Filesystem:
                 if index is None or not index.move_kept(rel_old, rel_new):
                     raise NotFound("/".join(old))
                 return []
+            index = self.ns.loaded_index(bucket)
+            if index is not None and index.renamed_away(rel_old):
+                # (Its entries go with that rename, which claimed the directory first: as a file renamed
+                # away by another client meanwhile, nothing moves here.)
+                raise NotFound(f"{'/'.join(old)}: another client is renaming this directory")
             signatures = await self._move_signatures(bucket, [
                 (info, self.ns.mount_path(bucket, (*rel_old, *below)), self.ns.mount_path(bucket, (*rel_new, *below)))
                 for below, info in _objects_below(src.dir)])

@@ -18,9 +18,11 @@ from typing import Any
 
 import pyfuse3
 import pytest
+import trio
 from opskit import CTX, ROOT, Env, errno_of
 from test_ops_write import write_file
 
+import natsfs.index
 from natsfs.adr20 import ObjectInfo, ObjectStore
 from natsfs.compose import build_filesystem
 from natsfs.config import Config
@@ -229,5 +231,94 @@ def test_a_directory_rename_that_loses_one_file_moves_the_others_back(ops_env, m
             assert await names(mount) == ["x", "z"]
             assert await names(mount, "x") == ["f0", "f2", "f3"]
             assert await mount.cat("z") == DATA + b"\x01"
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+def rename_paused_after_marker(monkeypatch: pytest.MonkeyPatch, b: Env, old: bytes, new: bytes
+                               ) -> tuple[trio.Event, trio.Event, list[int], trio.CancelScope]:
+    """Start B's rename of directory `old`, held right after it moved the directory's marker (its claim of
+    `old/` stored) until `go` is set. Returns (claimed, go, B's outcome once known, B's cancel scope)."""
+    claimed, go = trio.Event(), trio.Event()
+    results: list[int] = []
+    scope = trio.CancelScope()
+    real = b.fs.mut._rename_each
+
+    async def rename_each(*args: Any, **kw: Any) -> None:
+        claimed.set()
+        await go.wait()
+        await real(*args, **kw)
+
+    monkeypatch.setattr(b.fs.mut, "_rename_each", rename_each)
+
+    async def run() -> None:
+        with scope:
+            results.append(await outcome(b.ops.rename(ROOT, old, ROOT, new, 0, CTX)))
+
+    b.nursery.start_soon(run)
+    return claimed, go, results, scope
+
+
+def test_a_directory_rename_after_anothers_claim_of_its_marker_moves_nothing(ops_env, monkeypatch, tmp_path):
+    """A CI run: B's rename of x claimed x's marker, and A learned of it (its view of x: no marker, the
+    files B had yet to move) before A renamed x itself. A moved the files (no marker to claim, so nothing
+    decided the race), B's moves of them failed and B moved its marker back: A's x0 had no marker and x
+    came back empty. Now A sees that another client's rename holds x (its claim is newer than every entry
+    left) and answers ENOENT, moving nothing; B's rename completes."""
+    async def body(a: Env):
+        b = await other_mount(a, tmp_path)
+        await a.ops.mkdir(ROOT, b"x", 0o755, CTX)
+        x = (await a.lookup("x")).st_ino
+        for i in range(4):
+            await write_file(a, x, f"f{i}", DATA + bytes([i]))
+        await a.settle()
+        await b.settle()
+        claimed, go, results, _ = rename_paused_after_marker(monkeypatch, b, b"x", b"y0")
+        await claimed.wait()
+        await a.settle()
+        assert sorted(await names(a, "x")) == ["f0", "f1", "f2", "f3"]  # (B's moves are yet to come)
+        assert await outcome(a.ops.rename(ROOT, b"x", ROOT, b"x0", 0, CTX)) == errno.ENOENT
+        go.set()
+        while not results:
+            await trio.sleep(0.01)
+        assert results == [0]
+        await a.settle()
+        assert sorted(await check_bucket(a)) == ["y0/", "y0/f0", "y0/f1", "y0/f2", "y0/f3"]
+        for mount in (a, b):
+            assert await names(mount) == ["y0"]
+            assert await mount.cat("y0/f3") == DATA + b"\x03"
+
+    ops_env(body, setup=bucket_b, bucket="b")
+
+
+@pytest.mark.parametrize("why", ["claim-old", "entry-after-claim"])
+def test_entries_a_claimed_directory_still_holds_are_renamed_when_no_rename_can_be_moving_them(
+        ops_env, monkeypatch, tmp_path, why):
+    """B died right after claiming x's marker (its files stay under x). Once the claim is older than any
+    directory rename takes, or x holds an entry stored after the claim (not one that rename moves), A's
+    rename of x moves what x holds."""
+    async def body(a: Env):
+        b = await other_mount(a, tmp_path)
+        await a.ops.mkdir(ROOT, b"x", 0o755, CTX)
+        x = (await a.lookup("x")).st_ino
+        for i in range(2):
+            await write_file(a, x, f"f{i}", DATA + bytes([i]))
+        await a.settle()
+        await b.settle()
+        claimed, _, _, b_dies = rename_paused_after_marker(monkeypatch, b, b"x", b"y0")
+        await claimed.wait()
+        b_dies.cancel()
+        await a.settle()
+        if why == "claim-old":
+            monkeypatch.setattr(natsfs.index, "CLAIMED_DIR_MOVING_S", 0.0)
+            expected = ["x0/f0", "x0/f1"]
+        else:
+            await write_file(a, x, "late", b"late")
+            await a.settle()
+            expected = ["x0/f0", "x0/f1", "x0/late"]
+        assert await outcome(a.ops.rename(ROOT, b"x", ROOT, b"x0", 0, CTX)) == 0
+        await a.settle()
+        assert sorted(await check_bucket(a)) == sorted(["y0/", *expected])
+        assert await a.cat("x0/f1") == DATA + b"\x01"
 
     ops_env(body, setup=bucket_b, bucket="b")
