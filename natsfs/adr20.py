@@ -87,6 +87,7 @@ from .errors import (
     NameTooLong,
     NatsFSError,
     NotFound,
+    NotPermitted,
     NotWhole,
     OutcomeUnknown,
     OverStreamLimits,
@@ -377,6 +378,68 @@ def valid_bucket_name(name: str) -> bool:
     return bool(BUCKET_NAME_RE.match(name))
 
 
+def _subject_covers(wide: str, narrow: str) -> bool:
+    """Whether every subject that matches the filter `narrow` also matches the filter `wide`."""
+    w, n = wide.split("."), narrow.split(".")
+    for i, tok in enumerate(w):
+        if tok == ">":
+            return i < len(n)
+        if i >= len(n) or n[i] == ">" or (tok != "*" and (n[i] == "*" or tok != n[i])):
+            return False
+    return len(w) == len(n)
+
+
+def _takes_bucket_subjects(bucket: str, config: dict[str, Any]) -> bool:
+    """Whether the stream's own subjects take every chunk and meta subject of `bucket` (publishes there
+    are stored in it), as nats.go's `$O.<bucket>.C.>` and `$O.<bucket>.M.>` do (wider ones do too)."""
+    subjects = [s for s in config.get("subjects") or [] if isinstance(s, str)]
+    return all(any(_subject_covers(s, want) for s in subjects)
+               for want in (f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"))
+
+
+def _origins(config: dict[str, Any]) -> tuple[str, list[str]]:
+    """(the stream a mirror copies, "" when it is none; the streams it is sourced from)."""
+    mirror = config.get("mirror")
+    mirrored = str(mirror.get("name") or "?") if isinstance(mirror, dict) else ""
+    sources = [str(s.get("name") or "?") if isinstance(s, dict) else "?" for s in config.get("sources") or []]
+    return mirrored, sources
+
+
+def not_an_object_store(bucket: str, config: dict[str, Any]) -> str:
+    """Why the stream `OBJ_<bucket>` with this config is no object store at all ("": it is one), which a
+    mount then does not show. nats.go binds any stream of that name (`ObjectStore(bucket)` checks
+    nothing but its existence) and lists those whose subjects match `$O.*.C.>`; a stream whose subjects
+    do not take `$O.<bucket>.C.>` and `$O.<bucket>.M.>` (another tool's stream that happens to be
+    called `OBJ_...`) can hold no object of the bucket and take none. A mirror, or a stream with
+    sources, gets its messages from other streams: it is an object store, one that takes no writes
+    unless its own subjects take the bucket's (`refuses_writes`)."""
+    mirrored, sources = _origins(config)
+    if mirrored or sources or _takes_bucket_subjects(bucket, config):
+        return ""
+    subjects = [str(s) for s in config.get("subjects") or []]
+    return (f"its subjects ({', '.join(subjects) or 'none'}) are not $O.{bucket}.C.> and $O.{bucket}.M.>, "
+            f"and it is neither a mirror nor sourced")
+
+
+def refuses_writes(bucket: str, config: dict[str, Any]) -> str:
+    """Why the object store `bucket` (its stream's config) takes no writes ("": it does): sealed; a mirror
+    (the server refuses publishes to it), or a stream with sources whose own subjects do not take the
+    bucket's; a stream that does not allow rollup headers, which every meta an ADR-20 client writes
+    carries (also any stream with `deny_purge`: the server allows no rollups there). A mount shows such
+    a bucket without write bits and refuses every change with `EROFS` at once, as a sealed one."""
+    if config.get("sealed"):
+        return "sealed"
+    mirrored, sources = _origins(config)
+    if mirrored:
+        return f"a mirror of stream {mirrored}"
+    if not _takes_bucket_subjects(bucket, config):
+        return f"sourced from {', '.join(sources)}, with no subjects of its own that take publishes"
+    if not config.get("allow_rollup_hdrs"):
+        return ("its stream does not allow rollup headers (allow_rollup_hdrs), which every meta carries"
+                + (", and denies purges (deny_purge)" if config.get("deny_purge") else ""))
+    return ""
+
+
 def digest_of(data: bytes) -> str:
     return DIGEST_PREFIX + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode("ascii")
 
@@ -459,6 +522,8 @@ class BucketStatus:
     messages: int = 0
     created_ns: int = 0
     config: dict[str, Any] = field(default_factory=dict)
+    # Why the bucket takes no writes ("": it does), see `refuses_writes`: sealed, a mirror, ...
+    read_only: str = ""
 
 
 @dataclass(frozen=True)
@@ -788,6 +853,7 @@ def bucket_status(bucket: str, st: StreamState) -> BucketStatus:
         messages=st.messages,
         created_ns=st.created_ns,
         config=cfg,
+        read_only=refuses_writes(bucket, cfg),
     )
 
 
@@ -829,6 +895,11 @@ class ObjectStore:
         # Buckets whose stream config the server announced changed since their status was last read
         # (`follow_stream_updates`): read again before their next put (`check_fits`).
         self._stale: set[str] = set()
+        # bucket -> why its stream is not an object store ("": it is one), as its config last showed
+        # (`list_buckets`, `bucket_status`); a bucket not in it was not looked at yet.
+        self._shapes: dict[str, str] = {}
+        # bucket -> why it takes no writes ("": it does), as its config last showed (`note_read_only`).
+        self._read_only: dict[str, str] = {}
         # Metas this store stored itself: meta subject -> (revision, payload), most recent last. A
         # revision is a stream sequence, which a stream deleted and created again reuses: the entries of
         # a bucket are dropped when its stream turns out to be another incarnation (`note_created`).
@@ -1020,9 +1091,39 @@ class ObjectStore:
 
     # ---------------------------------------------------------------- buckets
     async def list_buckets(self) -> list[str]:
-        names = await self.streams.stream_names()
-        return sorted(n[len(STREAM_PREFIX):] for n in names
-                      if n.startswith(STREAM_PREFIX) and valid_bucket_name(n[len(STREAM_PREFIX):]))
+        """The buckets: streams `OBJ_<name>` that are object stores (see `not_an_object_store`). Whether a
+        stream is one is read from its config the first time its name is listed (one STREAM.LIST for all
+        new names), and again after the server announced its config updated, or when its status is read."""
+        names = [n[len(STREAM_PREFIX):] for n in await self.streams.stream_names()
+                 if n.startswith(STREAM_PREFIX) and valid_bucket_name(n[len(STREAM_PREFIX):])]
+        for gone in set(self._shapes) - set(names):  # (one made again under that name is looked at anew)
+            del self._shapes[gone]
+            self._read_only.pop(gone, None)
+        new = [b for b in names if b not in self._shapes]
+        if new:
+            try:
+                for st in await self.streams.stream_infos():
+                    if st.name.startswith(STREAM_PREFIX) and valid_bucket_name(st.name[len(STREAM_PREFIX):]):
+                        bucket = st.name[len(STREAM_PREFIX):]
+                        if not self._note_shape(bucket, st.config):
+                            self.note_read_only(bucket, st.config)  # (known before its first lookup)
+            except NotPermitted as e:
+                log.debug("stream configs not listed (%s): each new stream OBJ_... is asked on its own", e)
+                for b in new:
+                    with contextlib.suppress(NotFound, NotPermitted):
+                        self._note_shape(b, (await self.streams.stream_info(stream_name(b))).config)
+        # (A stream the listing did not describe, gone meanwhile or without a leader, is listed as it
+        # is named: its status, read when it is used, tells.)
+        return sorted(b for b in names if not self._shapes.get(b))
+
+    def _note_shape(self, bucket: str, config: dict[str, Any]) -> str:
+        """Remember whether `bucket`'s stream is an object store (see `not_an_object_store`); a stream
+        found not to be one is logged once (INFO), again only when the reason changes."""
+        why = not_an_object_store(bucket, config)
+        if why and self._shapes.get(bucket) != why:
+            log.info("stream %s is not an object store (%s): not shown as a bucket", stream_name(bucket), why)
+        self._shapes[bucket] = why
+        return why
 
     async def account_limits(self) -> AccountLimits:
         """The account's JetStream limits and usage (what all buckets together may hold)."""
@@ -1039,6 +1140,8 @@ class ObjectStore:
             if stale:
                 self._stale.add(bucket)
             raise
+        if why := self._note_shape(bucket, st.config):
+            raise NotFound(f"no bucket {bucket!r}: its stream {stream_name(bucket)} is not an object store ({why})")
         self._atomic[bucket] = bool(st.config.get("allow_atomic"))
         self.note_created(bucket, st.created_ns)
         return self._noted(bucket, st)
@@ -1077,6 +1180,7 @@ class ObjectStore:
                     for name in await updates.next():
                         if name.startswith(STREAM_PREFIX):
                             self._stale.add(name[len(STREAM_PREFIX):])
+                            self._shapes.pop(name[len(STREAM_PREFIX):], None)  # (read at the next listing)
                             log.debug("bucket %s: its stream config was updated; read again before its next put",
                                       name[len(STREAM_PREFIX):])
                     backoff.reset()
@@ -1094,7 +1198,24 @@ class ObjectStore:
             self._limits[bucket] = limits
         else:
             self._limits.pop(bucket, None)
+        self.note_read_only(bucket, st.config)
         return bucket_status(bucket, st)
+
+    def note_read_only(self, bucket: str, config: dict[str, Any]) -> str:
+        """Why `bucket` takes no writes as its stream's `config` shows ("": it does), remembered for
+        `read_only_reason`."""
+        why = refuses_writes(bucket, config)
+        self._read_only[bucket] = why
+        return why
+
+    def read_only_reason(self, bucket: str) -> str:
+        """Why `bucket` took no writes when its stream's config was last read ("": it did, or not read)."""
+        return self._read_only.get(bucket, "")
+
+    def known_read_only(self, bucket: str) -> bool | None:
+        """Whether `bucket` took no writes when its stream's config was last read (None: never read)."""
+        why = self._read_only.get(bucket)
+        return None if why is None else bool(why)
 
     def limits(self, bucket: str) -> StreamLimits:
         """The stream limits of `bucket` as its last status gave them."""
@@ -1165,6 +1286,9 @@ class ObjectStore:
         return self._noted(bucket, await self.streams.create_stream(config))
 
     async def delete_bucket(self, bucket: str) -> None:
+        """Delete the bucket's stream; never a stream `OBJ_<bucket>` that is not an object store
+        (`NotFound`, see `not_an_object_store`): another tool's stream of that name is not a bucket."""
+        await self.bucket_status(bucket)
         await self.streams.delete_stream(stream_name(bucket))
 
     async def seal_bucket(self, bucket: str) -> BucketStatus:

@@ -230,6 +230,18 @@ class JetStreams:
             if not page or offset >= int(reply.get("total", 0)):
                 return names
 
+    async def stream_infos(self) -> list[StreamState]:
+        infos: list[StreamState] = []
+        offset = 0
+        while True:
+            self.calls["stream_infos"] += 1
+            reply = await self._api("STREAM.LIST", {"offset": offset})
+            page = reply.get("streams") or []
+            infos.extend(_stream_state(info) for info in page if isinstance(info, dict) and info.get("config"))
+            offset += len(page)
+            if not page or offset >= int(reply.get("total", 0)):
+                return infos
+
     async def stream_info(self, name: str) -> StreamState:
         self.calls["stream_info"] += 1
         return self._note_config(await _stream_info(self.bridge, name))

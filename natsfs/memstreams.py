@@ -125,7 +125,9 @@ def _normalize(config: dict[str, Any]) -> dict[str, Any]:
         raise InvalidArgument(f"invalid stream name {name!r}")
     out = dict(_CONFIG_DEFAULTS)
     out.update({k: v for k, v in config.items() if v is not None})
-    out["subjects"] = list(out.get("subjects") or [name])
+    # (As nats-server: a stream without subjects takes its name as one, unless it is a mirror or has
+    # sources, which then takes no publishes at all.)
+    out["subjects"] = list(out.get("subjects") or ([] if out.get("mirror") or out.get("sources") else [name]))
     return out
 
 
@@ -344,6 +346,10 @@ class MemoryStreams:
     async def stream_info(self, name: str) -> StreamState:
         await self._enter("stream_info")
         return self._get(name).state()
+
+    async def stream_infos(self) -> list[StreamState]:
+        await self._enter("stream_infos")
+        return [self._streams[name].state() for name in sorted(self._streams)]
 
     def _check_subjects(self, config: dict[str, Any], exclude: str | None = None) -> None:
         for other in self._streams.values():

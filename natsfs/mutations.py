@@ -150,7 +150,7 @@ class Mutations:
         if self.config.read_only:
             raise ReadOnly("this mount is read-only")
         if await self.sealed(bucket):
-            raise ReadOnly(f"bucket {bucket} is sealed")
+            raise ReadOnly(f"bucket {bucket} takes no writes: {self.store.read_only_reason(bucket) or 'sealed'}")
 
     async def sealed(self, bucket: str) -> bool:
         """Whether `bucket` is sealed: read again at most every `sealed_ttl`. While the server cannot be
@@ -197,7 +197,7 @@ class Mutations:
         asked_at = time.monotonic()
         try:
             with trio.fail_after(self.config.request_timeout):
-                sealed = (await self.store.bucket_status(bucket)).sealed
+                sealed = bool((await self.store.bucket_status(bucket)).read_only)
         except NotFound:
             sealed = False
         except (Unavailable, trio.TooSlowError) as e:
@@ -226,7 +226,11 @@ class Mutations:
         """What is known of a bucket's sealed state without asking the server: the last state this mount
         or the bucket's watcher read (None: neither ever did)."""
         cached = self._sealed.get(bucket)
-        return cached[1] if cached is not None else self.ns.sealed_when_watched(bucket)
+        if cached is not None:
+            return cached[1]
+        watched = self.ns.sealed_when_watched(bucket)
+        # (Else what the bucket listing's stream configs showed: a mirror shows read-only at once.)
+        return watched if watched is not None else self.store.known_read_only(bucket)
 
     def forget_sealed(self, bucket: str) -> None:
         self._sealed.pop(bucket, None)

@@ -145,6 +145,10 @@ class Streams(Protocol):
 
     async def stream_info(self, name: str) -> StreamState: ...
 
+    async def stream_infos(self) -> list[StreamState]:
+        """The info of every stream of the account (STREAM.LIST); a stream the server could not
+        describe (no leader) is left out."""
+
     async def create_stream(self, config: dict[str, Any]) -> StreamState: ...
 
     async def update_stream(self, config: dict[str, Any]) -> StreamState: ...

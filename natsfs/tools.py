@@ -49,7 +49,7 @@ async def bucket_command(a: argparse.Namespace) -> int:
         if a.bucket_command == "ls":
             for name in await store.list_buckets():
                 st = await store.bucket_status(name)
-                flags = " sealed" if st.sealed else ""
+                flags = " sealed" if st.sealed else f" read-only ({st.read_only})" if st.read_only else ""
                 limit = "unlimited" if st.max_bytes <= 0 else f"{st.max_bytes} max"
                 print(f"{name}\t{st.size} bytes\t{limit}\t{st.storage} R{st.replicas}{flags}")
         elif a.bucket_command == "create":

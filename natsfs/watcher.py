@@ -121,7 +121,7 @@ class BucketWatcher:
                 await backoff.pause()
                 continue
             backoff.reset()
-            self._saw_sealed(asked_at, status.sealed)
+            self._saw_sealed(asked_at, bool(status.read_only))
             created = status.created_ns or self._default_created_ns
             self._start_side(created)
             try:
@@ -374,8 +374,9 @@ class BucketWatcher:
         asked_at = time.monotonic()
         st = await streams.stream_info(self.stream)
         self.store.note_created(self.bucket, st.created_ns)
-        # (The stream's info says whether it is sealed, for nothing more: another client may seal it.)
-        self._saw_sealed(asked_at, st.sealed)
+        # (The stream's info says whether it takes writes (sealed, a mirror...), for nothing more:
+        # another client may seal it.)
+        self._saw_sealed(asked_at, bool(self.store.note_read_only(self.bucket, st.config)))
         index = self.index
         if index.created_ns and st.created_ns and st.created_ns != index.created_ns:
             log.warning("bucket %s: its stream was deleted and created again; rebuilding the index", self.bucket)

@@ -467,3 +467,31 @@ def test_stream_limits_from_a_config_keep_only_what_can_cut_a_version():
     assert StreamLimits(per_subject=3).refusal(3, 0) is None
     assert StreamLimits(max_bytes=100).refusal(1, 101) and StreamLimits(max_bytes=100).refusal(1, 100) is None
     assert StreamLimits(max_msgs=4).refusal(4, 0) and StreamLimits(max_msgs=4).refusal(3, 0) is None
+
+
+NATS_GO = {"subjects": ["$O.b.C.>", "$O.b.M.>"], "allow_rollup_hdrs": True}
+
+
+@pytest.mark.parametrize(("config", "hidden", "read_only"), [
+    (NATS_GO, False, ""),
+    ({"subjects": ["$O.b.>"], "allow_rollup_hdrs": True}, False, ""),  # wider subjects take them too
+    ({"subjects": ["$O.b.C.>", "$O.b.M.>", "x.>"], "allow_rollup_hdrs": True}, False, ""),
+    (NATS_GO | {"sealed": True}, False, "sealed"),
+    ({"subjects": ["$O.b.C.>", "$O.b.M.>"]}, False, "allow_rollup_hdrs"),
+    ({"subjects": ["$O.b.C.>", "$O.b.M.>"], "deny_purge": True}, False, "deny_purge"),
+    ({"mirror": {"name": "OBJ_a"}, "allow_rollup_hdrs": True}, False, "a mirror of stream OBJ_a"),
+    ({"sources": [{"name": "OBJ_a"}], "allow_rollup_hdrs": True}, False, "sourced from OBJ_a"),
+    (NATS_GO | {"sources": [{"name": "OBJ_a"}]}, False, ""),  # takes publishes of its own
+    ({"subjects": ["foo.>"]}, True, None),
+    ({"subjects": ["$O.b.M.>"], "allow_rollup_hdrs": True}, True, None),  # no chunk can be stored
+    ({"subjects": ["$O.c.C.>", "$O.c.M.>"], "allow_rollup_hdrs": True}, True, None),  # another bucket's
+    ({"subjects": ["$O.b.C.x", "$O.b.M.>"], "allow_rollup_hdrs": True}, True, None),
+    ({"subjects": ["$O.*.C.*", "$O.b.M.>"], "allow_rollup_hdrs": True}, True, None),
+])
+def test_which_streams_are_object_stores_and_which_take_writes(config, hidden, read_only):
+    from natsfs.adr20 import not_an_object_store, refuses_writes
+
+    assert bool(not_an_object_store("b", config)) == hidden
+    if read_only is not None:
+        why = refuses_writes("b", config)
+        assert (read_only in why) if read_only else why == ""
