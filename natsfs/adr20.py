@@ -355,6 +355,10 @@ def chunk_size_within(chunk_size: int, max_payload: int) -> int:
 _NUID = re.compile(r"[A-Za-z0-9_-]+")
 
 
+# The nuids that make a chunk subject filter matching every chunk subject of the bucket (`$O.<b>.C.*`).
+WILDCARD_NUIDS = ("*", ">")
+
+
 def usable_nuid(nuid: str) -> bool:
     return bool(_NUID.fullmatch(nuid))
 
@@ -505,6 +509,9 @@ class ObjectInfo:
     chunk_size: int = 0
     attrs: PosixAttrs | None = None
     meta_bytes: int = 0  # the size of the meta message (0: not known), see `ObjectStore.check_meta_size`
+    # A tombstone's nuid as written when it is `*` or `>` (its `nuid` is then ""): other clients' Delete
+    # or Put of the name would purge `$O.<bucket>.C.*`, every chunk (see `ObjectStore.defuse_tombstone`).
+    wildcard_nuid: str = ""
 
 
 @dataclass
@@ -813,6 +820,7 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
         link = Link(raw_link["bucket"], raw_link.get("name") or None)
     size, chunks = integer("size", MAX_OBJECT_SIZE), integer("chunks", MAX_CHUNKS)
     nuid = doc.get("nuid") or ""
+    wildcard_nuid = nuid if deleted and nuid in WILDCARD_NUIDS else ""
     if nuid and not usable_nuid(nuid) and (deleted or link is not None):
         nuid = ""  # a tombstone's or a link's nuid names no chunks of its own: never a subject filter
     if not deleted and link is None:
@@ -833,7 +841,7 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
     return ObjectInfo(
         bucket=bucket, name=name, nuid=nuid, size=size, chunks=chunks, digest=digest, mtime_ns=mtime_ns,
         revision=msg.seq, link=link, deleted=deleted, chunk_size=chunk_size, attrs=attrs,
-        meta_bytes=len(msg.data),
+        meta_bytes=len(msg.data), wildcard_nuid=wildcard_nuid,
     )
 
 
@@ -2080,6 +2088,24 @@ class ObjectStore:
         """Whether this store is renaming `name` away right now (its new meta may already be in the
         watch; the caller drops the old name itself once the rename is done)."""
         return (bucket, name) in self._renaming
+
+    async def defuse_tombstone(self, bucket: str, name: str, revision: int) -> ObjectInfo | None:
+        """Rewrite the tombstone of `name` at `revision`, whose nuid is a wildcard (`*`, `>`: another
+        client wrote it), as a tombstone on a fresh nuid that holds no chunks (`claim_doc`), expecting
+        that revision: other clients' Delete or Put of the name purge the nuid they find there, and
+        `$O.<bucket>.C.*` would be every chunk of the bucket. None when the name holds something else
+        now (changed meanwhile: nothing is written)."""
+        current = await self.get_meta_doc(bucket, name)
+        if current is None or current[1] != revision:
+            return None
+        doc = current[0]
+        if doc.get("deleted") is not True or doc.get("nuid") not in WILDCARD_NUIDS:
+            return None
+        try:
+            return await self.publish_meta(bucket, claim_doc(bucket, name, doc), expected_revision=revision,
+                                           timestamp=False)
+        except Conflict:
+            return None
 
     async def purge_tombstone(self, bucket: str, name: str, revision: int) -> None:
         """Remove a tombstone (and anything older) from `name`'s meta subject; a newer meta stays. Only

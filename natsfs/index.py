@@ -120,6 +120,11 @@ class BucketIndex:
         self._tomb_by_nuid: dict[str, str] = {}
         # Tombstones whose nuid a live object under another name holds: name -> (revision, nuid).
         self.shared_tombstones: dict[str, tuple[int, str]] = {}
+        # Tombstones (on their canonical subject) whose nuid is a wildcard, `*` or `>`: name -> (revision,
+        # that nuid).
+        # Other clients' Delete or Put of the name would purge every chunk of the bucket; the layer above
+        # rewrites them on a fresh nuid (`natsfs.mutations.Mutations.defuse_wildcard_tombstones`).
+        self.wildcard_tombstones: dict[str, tuple[int, str]] = {}
         # Directory markers a rename claimed (a tombstone on a fresh nuid replaced the live marker): marker
         # name -> (the claim's revision, when it was applied here, monotonic). See `renamed_away`.
         self.claimed_markers: dict[str, tuple[int, float]] = {}
@@ -335,6 +340,8 @@ class BucketIndex:
 
     def _note_tombstone(self, name: str, info: ObjectInfo) -> None:
         self._drop_tomb_nuid(name)
+        if info.wildcard_nuid:
+            self.wildcard_tombstones[name] = (info.revision, info.wildcard_nuid)
         if not info.nuid:
             return
         self._tomb_nuid[name] = info.nuid
@@ -344,6 +351,7 @@ class BucketIndex:
 
     def _drop_tomb_nuid(self, name: str) -> None:
         self.shared_tombstones.pop(name, None)
+        self.wildcard_tombstones.pop(name, None)
         nuid = self._tomb_nuid.pop(name, None)
         if nuid is not None and self._tomb_by_nuid.get(nuid) == name:
             del self._tomb_by_nuid[nuid]
@@ -538,6 +546,7 @@ class BucketIndex:
         self._tomb_nuid.clear()
         self._tomb_by_nuid.clear()
         self.shared_tombstones.clear()
+        self.wildcard_tombstones.clear()
         self.claimed_markers.clear()
         self.purged.clear()
         self.malformed.clear()

@@ -6,8 +6,9 @@ later delivers the same revisions and finds nothing new). Every meta rewrite car
 was based on, so a concurrent change by another client is refused (`Conflict`), never overwritten.
 
 In the background it settles what puts left behind (`settle_puts`: the spool's `PutJournal` of puts
-that failed, or whose meta's fate was unknown, or that a killed daemon left) and purges tombstones that
-carry a live object's nuid (`purge_shared_tombstones`), once the server answers.
+that failed, or whose meta's fate was unknown, or that a killed daemon left), purges tombstones that
+carry a live object's nuid (`purge_shared_tombstones`) and rewrites those whose nuid is a wildcard on a
+fresh one (`defuse_wildcard_tombstones`), once the server answers.
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ class Mutations:
         # event set whenever one ends: an upload finding such a change stored waits for it (`_upload`).
         self._own_meta: Counter[tuple[str, str]] = Counter()
         self._own_meta_ended = trio.Event()
+        # (bucket, name) of the tombstones with a wildcard nuid rewritten so far (one WARNING per name).
+        self._defused: set[tuple[str, str]] = set()
         # Called with (bucket, object info) after this mount changed an object itself.
         self.journal = staging.spool.journal
         store.put_log = self.journal
@@ -302,6 +305,7 @@ class Mutations:
             await trio.sleep(self.config.settle_interval)
             await self.settle_puts()
             await self.purge_shared_tombstones()
+            await self.defuse_wildcard_tombstones()
 
     async def settle_at_unmount(self, timeout: float) -> None:
         """Unmounting: settle what this run's puts left (a streamed put given up when its file was written
@@ -453,6 +457,46 @@ class Mutations:
                 log.warning("bucket %s: purged %d tombstone(s) carrying the nuid of a live object under another "
                             "name (left by renames of an earlier natsfs; other clients' delete of those names "
                             "would have destroyed the objects): %s", bucket, len(purged), shown)
+
+    async def defuse_wildcard_tombstones(self) -> None:
+        """Rewrite tombstones whose nuid is `*` or `>` (another client wrote them) on a fresh nuid that holds
+        no chunks, each expecting the revision the index holds (`ObjectStore.defuse_tombstone`): another
+        client's Delete or Put of such a name would purge `$O.<bucket>.C.*`, every chunk of the bucket
+        (this mount never purges by a wildcard: `streams.check_purge_filter`). One WARNING per name; a
+        bucket that takes no writes (or a server that refuses them to this user) keeps them (one INFO line
+        per bucket and pass, for `natsfs fsck`)."""
+        for bucket in self.ns.loaded_buckets():
+            index = self.ns.loaded_index(bucket)
+            if index is None or not index.wildcard_tombstones:
+                continue
+            if self.known_sealed(bucket):
+                continue  # (nothing can be written there; read again when it changes)
+            for name, (revision, nuid) in list(index.wildcard_tombstones.items()):
+                try:
+                    rewritten = await self.store.defuse_tombstone(bucket, name, revision)
+                except (ReadOnly, NotPermitted, JetStreamAPIError) as e:
+                    if isinstance(e, JetStreamAPIError) and e.code != 400:
+                        log.debug("bucket %s: rewriting the tombstone of %r failed (%s); retrying", bucket, name, e)
+                        continue
+                    log.info("bucket %s: cannot rewrite %d tombstone(s) whose nuid is a wildcard (%s); "
+                             "another client's Delete or Put of those names would purge every chunk",
+                             bucket, len(index.wildcard_tombstones), e)
+                    index.wildcard_tombstones.clear()
+                    break
+                except NatsFSError as e:
+                    log.debug("bucket %s: rewriting the tombstone of %r failed (%s); retrying", bucket, name, e)
+                    continue
+                if index.wildcard_tombstones.get(name, (0, ""))[0] == revision:
+                    # (Rewritten, or changed meanwhile: the watch brings what the name holds now.)
+                    del index.wildcard_tombstones[name]
+                if rewritten is None:
+                    continue
+                self._apply(bucket, rewritten)
+                level = logging.WARNING if (bucket, name) not in self._defused else logging.INFO
+                self._defused.add((bucket, name))
+                log.log(level, "bucket %s: the tombstone of %r carried the nuid %r, which another client's "
+                        "Delete or Put of that name would purge as $O.%s.C.%s, every chunk of the bucket: "
+                        "rewritten on a fresh nuid", bucket, name, nuid, bucket, nuid)
 
     async def _live_holder(self, bucket: str, index: BucketIndex, name: str, nuid: str) -> bool:
         """Does a name the index holds live with `nuid` (other than `name`) still hold it in the bucket?
