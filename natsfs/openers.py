@@ -15,9 +15,13 @@ read only those descriptors' fdinfo: one still naming the inode, writable, means
 means it is not, without another scan. The first check after a writable open usually needs no
 scan either: the descriptor is expected in the lowest slot that was free when the open was answered
 (`opened`), and the first write through it finds it there (`located`), so even the opener's own
-close, which finds it gone, costs one fdinfo read. The shortcut can only err towards "not held" (the
+close, which finds it gone, costs one readlink. The shortcut can only err towards "not held" (the
 opener `dup`ed its descriptor and closed the original, or opened the inode twice for writing): that
-close then stores, as a close without this check would.
+close then stores, as a close without this check would. A process that opens and closes one file after
+another (`tar -x`, `cp -r`) gets each descriptor in the slot the one before it left free (the kernel
+always takes the lowest free slot): after a close that found its descriptor's slot empty, the next
+writable open of that process expects its descriptor there, without listing the process's descriptors.
+A process whose descriptor was not where expected is listed at each open from then on.
 
 Everything here reads procfs only (never the mountpoint itself: `/proc/PID/fdinfo/N` names the inode
 and mount without a FUSE request). When the answer cannot be read (the process is gone, another pid
@@ -87,6 +91,12 @@ class ProcOpeners:
         # (thread group, inode) -> where the descriptor of a writable open is expected (see `opened`).
         self._expected: dict[tuple[int, int], list[str]] = {}
         self._thread_groups: dict[int, tuple[int, float]] = {}  # thread -> (its thread group, when read)
+        # Thread group -> the slot its last writable open's descriptor was found in and its close found
+        # empty again: where its next one is expected (see the module docstring).
+        self._free_slot: dict[int, str] = {}
+        # (thread group, inode) whose expected slot came from `_free_slot`, not from a listing.
+        self._predicted: dict[tuple[int, int], bool] = {}
+        self._mispredicted: dict[int, bool] = {}  # thread groups whose descriptor was elsewhere: listed
 
     def thread_group(self, pid: int) -> int | None:
         if pid <= 0:  # a process in another pid namespace shows as 0
@@ -112,12 +122,17 @@ class ProcOpeners:
         known = self._known.pop(key, None)
         if known is None:
             guesses = self._expected.pop(key, None)
+            self._predicted.pop(key, None)
             if guesses is not None:
                 found = self._holding(tgid, ino, guesses, first_only=True)
                 if found:
                     self._remember(key, found)
                     return True
         if known is not None:
+            if len(known) == 1 and _readlink(f"{self._proc}/{tgid}/fd/{known[0]}") is None:
+                # The slot is empty (the opener's own close): not held, and its next open's slot.
+                _bounded_put(self._free_slot, tgid, known[0])
+                return False
             held = self._holding(tgid, ino, known)
             if held:
                 self._remember(key, held)
@@ -152,12 +167,19 @@ class ProcOpeners:
         for an open before it asks us and installs the descriptor there once we answer, so the first
         check will most likely find it among them (a few fdinfo reads instead of a scan; a slot below
         ours may be reserved by another thread's open in flight). A miss falls back to the scan."""
+        key = (tgid, ino)
+        slot = self._free_slot.pop(tgid, None)
+        if slot is not None and tgid not in self._mispredicted:
+            _bounded_put(self._expected, key, [slot])
+            _bounded_put(self._predicted, key, True)
+            return
+        self._predicted.pop(key, None)
         try:
             used = {int(fd) for fd in os.listdir(f"{self._proc}/{tgid}/fd")}
         except (OSError, ValueError):
             return
         free = (str(n) for n in itertools.count() if n not in used)
-        _bounded_put(self._expected, (tgid, ino), list(itertools.islice(free, SLOTS_GUESSED)))
+        _bounded_put(self._expected, key, list(itertools.islice(free, SLOTS_GUESSED)))
 
     def located(self, tgid: int, ino: int) -> None:
         """At the first write through a writable open, its descriptor is in one of the slots `opened`
@@ -169,8 +191,12 @@ class ProcOpeners:
         if guesses is None or key in self._known:
             return
         found = self._holding(tgid, ino, guesses, first_only=True)
+        if self._predicted.pop(key, False) and not found:
+            # Not in the slot its last close left free (the first check scans, as after any miss): this
+            # process is listed at its opens from now on.
+            _bounded_put(self._mispredicted, tgid, True)
         if found:
-            del self._expected[key]
+            self._expected.pop(key, None)
             self._remember(key, found)
 
     def _remember(self, key: tuple[int, int], fds: list[str]) -> None:

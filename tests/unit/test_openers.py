@@ -141,3 +141,65 @@ def test_a_thread_group_is_read_once_and_read_again_after_a_while(tmp_path: Path
     assert openers.thread_group(os.getpid()) == os.getpid()
     assert len(reads) == 2  # read again once it is older than THREAD_GROUP_KEPT_S
     assert openers.thread_group(0) is None  # another pid namespace
+
+
+def test_a_process_opening_one_file_after_another_is_not_listed_at_each_open(tmp_path: Path,
+                                                                            monkeypatch: Any) -> None:
+    """`tar -x`: each descriptor lands in the slot the one before it left free; after a close found that
+    slot empty, the next open expects its descriptor there without listing the process's descriptors.
+    A process whose descriptor was elsewhere is listed at its opens from then on."""
+    paths = [tmp_path / f"f{i}" for i in range(4)]
+    for p in paths:
+        p.write_bytes(b"x")
+    inos = [p.stat().st_ino for p in paths]
+    openers = ProcOpeners(tmp_path)
+    child = subprocess.Popen([sys.executable, "-I", "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    assert child.stdin is not None and child.stdout is not None
+    listings: list[str] = []
+    real_listdir = os.listdir
+
+    def counting_listdir(path: Any) -> list[str]:
+        listings.append(str(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", counting_listdir)
+
+    def ask(line: str) -> str:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(line + "\n")
+        child.stdin.flush()
+        return child.stdout.readline().strip()
+
+    def write_and_close(i: int) -> None:
+        openers.opened(child.pid, inos[i])
+        fd = ask(f"open {paths[i]}")
+        openers.located(child.pid, inos[i])
+        assert openers.still_holds(child.pid, inos[i], max_fds=64) is True
+        ask(f"close {fd}")
+        assert openers.still_holds(child.pid, inos[i], max_fds=64) is False
+
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        write_and_close(0)
+        assert len(listings) == 1  # the first open lists the child's descriptors
+        write_and_close(1)
+        write_and_close(2)
+        assert len(listings) == 1  # the next ones are expected where the one before was
+        # A descriptor left open takes that slot: the next one is elsewhere, found by the first check's
+        # scan, and the process is listed at its opens from then on.
+        squatter = ask("open /dev/null")
+        openers.opened(child.pid, inos[3])
+        fd = ask(f"open {paths[3]}")
+        openers.located(child.pid, inos[3])
+        assert openers.still_holds(child.pid, inos[3], max_fds=64) is None  # (100+ descriptors: no inline scan)
+        assert openers.still_holds(child.pid, inos[3]) is True
+        ask(f"close {fd}")
+        assert openers.still_holds(child.pid, inos[3]) is False
+        before = len(listings)
+        write_and_close(0)
+        assert len(listings) == before + 1  # listed again at the open
+        ask(f"close {squatter}")
+    finally:
+        child.kill()
+        child.wait()
