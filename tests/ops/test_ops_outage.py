@@ -29,7 +29,7 @@ from test_ops_upload_races import NEW, V2, close, ino_of, lost_and_found, writte
 from test_ops_write import Ctx, stored, write_file
 from test_ops_writeback import LATER, bucket_b
 
-from natsfs import chunk_cache
+from natsfs import chunk_cache, futures
 from natsfs.adr20 import ABORT_CLEANUP_S, stream_name
 from natsfs.core.filesystem import CHANGE_WAIT_MAX_S
 from natsfs.errors import Unavailable
@@ -49,6 +49,7 @@ def no_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
         return fn(*args)
 
     monkeypatch.setattr(trio.to_thread, "run_sync", inline)
+    monkeypatch.setattr(futures, "run_on_thread", inline)  # (the write-back journal's syncs)
 
 
 @pytest.mark.expect_log("read: .*(no connection to NATS|no answer from the server)")
