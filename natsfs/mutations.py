@@ -945,13 +945,23 @@ class Mutations:
     async def rename_dir(self, bucket: str, old_rel: Path, directory: Dir, new_rel: Path,
                          target: Dir | None, extra_metadata: dict[str, dict[str, str]] | None = None) -> None:
         """Move every object under a directory (and its marker) to the new prefix, one object at a time;
-        `extra_metadata` by object name is set on those objects as they move."""
+        `extra_metadata` by object name is set on those objects as they move.
+
+        A directory another client's rename holds (`BucketIndex.renamed_away`: it claimed the marker) is
+        theirs: `NotFound`, nothing moves. The caller checks that first, and it is checked again here once
+        nothing awaits any more before the moves are read from the directory: a claim may come while this
+        awaits (the bucket's sealed state, read again every 2 s; the target's marker)."""
         await self.check_writable(bucket)
         if target is not None:
             if target.children:
                 raise NotEmpty(f"{bucket}/{'/'.join(new_rel)}")
             if target.marker is not None:
                 await self.delete(bucket, target.marker)
+        index = self.ns.loaded_index(bucket)
+        if index is not None and index.renamed_away(old_rel):
+            # (Built from what it shows now, the moves would hold no marker: nothing would decide the race,
+            # and both renames moved part of the directory, the other's marker back at the old name.)
+            raise NotFound(f"{bucket}/{'/'.join(old_rel)}: another client is renaming this directory")
         old_prefix = "/".join(old_rel) + "/"
         new_prefix = "/".join(new_rel) + "/"
         moves: list[ObjectInfo] = []

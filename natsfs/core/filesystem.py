@@ -2552,7 +2552,8 @@ class Filesystem:
             index = self.ns.loaded_index(bucket)
             if index is not None and index.renamed_away(rel_old):
                 # (Its entries go with that rename, which claimed the directory first: as a file renamed
-                # away by another client meanwhile, nothing moves here.)
+                # away by another client meanwhile, nothing moves here.) rename_dir checks again after
+                # its own awaits, before it reads the moves.
                 raise NotFound(f"{'/'.join(old)}: another client is renaming this directory")
             signatures = await self._move_signatures(bucket, [
                 (info, self.ns.mount_path(bucket, (*rel_old, *below)), self.ns.mount_path(bucket, (*rel_new, *below)))

@@ -322,3 +322,54 @@ def test_entries_a_claimed_directory_still_holds_are_renamed_when_no_rename_can_
         assert await a.cat("x0/f1") == DATA + b"\x01"
 
     ops_env(body, setup=bucket_b, bucket="b")
+
+
+def test_a_claim_of_the_marker_that_comes_while_a_directory_rename_starts_moves_nothing(
+        ops_env, monkeypatch, tmp_path):
+    """The window the check above left: A's rename of x saw x's marker (no claim yet), then its first
+    await in the move (the bucket's sealed state, read again every 2 s) let B's claim of the marker in.
+    A then built its moves from x as it showed: no marker, so nothing decided the race, and A moved the
+    files while B's moves of them failed (both moved part of the directory). Now A checks for a claim
+    again once nothing awaits before it reads what to move: it answers ENOENT and moves nothing."""
+    async def body(a: Env):
+        b = await other_mount(a, tmp_path)
+        await a.ops.mkdir(ROOT, b"x", 0o755, CTX)
+        x = (await a.lookup("x")).st_ino
+        for i in range(4):
+            await write_file(a, x, f"f{i}", DATA + bytes([i]))
+        await a.settle()
+        await b.settle()
+        b_results: list[list[int]] = []
+        go: list[trio.Event] = []
+        in_move = [False]
+        real_rename_dir, real_check = a.fs.mut.rename_dir, a.fs.mut.check_writable
+
+        async def rename_dir(*args: Any, **kw: Any) -> None:
+            in_move[0] = True
+            await real_rename_dir(*args, **kw)
+
+        async def check_writable(bucket: str) -> None:
+            if in_move[0] and not b_results:
+                # B's rename claims x's marker (and waits before moving the files); A learns of it.
+                claimed, go_b, results, _ = rename_paused_after_marker(monkeypatch, b, b"x", b"y0")
+                b_results.append(results)
+                go.append(go_b)
+                await claimed.wait()
+                await a.settle()
+            await real_check(bucket)
+
+        monkeypatch.setattr(a.fs.mut, "rename_dir", rename_dir)
+        monkeypatch.setattr(a.fs.mut, "check_writable", check_writable)
+        assert await outcome(a.ops.rename(ROOT, b"x", ROOT, b"x0", 0, CTX)) == errno.ENOENT
+        assert b_results, "B's rename never ran inside A's"
+        go[0].set()
+        while not b_results[0]:
+            await trio.sleep(0.01)
+        assert b_results[0] == [0]
+        await a.settle()
+        assert sorted(await check_bucket(a)) == ["y0/", "y0/f0", "y0/f1", "y0/f2", "y0/f3"]
+        for mount in (a, b):
+            assert await names(mount) == ["y0"]
+            assert await mount.cat("y0/f3") == DATA + b"\x03"
+
+    ops_env(body, setup=bucket_b, bucket="b")

@@ -6,7 +6,7 @@ import errno
 import os
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from natsfs.adr20 import Link
@@ -63,6 +63,9 @@ texts = st.lists(segments, max_size=8).map("".join) | st.text(max_size=40)
 link_paths = st.lists(st.sampled_from(["d", "e", "l"]), min_size=2, max_size=5).map(tuple)
 
 
+# No deadline, no too-slow check: one example stalled for 0.3 s on a loaded CI machine failed the test as
+# "unreliable timings" (Hypothesis's 200 ms default); what it asserts is the target, not its speed.
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bucket=texts, name=st.none() | texts, link_path=link_paths, single=st.none() | st.sampled_from(["b", "a"]))
 def test_no_link_target_leaves_the_mount(bucket, name, link_path, single):
     path = link_path[1:] if single is not None else link_path
