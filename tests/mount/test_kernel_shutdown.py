@@ -161,9 +161,10 @@ def test_kill_9_during_a_directory_rename_releases_the_mount(nats_url, bucket_na
         daemon = m.proc.pid
         helpers = _descendants(daemon)
         mv = subprocess.Popen(["mv", str(mp / "dir"), str(mp / "dir2")], stderr=subprocess.PIPE)
-        # Mid-way: the rename is in flight (mv waits in the kernel) and objects are moving.
+        # Mid-way: the rename is in flight (mv waits in the kernel for the daemon's answer, which moves
+        # 1000 objects first). Killed at once: a fixed pause here could outlast the whole rename on a
+        # fast machine.
         assert wait_for(lambda: _in_rename(mv.pid), 10, 0.005)
-        time.sleep(0.3)
         assert mv.poll() is None, "the rename finished before the daemon could be killed"
         os.kill(daemon, signal.SIGKILL)
         # Released within seconds: the daemon is reaped, mv returns, nothing waits in D state.
