@@ -235,6 +235,17 @@ def test_a_directory_rename_that_loses_one_file_moves_the_others_back(ops_env, m
     ops_env(body, setup=bucket_b, bucket="b")
 
 
+async def dir_x_with_files(a: Env, b: Env, n: int) -> int:
+    """Directory x made in mount A with files f0..f<n-1> (`DATA` and the index), seen by both mounts; its inode in A."""
+    await a.ops.mkdir(ROOT, b"x", 0o755, CTX)
+    x = (await a.lookup("x")).st_ino
+    for i in range(n):
+        await write_file(a, x, f"f{i}", DATA + bytes([i]))
+    await a.settle()
+    await b.settle()
+    return x
+
+
 def rename_paused_after_marker(monkeypatch: pytest.MonkeyPatch, b: Env, old: bytes, new: bytes
                                ) -> tuple[trio.Event, trio.Event, list[int], trio.CancelScope]:
     """Start B's rename of directory `old`, held right after it moved the directory's marker (its claim of
@@ -267,12 +278,7 @@ def test_a_directory_rename_after_anothers_claim_of_its_marker_moves_nothing(ops
     left) and answers ENOENT, moving nothing; B's rename completes."""
     async def body(a: Env):
         b = await other_mount(a, tmp_path)
-        await a.ops.mkdir(ROOT, b"x", 0o755, CTX)
-        x = (await a.lookup("x")).st_ino
-        for i in range(4):
-            await write_file(a, x, f"f{i}", DATA + bytes([i]))
-        await a.settle()
-        await b.settle()
+        await dir_x_with_files(a, b, 4)
         claimed, go, results, _ = rename_paused_after_marker(monkeypatch, b, b"x", b"y0")
         await claimed.wait()
         await a.settle()
@@ -299,12 +305,7 @@ def test_entries_a_claimed_directory_still_holds_are_renamed_when_no_rename_can_
     rename of x moves what x holds."""
     async def body(a: Env):
         b = await other_mount(a, tmp_path)
-        await a.ops.mkdir(ROOT, b"x", 0o755, CTX)
-        x = (await a.lookup("x")).st_ino
-        for i in range(2):
-            await write_file(a, x, f"f{i}", DATA + bytes([i]))
-        await a.settle()
-        await b.settle()
+        x = await dir_x_with_files(a, b, 2)
         claimed, _, _, b_dies = rename_paused_after_marker(monkeypatch, b, b"x", b"y0")
         await claimed.wait()
         b_dies.cancel()
@@ -333,12 +334,7 @@ def test_a_claim_of_the_marker_that_comes_while_a_directory_rename_starts_moves_
     again once nothing awaits before it reads what to move: it answers ENOENT and moves nothing."""
     async def body(a: Env):
         b = await other_mount(a, tmp_path)
-        await a.ops.mkdir(ROOT, b"x", 0o755, CTX)
-        x = (await a.lookup("x")).st_ino
-        for i in range(4):
-            await write_file(a, x, f"f{i}", DATA + bytes([i]))
-        await a.settle()
-        await b.settle()
+        await dir_x_with_files(a, b, 4)
         b_results: list[list[int]] = []
         go: list[trio.Event] = []
         in_move = [False]
