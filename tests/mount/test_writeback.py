@@ -311,7 +311,7 @@ def test_a_bucket_that_fills_up_keeps_the_file_never_half_stored(nats_url, bucke
     # The refusal names the bucket, not the meta or chunk subject it came on.
     assert f"big.bin: not stored by the write-back uploader (bucket {bucket_name}: refused by the server: " \
         "maximum bytes exceeded); its bytes are kept at" in m.log()
-    assert "$O." not in m.log()
+    assert f"$O.{bucket_name}." not in m.log()
     assert in_bucket(nats_url, bucket_name, "big.bin") is None
     assert in_bucket(nats_url, bucket_name, "small.txt") == b"fits"
     kept = list((spool_root(m.cache_dir, m.path.resolve()) / "lost+found" / bucket_name).iterdir())
