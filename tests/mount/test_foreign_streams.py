@@ -6,6 +6,7 @@ close (`ENOENT`: no stream takes the subject, or `EIO`: rollup not permitted), t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -14,6 +15,7 @@ import time
 import pytest
 from helpers import create_bucket, nats_py_put, wait_for, with_nats
 from nats.js.api import StreamSource, SubjectTransform
+from nats.js.errors import NotFoundError
 
 
 def _errno(fn) -> int:
@@ -26,9 +28,25 @@ def writable(path) -> bool:
     return bool(os.stat(path).st_mode & 0o222)
 
 
-def test_foreign_obj_streams_are_hidden_or_read_only(nats_url, bucket_name, mounter):
-    origin, mirror, sourced = f"{bucket_name}_o", f"{bucket_name}_m", f"{bucket_name}_s"
-    foo, norollup = f"{bucket_name}_f", f"{bucket_name}_n"
+@pytest.fixture
+def foreign_streams(nats_url, bucket_name):
+    """The streams' names; they are deleted after the test's mount is gone (this fixture is set up before
+    `mounter`, so torn down after it): left on the session's server, they would put an INFO line naming
+    their subjects into every later all-buckets mount's log."""
+    names = {k: f"{bucket_name}_{k}" for k in "omsfn"}
+    yield names
+
+    async def drop(nc, js):
+        for name in names.values():
+            with contextlib.suppress(NotFoundError):  # (the test may have failed before making it)
+                await js.delete_stream(f"OBJ_{name}")
+
+    with_nats(nats_url, drop)
+
+
+def test_foreign_obj_streams_are_hidden_or_read_only(nats_url, foreign_streams, mounter):
+    origin, mirror, sourced = foreign_streams["o"], foreign_streams["m"], foreign_streams["s"]
+    foo, norollup = foreign_streams["f"], foreign_streams["n"]
     create_bucket(nats_url, origin)
     nats_py_put(nats_url, origin, "hello", b"hi there", create=False)
 
