@@ -57,6 +57,10 @@ IGNORED_MOUNT_PREFIXES = ("x-", "comment=", "setuid=", "drop_privileges")
 # Generic mount flags and FUSE options passed to the kernel (through libfuse) as they are.
 KERNEL_MOUNT_OPTIONS = frozenset({"allow_other", "allow_root", "default_permissions", "auto_unmount", "nosuid",
                                   "nodev", "noexec", "sync", "dirsync", "noatime", "nodiratime", "relatime"})
+# Mount options that name another option. mount(8) drops `user=NAME` from a non-root user's mount of a
+# `users` fstab line before it runs the helper (util-linux 2.38, checked with a probe helper), so fstab
+# names the NATS user `nats_user=NAME`; `user=NAME` still works where root mounts.
+MOUNT_OPTION_ALIASES = {"nats_user": "user"}
 # Hidden plumbing options that `-o` must not reach.
 _PRIVATE_DESTS = frozenset({"ready_fd", "servers_fd", "help"})
 
@@ -106,6 +110,8 @@ def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> li
     kernel: list[str] = []
     for option in options:
         key, has_value, value = option.partition("=")
+        if has_value and key in MOUNT_OPTION_ALIASES:
+            key = MOUNT_OPTION_ALIASES[key]
         if key in KERNEL_MOUNT_OPTIONS and not has_value:
             kernel.append(key)
         elif key == "ro" and not has_value:
@@ -115,11 +121,10 @@ def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> li
                          f"use {key}_file=FILE or $NATS_{key.upper()}")
         elif key in ("server", "servers") and _has_secret(value):
             parser.error("a server URL with a password or token cannot be a mount option (every user sees "
-                         "those in the process list): use user=NAME with password_file=FILE, or token_file=FILE")
+                         "those in the process list): use nats_user=NAME with password_file=FILE, or token_file=FILE")
         elif (key in IGNORED_MOUNT_OPTIONS and not (has_value and key == "user")) \
                 or option.startswith(IGNORED_MOUNT_PREFIXES):
-            # (mount(8)'s bare `user` flag is dropped; `user=NAME` is the NATS user, which the refusals
-            # above and the README tell fstab users to give with password_file=)
+            # (mount(8)'s bare `user` flag is dropped; `user=NAME`, like `nats_user=NAME`, is the NATS user)
             continue
         elif key in actions and actions[key].option_strings:
             action = actions[key]
@@ -136,7 +141,7 @@ def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> li
                 expanded += [flag, value]
         elif "@" in option:  # (the rest of a server URL cut at a comma of its password: never shown)
             parser.error("a server URL with a password or token cannot be a mount option (every user sees "
-                         "those in the process list): use user=NAME with password_file=FILE, or token_file=FILE")
+                         "those in the process list): use nats_user=NAME with password_file=FILE, or token_file=FILE")
         else:
             parser.error(f"unknown mount option: {key}")
     kernel_args = ["-o", ",".join(kernel)] if kernel else []
@@ -147,7 +152,7 @@ def expand_mount_options(parser: argparse.ArgumentParser, argv: list[str]) -> li
 # /etc/fstab, which every user reads: credentials there are refused as they are in `-o server=`. An `@`
 # is in no host name or bucket name: a SOURCE holding one carries a userinfo.
 SECRET_IN_SOURCE = ("the mount SOURCE cannot carry a user, password or token (every user sees it in the process "
-                    "list and in /etc/fstab): use user=NAME with password_file=FILE, token_file=FILE, creds=FILE, "
+                    "list and in /etc/fstab): use nats_user=NAME with password_file=FILE, token_file=FILE, creds=FILE, "
                     "or $NATS_USER/$NATS_PASSWORD/$NATS_TOKEN in a systemd environment file")
 
 

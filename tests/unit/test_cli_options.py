@@ -87,15 +87,26 @@ def test_a_server_url_without_secrets_is_a_mount_option():
         ["--server", "nats://h:4222", "/mnt"]
 
 
-def test_user_with_a_value_is_the_nats_user_and_the_bare_user_flag_is_dropped(tmp_path):
-    """What the refusals of secrets in mount options advise (`user=NAME` with `password_file=FILE`) works
-    from fstab: mount.fuse3 passes `user=NAME` on (and drops mount(8)'s bare `user` flag itself)."""
+@pytest.mark.parametrize("user_option", ["nats_user", "user"])
+def test_user_with_a_value_is_the_nats_user_and_the_bare_user_flag_is_dropped(tmp_path, user_option):
+    """What the refusals of secrets in mount options advise (`nats_user=NAME` with `password_file=FILE`)
+    works from fstab. mount(8) drops `user=NAME` from another user's mount of a `users` line, and passes
+    its own bare `user` flag (dropped here); where root mounts, `user=NAME` is the NATS user too."""
     (tmp_path / "pw").write_text("s3cr3t\n")
-    argv = expand_mount_options(_mount_parser(), ["/mnt", "-o", f"user=alice,password_file={tmp_path / 'pw'},user,"
-                                                  "users,_netdev"])
+    argv = expand_mount_options(_mount_parser(), ["/mnt", "-o", f"{user_option}=alice,password_file="
+                                                  f"{tmp_path / 'pw'},user,users,_netdev"])
     a = _mount_parser().parse_args(argv)
     connection = auth.resolve({name: getattr(a, name, None) for name in auth.OPTION_DESTS}, environ={})
     assert (connection.user, connection.password) == ("alice", "s3cr3t")
+
+
+def test_the_secret_refusals_advise_the_user_option_that_survives_a_users_mount(capsys):
+    with pytest.raises(SystemExit):
+        expand_mount_options(_mount_parser(), ["/mnt", "-o", "password=s3cr3t"])
+    with pytest.raises(SystemExit):
+        expand_mount_options(_mount_parser(), ["/mnt", "-o", "server=nats://u:s3cr3t@h:4222"])
+    err = capsys.readouterr().err
+    assert "nats_user=NAME" in err and "s3cr3t" not in err
 
 
 def test_daemon_gets_the_users_arguments_without_connection_options():
