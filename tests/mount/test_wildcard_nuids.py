@@ -1,22 +1,35 @@
-"""A tombstone whose nuid is `*` (another client wrote it), seen by a running mount, on a real server.
+"""Metas whose nuid is `*` or `>` (another client wrote them: a tombstone, a live meta, a link), seen by a
+running mount, on a real server.
 
 nats.go's Delete(name) and nats.js's put(name) purge the nuid they find under the name, tombstones
-included: `$O.<bucket>.C.*`, every chunk of the bucket. The mount rewrites such a tombstone on a fresh nuid
-(expecting the revision it read) as soon as it sees it, so those clients' delete and put of the name purge
-nothing of the other objects. nats-py's own delete and put do not read tombstones and purge nothing then.
+included: `$O.<bucket>.C.*`, every chunk of the bucket. The mount rewrites such a meta on a fresh nuid
+(expecting the revision it read, every other field kept) as soon as it sees it, so those clients' delete
+and put of the name purge nothing of the other objects. A live object reads as before (empty, or
+`ESTALE`: it never had chunks it could read); a link keeps leading to its target. nats-py's own delete
+and put do not read tombstones and purge nothing then.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 
+import pytest
 from helpers import create_bucket, nats_py_get, nats_py_put, stored_layout, wait_for, with_nats
 from test_puts_integrity import _info_with_deleted, _meta_subject, go_delete, js_put
 
+# name -> the fields another client wrote besides name and bucket (a wildcard nuid each).
+WILD = {
+    "victim": {"nuid": "*", "deleted": True},
+    "empty": {"nuid": ">"},
+    "unreadable": {"nuid": "*", "size": 5, "chunks": 1, "digest": "SHA-256=abc", "description": "kept"},
+    "link": {"nuid": "*", "options": {"link": {"bucket": "{b}", "name": "keep1"}}},
+}
 
-def test_the_mount_rewrites_a_wildcard_tombstone_before_other_clients_purge_every_chunk(
-        nats_url, bucket_name, mounter):
+
+def test_the_mount_rewrites_wildcard_nuids_before_other_clients_purge_every_chunk(nats_url, bucket_name, mounter):
     b = bucket_name
     create_bucket(nats_url, b)
     m = mounter(nats_url)
@@ -25,30 +38,42 @@ def test_the_mount_rewrites_a_wildcard_tombstone_before_other_clients_purge_ever
         (m.path / b / name).write_bytes(payload)
     before = {name: stored_layout(nats_url, b, name) for name in data}
     assert all(v["stored_digest_ok"] and v["stored_chunks"] == v["chunks"] > 0 for v in before.values())
+    written = {name: json.loads(json.dumps({"name": name, "bucket": b, "size": 0, "chunks": 0,
+                                            "mtime": "0001-01-01T00:00:00Z"} | fields).replace("{b}", b))
+               for name, fields in WILD.items()}
 
-    async def publish_tombstone(nc, js):
-        doc = {"name": "victim", "bucket": b, "nuid": "*", "size": 0, "chunks": 0,
-               "mtime": "0001-01-01T00:00:00Z", "deleted": True}
-        return (await js.publish(_meta_subject(b, "victim"), json.dumps(doc).encode(),
-                                 headers={"Nats-Rollup": "sub"})).seq
+    async def publish(nc, js):
+        return {name: (await js.publish(_meta_subject(b, name), json.dumps(doc).encode(),
+                                        headers={"Nats-Rollup": "sub"})).seq for name, doc in written.items()}
 
-    seq = with_nats(nats_url, publish_tombstone)
+    seqs = with_nats(nats_url, publish)
 
-    def meta():
-        return with_nats(nats_url, lambda nc, js: _info_with_deleted(nc, b, "victim"))
+    def meta(name):
+        return with_nats(nats_url, lambda nc, js: _info_with_deleted(nc, b, name))
 
-    assert wait_for(lambda: meta()["nuid"] != "*", timeout=30)
-    after = meta()
-    assert after["deleted"] is True and re.fullmatch(r"[A-Za-z0-9_-]+", after["nuid"])
-    assert (after["size"], after["chunks"]) == (0, 0) and after["name"] == "victim"
+    async def meta_seq(nc, js, name):
+        return (await js.get_last_msg(f"OBJ_{b}", _meta_subject(b, name))).seq
 
-    async def meta_seq(nc, js):
-        return (await js.get_last_msg(f"OBJ_{b}", _meta_subject(b, "victim"))).seq
-
-    assert with_nats(nats_url, meta_seq) > seq
-    # nats.go's Delete and nats.js's put of the name, then nats-py's: nothing of the others is purged.
-    assert go_delete(nats_url, b, "victim")
-    js_put(nats_url, b, "victim", b"theirs")
+    for name, doc in written.items():
+        assert wait_for(lambda name=name: re.fullmatch(r"[A-Za-z0-9_-]+", meta(name)["nuid"]), timeout=30), name
+        after = meta(name)
+        assert with_nats(nats_url, lambda nc, js, name=name: meta_seq(nc, js, name)) > seqs[name]
+        if doc.get("deleted"):
+            assert after["deleted"] is True and (after["size"], after["chunks"]) == (0, 0) and after["name"] == name
+        else:  # every other field kept
+            assert {**after, "nuid": doc["nuid"]} == doc, name
+    # Through the mount: the live ones read as before, the link leads to keep1.
+    assert wait_for(lambda: os.path.exists(m.path / b / "empty"), timeout=30)
+    assert (m.path / b / "empty").read_bytes() == b""
+    with pytest.raises(OSError) as e:
+        (m.path / b / "unreadable").read_bytes()
+    assert e.value.errno == errno.ESTALE
+    assert os.readlink(m.path / b / "link") == f"../{b}/keep1"
+    assert (m.path / b / "link").read_bytes() == data["keep1"]
+    # nats.go's Delete and nats.js's put of every name, then nats-py's: nothing of the others is purged.
+    for name in written:
+        assert go_delete(nats_url, b, name)
+        js_put(nats_url, b, name, b"theirs")
     nats_py_put(nats_url, b, "victim", b"nats-py", create=False)
 
     async def py_delete(nc, js):
@@ -60,6 +85,8 @@ def test_the_mount_rewrites_a_wildcard_tombstone_before_other_clients_purge_ever
         assert now["seqs"] == before[name]["seqs"] and now["stored_digest_ok"]
         assert nats_py_get(nats_url, b, name) == payload
         assert (m.path / b / name).read_bytes() == payload
-    warnings = re.findall(r"WARNING natsfs\.mutations: bucket \S+: the tombstone of 'victim' carried the nuid '\*'",
-                          m.log())
-    assert len(warnings) == 1
+    log = m.log()
+    for name, doc in written.items():
+        warnings = re.findall(rf"WARNING natsfs\.mutations: bucket \S+: the \w+ '{name}' carried the nuid "
+                              rf"'{re.escape(doc['nuid'])}'", log)
+        assert len(warnings) == 1, name
