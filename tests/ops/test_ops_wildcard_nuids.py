@@ -16,7 +16,7 @@ import pyfuse3
 import pytest
 import trio
 from gowriters import delete_object, js_put_object, put_object
-from opskit import Env
+from opskit import Ctx, Env
 
 from natsfs.adr20 import ROLLUP, ObjectStore, meta_subject, usable_nuid
 from natsfs.memstreams import MemoryStreams
@@ -212,3 +212,27 @@ def test_a_read_only_bucket_keeps_its_wildcard_tombstone(ops_env):
         assert doc["nuid"] == "*"
 
     ops_env(body, setup=bucket_with_objects)
+
+
+def test_this_mounts_own_changes_of_such_names_never_store_a_wildcard_nuid(ops_env):
+    """Before the background rewrite: an unlink, a rename and an xattr change of such names store metas on
+    fresh nuids (never a wildcard), and purge nothing of the other objects."""
+    async def body(env: Env) -> None:
+        await env.lookup("b/keep1")
+        chunks_before = {s: n for s, n in env.streams.subjects("OBJ_b").items() if ".C." in s}
+        await publish_wild(env.streams)
+        await env.settle()
+        b = (await env.lookup("b")).st_ino
+        await env.ops.unlink(b, b"empty", Ctx())
+        await env.ops.unlink(b, b"link", Ctx())
+        await env.ops.rename(b, b"unreadable", b, b"moved", 0, Ctx())
+        await env.ops.setxattr((await env.lookup("b/dotted")).st_ino, b"user.k", b"v", Ctx())
+        await env.settle()
+        for name in ("empty", "link", "unreadable", "moved", "dotted"):
+            doc, _ = await meta_of(env, name)
+            assert usable_nuid(doc["nuid"]), name
+        assert (await meta_of(env, "moved"))[0]["description"] == "kept"
+        assert {s: n for s, n in env.streams.subjects("OBJ_b").items() if ".C." in s} == chunks_before
+        assert await env.cat("b/keep1") == b"one" * 1000
+
+    ops_env(body, setup=bucket_with_objects, settle_interval=3600)
