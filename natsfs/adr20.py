@@ -366,6 +366,13 @@ def wildcard_nuid(nuid: object) -> bool:
     return isinstance(nuid, str) and any(token in ("*", ">") for token in nuid.split("."))
 
 
+def wildcard_reach(bucket: str, nuid: str) -> str:
+    """What a purge by the chunk subject of a wildcard nuid would remove, in words (for log lines)."""
+    if nuid in ("*", ">"):
+        return f"$O.{bucket}.C.{nuid}, every chunk of the bucket"
+    return f"$O.{bucket}.C.{nuid}, every chunk subject that filter matches"
+
+
 def without_wildcard_nuid(doc: dict[str, Any]) -> dict[str, Any]:
     """`doc` on a fresh nuid that holds no chunks when its nuid is a wildcard (`wildcard_nuid`), else `doc`
     itself: this mount never stores a meta that would make other clients purge by a wildcard."""

@@ -295,14 +295,20 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     wildcards: list[tuple[Finding, str, int]] = []
     chunked = sorted(i.name for i in live.values() if i.nuid and i.link is None)
     others = f" ({_short(chunked[0])!r} and {len(chunked) - 1} more)" if chunked else " (none now)"
+
+    def reach(nuid: str) -> str:
+        if nuid in ("*", ">"):
+            return f"the chunks of every object in the bucket{others}"
+        return f"every chunk subject $O.{bucket}.C.{nuid} matches"
+
     for subject, info in shown.values():
         if info.wildcard_nuid and subject == meta_subject(bucket, info.name):
             # (A mount reads it as it would without that nuid, and rewrites it on a fresh one.)
             what = "a link" if info.link is not None else \
-                f"an object of {info.size} bytes that were never readable" if info.size else "an empty object"
+                f"an object (its {info.size} bytes never readable)" if info.size else "an empty object"
             f = Finding(WILDCARD_META, info.name, f"{what} carrying the nuid {info.wildcard_nuid!r}, a wildcard: "
-                        "a Delete or Put of this name by another client would purge the chunks of every object "
-                        f"in the bucket{others}", repairable=True, basis={subject: info.revision})
+                        f"a Delete or Put of this name by another client would purge {reach(info.wildcard_nuid)}",
+                        repairable=True, basis={subject: info.revision})
             report.findings.append(f)
             wildcards.append((f, info.name, info.revision))
     for t, subject in tombstones.values():
@@ -311,8 +317,8 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
             # (A mount ignores such a nuid; nats.go's Delete and nats.js's put of the name purge
             # `$O.<bucket>.C.` + nuid, which this one makes a filter matching every chunk subject.)
             f = Finding(SHARED_TOMBSTONE, t.name, f"carries the nuid {wildcard!r}, a wildcard: a Delete or Put of "
-                        f"this name by another client would purge the chunks of every object in the bucket"
-                        f"{others}", repairable=True, basis={subject: t.revision})
+                        f"this name by another client would purge {reach(wildcard)}", repairable=True,
+                        basis={subject: t.revision})
             report.findings.append(f)
             wildcards.append((f, t.name, t.revision))
             continue

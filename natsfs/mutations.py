@@ -42,6 +42,7 @@ from .adr20 import (
     metadata_of,
     set_posix_attrs,
     stream_name,
+    wildcard_reach,
 )
 from .config import Config
 from .errors import (
@@ -516,8 +517,8 @@ line, never a flood. A bucket that takes no writes (or a server that refuses the
                 what = ("the tombstone" if rewritten.deleted else "the link" if rewritten.link is not None
                         else "the object")
                 log.log(logging.WARNING if first else logging.INFO, "bucket %s: %s %r carried the nuid %r, "
-                        "which another client's Delete or Put of that name would purge as $O.%s.C.%s, every "
-                        "chunk of the bucket: rewritten on a fresh nuid", bucket, what, name, nuid, bucket, nuid)
+                        "which another client's Delete or Put of that name would purge as %s: rewritten on a "
+                        "fresh nuid", bucket, what, name, nuid, wildcard_reach(bucket, nuid))
             if unwarned:
                 shown = ", ".join(repr(n) for n in unwarned[:5]) + (" ..." if len(unwarned) > 5 else "")
                 log.warning("bucket %s: %d more metas whose nuid was a wildcard rewritten on a fresh nuid: %s",

@@ -488,7 +488,7 @@ def test_a_meta_whose_nuid_is_a_wildcard_is_dangerous_and_rewritten_as_a_mount_d
         details = {f.where: f.detail for f in report.findings}
         assert "would purge the chunks of every object" in details["bomb"]
         assert details["link"].startswith("a link carrying the nuid '*'")
-        assert details["live"].startswith("an object of 5 bytes that were never readable")
+        assert details["live"].startswith("an object (its 5 bytes never readable)")
         chunks = {s: n for s, n in ms.subjects(stream_name("b")).items() if ".C." in s}
         report = await fsck.check_bucket(store, "b", repair=True)
         assert report.problems_left == [] and all(f.repaired for f in report.findings)
