@@ -355,12 +355,28 @@ def chunk_size_within(chunk_size: int, max_payload: int) -> int:
 _NUID = re.compile(r"[A-Za-z0-9_-]+")
 
 
-# The nuids that make a chunk subject filter matching every chunk subject of the bucket (`$O.<b>.C.*`).
-WILDCARD_NUIDS = ("*", ">")
-
-
 def usable_nuid(nuid: str) -> bool:
     return bool(_NUID.fullmatch(nuid))
+
+
+def wildcard_nuid(nuid: object) -> bool:
+    """Whether a meta's `nuid` holds a wildcard token (`*`, `>`, `a.*`, ...): other clients' Delete or Put
+    of its name purge `$O.<bucket>.C.` + that nuid, a subject filter matching other objects' chunk subjects
+    (`*` and `>`: every chunk of the bucket). See `ObjectStore.defuse_wildcard_nuid`."""
+    return isinstance(nuid, str) and any(token in ("*", ">") for token in nuid.split("."))
+
+
+def wildcard_reach(bucket: str, nuid: str) -> str:
+    """What a purge by the chunk subject of a wildcard nuid would remove, in words (for log lines)."""
+    if nuid in ("*", ">"):
+        return f"$O.{bucket}.C.{nuid}, every chunk of the bucket"
+    return f"$O.{bucket}.C.{nuid}, every chunk subject that filter matches"
+
+
+def without_wildcard_nuid(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` on a fresh nuid that holds no chunks when its nuid is a wildcard (`wildcard_nuid`), else `doc`
+    itself: this mount never stores a meta that would make other clients purge by a wildcard."""
+    return dict(doc, nuid=new_nuid()) if wildcard_nuid(doc.get("nuid")) else doc
 
 
 def chunk_subject(bucket: str, nuid: str) -> str:
@@ -509,8 +525,10 @@ class ObjectInfo:
     chunk_size: int = 0
     attrs: PosixAttrs | None = None
     meta_bytes: int = 0  # the size of the meta message (0: not known), see `ObjectStore.check_meta_size`
-    # A tombstone's nuid as written when it is `*` or `>` (its `nuid` is then ""): other clients' Delete
-    # or Put of the name would purge `$O.<bucket>.C.*`, every chunk (see `ObjectStore.defuse_tombstone`).
+    # The nuid as written when it holds a wildcard token, `*` or `>` (`nuid` is then ""), in a live meta,
+    # a link or a tombstone: other clients' Delete or Put of the name would purge `$O.<bucket>.C.*`,
+    # every chunk of the bucket (see `ObjectStore.defuse_wildcard_nuid`). Such a live object has no
+    # chunks that can be read (none can be published to its subject as its own).
     wildcard_nuid: str = ""
 
 
@@ -820,11 +838,13 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
         link = Link(raw_link["bucket"], raw_link.get("name") or None)
     size, chunks = integer("size", MAX_OBJECT_SIZE), integer("chunks", MAX_CHUNKS)
     nuid = doc.get("nuid") or ""
-    wildcard_nuid = nuid if deleted and nuid in WILDCARD_NUIDS else ""
-    if nuid and not usable_nuid(nuid) and (deleted or link is not None):
-        nuid = ""  # a tombstone's or a link's nuid names no chunks of its own: never a subject filter
+    wild = nuid if wildcard_nuid(nuid) else ""
+    if nuid and not usable_nuid(nuid) and (deleted or link is not None or wild):
+        # A tombstone's or a link's nuid names no chunks of its own, nor does a wildcard (no chunk is
+        # published to a subject filter as one object's): never a subject filter.
+        nuid = ""
     if not deleted and link is None:
-        if (chunks or size) and not nuid:
+        if (chunks or size) and not nuid and not wild:
             raise MalformedMeta(f"meta for {name!r} claims {chunks} chunks but has no nuid")
         if nuid and not usable_nuid(nuid):
             raise MalformedMeta(f"meta for {name!r} has an unusable nuid {_short(nuid)}")
@@ -841,7 +861,7 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
     return ObjectInfo(
         bucket=bucket, name=name, nuid=nuid, size=size, chunks=chunks, digest=digest, mtime_ns=mtime_ns,
         revision=msg.seq, link=link, deleted=deleted, chunk_size=chunk_size, attrs=attrs,
-        meta_bytes=len(msg.data), wildcard_nuid=wildcard_nuid,
+        meta_bytes=len(msg.data), wildcard_nuid=wild,
     )
 
 
@@ -1401,6 +1421,7 @@ class ObjectStore:
         subject, revision: a rename's old name), by default what its own subject holds at
         `expected_revision`."""
         subject = self._meta_subject(bucket, doc["name"])
+        doc = without_wildcard_nuid(doc)
         data = meta_json(doc)
         await self._check_meta_size_replacing(bucket, doc, data, replaces or (subject, expected_revision))
         headers = {ROLLUP: "sub", MSG_ID: msg_id or new_nuid()}
@@ -2089,21 +2110,26 @@ class ObjectStore:
         watch; the caller drops the old name itself once the rename is done)."""
         return (bucket, name) in self._renaming
 
-    async def defuse_tombstone(self, bucket: str, name: str, revision: int) -> ObjectInfo | None:
-        """Rewrite the tombstone of `name` at `revision`, whose nuid is a wildcard (`*`, `>`: another
-        client wrote it), as a tombstone on a fresh nuid that holds no chunks (`claim_doc`), expecting
-        that revision: other clients' Delete or Put of the name purge the nuid they find there, and
-        `$O.<bucket>.C.*` would be every chunk of the bucket. None when the name holds something else
-        now (changed meanwhile: nothing is written)."""
+    async def defuse_wildcard_nuid(self, bucket: str, name: str, revision: int) -> ObjectInfo | None:
+        """Rewrite the meta of `name` at `revision`, whose nuid holds a wildcard (`*`, `>`: another client
+        wrote it, see `wildcard_nuid`), on a fresh nuid that holds no chunks, expecting that revision:
+        other clients' Delete or Put of the name purge the nuid they find there, and `$O.<bucket>.C.*`
+        would be every chunk of the bucket. A tombstone becomes a tombstone as a rename's claim writes it
+        (`claim_doc`); a live meta or a link keeps every other field (a link its target; a live object
+        its size, which it could never read: no chunk is published to a wildcard as its own, and none
+        is under the fresh nuid). None when the name holds something else now (changed meanwhile, or a
+        `Conflict` with another client's newer revision: nothing is written). Shared by the mount
+        (`Mutations.defuse_wildcard_nuids`) and `natsfs fsck --repair`."""
         current = await self.get_meta_doc(bucket, name)
         if current is None or current[1] != revision:
             return None
         doc = current[0]
-        if doc.get("deleted") is not True or doc.get("nuid") not in WILDCARD_NUIDS:
+        if not wildcard_nuid(doc.get("nuid")):
             return None
+        rewritten = claim_doc(bucket, name, doc) if doc.get("deleted") is True else without_wildcard_nuid(
+            usable_fields(doc))
         try:
-            return await self.publish_meta(bucket, claim_doc(bucket, name, doc), expected_revision=revision,
-                                           timestamp=False)
+            return await self.publish_meta(bucket, rewritten, expected_revision=revision, timestamp=False)
         except Conflict:
             return None
 

@@ -58,6 +58,16 @@ from .streams import Payload, StoredMsg
 
 log = logging.getLogger(__name__)
 
+
+def _own_chunk_subject(info: ObjectInfo) -> str:
+    """The chunk subject of a version; `Stale`, as for a version whose chunks were all purged, when its
+    nuid names none (another client's wildcard nuid, `ObjectInfo.wildcard_nuid`: no chunk is published to
+    a subject filter as one object's, and a rewrite of that meta on a fresh nuid reads the same)."""
+    if not info.nuid:
+        raise Stale(f"{info.bucket}/{info.name}: no chunks of its own (its nuid {info.wildcard_nuid!r} names "
+                    "no chunk subject)")
+    return chunk_subject(info.bucket, info.nuid)
+
 ChunkKey = tuple[str, str, int]  # (bucket, nuid, stream sequence of the chunk)
 # What a meta claims about its version: (bucket, nuid, size, chunks, digest). A layout and a digest
 # verdict are proven for these claims; another meta naming the same nuid with other claims gets its own.
@@ -641,9 +651,9 @@ class ChunkCache:
         it proves to exist (those before it, it, and the server's count of those after it) is the
         meta's chunk count, its bytes fit in the meta's size (the last chunk ending exactly there) and
         it was stored before the meta. Anything else is settled by a full scan (`_map_all`)."""
-        subject = chunk_subject(info.bucket, info.nuid)
         began = trio.current_time()
         try:
+            subject = _own_chunk_subject(info)
             while True:
                 remaining = info.chunks - len(layout.seqs)
                 if remaining <= 0:
@@ -715,6 +725,7 @@ class ChunkCache:
         """Learn every chunk's sequence and size with one headers-only scan, and place them
         (`place_chunks`) after the chunks already proven by a walk."""
         self.stats.index_scans += 1
+        _own_chunk_subject(info)
         index = await self.store.chunk_index(info.bucket, info.nuid)
         if not index and info.chunks:
             raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")

@@ -27,6 +27,9 @@ Owns the bucket check and its report. What it looks at, in one pass:
   (the holders a mount keeps chunks for, `BucketIndex.hidden_alias_holders`): other clients' Delete or
   Put of its name would purge that alias's chunks, but a hidden alias names no object, so it makes no
   tombstone dangerous (as in a mount: nothing is repaired for it);
+- metas whose nuid holds a wildcard (`*`, `>`: `adr20.wildcard_nuid`) on a name's canonical subject, where
+  other clients' Delete or Put of the name would purge `$O.<bucket>.C.*`, every chunk of the bucket: a
+  tombstone's (when the bucket holds chunks), a live meta's or a link's (always);
 - with `verify`, every intact object's bytes against its meta's SHA-256 digest.
 
 The check runs against a bucket live mounts are using, and everything above starts from one snapshot of
@@ -38,11 +41,13 @@ when one of the metas it came from changed by the time the metas are read a seco
 chunk subjects are checked; that read also turns orphans a meta now references into puts in progress).
 Voided findings are counted in the summary ("changed while checked"), not reported.
 
-`repair` purges orphan chunk subjects (checked young again just before) and neutralises dangerous
-tombstones by purging the tombstone's meta subject up to its revision (a newer meta stays), both only
-once the second read of the metas confirmed them. Everything else (damaged objects, shared live
+`repair` purges orphan chunk subjects (checked young again just before), neutralises tombstones carrying
+a live nuid by purging the tombstone's meta subject up to its revision (a newer meta stays), and rewrites
+metas with a wildcard nuid on a fresh nuid expecting the revision read, as a mount does
+(`ObjectStore.defuse_wildcard_nuid`: every other field kept, a link its target), all only once the
+second read of the metas confirmed them. Everything else (damaged objects, shared live
 names, bad names, digest mismatches) is reported and left alone: fixing it would mean guessing which
-bytes or which name are right. Live objects are never touched.
+bytes or which name are right. Live objects are never touched otherwise.
 """
 
 from __future__ import annotations
@@ -67,9 +72,10 @@ from .adr20 import (
     parse_digest,
     parse_meta,
     stream_name,
+    wildcard_nuid,
 )
 from .chunk_cache import place_checking_gaps
-from .errors import MalformedMeta, NameTooLong, NatsFSError
+from .errors import Conflict, MalformedMeta, NameTooLong, NatsFSError
 from .names import placement
 from .streams import StoredMsg, literal_subject
 
@@ -79,9 +85,6 @@ PARALLEL = 8
 # Versions of one name checked before it is noted as changing (each found wrong, then found replaced).
 VERSIONS = 3
 
-# A nuid that, as the last token of a chunk subject, matches every chunk subject of the bucket.
-_WILDCARD_TOKENS = ("*", ">")
-
 # Kinds of finding. Problems are everything but the NOTES.
 ORPHAN = "orphan chunks"
 IN_PROGRESS = "put in progress"
@@ -89,6 +92,7 @@ HIDDEN = "name a mount cannot show"
 ALIAS = "hidden alias"
 DAMAGED = "damaged object"
 SHARED_TOMBSTONE = "tombstone sharing a live nuid"
+WILDCARD_META = "live meta with a wildcard nuid"
 ALIAS_TOMBSTONE = "tombstone sharing a hidden alias's nuid"
 SHARED_NAMES = "names sharing one nuid"
 BAD_NAME = "unusable name"
@@ -210,20 +214,17 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     tombstones: dict[str, tuple[ObjectInfo, str]] = {}  # subject -> (info, the subject)
     ignored_fields: dict[str, list[str]] = {}  # subject -> the fields of its live meta a mount ignores
     referenced: set[str] = set()  # nuids a meta that is not a tombstone names
-    wildcard_nuids: dict[str, str] = {}  # tombstone subject -> its nuid, `*` or `>` (see below)
     for m in metas:
         token = m.subject.rsplit(".", 1)[-1]
         held = _doc_nuid(m)
         if held is not None and not held[1]:
             referenced.add(held[0])
-        elif held is not None and held[0] in _WILDCARD_TOKENS:
-            wildcard_nuids[m.subject] = held[0]
         ignored: list[str] = []
         try:
             info = parse_meta(bucket, m, ignored.append)
         except MalformedMeta as e:
             why = str(e)
-            if held is not None and held[0] in _WILDCARD_TOKENS:
+            if held is not None and wildcard_nuid(held[0]):
                 why += (f"; another client's Put or Delete of this name would purge $O.{bucket}.C.{held[0]}: "
                         "every chunk in the bucket")
             report.findings.append(Finding(BAD_META, m.subject, why, basis={m.subject: m.seq}))
@@ -290,18 +291,36 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                                            "rename?): deleting one with another client destroys the others",
                                            basis={shown[i.name][0]: i.revision for i in infos}))
     dangerous: list[tuple[Finding, str, int]] = []  # (finding, tombstone subject, its revision)
+    # (finding, name, revision) of metas whose wildcard nuid a repair rewrites on a fresh one.
+    wildcards: list[tuple[Finding, str, int]] = []
     chunked = sorted(i.name for i in live.values() if i.nuid and i.link is None)
+    others = f" ({_short(chunked[0])!r} and {len(chunked) - 1} more)" if chunked else " (none now)"
+
+    def reach(nuid: str) -> str:
+        if nuid in ("*", ">"):
+            return f"the chunks of every object in the bucket{others}"
+        return f"every chunk subject $O.{bucket}.C.{nuid} matches"
+
+    for subject, info in shown.values():
+        if info.wildcard_nuid and subject == meta_subject(bucket, info.name):
+            # (A mount reads it as it would without that nuid, and rewrites it on a fresh one.)
+            what = "a link" if info.link is not None else \
+                f"an object (its {info.size} bytes never readable)" if info.size else "an empty object"
+            f = Finding(WILDCARD_META, info.name, f"{what} carrying the nuid {info.wildcard_nuid!r}, a wildcard: "
+                        f"a Delete or Put of this name by another client would purge {reach(info.wildcard_nuid)}",
+                        repairable=True, basis={subject: info.revision})
+            report.findings.append(f)
+            wildcards.append((f, info.name, info.revision))
     for t, subject in tombstones.values():
-        wildcard = wildcard_nuids.get(subject)
-        if wildcard is not None and chunked and subject == meta_subject(bucket, t.name):
+        wildcard = t.wildcard_nuid
+        if wildcard and chunked and subject == meta_subject(bucket, t.name):
             # (A mount ignores such a nuid; nats.go's Delete and nats.js's put of the name purge
             # `$O.<bucket>.C.` + nuid, which this one makes a filter matching every chunk subject.)
             f = Finding(SHARED_TOMBSTONE, t.name, f"carries the nuid {wildcard!r}, a wildcard: a Delete or Put of "
-                        f"this name by another client would purge the chunks of every object in the bucket "
-                        f"({_short(chunked[0])!r} and {len(chunked) - 1} more)", repairable=True,
+                        f"this name by another client would purge {reach(wildcard)}", repairable=True,
                         basis={subject: t.revision})
             report.findings.append(f)
-            dangerous.append((f, subject, t.revision))
+            wildcards.append((f, t.name, t.revision))
             continue
         # (A live meta of the same name under another subject is no other owner: purging this
         # tombstone would only bring that name back.)
@@ -361,9 +380,14 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
             if id(f) not in stale:
                 # Up to the tombstone's revision: a meta stored under the name since stays.
                 await _repair(f, store.streams.purge_subject(stream, subject, before_seq=revision + 1))
+        for f, name, revision in wildcards:
+            if id(f) not in stale:
+                # Expecting the revision read, as a mount does: a meta stored under the name since stays.
+                await _repair(f, _rewrite_wildcard_nuid(store, bucket, name, revision))
 
     # Live objects: chunks and sizes (and digests).
-    objects = [(subject, i) for subject, i in shown.values() if i.link is None and i.chunks > 0]
+    # (A live object with a wildcard nuid has no chunks of its own to check: it is reported above.)
+    objects = [(subject, i) for subject, i in shown.values() if i.link is None and i.chunks > 0 and i.nuid]
     progress.start("objects", len(objects))
     limit = trio.Semaphore(PARALLEL)
 
@@ -397,6 +421,12 @@ async def _repair(finding: Finding, action: Awaitable[None]) -> None:
         finding.detail += f" (repair failed: {e})"
         return
     finding.repaired = True
+
+
+async def _rewrite_wildcard_nuid(store: ObjectStore, bucket: str, name: str, revision: int) -> None:
+    """The mount's rewrite of a meta with a wildcard nuid (`ObjectStore.defuse_wildcard_nuid`)."""
+    if await store.defuse_wildcard_nuid(bucket, name, revision) is None:
+        raise Conflict(f"{bucket}/{name} changed since it was read")
 
 
 async def _check_orphan(store: ObjectStore, report: Report, stream: str, subject: str, count: int, grace_s: float,

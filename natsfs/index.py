@@ -120,11 +120,11 @@ class BucketIndex:
         self._tomb_by_nuid: dict[str, str] = {}
         # Tombstones whose nuid a live object under another name holds: name -> (revision, nuid).
         self.shared_tombstones: dict[str, tuple[int, str]] = {}
-        # Tombstones (on their canonical subject) whose nuid is a wildcard, `*` or `>`: name -> (revision,
-        # that nuid).
-        # Other clients' Delete or Put of the name would purge every chunk of the bucket; the layer above
-        # rewrites them on a fresh nuid (`natsfs.mutations.Mutations.defuse_wildcard_tombstones`).
-        self.wildcard_tombstones: dict[str, tuple[int, str]] = {}
+        # Metas on their canonical subject (tombstones, live metas, links) whose nuid holds a wildcard, `*`
+        # or `>` (`adr20.wildcard_nuid`): name -> (revision, that nuid). Other clients' Delete or Put of
+        # the name would purge every chunk of the bucket; the layer above rewrites them on a fresh nuid
+        # (`natsfs.mutations.Mutations.defuse_wildcard_nuids`).
+        self.wildcard_nuids: dict[str, tuple[int, str]] = {}
         # Directory markers a rename claimed (a tombstone on a fresh nuid replaced the live marker): marker
         # name -> (the claim's revision, when it was applied here, monotonic). See `renamed_away`.
         self.claimed_markers: dict[str, tuple[int, float]] = {}
@@ -246,6 +246,10 @@ class BucketIndex:
             self._unmap_nuid(old)
         if from_alias:
             del self.odd_subjects[name]  # the canonical subject holds the name now: it wins
+        if info.wildcard_nuid:
+            self.wildcard_nuids[name] = (info.revision, info.wildcard_nuid)
+        elif self.wildcard_nuids:
+            self.wildcard_nuids.pop(name, None)
         if info.deleted:
             self.tombstones[name] = info.revision
             self._note_tombstone(name, info)
@@ -340,8 +344,6 @@ class BucketIndex:
 
     def _note_tombstone(self, name: str, info: ObjectInfo) -> None:
         self._drop_tomb_nuid(name)
-        if info.wildcard_nuid:
-            self.wildcard_tombstones[name] = (info.revision, info.wildcard_nuid)
         if not info.nuid:
             return
         self._tomb_nuid[name] = info.nuid
@@ -351,7 +353,6 @@ class BucketIndex:
 
     def _drop_tomb_nuid(self, name: str) -> None:
         self.shared_tombstones.pop(name, None)
-        self.wildcard_tombstones.pop(name, None)
         nuid = self._tomb_nuid.pop(name, None)
         if nuid is not None and self._tomb_by_nuid.get(nuid) == name:
             del self._tomb_by_nuid[nuid]
@@ -363,6 +364,8 @@ class BucketIndex:
             self._drop_tomb_nuid(name)
             self._settle_alias(name)
         self.shared_tombstones.pop(name, None)
+        if self.wildcard_nuids.get(name, (0, ""))[0] == revision:
+            del self.wildcard_nuids[name]
 
     def remove(self, name: str) -> bool:
         """Drop `name` (the meta subject it is shown from was purged, e.g. renamed away by another client)."""
@@ -374,6 +377,7 @@ class BucketIndex:
             return self.drop_alias(self.odd_subjects[name])
         self.tombstones.pop(name, None)
         self._drop_tomb_nuid(name)
+        self.wildcard_nuids.pop(name, None)
         old = self.objects.pop(name, None)
         if old is None:
             return self._settle_alias(name)
@@ -397,6 +401,8 @@ class BucketIndex:
         if held is not None and name not in self.odd_subjects and held.revision >= revision:
             return False
         self.tombstones[name] = max(revision, self.tombstones.get(name, 0))
+        if self.wildcard_nuids.get(name, (0, ""))[0] < revision:
+            self.wildcard_nuids.pop(name, None)
         if held is None:
             return False
         del self.objects[name]
@@ -546,7 +552,7 @@ class BucketIndex:
         self._tomb_nuid.clear()
         self._tomb_by_nuid.clear()
         self.shared_tombstones.clear()
-        self.wildcard_tombstones.clear()
+        self.wildcard_nuids.clear()
         self.claimed_markers.clear()
         self.purged.clear()
         self.malformed.clear()

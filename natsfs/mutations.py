@@ -7,8 +7,8 @@ was based on, so a concurrent change by another client is refused (`Conflict`), 
 
 In the background it settles what puts left behind (`settle_puts`: the spool's `PutJournal` of puts
 that failed, or whose meta's fate was unknown, or that a killed daemon left), purges tombstones that
-carry a live object's nuid (`purge_shared_tombstones`) and rewrites those whose nuid is a wildcard on a
-fresh one (`defuse_wildcard_tombstones`), once the server answers.
+carry a live object's nuid (`purge_shared_tombstones`) and rewrites metas whose nuid is a wildcard
+(tombstones, live metas, links) on a fresh one (`defuse_wildcard_nuids`), once the server answers.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from .adr20 import (
     metadata_of,
     set_posix_attrs,
     stream_name,
+    wildcard_reach,
 )
 from .config import Config
 from .errors import (
@@ -93,6 +94,9 @@ def _digest_of_file(fd: int, size: int) -> bytes:
     return hasher.digest()
 
 
+# Names whose wildcard nuid one pass rewrites with a WARNING line each (per bucket); the rest of that
+# pass's are summed up in one more line (`Mutations.defuse_wildcard_nuids`).
+_DEFUSE_WARNINGS = 10
 # Bytes a rename can add to a meta besides its longer name: `natsfs.mtime_ns` (see `_rename_change`) and
 # `mtime` where the meta had none.
 _MOVE_GROWTH = 128
@@ -141,8 +145,10 @@ class Mutations:
         # event set whenever one ends: an upload finding such a change stored waits for it (`_upload`).
         self._own_meta: Counter[tuple[str, str]] = Counter()
         self._own_meta_ended = trio.Event()
-        # (bucket, name) of the tombstones with a wildcard nuid rewritten so far (one WARNING per name).
+        # (bucket, name) of the metas with a wildcard nuid rewritten so far (one WARNING per name), and of
+        # those another client changed first (one INFO line per name).
         self._defused: set[tuple[str, str]] = set()
+        self._defuse_lost: set[tuple[str, str]] = set()
         # Called with (bucket, object info) after this mount changed an object itself.
         self.journal = staging.spool.journal
         store.put_log = self.journal
@@ -305,7 +311,7 @@ class Mutations:
             await trio.sleep(self.config.settle_interval)
             await self.settle_puts()
             await self.purge_shared_tombstones()
-            await self.defuse_wildcard_tombstones()
+            await self.defuse_wildcard_nuids()
 
     async def settle_at_unmount(self, timeout: float) -> None:
         """Unmounting: settle what this run's puts left (a streamed put given up when its file was written
@@ -458,45 +464,65 @@ class Mutations:
                             "name (left by renames of an earlier natsfs; other clients' delete of those names "
                             "would have destroyed the objects): %s", bucket, len(purged), shown)
 
-    async def defuse_wildcard_tombstones(self) -> None:
-        """Rewrite tombstones whose nuid is `*` or `>` (another client wrote them) on a fresh nuid that holds
-        no chunks, each expecting the revision the index holds (`ObjectStore.defuse_tombstone`): another
+    async def defuse_wildcard_nuids(self) -> None:
+        """Rewrite metas whose nuid holds a wildcard (`*`, `>`: another client wrote them), tombstones,
+        live metas and links alike, on a fresh nuid that holds no chunks, each expecting the revision the
+        index holds (`ObjectStore.defuse_wildcard_nuid`, which `natsfs fsck --repair` uses too): another
         client's Delete or Put of such a name would purge `$O.<bucket>.C.*`, every chunk of the bucket
-        (this mount never purges by a wildcard: `streams.check_purge_filter`). One WARNING per name; a
-        bucket that takes no writes (or a server that refuses them to this user) keeps them (one INFO line
-        per bucket and pass, for `natsfs fsck`)."""
+        (this mount never purges by a wildcard: `streams.check_purge_filter`). A live object reads as
+        before (it never had chunks it could read); a link keeps its target. One WARNING per name (the
+        same name again later: INFO); a name another client changed first is left as it is now (one INFO
+        line per name). More than `_DEFUSE_WARNINGS` names in one pass are summed up in one more WARNING
+line, never a flood. A bucket that takes no writes (or a server that refuses them to this user) keeps
+        them (one INFO line per bucket and pass, for `natsfs fsck`)."""
         for bucket in self.ns.loaded_buckets():
             index = self.ns.loaded_index(bucket)
-            if index is None or not index.wildcard_tombstones:
+            if index is None or not index.wildcard_nuids:
                 continue
             if self.known_sealed(bucket):
                 continue  # (nothing can be written there; read again when it changes)
-            for name, (revision, nuid) in list(index.wildcard_tombstones.items()):
+            warned, unwarned = 0, []
+            for name, (revision, nuid) in list(index.wildcard_nuids.items()):
                 try:
-                    rewritten = await self.store.defuse_tombstone(bucket, name, revision)
+                    rewritten = await self.store.defuse_wildcard_nuid(bucket, name, revision)
                 except (ReadOnly, NotPermitted, JetStreamAPIError) as e:
                     if isinstance(e, JetStreamAPIError) and e.code != 400:
-                        log.debug("bucket %s: rewriting the tombstone of %r failed (%s); retrying", bucket, name, e)
+                        log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, name, e)
                         continue
-                    log.info("bucket %s: cannot rewrite %d tombstone(s) whose nuid is a wildcard (%s); "
+                    log.info("bucket %s: cannot rewrite %d meta(s) whose nuid is a wildcard (%s); "
                              "another client's Delete or Put of those names would purge every chunk",
-                             bucket, len(index.wildcard_tombstones), e)
-                    index.wildcard_tombstones.clear()
+                             bucket, len(index.wildcard_nuids), e)
+                    index.wildcard_nuids.clear()
                     break
                 except NatsFSError as e:
-                    log.debug("bucket %s: rewriting the tombstone of %r failed (%s); retrying", bucket, name, e)
+                    log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, name, e)
                     continue
-                if index.wildcard_tombstones.get(name, (0, ""))[0] == revision:
+                if index.wildcard_nuids.get(name, (0, ""))[0] == revision:
                     # (Rewritten, or changed meanwhile: the watch brings what the name holds now.)
-                    del index.wildcard_tombstones[name]
+                    del index.wildcard_nuids[name]
+                key = (bucket, name)
                 if rewritten is None:
+                    if key not in self._defuse_lost:
+                        self._defuse_lost.add(key)
+                        log.info("bucket %s: %r changed before its nuid %r could be rewritten; left as it is "
+                                 "now", bucket, name, nuid)
                     continue
                 self._apply(bucket, rewritten)
-                level = logging.WARNING if (bucket, name) not in self._defused else logging.INFO
-                self._defused.add((bucket, name))
-                log.log(level, "bucket %s: the tombstone of %r carried the nuid %r, which another client's "
-                        "Delete or Put of that name would purge as $O.%s.C.%s, every chunk of the bucket: "
-                        "rewritten on a fresh nuid", bucket, name, nuid, bucket, nuid)
+                first = key not in self._defused
+                self._defused.add(key)
+                if first and warned >= _DEFUSE_WARNINGS:
+                    unwarned.append(name)
+                    continue
+                warned += first
+                what = ("the tombstone" if rewritten.deleted else "the link" if rewritten.link is not None
+                        else "the object")
+                log.log(logging.WARNING if first else logging.INFO, "bucket %s: %s %r carried the nuid %r, "
+                        "which another client's Delete or Put of that name would purge as %s: rewritten on a "
+                        "fresh nuid", bucket, what, name, nuid, wildcard_reach(bucket, nuid))
+            if unwarned:
+                shown = ", ".join(repr(n) for n in unwarned[:5]) + (" ..." if len(unwarned) > 5 else "")
+                log.warning("bucket %s: %d more metas whose nuid was a wildcard rewritten on a fresh nuid: %s",
+                            bucket, len(unwarned), shown)
 
     async def _live_holder(self, bucket: str, index: BucketIndex, name: str, nuid: str) -> bool:
         """Does a name the index holds live with `nuid` (other than `name`) still hold it in the bucket?

@@ -1,7 +1,7 @@
 """Writers of ADR-20 objects exactly as nats.go publishes them, for tests only (the daemon never calls
-them): `put_object`, `put_link`, `delete_object`, `rename_object`. They work over any `Streams`:
-MemoryStreams in the unit and ops tiers, JetStreams against a real server. Metas are written with
-`natsfs.adr20.meta_json`, the one nats.go-exact meta writer.
+them): `put_object`, `put_link`, `delete_object`, `rename_object` (and nats.js's `js_put_object`). They
+work over any `Streams`: MemoryStreams in the unit and ops tiers, JetStreams against a real server.
+Metas are written with `natsfs.adr20.meta_json`, the one nats.go-exact meta writer.
 """
 
 from __future__ import annotations
@@ -123,6 +123,17 @@ async def delete_object(streams: Any, bucket: str, name: str) -> None:
     await streams.publish(meta_subject(bucket, name), meta_json(tomb), {ROLLUP: "sub"})
     if doc.get("nuid"):
         await streams.purge_subject(stream_name(bucket), chunk_subject(bucket, str(doc["nuid"])))
+
+
+async def js_put_object(streams: Any, bucket: str, name: str, data: bytes) -> ObjectInfo:
+    """nats.js's put: as nats.go's Put, but the previous info's nuid is purged whatever it was (a
+    tombstone's, a link's too). A nuid that cannot name one chunk subject is refused (`chunk_subject`),
+    as MemoryStreams refuses a purge by a wildcard: a real server would purge every subject it matches."""
+    old = await _current_doc(streams, bucket, name)
+    info = await put_object(streams, bucket, name, data)
+    if old is not None and old.get("nuid") and old.get("nuid") != info.nuid:
+        await streams.purge_subject(stream_name(bucket), chunk_subject(bucket, str(old["nuid"])))
+    return info
 
 
 async def rename_object(streams: Any, bucket: str, old: str, new: str) -> ObjectInfo:

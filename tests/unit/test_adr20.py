@@ -495,3 +495,17 @@ def test_which_streams_are_object_stores_and_which_take_writes(config, hidden, r
     if read_only is not None:
         why = refuses_writes("b", config)
         assert (read_only in why) if read_only else why == ""
+
+
+@pytest.mark.parametrize("nuid", ["*", ">", "x.*", "a.>"])
+def test_a_wildcard_nuid_names_no_chunks_of_a_live_object_either(nuid):
+    """Another client's live meta or link whose nuid holds a wildcard token: read as an object without
+    chunks of its own (nuid ""), the nuid kept as `wildcard_nuid` for the mount's rewrite."""
+    for fields in ({"size": 0, "chunks": 0}, {"size": 5, "chunks": 1},
+                   {"size": 0, "chunks": 0, "options": {"link": {"bucket": "b", "name": "t"}}},
+                   {"size": 0, "chunks": 0, "deleted": True}):
+        info = parse_meta("b", msg("x", {"name": "x", "bucket": "b", "nuid": nuid} | fields))
+        assert (info.nuid, info.wildcard_nuid, info.size) == ("", nuid, 0 if fields.get("deleted") else fields["size"])
+    for bad in ({"nuid": nuid, "size": 5, "chunks": 0}, {"nuid": "a.b", "size": 0, "chunks": 0}):
+        with pytest.raises(MalformedMeta):
+            parse_meta("b", msg("x", {"name": "x", "bucket": "b"} | bad))

@@ -5,10 +5,19 @@ from __future__ import annotations
 import json
 
 import trio
-from gowriters import put_object
+from gowriters import delete_object, js_put_object, put_object
 
 from natsfs import fsck
-from natsfs.adr20 import BytesSource, ObjectStore, chunk_subject, meta_subject, new_nuid, stream_name
+from natsfs.adr20 import (
+    BytesSource,
+    Link,
+    ObjectStore,
+    chunk_subject,
+    meta_subject,
+    new_nuid,
+    stream_name,
+    usable_nuid,
+)
 from natsfs.memstreams import MemoryStreams
 from natsfs.streams import ROLLUP
 
@@ -452,33 +461,57 @@ def test_findings_from_metas_changed_before_they_are_read_again_are_void():
     run(body)
 
 
-def test_a_tombstone_whose_nuid_is_a_wildcard_is_dangerous_and_repaired():
-    """nats.go's Delete and nats.js's put of a name purge `$O.b.C.` + the nuid its tombstone carries:
-    with `>` or `*` that filter matches every chunk subject. A mount ignores such a nuid, and fsck said
-    "clean"; it is a tombstone sharing every live nuid. A wildcard in an alias tombstone, which no
-    client reads by name, or in a bucket without chunks is no danger."""
+def test_a_meta_whose_nuid_is_a_wildcard_is_dangerous_and_rewritten_as_a_mount_does():
+    """nats.go's Delete and Put and nats.js's put of a name purge `$O.b.C.` + the nuid its meta carries:
+    with `>` or `*` that filter matches every chunk subject. A tombstone carrying one is a tombstone
+    sharing every live nuid; a live meta or a link carrying one is as dangerous. `--repair` rewrites
+    each on a fresh nuid expecting the revision read, as a mount does (`defuse_wildcard_nuid`): every
+    other field kept, a link still a link to its target. Then those clients' Delete and put of the names
+    purge only the fresh nuid. A wildcard in an alias tombstone, which no client reads by name, is no
+    danger."""
     async def body(ms, store, clock):
         await put_object(ms, "b", "good", b"good bytes", chunk_size=CHUNK)
-        for name, nuid in (("bomb", ">"), ("bomb2", "*")):
-            doc = {"name": name, "bucket": "b", "nuid": nuid, "size": 0, "chunks": 0, "deleted": True}
+        await put_object(ms, "b", "more", b"more bytes" * 300, chunk_size=CHUNK)
+        wild = {"bomb": {"nuid": ">", "deleted": True}, "bomb2": {"nuid": "*", "deleted": True},
+                "live": {"nuid": "*", "size": 5, "chunks": 1, "digest": "SHA-256=abc", "description": "kept"},
+                "empty": {"nuid": ">", "metadata": {"k": "v"}}, "dotted": {"nuid": "x.*"},
+                "link": {"nuid": "*", "options": {"link": {"bucket": "b", "name": "good"}}}}
+        for name, fields in wild.items():
+            doc = {"name": name, "bucket": "b", "size": 0, "chunks": 0} | fields
             await ms.publish(meta_subject("b", name), json.dumps(doc).encode(), {ROLLUP: "sub"})
         doc = {"name": "alias", "bucket": "b", "nuid": ">", "size": 0, "chunks": 0, "deleted": True}
         await ms.publish(meta_subject("b", "alias").rstrip("="), json.dumps(doc).encode(), {ROLLUP: "sub"})
-        # A live meta with such a nuid is unreadable to a mount (left alone), and says why it matters.
-        doc = {"name": "live", "bucket": "b", "nuid": "*", "size": 1, "chunks": 1}
-        await ms.publish(meta_subject("b", "live"), json.dumps(doc).encode(), {ROLLUP: "sub"})
         report = await fsck.check_bucket(store, "b")
-        assert kinds(report, left=True) == [(fsck.SHARED_TOMBSTONE, "bomb"), (fsck.SHARED_TOMBSTONE, "bomb2"),
-                                            (fsck.BAD_META, meta_subject("b", "live"))]
+        assert kinds(report, left=True) == [(fsck.WILDCARD_META, "dotted"), (fsck.WILDCARD_META, "empty"),
+                                            (fsck.WILDCARD_META, "link"), (fsck.WILDCARD_META, "live"),
+                                            (fsck.SHARED_TOMBSTONE, "bomb"), (fsck.SHARED_TOMBSTONE, "bomb2")]
         details = {f.where: f.detail for f in report.findings}
         assert "would purge the chunks of every object" in details["bomb"]
-        assert "would purge $O.b.C.*: every chunk in the bucket" in details[meta_subject("b", "live")]
+        assert details["link"].startswith("a link carrying the nuid '*'")
+        assert details["live"].startswith("an object (its 5 bytes never readable)")
+        chunks = {s: n for s, n in ms.subjects(stream_name("b")).items() if ".C." in s}
         report = await fsck.check_bucket(store, "b", repair=True)
-        assert [f.kind for f in report.problems_left] == [fsck.BAD_META]
-        assert all(f.repaired for f in report.findings if f.kind == fsck.SHARED_TOMBSTONE)
-        subjects = ms.subjects(stream_name("b"))
-        assert meta_subject("b", "bomb") not in subjects and meta_subject("b", "bomb2") not in subjects
-        assert meta_subject("b", "alias").rstrip("=") in subjects and meta_subject("b", "live") in subjects
+        assert report.problems_left == [] and all(f.repaired for f in report.findings)
+        for name, fields in wild.items():
+            msg = await ms.last_msg(stream_name("b"), meta_subject("b", name))
+            doc = json.loads(msg.data)
+            assert usable_nuid(doc["nuid"]) and doc["nuid"] not in chunks, name
+            if not fields.get("deleted"):  # (a tombstone is rewritten as nats.go's Delete writes one)
+                assert {k: v for k, v in doc.items() if k not in ("nuid", "mtime")} == \
+                    {"name": name, "bucket": "b", "size": 0, "chunks": 0} | {k: v for k, v in fields.items()
+                                                                            if k != "nuid"}
+        assert (await store.get_info("b", "link")).link == Link("b", "good")
+        # The alias stays; a second check finds the 5 bytes of "live" missing (they always were).
+        assert meta_subject("b", "alias").rstrip("=") in ms.subjects(stream_name("b"))
+        report = await fsck.check_bucket(store, "b")
+        assert kinds(report, left=True) == [(fsck.DAMAGED, "live")]
+        # nats.go's Delete of every live name, nats.js's put of every name: only the fresh nuids go.
+        for name, fields in wild.items():
+            if not fields.get("deleted"):
+                await delete_object(ms, "b", name)
+            await js_put_object(ms, "b", name, b"theirs")
+        assert {s: n for s, n in ms.subjects(stream_name("b")).items() if s in chunks} == chunks
         assert await read(store, "good") == b"good bytes"
+        assert await read(store, "more") == b"more bytes" * 300
 
     run(body)

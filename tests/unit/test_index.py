@@ -502,3 +502,26 @@ def test_kept_directories_survive_an_index_rebuilt_aside():
     moved, _ = make(obj("q/y"))  # (a parent gone meanwhile: nothing to keep it in)
     moved.carry_kept(idx.root)
     assert tree(moved.root) == {"q": {"y": "q/y"}}
+
+
+def test_metas_with_a_wildcard_nuid_are_listed_until_the_name_holds_another():
+    """Tombstones, live metas and links whose nuid is a wildcard (for the mount's rewrite), by the revision
+    of their meta; another meta of the name, a purge of its subject or a deletion known without its meta
+    drop them."""
+    def wild(name: str, nuid: str, *, deleted: bool = False, size: int = 5, link: Link | None = None) -> ObjectInfo:
+        info = obj(name, size, deleted=deleted, link=link)
+        info.nuid, info.wildcard_nuid = "", nuid
+        return info
+
+    idx, _ = make()
+    live, tomb, link = wild("live", "*"), wild("tomb", ">", deleted=True), wild("link", "*", size=0,
+                                                                                  link=Link("b", "live"))
+    for info in (live, tomb, link):
+        idx.apply(info)
+    assert idx.wildcard_nuids == {"live": (live.revision, "*"), "tomb": (tomb.revision, ">"),
+                                  "link": (link.revision, "*")}
+    assert idx.objects["live"].size == 5 and idx.objects["link"].link == Link("b", "live")
+    idx.apply(obj("live"))  # (rewritten on a fresh nuid)
+    idx.remove("link")
+    idx.forget("tomb", tomb.revision + 1)
+    assert idx.wildcard_nuids == {}
