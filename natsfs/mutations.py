@@ -473,7 +473,7 @@ class Mutations:
         before (it never had chunks it could read); a link keeps its target. One WARNING per name (the
         same name again later: INFO); a name another client changed first is left as it is now (one INFO
         line per name). More than `_DEFUSE_WARNINGS` names in one pass are summed up in one more WARNING
-line, never a flood. A bucket that takes no writes (or a server that refuses them to this user) keeps
+        line, never a flood. A bucket that takes no writes (or a server that refuses them to this user) keeps
         them (one INFO line per bucket and pass, for `natsfs fsck`)."""
         for bucket in self.ns.loaded_buckets():
             index = self.ns.loaded_index(bucket)
