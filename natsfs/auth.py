@@ -10,14 +10,25 @@ one selected in `~/.config/nats/context.txt`), read from `~/.config/nats/context
 Secrets (the password, the token, a password in a URL) travel to child processes as JSON through a
 pipe (`to_json`/`from_json`), never in argv or the environment; `repr` and every message redact them.
 The bridge turns a `Connection` into nats-py connect options with `connect_options`.
+
+A password or token taken from `--password-file`/`--token-file` keeps the file's (absolute) path beside
+it (`password_file`, `token_file`, which travel with it), and `refreshed` reads the file again: every
+connection is made with `refreshed()` settings, so a secret rotated by rewriting its file is used from
+the next connect on (a reconnect after the server dropped the connection, or a new upload worker),
+without remounting. A file that cannot be read then, or holds nothing, keeps the secret read before,
+said once at WARNING naming the file (never its content) until it is readable again. (A creds or NKey
+file is read anew at every connect anyway.)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import ssl
+import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -28,6 +39,8 @@ import nkeys  # type: ignore[import-untyped]
 
 from .errors import Unavailable
 from .secrecy import REDACTED, redact_urls
+
+log = logging.getLogger(__name__)
 
 # Environment variables that carry connection settings; children never inherit them (they get a pipe).
 ENV_VARS = {"servers": "NATS_URL", "user": "NATS_USER", "password": "NATS_PASSWORD", "token": "NATS_TOKEN",
@@ -62,6 +75,10 @@ class Connection:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    # The files `password` and `token` were read from (`--password-file`, `--token-file`): read again
+    # before each connect (`refreshed`). Paths, not secrets.
+    password_file: str | None = None
+    token_file: str | None = None
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)}
@@ -97,8 +114,30 @@ class Connection:
         userinfo = (server.partition("://")[2] if "://" in server else server).rpartition("@")[0]
         user, colon, password = userinfo.partition(":")
         if colon:
-            return replace(self, user=unquote(user), password=unquote(password), token=None)
-        return replace(self, user=None, password=None, token=unquote(user))
+            return replace(self, user=unquote(user), password=unquote(password), token=None, password_file=None,
+                           token_file=None)
+        return replace(self, user=None, password=None, token=unquote(user), password_file=None, token_file=None)
+
+    def refreshed(self, level: int = logging.WARNING) -> Connection:
+        """These settings with the password and token read again from the files they came from
+        (`password_file`, `token_file`): what a connection about to authenticate uses, so that a secret
+        rotated by rewriting its file is sent from the next connect on. A file that cannot be read now,
+        or is empty or not UTF-8, keeps the secret held here (the last one read), said at `level` once
+        per file (and process) until it is readable again, naming the file and never its content."""
+        changes: dict[str, Any] = {}
+        for name in SECRET_FIELDS:
+            path = getattr(self, f"{name}_file")
+            if not path:
+                continue
+            try:
+                secret = _read_secret_file(path, name)
+            except Unavailable as e:
+                _SECRET_FILES.failed(path, f"{e}; keeping the {name} read before", level)
+                continue
+            _SECRET_FILES.read(path, name, secret, changed=secret != getattr(self, name))
+            if secret != getattr(self, name):
+                changes[name] = secret
+        return replace(self, **changes) if changes else self
 
     def connect_options(self) -> dict[str, Any]:
         """nats-py `connect()` keyword arguments for these credentials (not the servers)."""
@@ -232,6 +271,40 @@ def _read_secret_file(path: str, what: str) -> str:
     return secret
 
 
+class _SecretFiles:
+    """What the process last found in each secret file it read again: whether the file failed (said
+    once until it is readable again) and a digest of its secret (a change is said once, whichever of
+    the process's connections reads it first). A process's connections run in two threads (asyncio
+    and trio)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failing: dict[str, int] = {}  # path -> the level its failure was said at
+        self._digests: dict[str, bytes] = {}
+
+    def failed(self, path: str, message: str, level: int) -> None:
+        with self._lock:
+            if self._failing.get(path, -1) >= level:  # (said already: by a quiet connection, said again louder)
+                return
+            self._failing[path] = level
+        log.log(level, "%s", message)
+
+    def read(self, path: str, what: str, secret: str, *, changed: bool) -> None:
+        """`path` was read (`secret`); `changed`: not the secret the reading connection held."""
+        digest = hashlib.sha256(secret.encode()).digest()  # (only to tell a change: the secret is not kept)
+        with self._lock:
+            again = self._failing.pop(path, None) is not None
+            before = self._digests.get(path)
+            self._digests[path] = digest
+        if again:
+            log.info("the %s file %s is readable again", what, path)
+        if before != digest and (before is not None or changed):
+            log.info("the %s in %s changed: new connections use the new one", what, path)
+
+
+_SECRET_FILES = _SecretFiles()
+
+
 # The URL schemes nats-py connects with.
 SCHEMES = ("nats", "tls", "ws", "wss")
 
@@ -298,10 +371,12 @@ def resolve(options: Mapping[str, Any], environ: Mapping[str, str] | None = None
     the `OPTION_HELP` names; missing or None = not given), the environment, and the NATS CLI context."""
     env = os.environ if environ is None else environ
     given = dict(options)
-    if given.get("password_file") and not given.get("password"):
-        given["password"] = _read_secret_file(given["password_file"], "password")
-    if given.get("token_file") and not given.get("token"):
-        given["token"] = _read_secret_file(given["token_file"], "token")
+    files: dict[str, Any] = {}
+    for name in SECRET_FIELDS:
+        path = given.get(f"{name}_file")
+        if path and not given.get(name):
+            given[name] = _read_secret_file(path, name)
+            files[f"{name}_file"] = os.path.abspath(path)  # (read again at each connect: `refreshed`)
     context = _context(given.get("context"), env)
     values: dict[str, Any] = {}
     for name, var in ENV_VARS.items():
@@ -314,7 +389,7 @@ def resolve(options: Mapping[str, Any], environ: Mapping[str, str] | None = None
     for name in ("creds_file", "nkey_file", "tls_ca", "tls_cert", "tls_key"):
         if name in values and values[name].startswith("~/"):  # as the NATS CLI writes contexts
             values[name] = os.path.join(home, values[name][2:])
-    return Connection(**values)
+    return Connection(**values, **files)
 
 
 def add_options(parser: Any, *, suppress: bool = False) -> None:

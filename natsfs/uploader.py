@@ -31,7 +31,8 @@ server is slow), and replaced as above, its requests failing with `Unavailable`.
 The worker runs isolated (`-I`: neither the working directory nor `$PYTHON*` variables shape its
 imports), inherits no descriptors but its pipes and no `$NATS_URL`, and gets the server URLs (which
 may carry credentials) and the credentials (`auth.Connection` as JSON) as the first line on its stdin,
-never on its command line.
+never on its command line: the password and token as their files hold them at its start, with the
+files' paths, so the worker reads them again when it connects anew (`Connection.refreshed`).
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ class UploadWorker:
         try:
             affinity.next_cpu(proc.pid)  # it hashes beside the daemon, not on its CPU
             assert proc.stdin is not None
+            # The secrets as their files hold them now (the worker reads them again at each connect of
+            # its own; should a file be unreadable then, it has the last good one).
+            self.connection = self.connection.refreshed()
             await proc.stdin.send_all(self.connection.to_json().encode() + b"\n")
         except (OSError, trio.BrokenResourceError):
             pass  # it died at once: its exit is reported like any other death
