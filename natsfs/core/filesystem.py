@@ -1368,8 +1368,8 @@ class Filesystem:
             if direct_io:
                 # Its reads fill no page; a splice of it fills pages under the old size: none vouched for.
                 self.files.forget_cached_version(inode)
-            else:
-                self.files.set_cached_version(inode, info.nuid)
+            elif not keep:
+                self.files.dropping_at_open(inode, info.nuid, fh)
         return Opened(fh, keep, direct_io)
 
     @contextlib.asynccontextmanager
@@ -1492,6 +1492,8 @@ class Filesystem:
             # object (the chunk cache, asked for a version of chunks=0 and the base's nuid, logged an
             # ERROR and failed EIO).
             raise _bytes_never_stored(handle.info)
+        # (The kernel sends this only once the handle's open completed: a drop of the pages it made is done.)
+        self.files.read_through(handle.ino, fh, handle.info.nuid)
         ra = handle.plan_readahead(off, size, self.config.readahead_min, self.config.readahead_max)
         try:
             return await self.cache.read(handle.info, off, size, ra)
