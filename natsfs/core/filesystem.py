@@ -1502,6 +1502,14 @@ class Filesystem:
             self.files.forget_cached_version(handle.ino)
             self.kernel.inode(handle.ino)
             raise
+        except Stale:
+            # Its chunks are gone: the cache refuses this version from now on (see `ChunkCache._gone`), and
+            # the kernel's pages of it go too (once), so that a later read fails at its first byte rather
+            # than copying the cached pages and coming back short where they end.
+            if self.files.purged_seen(handle.ino, handle.info.nuid):
+                self.files.forget_cached_version(handle.ino)
+                self.kernel.inode(handle.ino)
+            raise
 
     async def write(self, fh: HandleNo, off: int, buf: bytes) -> int:
         self._refuse_if_read_only()

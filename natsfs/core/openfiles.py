@@ -46,6 +46,7 @@ class OpenFile:
     # while it completes that open, after our answer, so the pages are that version's only once a read
     # through that handle shows the open completed (`read_through`); until then no open keeps them.
     dropping: tuple[str, int] | None = None
+    purged: str | None = None  # the version its handles read was found purged (`purged_seen`)
     # A flush did not store because it was not the opener's last close (see openers.py): the last
     # release stores.
     store_deferred: bool = False
@@ -181,6 +182,14 @@ class OpenFileTable:
         rec = self._files.get(ino)
         if rec is not None and rec.dropping == (nuid, fh):
             rec.cached_version, rec.dropping = nuid, None
+
+    def purged_seen(self, ino: InodeNo, nuid: str) -> bool:
+        """A read through a handle of `ino` found version `nuid` purged: True the first time."""
+        rec = self._files.get(ino)
+        if rec is None or rec.purged == nuid:
+            return False
+        rec.purged = nuid
+        return True
 
     def forget_cached_version(self, ino: InodeNo) -> None:
         """The kernel's pages of `ino` are dropped (or the inode itself is gone)."""

@@ -303,7 +303,7 @@ def test_reopen_keeps_page_cache_only_for_the_same_version(ops_env):
     ops_env(body, setup=two_buckets)
 
 
-def test_open_handle_of_a_replaced_version_reads_cached_bytes_or_gets_estale(ops_env):
+def test_open_handle_of_a_replaced_version_reads_cached_bytes_until_found_purged(ops_env):
     async def body(env: Env):
         deep = await env.lookup("alpha/dir/sub/deep.bin")
         fi = await env.ops.open(deep.st_ino, os.O_RDONLY, None)
@@ -311,7 +311,16 @@ def test_open_handle_of_a_replaced_version_reads_cached_bytes_or_gets_estale(ops
         await put_object(env.streams, "alpha", "dir/sub/deep.bin", b"replaced")  # purges the old chunks
         await env.settle()
         assert await env.ops.read(fi.fh, 0, 10) == DATA[:10]  # cached chunk of the version it opened
+        def drops() -> int:
+            return env.fs.kernel.sent.count(("inode", deep.st_ino, None))
+        before = drops()
         assert await fuse_error(env.ops.read(fi.fh, 300_000, 100)) == errno.ESTALE
+        # Found purged: not served from the cache any more either (the kernel, its read refused, asks
+        # again page by page and would return those pages alone: a short read mid-file), and the
+        # kernel's pages of it are dropped, once, for the same reason.
+        assert await fuse_error(env.ops.read(fi.fh, 0, 10)) == errno.ESTALE
+        assert await fuse_error(env.ops.read(fi.fh, 300_000, 100)) == errno.ESTALE
+        assert drops() == before + 1
         await env.ops.release(fi.fh)
         assert await env.cat("alpha/dir/sub/deep.bin") == b"replaced"
 
