@@ -190,8 +190,8 @@ class Layout:
     also has one `UNPROVEN` slot covering the bytes no chunk can be proven to hold."""
 
     __slots__ = ("busy", "complete", "ends", "error", "error_began", "generation", "gone", "grew",
-                 "hash_pos", "hasher", "intact", "last_read", "read_end", "reported", "retry_error", "runs", "seqs",
-                 "verdict", "walk_to", "window")
+                 "hash_pos", "hasher", "intact", "last_read", "purged", "read_end", "reported", "retry_error", "runs",
+                 "seqs", "verdict", "walk_to", "window")
 
     def __init__(self) -> None:
         self.seqs = array("q")
@@ -206,6 +206,9 @@ class Layout:
         self.error: NatsFSError | None = None
         self.retry_error = False  # `error` is the server not answering: worth another walk
         self.error_began = 0.0  # when the walk that failed with `error` began (trio clock)
+        # The server answered that this version's chunks are gone (replaced or deleted, then purged): every
+        # read of it fails with this from then on, also of chunks still cached (see `ChunkCache.read`).
+        self.purged: str | None = None
         # Digest check of this version: chunks are hashed in order as reads serve them.
         self.hasher = hashlib.sha256()
         self.hash_pos = 0  # index of the next chunk to hash
@@ -444,6 +447,9 @@ class ChunkCache:
             return b""
         self.stats.reads += 1
         self.stats.read_bytes += end - offset
+        purged = self._layout_of(info).purged
+        if purged is not None:
+            raise Stale(purged)  # (not served from the cache either: see `_gone`)
         readahead = self._readahead(self._layout_of(info), readahead)
         # One deadline for all this read waits for (a layout walk, fetches, each asked again while the
         # server does not answer), never one window per step.
@@ -570,6 +576,15 @@ class ChunkCache:
             return
         layout.reported.add(cause)
         log.log(level, "object %s/%s (version %s): %s", info.bucket, info.name, info.nuid, text)
+
+    def _gone(self, info: ObjectInfo, layout: Layout) -> Stale:
+        """The server holds no chunk of this version any more: it was replaced or deleted, and purged.
+        Every read of it fails from now on, also of the chunks still cached: the kernel, whose request
+        across a chunk boundary fails, asks again page by page and hands the program the pages that read
+        before the failing one, a short read in the middle of the file that programs take for its end.
+        (Pages the kernel already caches it still copies first: see docs/SEMANTICS.md.)"""
+        layout.purged = f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone"
+        return Stale(layout.purged)
 
     def _unreadable(self, info: ObjectInfo, layout: Layout, idx: int) -> Corrupt:
         start, end = layout.start_of(idx), layout.ends[idx]
@@ -704,7 +719,7 @@ class ChunkCache:
                     await self._map_all(info, layout)
                     return
                 if not got:
-                    raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
+                    raise self._gone(info, layout)
                 if len(layout.seqs) >= info.chunks:
                     layout.complete = True
                     return
@@ -728,7 +743,7 @@ class ChunkCache:
         _own_chunk_subject(info)
         index = await self.store.chunk_index(info.bucket, info.nuid)
         if not index and info.chunks:
-            raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
+            raise self._gone(info, layout)
         prefix = list(zip(layout.seqs, (layout.size_of(i) for i in range(len(layout.seqs))), strict=True))
         placed = await self._place(info, prefix, index)
         layout.replace(placed.slots, placed.gone, placed.intact)
@@ -856,7 +871,7 @@ class ChunkCache:
                 return out  # slots were rebuilt meanwhile; the reader looks again
             if not msgs and not await self._fetch(info, 1, 1, 1):
                 # Not one chunk of the version is left: it was replaced and purged.
-                raise Stale(f"{info.bucket}/{info.name}: chunks of version {info.nuid} are gone")
+                raise self._gone(info, layout)
             previous = 0
             for m in msgs:
                 if m.subject != subject:

@@ -1368,8 +1368,8 @@ class Filesystem:
             if direct_io:
                 # Its reads fill no page; a splice of it fills pages under the old size: none vouched for.
                 self.files.forget_cached_version(inode)
-            else:
-                self.files.set_cached_version(inode, info.nuid)
+            elif not keep:
+                self.files.dropping_at_open(inode, info.nuid, fh)
         return Opened(fh, keep, direct_io)
 
     @contextlib.asynccontextmanager
@@ -1492,6 +1492,8 @@ class Filesystem:
             # object (the chunk cache, asked for a version of chunks=0 and the base's nuid, logged an
             # ERROR and failed EIO).
             raise _bytes_never_stored(handle.info)
+        # (The kernel sends this only once the handle's open completed: a drop of the pages it made is done.)
+        self.files.read_through(handle.ino, fh, handle.info.nuid)
         ra = handle.plan_readahead(off, size, self.config.readahead_min, self.config.readahead_max)
         try:
             return await self.cache.read(handle.info, off, size, ra)
@@ -1499,6 +1501,14 @@ class Filesystem:
             # The cache refuses this version from now on; drop whatever the kernel cached of it.
             self.files.forget_cached_version(handle.ino)
             self.kernel.inode(handle.ino)
+            raise
+        except Stale:
+            # Its chunks are gone: the cache refuses this version from now on (see `ChunkCache._gone`), and
+            # the kernel's pages of it go too (once), so that a later read fails at its first byte rather
+            # than copying the cached pages and coming back short where they end.
+            if self.files.purged_seen(handle.ino, handle.info.nuid):
+                self.files.forget_cached_version(handle.ino)
+                self.kernel.inode(handle.ino)
             raise
 
     async def write(self, fh: HandleNo, off: int, buf: bytes) -> int:

@@ -42,6 +42,11 @@ class OpenFile:
     purge_later: tuple[str, str] | None = None
     own_uploads: int = 0  # uploads of this mount's own being applied right now
     cached_version: str | None = None  # the nuid whose bytes the kernel may hold in its page cache
+    # (nuid, handle) of the last open answered without `keep_cache`: the kernel drops the inode's pages
+    # while it completes that open, after our answer, so the pages are that version's only once a read
+    # through that handle shows the open completed (`read_through`); until then no open keeps them.
+    dropping: tuple[str, int] | None = None
+    purged: str | None = None  # the version its handles read was found purged (`purged_seen`)
     # A flush did not store because it was not the opener's last close (see openers.py): the last
     # release stores.
     store_deferred: bool = False
@@ -52,7 +57,7 @@ class OpenFile:
     @property
     def idle(self) -> bool:
         return (not self.opens and not self.own_uploads and not self.unlinked and self.purge_later is None
-                and self.cached_version is None)
+                and self.cached_version is None and self.dropping is None)
 
 
 class OpenFileTable:
@@ -97,6 +102,7 @@ class OpenFileTable:
             return None
         last = OpenFile(ino, unlinked=rec.unlinked, purge_later=rec.purge_later, store_deferred=rec.store_deferred)
         rec.unlinked, rec.purge_later, rec.store_deferred, rec.own_meta_doc = False, None, False, None
+        rec.dropping = None  # (no handle left to show its open's drop done)
         self._drop_if_idle(rec)
         return last
 
@@ -160,11 +166,37 @@ class OpenFileTable:
     def set_cached_version(self, ino: InodeNo, nuid: str) -> None:
         self._record(ino).cached_version = nuid
 
+    def dropping_at_open(self, ino: InodeNo, nuid: str, fh: int) -> None:
+        """Handle `fh` of version `nuid` was opened without `keep_cache`: the kernel drops the inode's pages
+        when it completes that open, which is after this mount answered it. Another thread's open of the
+        same version answered meanwhile with `keep_cache` would read what the pages hold before that drop
+        (another version's bytes, whole pages of them in the middle of its read), so the pages count as
+        this version's only from the first read through `fh` on (the kernel sends none before the open
+        completed, drop included: `read_through`)."""
+        rec = self._record(ino)
+        rec.cached_version = None
+        rec.dropping = (nuid, fh)
+
+    def read_through(self, ino: InodeNo, fh: int, nuid: str) -> None:
+        """A read through handle `fh` of version `nuid`: if its open dropped the pages, that drop is done."""
+        rec = self._files.get(ino)
+        if rec is not None and rec.dropping == (nuid, fh):
+            rec.cached_version, rec.dropping = nuid, None
+
+    def purged_seen(self, ino: InodeNo, nuid: str) -> bool:
+        """A read through a handle of `ino` found version `nuid` purged: True the first time."""
+        rec = self._files.get(ino)
+        if rec is None or rec.purged == nuid:
+            return False
+        rec.purged = nuid
+        return True
+
     def forget_cached_version(self, ino: InodeNo) -> None:
         """The kernel's pages of `ino` are dropped (or the inode itself is gone)."""
         rec = self._files.get(ino)
         if rec is not None:
             rec.cached_version = None
+            rec.dropping = None
             self._drop_if_idle(rec)
 
     # ------------------------------------------------------------------ own changes by path

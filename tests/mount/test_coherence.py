@@ -207,6 +207,37 @@ def test_a_reader_keeps_its_version_or_gets_estale_never_a_mix(nats_url, bucket_
     assert m.alive
 
 
+def test_a_read_of_a_version_found_purged_is_never_short(nats_url, bucket_name, mounter):
+    """Once a read found the version a handle reads purged (another client overwrote it), every read of
+    it fails ESTALE at its first byte, also where the mount still caches chunks of it. (The kernel, its
+    read across a chunk boundary refused, asks again page by page and returns the pages it got: a
+    `pread` in the middle of the file came back short, ending at the first chunk not cached, which
+    programs take for the end of the file.)"""
+    old, new = _versions(128)  # 16 MiB
+    nats_py_put(nats_url, bucket_name, "moving.bin", old)
+    m = mounter(nats_url)
+    p = m.path / bucket_name / "moving.bin"
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # (the kernel reads only the pages asked for)
+        assert os.pread(fd, 4096, 0) == old[:4096]  # the mount now caches the first chunks (its first walk)
+        nats_py_put(nats_url, bucket_name, "moving.bin", new)  # new chunks, new meta, the old chunks purged
+        with pytest.raises(OSError) as far:
+            os.pread(fd, 4096, len(old) - 4096)  # (not cached: the mount learns the version is gone)
+        assert far.value.errno == errno.ESTALE
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the kernel's pages go: it must ask the mount
+        for off, size in [(0, len(old)), (100_000, 8 << 20), (4096, 4096)]:
+            try:
+                got = os.pread(fd, size, off)
+            except OSError as e:
+                assert e.errno == errno.ESTALE, e
+                continue
+            assert len(got) == size and got == old[off : off + size], (off, size, len(got))
+    finally:
+        os.close(fd)
+    assert m.alive
+
+
 def test_two_readers_of_two_versions_never_see_each_others_bytes(nats_url, bucket_name, mounter):
     old, new = _versions(64)
     nats_py_put(nats_url, bucket_name, "moving.bin", old)

@@ -279,9 +279,15 @@ def test_reopen_keeps_page_cache_only_for_the_same_version(ops_env):
     async def body(env: Env):
         f = await env.lookup("alpha/f.txt")
         first = await env.ops.open(f.st_ino, os.O_RDONLY, None)
+        # The kernel drops the pages for `first` only when it completes that open, after our answer: an
+        # open answered before a read through `first` shows that drop done does not keep them (another
+        # thread would read whatever they held before, another version's bytes in the middle of a read).
         second = await env.ops.open(f.st_ino, os.O_RDONLY, None)
-        assert not first.keep_cache and second.keep_cache
-        for fi in (first, second):
+        assert not first.keep_cache and not second.keep_cache
+        assert await env.ops.read(second.fh, 0, 100) == b"hello alpha\n"
+        third = await env.ops.open(f.st_ino, os.O_RDONLY, None)
+        assert third.keep_cache  # the pages hold what reads of this version put there since the drop
+        for fi in (first, second, third):
             await env.ops.release(fi.fh)
         # (Closed first: a reader still open would keep the old version on this inode, and the path
         # would get a fresh one; see test_ops_write.)
@@ -289,15 +295,15 @@ def test_reopen_keeps_page_cache_only_for_the_same_version(ops_env):
         await env.settle()
         assert (await env.ops.getattr(f.st_ino, None)).st_size == 20
         assert ("inode", f.st_ino, None) in env.fs.kernel.sent  # the kernel drops its pages of it
-        third = await env.ops.open(f.st_ino, os.O_RDONLY, None)
-        assert not third.keep_cache
-        assert await env.ops.read(third.fh, 0, 100) == b"version two, longer\n"
-        await env.ops.release(third.fh)
+        fourth = await env.ops.open(f.st_ino, os.O_RDONLY, None)
+        assert not fourth.keep_cache
+        assert await env.ops.read(fourth.fh, 0, 100) == b"version two, longer\n"
+        await env.ops.release(fourth.fh)
 
     ops_env(body, setup=two_buckets)
 
 
-def test_open_handle_of_a_replaced_version_reads_cached_bytes_or_gets_estale(ops_env):
+def test_open_handle_of_a_replaced_version_reads_cached_bytes_until_found_purged(ops_env):
     async def body(env: Env):
         deep = await env.lookup("alpha/dir/sub/deep.bin")
         fi = await env.ops.open(deep.st_ino, os.O_RDONLY, None)
@@ -305,7 +311,16 @@ def test_open_handle_of_a_replaced_version_reads_cached_bytes_or_gets_estale(ops
         await put_object(env.streams, "alpha", "dir/sub/deep.bin", b"replaced")  # purges the old chunks
         await env.settle()
         assert await env.ops.read(fi.fh, 0, 10) == DATA[:10]  # cached chunk of the version it opened
+        def drops() -> int:
+            return env.fs.kernel.sent.count(("inode", deep.st_ino, None))
+        before = drops()
         assert await fuse_error(env.ops.read(fi.fh, 300_000, 100)) == errno.ESTALE
+        # Found purged: not served from the cache any more either (the kernel, its read refused, asks
+        # again page by page and would return those pages alone: a short read mid-file), and the
+        # kernel's pages of it are dropped, once, for the same reason.
+        assert await fuse_error(env.ops.read(fi.fh, 0, 10)) == errno.ESTALE
+        assert await fuse_error(env.ops.read(fi.fh, 300_000, 100)) == errno.ESTALE
+        assert drops() == before + 1
         await env.ops.release(fi.fh)
         assert await env.cat("alpha/dir/sub/deep.bin") == b"replaced"
 

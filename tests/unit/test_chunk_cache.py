@@ -239,6 +239,32 @@ def test_replaced_object_raises_stale_for_chunks_not_cached():
     run(body, cache_bytes=150_000, background=False)
 
 
+@pytest.mark.parametrize("found_by", ["read", "readahead"])
+def test_a_version_found_purged_is_never_served_again_even_from_the_cache(found_by):
+    """The kernel asks again page by page when a read across a chunk boundary fails, and hands the program
+    the pages that read before the failing one: a short read in the middle of the file, which programs
+    take for its end. So once the server said the version's chunks are gone, its cached chunks are not
+    served either: every read of it fails ESTALE, at its first byte."""
+    data = blob(400_000)
+
+    async def body(ms, store, cache):
+        old = await put_object(ms, "b", "p", data, chunk_size=100_000)
+        assert await cache.read(old, 0, 10) == data[:10]  # chunk 0 (at least) cached
+        await put_object(ms, "b", "p", b"new version")  # purges the old nuid's chunks
+        if found_by == "read":
+            with pytest.raises(Stale):
+                await cache.read(old, 390_000, 10)
+        else:
+            # (cached: served, and what follows is fetched ahead, which finds the version gone)
+            assert await cache.read(old, 99_000, 900, readahead=400_000) == data[99_000:99_900]
+            await trio.testing.wait_all_tasks_blocked()
+        for off in (0, 50_000, 99_990):  # bytes of chunk 0, still cached
+            with pytest.raises(Stale):
+                await cache.read(old, off, 20)
+
+    run(body, cache_bytes=1 << 20, batch_bytes=100_000)
+
+
 def _with(info: ObjectInfo, **changes: Any) -> ObjectInfo:
     return ObjectInfo(**{**{f: getattr(info, f) for f in info.__slots__}, **changes})
 
