@@ -87,7 +87,10 @@ def share_one_cpu() -> int | None:
         return None
     if len(allowed) < 2:
         return None
-    cpu = _pick(allowed, _current_cpu(allowed), mounts_per_cpu())
+    taken = mounts_per_cpu()
+    cpu = _pick(allowed, _current_cpu(allowed), taken)
+    log.debug("the daemon's threads are kept on CPU %d (other mounts kept per CPU: %s)", cpu,
+              ", ".join(f"{c}: {taken[c]}" for c in sorted(allowed)))
     try:
         # pid 0 is the calling thread only: threads already running keep their CPUs.
         os.sched_setaffinity(0, {cpu})

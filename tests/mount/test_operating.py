@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import signal
 import socket
@@ -269,13 +270,16 @@ def test_mounts_started_together_spread_over_the_cpus(private_server, mounter):
     create_bucket(private_server.url, "spread")
     first = mounter(private_server.url)
     assert wait_for(lambda: "notifier" in _children(first.proc.pid))
-    kept = affinity.mounts_per_cpu()  # the first one's included
     second = mounter(private_server.url)
-    cpus = [_allowed_cpus(f"/proc/{m.proc.pid}/status") for m in (first, second)]
-    assert all(c.isdigit() for c in cpus), cpus
-    assert kept[int(cpus[1])] == min(kept[c] for c in os.sched_getaffinity(0)), (cpus, kept)
-    if sum(kept.values()) == 1:  # no mount but the first: the second goes elsewhere
-        assert cpus[0] != cpus[1], cpus
+    # What the second one saw when it chose (other mounts on this machine, a developer's or another
+    # test run's, come and go meanwhile; and its threads move later off a CPU other work takes).
+    chosen = re.search(r"threads are kept on CPU (\d+) \(other mounts kept per CPU: ([^)]*)\)", second.log())
+    assert chosen, second.log()
+    kept = {int(c): int(n) for c, n in (pair.split(": ") for pair in chosen[2].split(", "))}
+    cpu = int(chosen[1])
+    # The first one is counted, and the second went to a CPU with the fewest (so with no other mount
+    # about, not the first one's).
+    assert sum(kept.values()) >= 1 and kept[cpu] == min(kept.values()), (cpu, kept)
     (second / "spread" / "g.bin").write_bytes(b"y" * 1000)
     assert (first / "spread" / "g.bin").read_bytes() == b"y" * 1000
 
