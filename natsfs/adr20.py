@@ -244,6 +244,8 @@ def meta_json(doc: dict[str, Any]) -> bytes:
             if isinstance(value.get("link"), dict):
                 link = value["link"]
                 value["link"] = {k: link[k] for k in _LINK_FIELDS if k in link} | _others(link, _LINK_FIELDS)
+            if not value:
+                continue
         out[key] = value
     out.update(_others(doc, _META_FIELDS))
     text = json.dumps(out, separators=(",", ":"), ensure_ascii=False)
