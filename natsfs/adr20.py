@@ -819,6 +819,9 @@ _OPTIONS_FIELDS: dict[str, Any] = {"link": _LINK_FIELDS, "max_chunk_size": None}
 _META_FIELDS: dict[str, Any] = {"name": None, "description": None, "headers": "map", "metadata": "map",
                                 "options": _OPTIONS_FIELDS, "bucket": None, "nuid": None, "size": None,
                                 "mtime": None, "chunks": None, "digest": None, "deleted": None}
+# Each struct's fields by their folded names.
+_FOLDED = {id(fields): {f.translate(_GO_FOLD): f for f in fields}
+           for fields in (_LINK_FIELDS, _OPTIONS_FIELDS, _META_FIELDS)}
 
 
 def _go_utf8_errors(e: UnicodeError) -> tuple[str, int]:
@@ -830,12 +833,15 @@ def _go_utf8_errors(e: UnicodeError) -> tuple[str, int]:
 codecs.register_error("natsfs.go_utf8", _go_utf8_errors)
 
 
-def _fix(text: str) -> str:
-    return _LONE_SURROGATE.sub("\ufffd", text)
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
-    return _Pairs((_fix(k), _fix(v) if isinstance(v, str) else v) for k, v in pairs)
+def _fix(value: Any) -> Any:
+    """`value` with each lone surrogate in its strings (and keys) as U+FFFD, as Go's decoder reads them."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, _Pairs):
+        return _Pairs((_fix(k), _fix(v)) for k, v in value)
+    if isinstance(value, list):
+        return [_fix(v) for v in value]
+    return value
 
 
 class _MinusZero(int):
@@ -860,12 +866,11 @@ def _not_json(text: str) -> Any:
 def _plain(value: Any, huge: list[bool]) -> Any:
     """`value` with objects as dicts (the last of duplicate keys wins) and unusable numbers as None (noted
     in `huge`)."""
-    if isinstance(value, _Pairs):
+    kind = type(value)
+    if kind is _Pairs:
         return {k: _plain(v, huge) for k, v in value}
-    if isinstance(value, list):
+    if kind is list:
         return [_plain(v, huge) for v in value]
-    if isinstance(value, str):
-        return _fix(value)
     if value is _HUGE:
         huge.append(True)
         return None
@@ -876,7 +881,7 @@ def _go_struct(pairs: _Pairs, fields: dict[str, Any], strict: dict[str, _TypeChe
                wrong: list[str], into: dict[str, Any] | None) -> dict[str, Any]:
     """A struct of ObjectInfo decoded from `pairs` into (a copy of) `into`, as Go's decoder does."""
     out = dict(into) if into is not None else {}
-    folded = {f.translate(_GO_FOLD): f for f in fields}
+    folded = _FOLDED[id(fields)]
     for key, value in pairs:
         name = key if key in fields else folded.get(key.translate(_GO_FOLD))
         if name is None:  # a key nats.go does not know: kept as written (not one holding a huge number)
@@ -933,7 +938,7 @@ def _shallow(text: str) -> str:
 
 
 def _go_loads(text: str) -> Any:
-    loads: dict[str, Any] = {"object_pairs_hook": _pairs, "parse_int": _int, "parse_float": _float,
+    loads: dict[str, Any] = {"object_pairs_hook": _Pairs, "parse_int": _int, "parse_float": _float,
                              "parse_constant": _not_json}
     try:
         return json.loads(text, **loads)
@@ -957,6 +962,8 @@ def load_meta(data: bytes | bytearray) -> tuple[dict[str, Any], str | None]:
     if text.startswith("\ufeff"):
         raise MetaNotJSON("is not JSON nats.go can read (it starts with a byte order mark)")
     raw = _go_loads(text)
+    if "\\u" in text:  # (only an escape makes a lone surrogate: UTF-8 has none)
+        raw = _fix(raw)
     if not isinstance(raw, _Pairs):
         raise MetaNotJSON("is not a JSON object")
     wrong: list[str] = []
