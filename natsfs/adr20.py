@@ -937,21 +937,21 @@ def _shallow(text: str) -> str:
     return "".join(out)
 
 
-def _go_loads(text: str) -> Any:
-    loads: dict[str, Any] = {"object_pairs_hook": _Pairs, "parse_int": _int, "parse_float": _float,
-                             "parse_constant": _not_json}
+_LOADS: dict[str, Any] = {"object_pairs_hook": _Pairs, "parse_int": _int, "parse_float": _float,
+                          "parse_constant": _not_json}
+
+
+def _read_meta(text: str) -> tuple[dict[str, Any], str | None]:
     try:
-        return json.loads(text, **loads)
-    except RecursionError:
-        pass
-    except ValueError:
+        raw = json.loads(text, **_LOADS)
+    except ValueError:  # (not RecursionError: `load_meta` cuts the text then)
         raise MetaNotJSON("is not JSON") from None
-    try:
-        return json.loads(_shallow(text), **loads)
-    except MetaNotJSON:
-        raise
-    except (ValueError, RecursionError):
-        raise MetaNotJSON("is not JSON") from None
+    if "\\u" in text:  # (only an escape makes a lone surrogate: UTF-8 has none)
+        raw = _fix(raw)
+    if not isinstance(raw, _Pairs):
+        raise MetaNotJSON("is not a JSON object")
+    wrong: list[str] = []
+    return _go_struct(raw, _META_FIELDS, _STRICT_META_TYPES, "", wrong, None), (wrong[0] if wrong else None)
 
 
 def load_meta(data: bytes | bytearray) -> tuple[dict[str, Any], str | None]:
@@ -961,13 +961,14 @@ def load_meta(data: bytes | bytearray) -> tuple[dict[str, Any], str | None]:
     text = bytes(data).decode("utf-8", "natsfs.go_utf8")
     if text.startswith("\ufeff"):
         raise MetaNotJSON("is not JSON nats.go can read (it starts with a byte order mark)")
-    raw = _go_loads(text)
-    if "\\u" in text:  # (only an escape makes a lone surrogate: UTF-8 has none)
-        raw = _fix(raw)
-    if not isinstance(raw, _Pairs):
-        raise MetaNotJSON("is not a JSON object")
-    wrong: list[str] = []
-    return _go_struct(raw, _META_FIELDS, _STRICT_META_TYPES, "", wrong, None), (wrong[0] if wrong else None)
+    try:
+        return _read_meta(text)
+    except RecursionError:
+        pass  # nested deeper than Python parses or walks (Go takes 10000 levels): read it cut
+    try:
+        return _read_meta(_shallow(text))
+    except RecursionError:
+        raise MetaNotJSON("is not JSON") from None
 
 
 def meta_doc_of(data: bytes | bytearray) -> dict[str, Any] | None:
