@@ -400,7 +400,7 @@ def chunk_subject(bucket: str, nuid: str) -> str:
 
 
 def _delete_marker(data: bytes) -> bool:
-    """Whether a meta message is a delete marker (a tombstone), read as leniently as anything can be."""
+    """Whether a meta message is a delete marker (a tombstone), as nats.go reads it (`Deleted` too)."""
     doc = meta_doc_of(data)
     return doc is not None and doc.get("deleted") is True
 
