@@ -59,10 +59,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -238,14 +240,26 @@ def meta_json(doc: dict[str, Any]) -> bytes:
         if key in ("headers", "metadata") and isinstance(value, dict):
             value = dict(sorted(value.items()))
         elif key == "options" and isinstance(value, dict):
-            value = {k: value[k] for k in ("link", "max_chunk_size") if value.get(k)} | {
-                k: v for k, v in value.items() if k not in ("link", "max_chunk_size")}
+            value = {k: value[k] for k in ("link", "max_chunk_size") if value.get(k)} | _others(value, _OPTIONS_FIELDS)
+            if isinstance(value.get("link"), dict):
+                link = value["link"]
+                value["link"] = {k: link[k] for k in _LINK_FIELDS if k in link} | _others(link, _LINK_FIELDS)
+            if not value:
+                continue
         out[key] = value
-    out.update((k, v) for k, v in doc.items() if k not in _META_KEYS)
+    out.update(_others(doc, _META_FIELDS))
     text = json.dumps(out, separators=(",", ":"), ensure_ascii=False)
     for char, escaped in _GO_ESCAPES.items():
         text = text.replace(char, escaped)
     return text.encode()
+
+
+def _others(value: dict[str, Any], fields: Any) -> dict[str, Any]:
+    """The keys of `value` other than `fields`, without those Go's decoder reads as one of `fields` (`NUID`,
+    `Deleted`: see `load_meta`): a meta this mount stores never makes nats.go read another value than the
+    one it wrote."""
+    folded = {f.translate(_GO_FOLD) for f in fields}
+    return {k: v for k, v in value.items() if k not in fields and k.translate(_GO_FOLD) not in folded}
 
 
 def _moved_doc(doc: dict[str, Any], name: str, change: Callable[[dict[str, Any]], None] | None
@@ -386,12 +400,9 @@ def chunk_subject(bucket: str, nuid: str) -> str:
 
 
 def _delete_marker(data: bytes) -> bool:
-    """Whether a meta message is a delete marker (a tombstone), read as leniently as anything can be."""
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return False
-    return isinstance(doc, dict) and doc.get("deleted") is True
+    """Whether a meta message is a delete marker (a tombstone), as nats.go reads it (`Deleted` too)."""
+    doc = meta_doc_of(data)
+    return doc is not None and doc.get("deleted") is True
 
 
 def valid_bucket_name(name: str) -> bool:
@@ -670,7 +681,7 @@ def _attrs_from(metadata: dict[str, Any], name: str, ignored: Ignored | None) ->
 # where one has another type is one nats.go cannot unmarshal at all (GetInfo answers ErrBadObjectMeta,
 # Watch and List skip it). natsfs splits the fields:
 # - those that decide what the object IS (its name, bucket, nuid, size, chunks, digest, whether it is
-#   deleted, the link it is): of the wrong type, the meta is malformed and skipped (`_wrong_type`), so
+#   deleted, the link it is): of the wrong type, the meta is malformed and skipped (`load_meta`), so
 #   such a value is never turned into text (a link to bucket `7` named `['a']`);
 # - the descriptive ones (description, headers, metadata, options, options.max_chunk_size, mtime): of the
 #   wrong type, that field or map entry is ignored and the object shows (`_descriptive_fields`): nats.py
@@ -691,7 +702,8 @@ def _bool_type(value: Any) -> bool:
 
 
 def _uint_type(bits: int) -> Callable[[Any], bool]:
-    return lambda value: isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << bits
+    # (exactly int: not a bool, nor `-0`, which Go's decoder refuses as unsigned)
+    return lambda value: type(value) is int and 0 <= value < 1 << bits
 
 
 def _object_type(value: Any) -> bool:
@@ -719,22 +731,6 @@ _MAX_CHUNK_SIZE_TYPE: _TypeCheck = (_uint_type(32), "an unsigned 32-bit number")
 # The metadata keys `_attrs_from` reads: it reports a value of the wrong type there itself.
 _ATTR_KEYS = frozenset({ATTR_MODE, ATTR_UID, ATTR_GID, ATTR_MTIME, ATTR_TYPE, ATTR_RDEV, ATTR_SYMLINK,
                         ATTR_SYMLINK_SIG})
-
-
-def _wrong_type(doc: dict[str, Any]) -> str | None:
-    """Why the meta `doc` is malformed: a field that decides what the object is, of a JSON type nats.go
-    could not unmarshal; or None."""
-    options = doc.get("options")
-    link = options.get("link") if isinstance(options, dict) else None
-    for prefix, fields, types in (("", doc, _STRICT_META_TYPES), ("options.", options, _STRICT_OPTIONS_TYPES),
-                                  ("options.link.", link, _STRICT_LINK_TYPES)):
-        if not isinstance(fields, dict):
-            continue
-        for key, (check, kind) in types.items():
-            value = fields.get(key)
-            if value is not None and not check(value):
-                return f"its {prefix}{key} is {_short(value)}, not {kind}"
-    return None
 
 
 def _descriptive_fields(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -778,10 +774,216 @@ def _descriptive_fields(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     return (doc if out is None else out), dropped
 
 
+# ---------------------------------------------------------------- metas read as Go's encoding/json reads them
+# nats.go reads a meta with `json.Unmarshal` into its ObjectInfo. Where Go's decoder and Python's
+# `json.loads` differ, another client could make natsfs and nats.go see different objects: natsfs defusing
+# one nuid while nats.go's Delete purges another (`{"nuid":"abc","NUID":"*"}` is nuid `*` to nats.go).
+# `load_meta` reads a meta as Go does where that decides what the object is:
+# - the bytes are UTF-8 only: a byte order mark (or UTF-16, UTF-32, which `json.loads` guesses) is no JSON
+#   to Go; an invalid byte in a string is U+FFFD, one per byte, and so is an escaped lone surrogate;
+# - NaN and Infinity are no JSON; a number of any length is one (Python's `int()` stops at 4300 digits:
+#   such a number is no usable value, and an unknown key holding one is dropped); nesting deeper than
+#   Go's 10000 levels is no JSON, and what is nested deeper than Python can parse is cut (`_shallow`);
+# - a key names a field of a struct (the meta, its `options`, `options.link`) exactly or folded as Go
+#   folds it (ASCII letters in either case, `ſ` U+017F as `s`, `K` U+212A as `k`); every key naming a field
+#   sets it in turn, so the last one wins; `null` leaves a string, number or boolean as it was and makes
+#   an object or map absent; an object or map given twice (`options`, `link`, `headers`, `metadata`) is
+#   merged key by key, as Go decodes into the one it already holds;
+# - a value of another JSON type than a field that decides what the object is declares fails Go's whole
+#   decode even where a later key sets the field right: `load_meta` reports the first one.
+# The result holds each known field under its canonical (lower-case) key, so a rewrite stores no
+# case-variant duplicates. Map keys (headers, metadata) and unknown keys are kept as written.
+class MetaNotJSON(ValueError):
+    """A meta Go's decoder refuses as JSON, or one that is no JSON object (the text says which)."""
+
+
+class _Pairs(list[tuple[str, Any]]):
+    """A JSON object's members in their order, duplicates kept (json's `object_pairs_hook`)."""
+
+
+class _Huge:
+    """A number Python will not convert (over 4300 digits, or a float out of range)."""
+
+
+_HUGE = _Huge()
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# Go's foldName, as far as it can make a key equal to an ASCII field name: ASCII letters upper-cased, and
+# the two runes whose case-folding orbit holds an ASCII letter (every other rune folds to a non-ASCII one).
+_GO_FOLD = {c: c - 32 for c in range(ord("a"), ord("z") + 1)} | {0x17F: ord("S"), 0x212A: ord("K")}
+_GO_MAX_DEPTH = 10_000
+_KEPT_DEPTH = 64
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+# The structs of nats.go's ObjectInfo: canonical key -> a struct's fields, "map", or None (a value).
+_LINK_FIELDS: dict[str, Any] = {"bucket": None, "name": None}
+_OPTIONS_FIELDS: dict[str, Any] = {"link": _LINK_FIELDS, "max_chunk_size": None}
+_META_FIELDS: dict[str, Any] = {"name": None, "description": None, "headers": "map", "metadata": "map",
+                                "options": _OPTIONS_FIELDS, "bucket": None, "nuid": None, "size": None,
+                                "mtime": None, "chunks": None, "digest": None, "deleted": None}
+# Each struct's fields by their folded names.
+_FOLDED = {id(fields): {f.translate(_GO_FOLD): f for f in fields}
+           for fields in (_LINK_FIELDS, _OPTIONS_FIELDS, _META_FIELDS)}
+
+
+def _go_utf8_errors(e: UnicodeError) -> tuple[str, int]:
+    # Go's decoder replaces invalid UTF-8 byte by byte (utf8.DecodeRune: RuneError of size 1).
+    assert isinstance(e, UnicodeDecodeError)
+    return "\ufffd", e.start + 1
+
+
+codecs.register_error("natsfs.go_utf8", _go_utf8_errors)
+
+
+def _fix(value: Any) -> Any:
+    """`value` with each lone surrogate in its strings (and keys) as U+FFFD, as Go's decoder reads them."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, _Pairs):
+        return _Pairs((_fix(k), _fix(v)) for k, v in value)
+    if isinstance(value, list):
+        return [_fix(v) for v in value]
+    return value
+
+
+class _MinusZero(int):
+    """`-0`: zero, but no unsigned number to Go (`strconv.ParseUint` takes no sign)."""
+
+
+def _int(text: str) -> Any:
+    if len(text) > 4300:
+        return _HUGE
+    return _MinusZero(0) if text == "-0" else int(text)
+
+
+def _float(text: str) -> Any:
+    value = float(text)
+    return value if math.isfinite(value) else _HUGE
+
+
+def _not_json(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
+
+
+def _plain(value: Any, huge: list[bool]) -> Any:
+    """`value` with objects as dicts (the last of duplicate keys wins) and unusable numbers as None (noted
+    in `huge`)."""
+    kind = type(value)
+    if kind is _Pairs:
+        return {k: _plain(v, huge) for k, v in value}
+    if kind is list:
+        return [_plain(v, huge) for v in value]
+    if value is _HUGE:
+        huge.append(True)
+        return None
+    return value
+
+
+def _go_struct(pairs: _Pairs, fields: dict[str, Any], strict: dict[str, _TypeCheck], path: str,
+               wrong: list[str], into: dict[str, Any] | None) -> dict[str, Any]:
+    """A struct of ObjectInfo decoded from `pairs` into (a copy of) `into`, as Go's decoder does."""
+    out = dict(into) if into is not None else {}
+    folded = _FOLDED[id(fields)]
+    for key, value in pairs:
+        name = key if key in fields else folded.get(key.translate(_GO_FOLD))
+        if name is None:  # a key nats.go does not know: kept as written (not one holding a huge number)
+            huge: list[bool] = []
+            plain = _plain(value, huge)
+            if not huge:
+                out[key] = plain
+            continue
+        kind = fields[name]
+        if value is None:  # a pointer or map is nil then; a string, number or boolean unchanged
+            if kind is not None or name not in out:
+                out[name] = None
+            continue
+        previous = out.get(name)
+        if isinstance(value, _Pairs) and isinstance(kind, dict):
+            out[name] = _go_struct(value, kind, _STRICT_LINK_TYPES if kind is _LINK_FIELDS else
+                                   _STRICT_OPTIONS_TYPES, f"{path}{name}.", wrong,
+                                   previous if isinstance(previous, dict) else None)
+            continue
+        if isinstance(value, _Pairs) and kind == "map":
+            merged = dict(previous) if isinstance(previous, dict) else {}
+            merged.update(_plain(value, []))
+            out[name] = merged
+            continue
+        check = strict.get(name)
+        if check is not None and not wrong and (value is _HUGE or not check[0](value)):
+            wrong.append(f"its {path}{name} is {'a number too long' if value is _HUGE else _short(value)}, "
+                         f"not {check[1]}")
+        out[name] = _plain(value, [])
+    return out
+
+
+def _shallow(text: str) -> str:
+    """`text` with each array or object nested deeper than `_KEPT_DEPTH` levels replaced by `[]`: deeper
+    than any field of a meta, so only keys nats.go ignores (or a value of the wrong type) hold one, and
+    Python's parser cannot take the thousands of levels Go's can. `MetaNotJSON` over Go's limit."""
+    out: list[str] = []
+    depth, last, cut = 0, 0, -1
+    for m in _JSON_TOKEN.finditer(text):
+        char = m.group()
+        if char in "[{":
+            depth += 1
+            if depth > _GO_MAX_DEPTH:
+                raise MetaNotJSON("is not JSON nats.go can read (nested deeper than 10000 levels)")
+            if depth == _KEPT_DEPTH + 1:
+                cut = m.start()
+        elif char in "]}":
+            if depth == _KEPT_DEPTH + 1 and cut >= 0:
+                out += [text[last:cut], "[]"]
+                last, cut = m.end(), -1
+            depth -= 1
+    out.append(text[last:])
+    return "".join(out)
+
+
+_LOADS: dict[str, Any] = {"object_pairs_hook": _Pairs, "parse_int": _int, "parse_float": _float,
+                          "parse_constant": _not_json}
+
+
+def _read_meta(text: str) -> tuple[dict[str, Any], str | None]:
+    try:
+        raw = json.loads(text, **_LOADS)
+    except ValueError:  # (not RecursionError: `load_meta` cuts the text then)
+        raise MetaNotJSON("is not JSON") from None
+    if "\\u" in text:  # (only an escape makes a lone surrogate: UTF-8 has none)
+        raw = _fix(raw)
+    if not isinstance(raw, _Pairs):
+        raise MetaNotJSON("is not a JSON object")
+    wrong: list[str] = []
+    return _go_struct(raw, _META_FIELDS, _STRICT_META_TYPES, "", wrong, None), (wrong[0] if wrong else None)
+
+
+def load_meta(data: bytes | bytearray) -> tuple[dict[str, Any], str | None]:
+    """The meta document in `data` as nats.go's `json.Unmarshal` reads it (see above), and why nats.go
+    could not read it at all: the first value of the wrong JSON type for a field that decides what the
+    object is (None when there is none). `MetaNotJSON` when Go refuses the bytes, or they hold no object."""
+    text = bytes(data).decode("utf-8", "natsfs.go_utf8")
+    if text.startswith("\ufeff"):
+        raise MetaNotJSON("is not JSON nats.go can read (it starts with a byte order mark)")
+    try:
+        return _read_meta(text)
+    except RecursionError:
+        pass  # nested deeper than Python parses or walks (Go takes 10000 levels): read it cut
+    try:
+        return _read_meta(_shallow(text))
+    except RecursionError:
+        raise MetaNotJSON("is not JSON") from None
+
+
+def meta_doc_of(data: bytes | bytearray) -> dict[str, Any] | None:
+    """`load_meta`'s document, or None where Go's decoder refuses the bytes or they hold no object."""
+    try:
+        return load_meta(data)[0]
+    except MetaNotJSON:
+        return None
+
+
 def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> ObjectInfo:
     """Parse a meta message leniently (all three clients' quirks); `MalformedMeta` when unusable, as
     is a meta whose name, bucket, nuid, size, chunks, digest, deleted or link is of a JSON type nats.go
-    could not unmarshal (`_wrong_type`).
+    could not unmarshal (`load_meta`: also where an earlier key of the same field had the wrong type and
+    a later one the right type).
 
     A value that cannot be used but leaves the object usable is ignored: a descriptive field or map entry
     of the wrong JSON type (`headers` a string, a metadata value that is a number, `options` a list, ...:
@@ -794,14 +996,12 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
         raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) is under a wildcard subject")
     token = msg.subject.rsplit(".", 1)[-1] if msg.subject else ""
     try:
-        doc = json.loads(msg.data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) is not JSON") from None
-    if not isinstance(doc, dict):
-        raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) is not a JSON object")
+        doc, wrong = load_meta(msg.data)
+    except MetaNotJSON as e:
+        raise MalformedMeta(f"meta {msg.subject} (seq {msg.seq}) {e}") from None
     name = doc.get("name")
     subject_name = decode_token(token)
-    if (wrong := _wrong_type(doc)) is not None:
+    if wrong is not None:
         shown = name if isinstance(name, str) else subject_name
         where = f"for {_short(shown)} ({msg.subject}, seq {msg.seq})" if shown is not None else \
             f"{msg.subject} (seq {msg.seq})"
@@ -1019,11 +1219,8 @@ class ObjectStore:
             if msg is None or (revision is not None and msg.seq != revision):
                 return 0
             data = msg.data
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            return 0
-        return len(data) if isinstance(doc, dict) and not doc.get("deleted") else 0
+        doc = meta_doc_of(data)
+        return len(data) if doc is not None and not doc.get("deleted") else 0
 
     def _meta_subject(self, bucket: str, name: str) -> str:
         self.check_name(bucket, name)
@@ -1047,8 +1244,8 @@ class ObjectStore:
                 return None
             base = got[0]
         # (A copy: the new meta is built from `base` and may change what it shares with it.)
-        previous = json.loads(meta_json(base))
-        return previous if isinstance(previous, dict) and previous.get("nuid") == old_nuid else None
+        previous = meta_doc_of(meta_json(base))
+        return previous if previous is not None and previous.get("nuid") == old_nuid else None
 
     async def prove_whole(self, bucket: str, name: str, nuid: str, chunks: int, revision: int,
                           previous: dict[str, Any] | None) -> bool:
@@ -1340,11 +1537,10 @@ class ObjectStore:
         if msg is None:
             return None
         try:
-            doc = json.loads(msg.data)
-        except ValueError:
-            raise MalformedMeta(f"meta of {name!r} in {bucket} is not JSON") from None
-        if not isinstance(doc, dict):
-            raise MalformedMeta(f"meta of {name!r} in {bucket} is not a JSON object")
+            doc = load_meta(msg.data)[0]
+        except MetaNotJSON as e:
+            raise MalformedMeta(f"meta of {name!r} in {bucket} {e}") from None
+        # (As nats.go reads it, each field under its canonical key: a rewrite stores no case variants.)
         # A field of the wrong type (metadata that is a list, ...) is absent for every rewrite.
         return usable_fields(doc), msg.seq
 
@@ -1450,8 +1646,8 @@ class ObjectStore:
         own = self._own_metas.get(meta_subject(bucket, name))
         if own is None:
             return 0
-        doc = json.loads(own[1])
-        return own[0] if isinstance(doc, dict) and doc.get("deleted") else 0
+        doc = meta_doc_of(own[1])
+        return own[0] if doc is not None and doc.get("deleted") else 0
 
     async def _free_or_deleted_at(self, bucket: str, name: str, tried: int | None) -> int | None:
         """After a publish of a new object at `name` (one that may replace a deleted object) was refused
@@ -1476,8 +1672,8 @@ class ObjectStore:
         if expected_revision:
             own = self._own_metas.get(meta_subject(bucket, name))
             if own is not None and own[0] == expected_revision:
-                doc = json.loads(own[1])
-                if isinstance(doc, dict):
+                doc = meta_doc_of(own[1])
+                if doc is not None:
                     return usable_fields(doc), own[0]
         return await self.get_meta_doc(bucket, name)
 
@@ -2094,10 +2290,10 @@ class ObjectStore:
         if msg is None or msg.seq != revision:
             raise Conflict(f"{bucket}/{name} changed since it was read")
         try:
-            doc = json.loads(msg.data)
-        except ValueError:
-            raise MalformedMeta(f"meta {subject} is not JSON") from None
-        if not isinstance(doc, dict) or doc.get("deleted"):
+            doc = load_meta(msg.data)[0]
+        except MetaNotJSON as e:
+            raise MalformedMeta(f"meta {subject} {e}") from None
+        if doc.get("deleted"):
             raise Conflict(f"{bucket}/{name} changed since it was read")
         moved = _moved_doc(usable_fields(doc), name, change)
         info = await self.publish_meta(bucket, moved, expected_revision=0, timestamp=False,

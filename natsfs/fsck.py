@@ -58,7 +58,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -68,6 +68,7 @@ from .adr20 import (
     chunk_subject,
     decode_token,
     format_digest,
+    meta_doc_of,
     meta_subject,
     parse_digest,
     parse_meta,
@@ -187,10 +188,14 @@ async def _meta_messages(store: ObjectStore, bucket: str) -> list[StoredMsg]:
 
 def _doc_nuid(msg: StoredMsg) -> tuple[str, bool] | None:
     """(nuid, deleted) from a meta's JSON, even one `parse_meta` refuses; None when there is none."""
-    try:
-        doc = json.loads(msg.data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
+    # (As nats.go reads it, `NUID` or `nuid`, the last one; else as leniently as Python reads it: chunks a
+    # meta nats.go cannot read names are still no orphans.)
+    doc: Any = meta_doc_of(msg.data)
+    if doc is None:
+        try:
+            doc = json.loads(msg.data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return None
     if not isinstance(doc, dict) or not isinstance(doc.get("nuid"), str) or not doc["nuid"]:
         return None
     # (Only a real `true` is a tombstone: `"deleted": "false"` makes a meta nats.go cannot read, whose

@@ -14,9 +14,11 @@ from typing import Any
 
 from natsfs.adr20 import (
     DEFAULT_CHUNK_SIZE,
+    MetaNotJSON,
     ObjectInfo,
     chunk_subject,
     digest_of,
+    load_meta,
     meta_json,
     meta_subject,
     parse_meta,
@@ -53,15 +55,22 @@ def _split(data: bytes, chunk_size: int, chunk_sizes: Sequence[int] | None) -> l
     return out
 
 
-async def _current_doc(streams: Any, bucket: str, name: str) -> dict[str, Any] | None:
+async def _current_doc(streams: Any, bucket: str, name: str, *, js: bool = False) -> dict[str, Any] | None:
     msg = await streams.last_msg(stream_name(bucket), meta_subject(bucket, name))
     if msg is None:
         return None
+    if js:  # nats.js's JSON.parse: exact keys, the last one wins
+        try:
+            doc = json.loads(msg.data)
+        except ValueError:
+            return None
+        return doc if isinstance(doc, dict) else None
+    # As nats.go's json.Unmarshal reads it (`NUID` is its nuid too); None where it cannot (ErrBadObjectMeta).
     try:
-        doc = json.loads(msg.data)
-    except ValueError:
+        doc, wrong = load_meta(msg.data)
+    except MetaNotJSON:
         return None
-    return doc if isinstance(doc, dict) else None
+    return doc if wrong is None else None
 
 
 async def _info(streams: Any, bucket: str, name: str) -> ObjectInfo:
@@ -129,7 +138,7 @@ async def js_put_object(streams: Any, bucket: str, name: str, data: bytes) -> Ob
     """nats.js's put: as nats.go's Put, but the previous info's nuid is purged whatever it was (a
     tombstone's, a link's too). A nuid that cannot name one chunk subject is refused (`chunk_subject`),
     as MemoryStreams refuses a purge by a wildcard: a real server would purge every subject it matches."""
-    old = await _current_doc(streams, bucket, name)
+    old = await _current_doc(streams, bucket, name, js=True)
     info = await put_object(streams, bucket, name, data)
     if old is not None and old.get("nuid") and old.get("nuid") != info.nuid:
         await streams.purge_subject(stream_name(bucket), chunk_subject(bucket, str(old["nuid"])))
