@@ -223,10 +223,10 @@ def test_requests_in_flight_fail_at_once_and_late_replies_are_dropped(private_se
                 with trio.fail_after(5):
                     while not held:
                         await trio.sleep(0.01)
-                started = trio.current_time()
                 with pytest.raises(OutcomeUnknown):
                     await bridge.js_publish("x." + "b" * 5000, b"")
-            assert outcome and trio.current_time() - started < 4  # not the 8 s request timeout
+            # Failed by the connection's loss, not at its 8 s request timeout ("timed out after 8s").
+            assert outcome and "connection to NATS lost" in str(outcome[0]), outcome
             late.set()  # the old request's reply now goes to the old inbox
             for i in range(20):
                 reply = await bridge.request("svc.fast", str(i).encode())
