@@ -27,9 +27,9 @@ class CallCounter(Counter[str]):
     ones made while serving a FUSE request, per operation (`for_requests`): a request answered from
     memory adds none there, whatever the background tasks (watches, polls, uploads) ask meanwhile."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args: Any, **kwargs: int) -> None:
         self.for_requests: Counter[str] = Counter()
+        super().__init__(*args, **kwargs)  # (as Counter's: `copy()` makes one from another)
 
     def __setitem__(self, key: str, value: int) -> None:
         op = SERVING.get()
