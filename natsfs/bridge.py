@@ -532,6 +532,10 @@ class _Link:
             ended = natscompat.end_client(nc) if not self.lean else []
             await asyncio.wait([closing, *ended], timeout=CLOSE_GRACE_S)
             closing.cancel()
+            log.debug("closed the connection to NATS: the server took nothing within %g s, its socket was aborted",
+                      CLOSE_GRACE_S)
+        else:
+            log.debug("closed the connection to NATS")
         if closing.done() and not closing.cancelled():
             closing.exception()  # retrieved: the client is gone, whatever its close ended with
         if not self.lean:

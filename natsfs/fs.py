@@ -25,6 +25,7 @@ from .core.filesystem import AttrChanges, Attributes, Caller, Filesystem
 from .errors import NatsFSError, single_error
 from .handles import HandleNo
 from .inodes import InodeNo
+from .streams import SERVING
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ def _boundary(fn: F) -> F:
     async def wrapper(self: Operations, *args: Any) -> Any:
         self.fs.op_counts[op] += 1
         _t0 = time.perf_counter()
+        serving = SERVING.set(op)
         try:
             with self.fs.serving(self._request_inodes(op, args)):
                 return await fn(self, *args)
@@ -107,6 +109,7 @@ def _boundary(fn: F) -> F:
             self.failures.log(logging.ERROR, f"{op}{args[:2]!r} failed unexpectedly: {error!r}", exc_info=True)
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
+            SERVING.reset(serving)
             self.fs.op_counts[op + "_us"] += int((time.perf_counter() - _t0) * 1e6)
 
     return wrapper  # type: ignore[return-value]

@@ -35,7 +35,6 @@ import logging
 import re
 import time
 import weakref
-from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -79,6 +78,7 @@ from .streams import (
     BATCH_SEQUENCE,
     STREAM_UPDATED_ADVISORY,
     AccountLimits,
+    CallCounter,
     StoredMsg,
     StreamState,
     WatchBatch,
@@ -185,7 +185,7 @@ class JetStreams:
         self.bridge = bridge
         # Calls per method, and `batch_msgs`: messages sent as requests inside atomic batches (each one a
         # round trip); shown in the daemon's stats, like `MemoryStreams.calls`.
-        self.calls: Counter[str] = Counter()
+        self.calls = CallCounter()
         # Per stream, the highest sequence this client has seen stored (acks, watch deliveries, reads).
         # Direct gets carry it as `min_last_seq`: on a replicated stream any replica may answer, and
         # one that has not applied that far yet hands the request to the leader instead of answering

@@ -298,16 +298,18 @@ class KernelNotifier:
         """Drop the kernel's attributes (and, unless attr_only, cached pages) of `ino`."""
         self._ask(("attr" if attr_only else "inode", ino, None))
 
-    async def attrs_dropped(self, ino: int, *, within: float) -> None:
+    async def attrs_dropped(self, ino: int, *, within: float) -> bool:
         """`inode(ino, attr_only=True)`, and wait (at most `within` s) until the kernel has answered it: a
         reply that must not be followed by a read of the old attributes (a refused close) waits for it.
-        Returns at once with no kernel to tell (not attached, closing); a hung child costs `within`."""
+        Returns at once with no kernel to tell (not attached, closing); a hung child costs `within`.
+        False if the wait gave up at `within` (the invalidation not answered yet), else True."""
         item: Item = ("attr", ino, None)
         self._ask(item)
-        with trio.move_on_after(within):
+        with trio.move_on_after(within) as waiting:
             while self.attached and not self._closing and (item in self._queue or item in self._unanswered_items):
                 self._progress = trio.Event()
                 await self._progress.wait()
+        return not waiting.cancelled_caught
 
     def entry(self, parent_ino: int, name: bytes) -> None:
         """Drop the kernel's cached name → inode entry `name` in directory `parent_ino`."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import Counter
 from collections.abc import AsyncIterable, Callable, Sequence
 from typing import Any
 
@@ -59,6 +58,7 @@ from .streams import (
     MSG_ID,
     ROLLUP,
     AccountLimits,
+    CallCounter,
     StoredMsg,
     StreamState,
     WatchBatch,
@@ -193,7 +193,7 @@ class MemoryStreams:
         self.delay = delay  # seconds every operation sleeps (trio time), to widen races in tests
         self.watch_batch = watch_batch  # most messages one watch batch delivers
         self.stream_group = stream_group  # messages per `next()` of a `stream_batch`
-        self.calls: Counter[str] = Counter()
+        self.calls = CallCounter()
         self._streams: dict[str, _Stream] = {}
         self._faults: list[tuple[str, str | None, BaseException]] = []
         self._lost_acks: list[str | None] = []

@@ -8,6 +8,7 @@ last subject sequence did not match), `NoSpace` (stream limits refuse the messag
 
 from __future__ import annotations
 
+import contextvars
 from collections import Counter
 from collections.abc import AsyncIterable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,26 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from .errors import InvalidArgument, NatsFSError
+
+# The FUSE operation the current task serves (the adapter sets it around each request; tasks a request
+# starts inherit it), so that server calls made for requests are told from background ones.
+SERVING: contextvars.ContextVar[str | None] = contextvars.ContextVar("natsfs_serving", default=None)
+
+
+class CallCounter(Counter[str]):
+    """Server calls per method (`calls[method] += n`), as the daemon's stats show them, and of those the
+    ones made while serving a FUSE request, per operation (`for_requests`): a request answered from
+    memory adds none there, whatever the background tasks (watches, polls, uploads) ask meanwhile."""
+
+    def __init__(self, *args: Any, **kwargs: int) -> None:
+        self.for_requests: Counter[str] = Counter()
+        super().__init__(*args, **kwargs)  # (as Counter's: `copy()` makes one from another)
+
+    def __setitem__(self, key: str, value: int) -> None:
+        op = SERVING.get()
+        if op is not None:
+            self.for_requests[op] += value - self.get(key, 0)
+        super().__setitem__(key, value)
 
 # Header names used on the wire.
 ROLLUP = "Nats-Rollup"
@@ -126,7 +147,7 @@ STREAM_UPDATED_ADVISORY = "$JS.EVENT.ADVISORY.STREAM.UPDATED."
 
 class Streams(Protocol):
     # Calls made so far, per method name (and `batch_msgs`: messages of atomic batches), for the stats.
-    calls: Counter[str]
+    calls: CallCounter
 
     @property
     def max_payload(self) -> int:

@@ -2740,6 +2740,8 @@ class Filesystem:
             "fs": dict(self.counters),
             "ops": dict(self.op_counts),
             "server_calls": dict(self.ns.store.streams.calls),
+            # (of those, the ones made while serving FUSE requests, per operation)
+            "server_calls_for_requests": dict(self.ns.store.streams.calls.for_requests),
             "writeback": dict(self.writeback.counters) if self.writeback is not None else None,
             "staged_files": len(self.staging),
             "unfinished_puts": len(self.mut.journal.pending),  # chunks left to settle (kept or purged)

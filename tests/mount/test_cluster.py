@@ -132,10 +132,13 @@ def test_reads_and_writes_go_on_while_each_node_is_killed_and_restarted(cluster,
 
 
 def test_two_mounts_of_one_bucket_see_each_others_changes_at_once(cluster, mounter, bucket_name):
+    """Through the watch: generous bounds (a loaded machine), no latency asserted. The overwrite and the
+    rename change no subject count, so the periodic reconciliation could not bring them: only the watch
+    does."""
     a = cluster_mount(mounter, cluster, [0, 1, 2])
     b = cluster_mount(mounter, cluster, [2, 1, 0])
     (a.path / bucket_name).mkdir()
-    assert wait_for(lambda: (b.path / bucket_name).is_dir(), timeout=5)
+    assert wait_for(lambda: (b.path / bucket_name).is_dir(), timeout=60)
     pa, pb = a.path / bucket_name, b.path / bucket_name
     lags = []
     for i in range(5):
@@ -144,14 +147,14 @@ def test_two_mounts_of_one_bucket_see_each_others_changes_at_once(cluster, mount
         (src / f"f{i}").write_bytes(data)
         t0 = time.monotonic()
         target = dst / f"f{i}"
-        assert wait_for(lambda t=target, d=data: seen(t, d), timeout=5, interval=0.01), f"{target} not seen"
+        assert wait_for(lambda t=target, d=data: seen(t, d), timeout=60, interval=0.01), f"{target} not seen"
         lags.append(time.monotonic() - t0)
     (pa / "f0").write_bytes(b"replaced")
-    assert wait_for(lambda: (pb / "f0").read_bytes() == b"replaced", timeout=5, interval=0.01)
+    assert wait_for(lambda: (pb / "f0").read_bytes() == b"replaced", timeout=60, interval=0.01)
     (pb / "f1").rename(pb / "moved")
-    assert wait_for(lambda: not (pa / "f1").exists() and (pa / "moved").exists(), timeout=5, interval=0.01)
+    assert wait_for(lambda: not (pa / "f1").exists() and (pa / "moved").exists(), timeout=60, interval=0.01)
     (pa / "moved").unlink()
-    assert wait_for(lambda: not (pb / "moved").exists(), timeout=5, interval=0.01)
+    assert wait_for(lambda: not (pb / "moved").exists(), timeout=60, interval=0.01)
     print(f"seen by the other mount after {max(lags):.3f}s at most")
     clean_log(a)
     clean_log(b)
@@ -164,7 +167,7 @@ def test_spark_pipeline_with_a_node_killed_mid_run_reads_back_through_another_mo
     a = cluster_mount(mounter, cluster, [0, 1, 2])
     b = cluster_mount(mounter, cluster, [1, 2, 0])
     (a.path / bucket_name).mkdir()
-    assert wait_for(lambda: (b.path / bucket_name).is_dir(), timeout=5)
+    assert wait_for(lambda: (b.path / bucket_name).is_dir(), timeout=60)
     victim = stream_leader(cluster, bucket_name)
     killer = threading.Timer(8.0, lambda: (cluster.kill(victim), time.sleep(3), cluster.restart(victim)))
     killer.start()

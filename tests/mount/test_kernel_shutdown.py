@@ -17,6 +17,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -130,18 +131,17 @@ def _abort_if_stuck(mountpoint: Path) -> bool:
     return True
 
 
-def _stat_in_child(path: Path, timeout: float, call: str = "stat") -> tuple[str, float]:
+def _stat_in_child(path: Path, timeout: float, call: str = "stat") -> str:
     """os.stat (or os.listdir) from a child process (this one must never block on a dead mount): its
-    outcome ("ok" or the errno) and how long it took."""
-    started = time.monotonic()
+    outcome ("ok", the errno, or "timeout" if it did not return within `timeout` s)."""
     code = (f"import os, sys\ntry:\n    os.{call}(sys.argv[1]); print('ok')\nexcept OSError as e:\n"
             "    print(e.errno)\n")
     try:
         r = subprocess.run([sys.executable, "-I", "-c", code, str(path)], capture_output=True, text=True,
                            timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "timeout", time.monotonic() - started
-    return r.stdout.strip(), time.monotonic() - started
+        return "timeout"
+    return r.stdout.strip()
 
 
 def test_kill_9_during_a_directory_rename_releases_the_mount(nats_url, bucket_name, tmp_path):
@@ -167,16 +167,16 @@ def test_kill_9_during_a_directory_rename_releases_the_mount(nats_url, bucket_na
         assert wait_for(lambda: _in_rename(mv.pid), 10, 0.005)
         assert mv.poll() is None, "the rename finished before the daemon could be killed"
         os.kill(daemon, signal.SIGKILL)
-        # Released within seconds: the daemon is reaped, mv returns, nothing waits in D state.
-        m.proc.wait(timeout=10)
-        mv.wait(timeout=10)
+        # Released: the daemon is reaped, mv returns, nothing waits in D state (the bounds are guards).
+        m.proc.wait(timeout=60)
+        mv.wait(timeout=60)
         assert mv.returncode != 0  # the rename was cut short, and mv says so
         assert mv.stderr is not None
         said = mv.stderr.read().decode()
         assert "not connected" in said or "connection abort" in said, said
-        assert wait_for(lambda: all(_state(p) in (None, "Z") for p in helpers), 10)
+        assert wait_for(lambda: all(_state(p) in (None, "Z") for p in helpers), 60)
         assert _thread_states(daemon) == []
-        assert _stat_in_child(mp, 10, "listdir")[0] == str(errno.ENOTCONN)  # applications get ENOTCONN
+        assert _stat_in_child(mp, 60, "listdir") == str(errno.ENOTCONN)  # applications get ENOTCONN
         r = subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True, text=True, timeout=20)
         assert r.returncode == 0, r.stderr
     finally:
@@ -291,15 +291,39 @@ def test_an_outage_longer_than_the_entry_timeout(private_server, bucket_name, mo
     private_server.stop()
     time.sleep(2.5)  # longer than the kernel's entry and attribute timeouts: lookups come to the daemon
     for f, size in zip(files, sizes, strict=True):
-        started = time.monotonic()
+        before = _stats(m)
         assert f.stat().st_size == size  # in this process: a child would flush the inherited writer
-        took = time.monotonic() - started
-        assert took < 3, f"stat of a known file waited {took:.1f}s on the server"
-    started = time.monotonic()
-    with pytest.raises(OSError) as e:
-        writer.close()
-    assert e.value.errno == errno.EIO
-    assert time.monotonic() - started < 3 + 5  # the flush deadline, plus scheduling slack
+        after = _stats(m)
+        # The stat came to the daemon (the kernel's entry had expired), which answered it from memory:
+        # it asked the server nothing (a request would have waited for the missing server). (Only the
+        # calls made for FUSE requests: background tasks, the bucket poll, ask on their own meanwhile.)
+        asked = sum(after["ops"].get(op, 0) - before["ops"].get(op, 0) for op in ("lookup", "getattr"))
+        assert asked >= 1, (before["ops"], after["ops"])
+        assert after["server_calls_for_requests"] == before["server_calls_for_requests"], \
+            (before["server_calls_for_requests"], after["server_calls_for_requests"])
+    # The close fails at the flush deadline (--flush-timeout 3s): EIO, and the daemon says why. (On a
+    # thread: a close that waited for the server would hang this process; the guard is far above 3 s.)
+    closed: list[BaseException | None] = []
+
+    def close() -> None:
+        try:
+            writer.close()
+        except OSError as e:
+            closed.append(e)
+        else:
+            closed.append(None)
+
+    closing = threading.Thread(target=close, daemon=True)
+    closing.start()
+    closing.join(120)
+    assert closed, "the close of a file written during the outage waited for the server"
+    assert isinstance(closed[0], OSError) and closed[0].errno == errno.EIO, closed
+    # Failed for the outage (the server away longer than --request-timeout) or at the flush deadline.
+    # (Said at the release, which follows the failed flush.)
+    closed_line = r"new\.txt: closed without a successful upload \((.*?)\)"
+    assert wait_for(lambda: re.search(closed_line, m.log()), 30), m.log()[-3000:]
+    failed = re.search(closed_line, m.log())
+    assert failed and re.match(r"not stored within 3(\.0)? s|no connection to NATS", failed[1]), m.log()[-3000:]
     for _ in range(3):
         with pytest.raises(OSError) as e:
             (m / bucket_name / "uncached.bin").read_bytes()
@@ -309,6 +333,10 @@ def test_an_outage_longer_than_the_entry_timeout(private_server, bucket_name, mo
     read_failures = [line for line in problems if line.split(": ", 1)[-1].startswith("read:")]
     assert len(read_failures) == 1, "\n".join(problems)
     assert len(problems) == len(set(problems)), "\n".join(problems)
+
+
+def _stats(m: Mount) -> dict[str, Any]:
+    return dict(json.loads(os.getxattr(m.path, "user.natsfs.stats")))
 
 
 def _kept_at(log: str, bucket: str, name: str) -> list[str]:
@@ -380,24 +408,27 @@ def test_shutdown_with_a_stopped_server_ends_within_the_shutdown_timeout(private
     """A server that does not answer (SIGSTOP: the connection stays open) at SIGTERM: the open writer is
     kept in lost+found at --shutdown-timeout, and closing the connections does not wait on that server
     (nats-py's drain waited 10 s more for a flush, then left a cancelled future that asyncio logged as an
-    ERROR with a traceback; the mounter fixture fails the test on one)."""
+    ERROR with a traceback; the mounter fixture fails the test on one). Shown by outcomes, not a clock:
+    the daemon exits 0 while the server is still stopped (the guard, 60 s, is far above 3 s), the wait
+    for the writer ended at its deadline (the kept line says so), the connection was closed, and no
+    ERROR or traceback was logged."""
     create_bucket(private_server.url, bucket_name)
     m = mounter(private_server.url, "--bucket", bucket_name, "--shutdown-timeout", "3s")
     w = _start_writer(m / "unsent.bin")
     assert m.proc is not None and private_server.proc is not None
     stop_process(private_server.proc.pid)
     try:
-        started = time.monotonic()
         m.proc.send_signal(signal.SIGTERM)
         status = m.proc.wait(timeout=60)
-        took = time.monotonic() - started
         # (The daemon's log is complete once it exited: its ERROR records, if any, are all there.)
+        log = m.log()
         assert not m.unexpected_log(), m.unexpected_log()
     finally:
         os.kill(private_server.proc.pid, signal.SIGCONT)
     assert status == 0
-    assert took < 3 + 5, f"the daemon exited {took:.1f} s after SIGTERM with --shutdown-timeout 3s"
+    assert "closed the connection to NATS" in log, log[-3000:]  # (before the exit: while the server was stopped)
     _finish_writer(w)
-    kept = _kept_at(m.log(), bucket_name, "unsent.bin")
-    assert len(kept) == 1, m.log()[-3000:]
+    kept = _kept_at(log, bucket_name, "unsent.bin")
+    assert len(kept) == 1, log[-3000:]
+    assert "unsent.bin: not stored before unmounting (no time left after 3 s)" in log, log[-3000:]
     assert Path(kept[0]).read_bytes() == bytes(range(256)) * 12288

@@ -157,21 +157,22 @@ def test_a_lost_lean_connection_fails_what_is_in_flight_at_once_and_is_replaced(
         try:
             assert bridge.lean_reads and bridge.reads_in_trio == in_trio
             caplog.clear()
-            failed: list[float] = []
+            failed: list[bool] = []
 
             async def ask() -> None:
                 with pytest.raises(Unavailable, match="connection to NATS lost"):
                     await bridge.request_many("svc.never", b"", max_bytes=CHUNK)
-                failed.append(trio.current_time())
+                failed.append(True)
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(ask)
                 with trio.fail_after(10):
                     while not asked.is_set():
                         await trio.sleep(0.01)
-                started = trio.current_time()
                 assert await trio.to_thread.run_sync(kick, url, "natsfs") == 2  # both of the bridge's
-            assert failed and failed[0] - started < 5  # at once, not after 30 s
+            # At once: failed by the connection's loss (the message above), not at its 30 s timeout
+            # ("timed out after 30s").
+            assert failed
             assert bridge._budget.used == 0
             await reads_again(js)
             lost = [r for r in caplog.records if "lost the connection" in r.getMessage()
@@ -206,7 +207,9 @@ def test_err_on_the_lean_connection_leaves_the_main_one_alone(private_server, in
         try:
             first = bridge._reads.nc if bridge._reads is not None else None
             assert first is not None
-            with trio.fail_after(5), pytest.raises(Unavailable):
+            # At once, not after the 20 s request timeout: failed by the connection's loss ("timed out
+            # after 20s" would be the timeout). (The bound is a guard only.)
+            with trio.fail_after(60), pytest.raises(Unavailable, match="connection to NATS lost"):
                 await bridge.request_many("x." + "a" * 5000, b"")
             with trio.fail_after(10):
                 while bridge._reads.nc in (None, first):

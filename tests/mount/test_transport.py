@@ -131,8 +131,10 @@ def test_err_from_server_replaces_the_client_and_restores_subscriptions(private_
         try:
             sub = await bridge.subscribe("natsfs.test.events")
             before = bridge.server_info.get("server_id")
-            with trio.fail_after(5):  # at once, not after the request timeout
-                with pytest.raises(OutcomeUnknown):
+            # At once, not after the request timeout: failed by the connection's loss ("not acknowledged
+            # in 5s" would be the timeout). (The bound is a guard only.)
+            with trio.fail_after(60):
+                with pytest.raises(OutcomeUnknown, match="connection to NATS lost"):
                     await bridge.js_publish("x." + "a" * 5000, b"payload")
             with trio.fail_after(10):
                 while not bridge.connected or bridge.reconnects < 1:
@@ -141,7 +143,7 @@ def test_err_from_server_replaces_the_client_and_restores_subscriptions(private_
             reply = await bridge.api("INFO")
             assert "limits" in reply or "memory" in reply
             await publish_elsewhere(url, "natsfs.test.events", b"after")
-            with trio.fail_after(5):
+            with trio.fail_after(30):
                 got = []
                 while not got:
                     got = await sub.next_batch(1)
@@ -220,13 +222,13 @@ def test_requests_in_flight_fail_at_once_and_late_replies_are_dropped(private_se
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(ask_slow)
-                with trio.fail_after(5):
+                with trio.fail_after(30):
                     while not held:
                         await trio.sleep(0.01)
-                started = trio.current_time()
                 with pytest.raises(OutcomeUnknown):
                     await bridge.js_publish("x." + "b" * 5000, b"")
-            assert outcome and trio.current_time() - started < 4  # not the 8 s request timeout
+            # Failed by the connection's loss, not at its 8 s request timeout ("timed out after 8s").
+            assert outcome and "connection to NATS lost" in str(outcome[0]), outcome
             late.set()  # the old request's reply now goes to the old inbox
             for i in range(20):
                 reply = await bridge.request("svc.fast", str(i).encode())

@@ -531,6 +531,29 @@ def test_forget_never_raises(ops_env):
     ops_env(body, setup=two_buckets)
 
 
+def test_stats_count_the_server_calls_made_for_requests_apart(ops_env):
+    """`server_calls_for_requests`: the server calls made while serving FUSE requests, per operation; a
+    call of a background task (here: one made outside any request) counts in `server_calls` only."""
+
+    async def body(env: Env):
+        def stats() -> dict:
+            return dict(json.loads(json.dumps(env.fs.stats())))  # (a copy, as the xattr gives it)
+
+        before = stats()
+        await env.cat("alpha/dir/sub/deep.bin")  # not cached: its read asks the server
+        after_read = stats()
+        read_calls = after_read["server_calls_for_requests"].get("read", 0)
+        assert read_calls > before["server_calls_for_requests"].get("read", 0)
+        await env.streams.stream_info("OBJ_alpha")  # outside any request
+        after_background = stats()
+        assert after_background["server_calls"]["stream_info"] == after_read["server_calls"].get("stream_info", 0) + 1
+        assert after_background["server_calls_for_requests"] == after_read["server_calls_for_requests"]
+        await env.cat("alpha/dir/sub/deep.bin")  # cached now: answered from memory
+        assert stats()["server_calls_for_requests"] == after_background["server_calls_for_requests"]
+
+    ops_env(body, setup=two_buckets)
+
+
 def test_stats_xattr_on_the_root(ops_env):
     async def body(env: Env):
         await env.cat("alpha/dir/sub/deep.bin")

@@ -347,32 +347,36 @@ def test_invalidations_queued_while_no_child_runs_are_capped_oldest_first(caplog
 def test_attrs_dropped_returns_once_the_kernel_answered_and_a_stuck_child_costs_only_the_bound():
     """A refused close waits for the kernel to drop the inode's attributes before it returns: the wait
     ends with the child's answer (the message was written); a child that does not answer holds it at
-    most `within` seconds; with no kernel attached it does not wait."""
+    most `within` seconds (the wait gives up, the invalidation still unanswered, long before the child
+    would be killed as hung); with no kernel attached it does not wait."""
     read_end, device = os.pipe()
     stuck_read, stuck = _full_pipe()
 
-    async def main() -> tuple[int, float]:
+    async def main() -> tuple[list[bool], int, int, bool]:
         notifier = KernelNotifier()
-        await notifier.attrs_dropped(7, within=30)  # not attached: no wait
+        outcomes = [await notifier.attrs_dropped(7, within=30)]  # not attached: nothing to wait for
         async with trio.open_nursery() as nursery:
             notifier.start(nursery)
             notifier.attach(device)
             with trio.fail_after(10):
-                await notifier.attrs_dropped(7, within=30)
+                outcomes.append(await notifier.attrs_dropped(7, within=30))
             answered = notifier.done
             await notifier.close()
-            stuck_notifier = KernelNotifier(hung_after=60)
+            # hung_after far above both `within` and the guard: only the bound can end the wait.
+            stuck_notifier = KernelNotifier(hung_after=600)
             stuck_notifier.start(nursery)
             stuck_notifier.attach(stuck)
-            started = trio.current_time()
-            await stuck_notifier.attrs_dropped(8, within=0.5)
-            waited = trio.current_time() - started
+            child = stuck_notifier.pid
+            with trio.fail_after(60):  # (a guard only: the bound is 0.5 s)
+                outcomes.append(await stuck_notifier.attrs_dropped(8, within=0.5))
+            stuck_answered = stuck_notifier.done
+            same_child = child is not None and stuck_notifier.pid == child  # not killed, not replaced
             await stuck_notifier.close()
             nursery.cancel_scope.cancel()
-        return answered, waited
+        return outcomes, answered, stuck_answered, same_child
 
     try:
-        answered, waited = trio.run(main)
+        outcomes, answered, stuck_answered, same_child = trio.run(main)
         written = os.read(read_end, 4096)
     finally:
         for fd in (stuck_read, read_end, device):
@@ -380,4 +384,6 @@ def test_attrs_dropped_returns_once_the_kernel_answered_and_a_stuck_child_costs_
                 os.close(fd)
     assert answered == 1
     assert _parse(written) == [(FUSE_NOTIFY_INVAL_INODE, struct.pack("=Qqq", 7, -1, 0))]
-    assert 0.5 <= waited < 10
+    # Not attached: True at once; answered: True; stuck: the wait gave up at `within` (False), unanswered.
+    assert outcomes == [True, True, False]
+    assert stuck_answered == 0 and same_child

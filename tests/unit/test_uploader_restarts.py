@@ -139,28 +139,43 @@ def test_a_worker_that_answers_nothing_is_killed_replaced_and_said_once_as_not_a
 def test_a_busy_worker_that_answers_pings_is_not_killed_however_long_its_request_takes(monkeypatch, caplog):
     """A large range legitimately takes longer than `hung_after`: the worker's event loop answers pings
     meanwhile, so it is not hung."""
-    # The send is answered after 40 pings: 4 s, over twice hung_after (which is long enough that a loaded
-    # machine's scheduling never makes a ping's answer that late).
-    _stand_in_workers(monkeypatch, [40])
+    # The send is answered only after the stand-in answered 50 pings, which the daemon sends one per
+    # `ping_every` while the send waits: the send outlasts `hung_after` many times over by construction
+    # (the pings, not a clock, say so). `hung_after` is long enough that a loaded machine's scheduling
+    # never makes one ping's answer that late.
+    hold_for = 50
+    _stand_in_workers(monkeypatch, [hold_for])
     worker = uploader.UploadWorker(Connection(servers=("nats://127.0.0.1:1",)), Restarts(first=0.01),
-                                   hung_after=1.5, ping_every=0.1)
+                                   hung_after=3.0, ping_every=0.1)
+    assert (hold_for - 2) * worker.ping_every > worker.hung_after
+    pings_answered = [0]
+    real_request = worker._request
 
-    async def main() -> tuple[int, int | None, float]:
+    async def counting_request(child: Any, body: dict[str, Any]) -> dict[str, Any]:
+        reply = await real_request(child, body)
+        if body["op"] == "ping":
+            pings_answered[0] += 1
+        return reply
+
+    monkeypatch.setattr(worker, "_request", counting_request)
+
+    async def main() -> tuple[int, int | None, int]:
         async with trio.open_nursery() as nursery:
             await worker.start(nursery)
             first = worker.pid
             assert first is not None
-            began = trio.current_time()
-            with trio.fail_after(30):
+            with trio.fail_after(60):
                 await worker.send_range("S", "$O.b.C.S", "/dev/null", 0, 1, 1, 1)
-            took = trio.current_time() - began
+            pings = pings_answered[0]
             pid = worker.pid
             await worker.close()
             nursery.cancel_scope.cancel()
-        return first, pid, took
+        return first, pid, pings
 
-    first, pid, took = trio.run(main)
-    assert pid == first and took > worker.hung_after
+    first, pid, pings = trio.run(main)
+    # The same worker answered the send, after answering the pings the long send gave rise to (the last
+    # ping's answer and the send's arrive together: either may be taken first).
+    assert pid == first and pings >= hold_for - 1
     assert "did not answer" not in caplog.text
 
 
