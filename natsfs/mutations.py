@@ -483,8 +483,20 @@ class Mutations:
                 continue  # (nothing can be written there; read again when it changes)
             warned, unwarned = 0, []
             for name, (revision, nuid) in list(index.wildcard_nuids.items()):
+                if (bucket, name) in self._own_meta or self._staged_named(bucket, name):
+                    # This mount is changing the name itself (a file open for writing, a chmod): the rewrite
+                    # would fail that change as another client's (ESTALE). Its upload stores a fresh nuid;
+                    # else a later pass rewrites it.
+                    continue
                 try:
-                    rewritten = await self.store.defuse_wildcard_nuid(bucket, name, revision)
+                    with self.own_meta_change(bucket, name):  # (an upload starting meanwhile waits for it)
+                        rewritten = await self.store.defuse_wildcard_nuid(bucket, name, revision)
+                        if rewritten is not None:
+                            for sf in self._staged_named(bucket, name):  # (opened meanwhile: based on it)
+                                if sf.base is not None and sf.base_revision == revision:
+                                    sf.rebase(rewritten)
+                                elif sf.base is None and sf.replaces is not None and sf.replaces.revision == revision:
+                                    sf.replace(rewritten)
                 except (ReadOnly, NotPermitted, JetStreamAPIError) as e:
                     if isinstance(e, JetStreamAPIError) and e.code != 400:
                         log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, name, e)
@@ -523,6 +535,10 @@ class Mutations:
                 shown = ", ".join(repr(n) for n in unwarned[:5]) + (" ..." if len(unwarned) > 5 else "")
                 log.warning("bucket %s: %d more metas whose nuid was a wildcard rewritten on a fresh nuid: %s",
                             bucket, len(unwarned), shown)
+
+    def _staged_named(self, bucket: str, name: str) -> list[StagedFile]:
+        """This mount's staged files (not ended) of `name`."""
+        return [sf for sf in self.staging.all() if sf.bucket == bucket and sf.name == name and not sf.ended]
 
     async def _live_holder(self, bucket: str, index: BucketIndex, name: str, nuid: str) -> bool:
         """Does a name the index holds live with `nuid` (other than `name`) still hold it in the bucket?
