@@ -287,3 +287,23 @@ def test_a_file_open_for_writing_survives_the_rewrite_of_its_names_wildcard_nuid
         assert usable_nuid(doc["nuid"]) and doc["size"] == 4
 
     ops_env(body, setup=bucket_with_objects, settle_interval=3600)
+
+
+def test_a_live_meta_near_the_meta_size_limit_is_rewritten_too(ops_env):
+    """The fresh nuid is longer than `*`: the rewrite grows the meta by a few bytes, which must not hold
+    it back (retried every pass, forever) when the meta is just under --max-meta-bytes."""
+    limit = 4096
+
+    async def body(env: Env) -> None:
+        await env.lookup("b/keep1")
+        fields = {"nuid": "*", "description": ""}
+        fields["description"] = "d" * (limit - len(meta("b", "big", fields)) - 2)
+        data = meta("b", "big", fields)
+        assert limit - 10 < len(data) <= limit
+        await env.streams.publish(meta_subject("b", "big"), data, {ROLLUP: "sub"})
+        await env.settle()
+        await env.fs.mut.defuse_wildcard_nuids()
+        doc, _ = await meta_of(env, "big")
+        assert usable_nuid(doc["nuid"]) and doc["description"] == fields["description"]
+
+    ops_env(body, setup=bucket_with_objects, settle_interval=3600, max_meta_bytes=limit)
