@@ -42,6 +42,7 @@ from .adr20 import (
     metadata_of,
     set_posix_attrs,
     stream_name,
+    usable_nuid,
     wildcard_reach,
 )
 from .config import Config
@@ -92,6 +93,16 @@ def _digest_of_file(fd: int, size: int) -> bytes:
         hasher.update(data)
         pos += len(data)
     return hasher.digest()
+
+
+def _nuid_rewritten(base: ObjectInfo, doc: dict[str, Any]) -> bool:
+    """Whether `doc`, stored under the name after `base`, a file whose nuid was a wildcard, is `base` rewritten
+    on a fresh nuid (`ObjectStore.defuse_wildcard_nuid`, by another mount or `natsfs fsck --repair`): the
+    same bytes, not another client's version."""
+    return (bool(base.wildcard_nuid) and base.link is None and doc.get("deleted") is not True
+            and usable_nuid(str(doc.get("nuid") or "")) and doc.get("name") == base.name
+            and (doc.get("size") or 0, doc.get("chunks") or 0, doc.get("digest") or "")
+            == (base.size, base.chunks, base.digest))
 
 
 # Names whose wildcard nuid one pass rewrites with a WARNING line each (per bucket); the rest of that
@@ -717,7 +728,11 @@ class Mutations:
                 self.journal.finished(sf.bucket, got_nuid)
                 base_doc, expected, old_nuid, replace_tombstone = got[0], got[1], got_nuid, False
             elif sf.base is not None:
-                if got is None or got[1] != sf.base_revision:
+                if got is not None and got[1] > sf.base_revision and _nuid_rewritten(sf.base, got[0]):
+                    # Another mount (or `natsfs fsck --repair`) rewrote the wildcard nuid of the version this
+                    # file was opened at, and nothing else: no conflict, this put replaces that rewrite.
+                    expected, old_nuid = got[1], got_nuid
+                elif got is None or got[1] != sf.base_revision:
                     self._break_stream(sf)
                     raise Conflict(f"{sf.bucket}/{sf.name} was changed by another client since it was opened")
                 if sf.base.nuid and got_nuid != sf.base.nuid:

@@ -307,3 +307,27 @@ def test_a_live_meta_near_the_meta_size_limit_is_rewritten_too(ops_env):
         assert usable_nuid(doc["nuid"]) and doc["description"] == fields["description"]
 
     ops_env(body, setup=bucket_with_objects, settle_interval=3600, max_meta_bytes=limit)
+
+
+@pytest.mark.parametrize("name", ["dotted", "empty"])
+def test_a_file_open_for_writing_survives_another_mounts_rewrite_of_its_wildcard_nuid(ops_env, name):
+    """Another mount (or `natsfs fsck --repair`) rewrites the wildcard nuid of a name this mount has open
+    for writing: that rewrite changes nothing but the nuid, so the close here still stores."""
+    async def body(env: Env) -> None:
+        await env.lookup("b/keep1")
+        await publish_wild(env.streams)
+        await env.settle()
+        fi = await env.ops.open((await env.lookup(f"b/{name}")).st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        _, revision = await meta_of(env, name)
+        other = ObjectStore(env.streams)  # (another mount's store, over the same server)
+        assert await other.defuse_wildcard_nuid("b", name, revision) is not None
+        await env.settle()
+        await env.ops.write(fi.fh, 0, b"mine")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        await env.settle()
+        assert await env.cat(f"b/{name}") == b"mine"
+        doc, _ = await meta_of(env, name)
+        assert usable_nuid(doc["nuid"]) and doc["size"] == 4
+
+    ops_env(body, setup=bucket_with_objects, settle_interval=3600)
