@@ -99,7 +99,8 @@ def _nuid_rewritten(base: ObjectInfo, doc: dict[str, Any]) -> bool:
     """Whether `doc`, stored under the name after `base`, a file whose nuid was a wildcard, is `base` rewritten
     on a fresh nuid (`ObjectStore.defuse_wildcard_nuid`, by another mount or `natsfs fsck --repair`): the
     same bytes, not another client's version."""
-    return (bool(base.wildcard_nuid) and base.link is None and doc.get("deleted") is not True
+    return (bool(base.wildcard_nuid) and base.link is None and (bool(base.digest) or not base.size)
+            and doc.get("deleted") is not True
             and usable_nuid(str(doc.get("nuid") or "")) and doc.get("name") == base.name
             and (doc.get("size") or 0, doc.get("chunks") or 0, doc.get("digest") or "")
             == (base.size, base.chunks, base.digest))
