@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import ssl
+import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
@@ -271,6 +272,30 @@ def _read_secret_file(path: str, what: str) -> str:
     return secret
 
 
+def _rereadable(path: str) -> str | None:
+    """The absolute path to read the secret file `path` again at (`Connection.refreshed`), None when it
+    cannot be: not a regular file (the pipe of `--password-file <(...)`, a device), or named through a
+    process's descriptors (`/dev/fd/N`, `/dev/stdin`, `/proc/self/fd/N`): in the daemon and the upload
+    worker that number is another descriptor (a spool file, a pipe), whose bytes would go to the server
+    as the secret, or whose read would block."""
+    absolute = os.path.abspath(path)
+    try:
+        if not stat.S_ISREG(os.stat(absolute).st_mode):
+            return None
+        hop = absolute
+        for _ in range(40):  # (each symbolic link on the way, as the kernel follows them)
+            directory = os.path.realpath(os.path.dirname(hop))
+            if directory == "/proc" or directory.startswith("/proc/"):
+                return None
+            hop = os.path.join(directory, os.path.basename(hop))
+            if not os.path.islink(hop):
+                return absolute
+            hop = os.path.join(directory, os.readlink(hop))
+    except OSError:
+        pass
+    return None
+
+
 class _SecretFiles:
     """What the process last found in each secret file it read again: whether the file failed (said
     once until it is readable again) and a digest of its secret (a change is said once, whichever of
@@ -376,7 +401,9 @@ def resolve(options: Mapping[str, Any], environ: Mapping[str, str] | None = None
         path = given.get(f"{name}_file")
         if path and not given.get(name):
             given[name] = _read_secret_file(path, name)
-            files[f"{name}_file"] = os.path.abspath(path)  # (read again at each connect: `refreshed`)
+            again = _rereadable(path)
+            if again is not None:
+                files[f"{name}_file"] = again  # (read again at each connect: `refreshed`)
     context = _context(given.get("context"), env)
     values: dict[str, Any] = {}
     for name, var in ENV_VARS.items():

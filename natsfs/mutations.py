@@ -42,6 +42,7 @@ from .adr20 import (
     metadata_of,
     set_posix_attrs,
     stream_name,
+    usable_nuid,
     wildcard_reach,
 )
 from .config import Config
@@ -92,6 +93,17 @@ def _digest_of_file(fd: int, size: int) -> bytes:
         hasher.update(data)
         pos += len(data)
     return hasher.digest()
+
+
+def _nuid_rewritten(base: ObjectInfo, doc: dict[str, Any]) -> bool:
+    """Whether `doc`, stored under the name after `base`, a file whose nuid was a wildcard, is `base` rewritten
+    on a fresh nuid (`ObjectStore.defuse_wildcard_nuid`, by another mount or `natsfs fsck --repair`): the
+    same bytes, not another client's version."""
+    return (bool(base.wildcard_nuid) and base.link is None and (bool(base.digest) or not base.size)
+            and doc.get("deleted") is not True
+            and usable_nuid(str(doc.get("nuid") or "")) and doc.get("name") == base.name
+            and (doc.get("size") or 0, doc.get("chunks") or 0, doc.get("digest") or "")
+            == (base.size, base.chunks, base.digest))
 
 
 # Names whose wildcard nuid one pass rewrites with a WARNING line each (per bucket); the rest of that
@@ -483,8 +495,20 @@ class Mutations:
                 continue  # (nothing can be written there; read again when it changes)
             warned, unwarned = 0, []
             for name, (revision, nuid) in list(index.wildcard_nuids.items()):
+                if (bucket, name) in self._own_meta or self._staged_named(bucket, name):
+                    # This mount is changing the name itself (a file open for writing, a chmod): the rewrite
+                    # would fail that change as another client's (ESTALE). Its upload stores a fresh nuid;
+                    # else a later pass rewrites it.
+                    continue
                 try:
-                    rewritten = await self.store.defuse_wildcard_nuid(bucket, name, revision)
+                    with self.own_meta_change(bucket, name):  # (an upload starting meanwhile waits for it)
+                        rewritten = await self.store.defuse_wildcard_nuid(bucket, name, revision)
+                        if rewritten is not None:
+                            for sf in self._staged_named(bucket, name):  # (opened meanwhile: based on it)
+                                if sf.base is not None and sf.base_revision == revision:
+                                    sf.rebase(rewritten)
+                                elif sf.base is None and sf.replaces is not None and sf.replaces.revision == revision:
+                                    sf.replace(rewritten)
                 except (ReadOnly, NotPermitted, JetStreamAPIError) as e:
                     if isinstance(e, JetStreamAPIError) and e.code != 400:
                         log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, name, e)
@@ -523,6 +547,10 @@ class Mutations:
                 shown = ", ".join(repr(n) for n in unwarned[:5]) + (" ..." if len(unwarned) > 5 else "")
                 log.warning("bucket %s: %d more metas whose nuid was a wildcard rewritten on a fresh nuid: %s",
                             bucket, len(unwarned), shown)
+
+    def _staged_named(self, bucket: str, name: str) -> list[StagedFile]:
+        """This mount's staged files (not ended) of `name`."""
+        return [sf for sf in self.staging.all() if sf.bucket == bucket and sf.name == name and not sf.ended]
 
     async def _live_holder(self, bucket: str, index: BucketIndex, name: str, nuid: str) -> bool:
         """Does a name the index holds live with `nuid` (other than `name`) still hold it in the bucket?
@@ -701,7 +729,11 @@ class Mutations:
                 self.journal.finished(sf.bucket, got_nuid)
                 base_doc, expected, old_nuid, replace_tombstone = got[0], got[1], got_nuid, False
             elif sf.base is not None:
-                if got is None or got[1] != sf.base_revision:
+                if got is not None and got[1] > sf.base_revision and _nuid_rewritten(sf.base, got[0]):
+                    # Another mount (or `natsfs fsck --repair`) rewrote the wildcard nuid of the version this
+                    # file was opened at, and nothing else: no conflict, this put replaces that rewrite.
+                    expected, old_nuid = got[1], got_nuid
+                elif got is None or got[1] != sf.base_revision:
                     self._break_stream(sf)
                     raise Conflict(f"{sf.bucket}/{sf.name} was changed by another client since it was opened")
                 if sf.base.nuid and got_nuid != sf.base.nuid:

@@ -242,3 +242,92 @@ def test_this_mounts_own_changes_of_such_names_never_store_a_wildcard_nuid(ops_e
         assert await env.cat("b/keep1") == b"one" * 1000
 
     ops_env(body, setup=bucket_with_objects, settle_interval=3600)
+
+
+@pytest.mark.parametrize("meanwhile", [False, True])
+@pytest.mark.parametrize("name", ["dotted", "victim"])
+def test_a_file_open_for_writing_survives_the_rewrite_of_its_names_wildcard_nuid(ops_env, name, meanwhile):
+    """The background rewrite is this mount's own change, not another client's: a file of such a name
+    opened for writing before it or while it is stored (a live meta, or a tombstone created over) still
+    stores at its close."""
+    async def body(env: Env) -> None:
+        await env.lookup("b/keep1")
+        await publish_wild(env.streams)
+        await env.settle()
+        b = (await env.lookup("b")).st_ino
+        opened = []
+
+        async def open_it() -> None:
+            if name == "victim":
+                opened.append((await env.ops.create(b, name.encode(), 0o644, os.O_WRONLY, Ctx()))[0])
+            else:
+                ino = (await env.lookup(f"b/{name}")).st_ino
+                opened.append(await env.ops.open(ino, os.O_WRONLY | os.O_TRUNC, Ctx()))
+
+        if meanwhile:
+            defuse = env.store.defuse_wildcard_nuid
+
+            async def open_then_defuse(bucket: str, n: str, revision: int) -> Any:
+                if n == name:
+                    await open_it()
+                return await defuse(bucket, n, revision)
+
+            env.store.defuse_wildcard_nuid = open_then_defuse  # type: ignore[method-assign]
+        else:
+            await open_it()
+        await env.fs.mut.defuse_wildcard_nuids()
+        fi = opened[0]
+        await env.settle()
+        await env.ops.write(fi.fh, 0, b"mine")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        await env.settle()
+        assert await env.cat(f"b/{name}") == b"mine"
+        doc, _ = await meta_of(env, name)
+        assert usable_nuid(doc["nuid"]) and doc["size"] == 4
+
+    ops_env(body, setup=bucket_with_objects, settle_interval=3600)
+
+
+def test_a_live_meta_near_the_meta_size_limit_is_rewritten_too(ops_env):
+    """The fresh nuid is longer than `*`: the rewrite grows the meta by a few bytes, which must not hold
+    it back (retried every pass, forever) when the meta is just under --max-meta-bytes."""
+    limit = 4096
+
+    async def body(env: Env) -> None:
+        await env.lookup("b/keep1")
+        fields = {"nuid": "*", "description": ""}
+        fields["description"] = "d" * (limit - len(meta("b", "big", fields)) - 2)
+        data = meta("b", "big", fields)
+        assert limit - 10 < len(data) <= limit
+        await env.streams.publish(meta_subject("b", "big"), data, {ROLLUP: "sub"})
+        await env.settle()
+        await env.fs.mut.defuse_wildcard_nuids()
+        doc, _ = await meta_of(env, "big")
+        assert usable_nuid(doc["nuid"]) and doc["description"] == fields["description"]
+
+    ops_env(body, setup=bucket_with_objects, settle_interval=3600, max_meta_bytes=limit)
+
+
+@pytest.mark.parametrize("name", ["dotted", "empty"])
+def test_a_file_open_for_writing_survives_another_mounts_rewrite_of_its_wildcard_nuid(ops_env, name):
+    """Another mount (or `natsfs fsck --repair`) rewrites the wildcard nuid of a name this mount has open
+    for writing: that rewrite changes nothing but the nuid, so the close here still stores."""
+    async def body(env: Env) -> None:
+        await env.lookup("b/keep1")
+        await publish_wild(env.streams)
+        await env.settle()
+        fi = await env.ops.open((await env.lookup(f"b/{name}")).st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        _, revision = await meta_of(env, name)
+        other = ObjectStore(env.streams)  # (another mount's store, over the same server)
+        assert await other.defuse_wildcard_nuid("b", name, revision) is not None
+        await env.settle()
+        await env.ops.write(fi.fh, 0, b"mine")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+        await env.settle()
+        assert await env.cat(f"b/{name}") == b"mine"
+        doc, _ = await meta_of(env, name)
+        assert usable_nuid(doc["nuid"]) and doc["size"] == 4
+
+    ops_env(body, setup=bucket_with_objects, settle_interval=3600)

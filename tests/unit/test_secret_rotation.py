@@ -242,3 +242,29 @@ def test_each_connect_of_the_bridge_sends_what_the_file_holds_then(tmp_path, cap
     assert len(said) == 1 and str(path) in said[0].getMessage()
     _no_secret_in(caplog.records, *errors)
     assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("what", ["password", "token"])
+def test_a_secret_given_through_a_descriptor_is_never_read_again_from_that_number(tmp_path, what):
+    """`--password-file <(pass show nats)` names /dev/fd/63, a pipe of the command's own: read once, at
+    the start. The number means another descriptor in the daemon and the upload worker (a spool file
+    with a user's bytes, a pipe of the worker's protocol): reading it again there would send whatever
+    that is to the server as the secret, or block on a pipe."""
+    r, w = os.pipe()
+    os.write(w, (OLD + "\n").encode())
+    os.close(w)
+    try:
+        c = auth.resolve({f"{what}_file": f"/dev/fd/{r}", "user": "u"}, {"HOME": str(tmp_path)})
+    finally:
+        os.close(r)
+    assert getattr(c, what) == OLD and getattr(c, f"{what}_file") is None
+    other = _file(tmp_path, "a user's bytes")  # (another file gets that descriptor number now)
+    fd = os.open(other, os.O_RDONLY)
+    try:
+        if fd != r:
+            os.dup2(fd, r)
+        assert getattr(c.refreshed(), what) == OLD
+    finally:
+        os.close(fd)
+        if fd != r:
+            os.close(r)
