@@ -318,8 +318,9 @@ class _Link:
                 self._lost(self.nc)
 
     async def _connect(self, server: str) -> None:
-        if self.auth is not None:  # a password or token file rewritten since is read anew (rotation)
-            self.auth = self.auth.refreshed(self._log_level)
+        if self.auth is not None:  # a password or token file rewritten since is read anew (rotation),
+            # off the loop: a file on a stalled network share must not stop the loop's other connections
+            self.auth = await asyncio.to_thread(self.auth.refreshed, self._log_level)
         if self.lean:
             await self._connect_lean(server)
             return
@@ -814,8 +815,9 @@ class _TrioReads:
         index = self._next_server % len(self.servers)
         server = self.servers[index]
         self._next_server = index + 1
-        if self.auth is not None:  # a password or token file rewritten since is read anew (rotation)
-            self.auth = self.auth.refreshed()
+        if self.auth is not None:  # a password or token file rewritten since is read anew (rotation),
+            # off the trio thread (a file on a stalled network share must not stop the FUSE requests)
+            self.auth = await trio.to_thread.run_sync(self.auth.refreshed)
         try:
             conn = await wire.connect_trio(server, name=self.name, auth=self.auth, timeout=self.connect_timeout,
                                            on_msg=self._on_msg, on_closed=self._on_closed, on_refused=self._refused)

@@ -122,7 +122,7 @@ class UploadWorker:
             assert proc.stdin is not None
             # The secrets as their files hold them now (the worker reads them again at each connect of
             # its own; should a file be unreadable then, it has the last good one).
-            self.connection = self.connection.refreshed()
+            self.connection = await trio.to_thread.run_sync(self.connection.refreshed)
             await proc.stdin.send_all(self.connection.to_json().encode() + b"\n")
         except (OSError, trio.BrokenResourceError):
             pass  # it died at once: its exit is reported like any other death
