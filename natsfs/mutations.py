@@ -157,9 +157,11 @@ class Mutations:
         # event set whenever one ends: an upload finding such a change stored waits for it (`_upload`).
         self._own_meta: Counter[tuple[str, str]] = Counter()
         self._own_meta_ended = trio.Event()
-        # (bucket, name) of the metas with a wildcard nuid rewritten so far (one WARNING per name), and of
-        # those another client changed first (one INFO line per name).
-        self._defused: set[tuple[str, str]] = set()
+        # (bucket, name) of the metas with a wildcard nuid rewritten so far, and how often (the first
+        # rewrite of a name is one WARNING, the second one INFO line, later ones DEBUG: another client
+        # storing such metas in a loop floods no log), and of those another client changed first (one
+        # INFO line per name).
+        self._defused: Counter[tuple[str, str]] = Counter()
         self._defuse_lost: set[tuple[str, str]] = set()
         # Called with (bucket, object info) after this mount changed an object itself.
         self.journal = staging.spool.journal
@@ -533,16 +535,19 @@ class Mutations:
                     continue
                 self._apply(bucket, rewritten)
                 first = key not in self._defused
-                self._defused.add(key)
+                self._defused[key] += 1
                 if first and warned >= _DEFUSE_WARNINGS:
                     unwarned.append(name)
                     continue
                 warned += first
                 what = ("the tombstone" if rewritten.deleted else "the link" if rewritten.link is not None
                         else "the object")
-                log.log(logging.WARNING if first else logging.INFO, "bucket %s: %s %r carried the nuid %r, "
-                        "which another client's Delete or Put of that name would purge as %s: rewritten on a "
-                        "fresh nuid", bucket, what, name, nuid, wildcard_reach(bucket, nuid))
+                times = self._defused[key]
+                log.log(logging.WARNING if first else logging.INFO if times == 2 else logging.DEBUG,
+                        "bucket %s: %s %r carried the nuid %r, which another client's Delete or Put of that name "
+                        "would purge as %s: rewritten on a fresh nuid%s", bucket, what, name, nuid,
+                        wildcard_reach(bucket, nuid), "" if times != 2 else " (again: later rewrites of this "
+                        "name are logged at DEBUG)")
             if unwarned:
                 shown = ", ".join(repr(n) for n in unwarned[:5]) + (" ..." if len(unwarned) > 5 else "")
                 log.warning("bucket %s: %d more metas whose nuid was a wildcard rewritten on a fresh nuid: %s",
