@@ -18,6 +18,7 @@ import signal
 import subprocess
 
 import nats
+import nats.errors
 from helpers import wait_for
 from test_auth import NATSFS, _env, _get, mounted
 
@@ -37,8 +38,22 @@ def _config(password: str) -> str:
 def _sys(url: str, subject_of: str, payload: dict[str, object]) -> list[dict[str, object]]:
     """The mount's connections the server has (`connz`), kicked first when `subject_of` is "kick"."""
 
+    async def quiet(_error: Exception) -> None:
+        pass  # (a connect while the server reloads its config may be reset: tried again below)
+
+    async def connect() -> nats.NATS:
+        for attempt in range(50):
+            try:
+                return await nats.connect(url.replace("nats://", "nats://sys:sys@"), error_cb=quiet,
+                                          allow_reconnect=False, connect_timeout=5)
+            except (TimeoutError, OSError, nats.errors.Error):
+                if attempt == 49:
+                    raise
+                await asyncio.sleep(0.2)
+        raise AssertionError("unreachable")
+
     async def main() -> list[dict[str, object]]:
-        nc = await nats.connect(url.replace("nats://", "nats://sys:sys@"))
+        nc = await connect()
         try:
             r = await nc.request("$SYS.REQ.SERVER.PING.CONNZ", json.dumps({"limit": 4096, "auth": True}).encode(),
                                  timeout=5)
