@@ -784,8 +784,8 @@ def _descriptive_fields(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
 #   to Go; an invalid byte in a string is U+FFFD, one per byte, and so is an escaped lone surrogate;
 # - NaN and Infinity are no JSON; a number of any length is one (Python's `int()` stops at 4300 digits:
 #   such a number is no usable value, and an unknown key holding one is dropped); nesting deeper than
-#   Go's 10000 levels is no JSON, and what is nested deeper than Python can parse is cut (`_shallow`, which
-#   checks that what it cuts is JSON too);
+#   Go's 10000 levels is no JSON, and what is nested deeper than `_KEPT_DEPTH` is cut (`_shallow`, which
+#   checks that what it cuts is JSON too: Python's parser cannot take the thousands of levels Go's can);
 # - a key names a field of a struct (the meta, its `options`, `options.link`) exactly or folded as Go
 #   folds it (ASCII letters in either case, `ſ` U+017F as `s`, `K` U+212A as `k`); every key naming a field
 #   sets it in turn, so the last one wins; `null` leaves a string, number or boolean as it was and makes
@@ -984,13 +984,14 @@ def load_meta(data: bytes | bytearray) -> tuple[dict[str, Any], str | None]:
     text = bytes(data).decode("utf-8", "natsfs.go_utf8")
     if text.startswith("\ufeff"):
         raise MetaNotJSON("is not JSON nats.go can read (it starts with a byte order mark)")
+    if text.count("[") + text.count("{") > _KEPT_DEPTH:
+        # Maybe nested deeper than any field of a meta (Go takes 10000 levels): read it cut, always, not
+        # only where Python's parser or a walk of the result would run out of stack, so what a meta reads
+        # as (and a rewrite stores) never depends on how deep in the stack it is read.
+        text = _shallow(text)
     try:
         return _read_meta(text)
-    except RecursionError:
-        pass  # nested deeper than Python parses or walks (Go takes 10000 levels): read it cut
-    try:
-        return _read_meta(_shallow(text))
-    except RecursionError:
+    except RecursionError:  # (only with the stack all but used up already)
         raise MetaNotJSON("is not JSON") from None
 
 

@@ -263,3 +263,20 @@ def test_a_field_given_thousands_of_times_is_merged_with_linear_work(monkeypatch
         assert copied[0] < 10 * n, field
         merged = doc["options"]["link"] if field == "link" else doc[field]
         assert "k0" in merged and f"k{n - 1}" in merged
+
+
+def _deeper(frames: int, call: Any) -> Any:
+    return call() if frames <= 0 else _deeper(frames - 1, call)
+
+
+@pytest.mark.parametrize("levels", [65, 300, 480])
+def test_what_a_deep_value_reads_as_does_not_depend_on_the_stack(levels):
+    # It was kept as written where Python's parser and the walks after it had the stack for it, cut
+    # elsewhere: a rewrite stored it whole, the next read of that rewrite (deeper in the stack, or with an
+    # escape to walk) cut it, and the next rewrite stored another meta.
+    data = raw(*BASE, ("nuid", "abc"), extra=',"junk":' + '{"a":' * levels + '"\\u003e"' + "}" * levels)
+    doc = load_meta(data)[0]
+    assert _deeper(400, lambda: load_meta(data)[0]) == doc
+    assert meta_json(doc).count(b"{") == 64  # (the meta and 63 levels: the 64th, 65 deep, is [])
+    rewritten = meta_json(doc)
+    assert _deeper(400, lambda: meta_json(load_meta(rewritten)[0])) == rewritten
