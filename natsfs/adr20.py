@@ -764,7 +764,8 @@ def _descriptive_fields(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
             if bad:
                 dropped += [f"{key}[{_short(k)}] {_short(value[k])} (not {entry_kind})" for k in bad
                             if not (key == "metadata" and k in _ATTR_KEYS)]
-                replace(key, {k: v for k, v in value.items() if k not in bad})
+                bad_keys = set(bad)  # (not the list: thousands of bad entries would cost quadratic time)
+                replace(key, {k: v for k, v in value.items() if k not in bad_keys})
         elif key == "options" and "max_chunk_size" in value:
             chunk_check, chunk_kind = _MAX_CHUNK_SIZE_TYPE
             chunk_size = value["max_chunk_size"]
@@ -783,7 +784,8 @@ def _descriptive_fields(doc: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
 #   to Go; an invalid byte in a string is U+FFFD, one per byte, and so is an escaped lone surrogate;
 # - NaN and Infinity are no JSON; a number of any length is one (Python's `int()` stops at 4300 digits:
 #   such a number is no usable value, and an unknown key holding one is dropped); nesting deeper than
-#   Go's 10000 levels is no JSON, and what is nested deeper than Python can parse is cut (`_shallow`);
+#   Go's 10000 levels is no JSON, and what is nested deeper than `_KEPT_DEPTH` is cut (`_shallow`, which
+#   checks that what it cuts is JSON too: Python's parser cannot take the thousands of levels Go's can);
 # - a key names a field of a struct (the meta, its `options`, `options.link`) exactly or folded as Go
 #   folds it (ASCII letters in either case, `ſ` U+017F as `s`, `K` U+212A as `k`); every key naming a field
 #   sets it in turn, so the last one wins; `null` leaves a string, number or boolean as it was and makes
@@ -812,7 +814,7 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _GO_FOLD = {c: c - 32 for c in range(ord("a"), ord("z") + 1)} | {0x17F: ord("S"), 0x212A: ord("K")}
 _GO_MAX_DEPTH = 10_000
 _KEPT_DEPTH = 64
-_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
 # The structs of nats.go's ObjectInfo: canonical key -> a struct's fields, "map", or None (a value).
 _LINK_FIELDS: dict[str, Any] = {"bucket": None, "name": None}
 _OPTIONS_FIELDS: dict[str, Any] = {"link": _LINK_FIELDS, "max_chunk_size": None}
@@ -879,8 +881,10 @@ def _plain(value: Any, huge: list[bool]) -> Any:
 
 def _go_struct(pairs: _Pairs, fields: dict[str, Any], strict: dict[str, _TypeCheck], path: str,
                wrong: list[str], into: dict[str, Any] | None) -> dict[str, Any]:
-    """A struct of ObjectInfo decoded from `pairs` into (a copy of) `into`, as Go's decoder does."""
-    out = dict(into) if into is not None else {}
+    """A struct of ObjectInfo decoded from `pairs` into `into` (in place: a struct or map given again is
+    merged into the one decoded so far, never copied, or thousands of repeats of a big one would cost
+    quadratic time), as Go's decoder does."""
+    out = into if into is not None else {}
     folded = _FOLDED[id(fields)]
     for key, value in pairs:
         name = key if key in fields else folded.get(key.translate(_GO_FOLD))
@@ -902,8 +906,10 @@ def _go_struct(pairs: _Pairs, fields: dict[str, Any], strict: dict[str, _TypeChe
                                    previous if isinstance(previous, dict) else None)
             continue
         if isinstance(value, _Pairs) and kind == "map":
-            merged = dict(previous) if isinstance(previous, dict) else {}
-            merged.update(_plain(value, []))
+            merged = _plain(value, [])
+            if isinstance(previous, dict):  # (a dict this decode made: merged into in place)
+                previous.update(merged)
+                merged = previous
             out[name] = merged
             continue
         check = strict.get(name)
@@ -917,24 +923,41 @@ def _go_struct(pairs: _Pairs, fields: dict[str, Any], strict: dict[str, _TypeChe
 def _shallow(text: str) -> str:
     """`text` with each array or object nested deeper than `_KEPT_DEPTH` levels replaced by `[]`: deeper
     than any field of a meta, so only keys nats.go ignores (or a value of the wrong type) hold one, and
-    Python's parser cannot take the thousands of levels Go's can. `MetaNotJSON` over Go's limit."""
-    out: list[str] = []
-    depth, last, cut = 0, 0, -1
+    Python's parser cannot take the thousands of levels Go's can. `MetaNotJSON` over Go's limit, and where
+    what was cut is no JSON: Go refuses the whole meta then (`[[...[1,]...]]`, `NaN` 2000 levels deep)."""
+    # One pass cuts `text` into bands of `_KEPT_DEPTH` levels: the first is the result, each other one a
+    # value cut out of the band above it (with what is nested deeper in it cut out as well), parsed here
+    # only to see that it is JSON. Each byte is scanned and parsed once, and nothing recurses.
+    cut: list[str] = []
+    bands: list[tuple[list[str], int]] = [([], 0)]  # the open ones: their parts so far, where the rest starts
+    depth = 0
     for m in _JSON_TOKEN.finditer(text):
         char = m.group()
         if char in "[{":
             depth += 1
             if depth > _GO_MAX_DEPTH:
                 raise MetaNotJSON("is not JSON nats.go can read (nested deeper than 10000 levels)")
-            if depth == _KEPT_DEPTH + 1:
-                cut = m.start()
+            if depth % _KEPT_DEPTH == 1 and depth > 1:
+                parts, start = bands[-1]
+                parts += [text[start:m.start()], "[]"]
+                bands.append(([], m.start()))
         elif char in "]}":
-            if depth == _KEPT_DEPTH + 1 and cut >= 0:
-                out += [text[last:cut], "[]"]
-                last, cut = m.end(), -1
+            if depth % _KEPT_DEPTH == 1 and depth > 1:
+                parts, start = bands.pop()
+                cut.append("".join(parts) + text[start:m.end()])
+                bands[-1] = (bands[-1][0], m.end())
             depth -= 1
-    out.append(text[last:])
-    return "".join(out)
+    while len(bands) > 1:  # (brackets left open: the bands cut open are no JSON, nor is the rest)
+        parts, start = bands.pop()
+        cut.append("".join(parts) + text[start:])
+        bands[-1] = (bands[-1][0], len(text))
+    for band in cut:
+        try:
+            json.loads(band, parse_int=str, parse_float=str, parse_constant=_not_json)
+        except ValueError:
+            raise MetaNotJSON("is not JSON") from None
+    parts, start = bands[0]
+    return "".join(parts) + text[start:]
 
 
 _LOADS: dict[str, Any] = {"object_pairs_hook": _Pairs, "parse_int": _int, "parse_float": _float,
@@ -961,13 +984,14 @@ def load_meta(data: bytes | bytearray) -> tuple[dict[str, Any], str | None]:
     text = bytes(data).decode("utf-8", "natsfs.go_utf8")
     if text.startswith("\ufeff"):
         raise MetaNotJSON("is not JSON nats.go can read (it starts with a byte order mark)")
+    if text.count("[") + text.count("{") > _KEPT_DEPTH:
+        # Maybe nested deeper than any field of a meta (Go takes 10000 levels): read it cut, always, not
+        # only where Python's parser or a walk of the result would run out of stack, so what a meta reads
+        # as (and a rewrite stores) never depends on how deep in the stack it is read.
+        text = _shallow(text)
     try:
         return _read_meta(text)
-    except RecursionError:
-        pass  # nested deeper than Python parses or walks (Go takes 10000 levels): read it cut
-    try:
-        return _read_meta(_shallow(text))
-    except RecursionError:
+    except RecursionError:  # (only with the stack all but used up already)
         raise MetaNotJSON("is not JSON") from None
 
 

@@ -3,12 +3,14 @@ last one wins, null, merged objects, UTF-8, numbers), so natsfs shows the object
 
 from __future__ import annotations
 
+import builtins
 import json
 from typing import Any
 
 import pytest
 
-from natsfs.adr20 import MetaNotJSON, load_meta, meta_json, meta_subject, parse_meta
+from natsfs import adr20
+from natsfs.adr20 import MetaNotJSON, load_meta, meta_json, meta_subject, parse_meta, usable_fields
 from natsfs.errors import MalformedMeta
 from natsfs.streams import StoredMsg
 
@@ -187,3 +189,94 @@ def test_a_rewritten_meta_holds_canonical_keys_only():
     # meta_json itself drops a variant a caller's doc may carry: it would make nats.go read another value.
     assert json.loads(meta_json({"name": "x", "nuid": "abc", "NUID": "*", "options": {"Link": {"bucket": "o"}}})) \
         == {"name": "x", "nuid": "abc"}
+
+
+# ---------------------------------------------------------------- found by tests/unit/test_meta_decoding_fuzz.py
+@pytest.mark.parametrize("levels", [998, 1000, 5000, 9998])
+@pytest.mark.parametrize("junk", ["nope", "[1,]", "NaN", "01", "1 2", '"\\x"', '"open', "[}"])
+def test_no_json_nested_deeper_than_python_parses_is_not_json(levels, junk):
+    # The value cut out at 64 levels was never parsed: a meta Go refuses as a whole (nats.go never lists
+    # it) showed as an object, and its wildcard nuid was rewritten by the mount.
+    deep = "[" * levels + junk + "]" * levels
+    data = raw(*BASE, ("nuid", "abc"), extra=f',"junk":{deep},"NUID":"*"')
+    with pytest.raises(MetaNotJSON, match="is not JSON"):
+        load_meta(data)
+    with pytest.raises(MalformedMeta, match="is not JSON"):
+        parse(data)
+    fine = "[" * levels + '[1,"]}x"]' + "]" * levels
+    assert parse(raw(*BASE, ("nuid", "abc"), extra=f',"junk":{fine},"NUID":"*"')).wildcard_nuid == "*"
+
+
+@pytest.mark.parametrize("junk", ["[" * 2000, "[" * 2000 + "]" * 1999, "[" * 2000 + "]" * 2001,
+                                  "[" * 1000 + '"' + "]" * 1000, "[" * 1000 + '"\\\n"' + "]" * 1000])
+def test_brackets_left_open_or_closed_too_often_deep_down_are_not_json(junk):
+    with pytest.raises(MalformedMeta, match="is not JSON"):
+        parse(raw(*BASE, ("nuid", "abc"), extra=f',"junk":{junk}'))
+
+
+class _CountedKey(str):
+    """A key that counts how often it is compared (a list scanned for it compares it with each entry)."""
+
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        _CountedKey.compared += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_thousands_of_header_entries_of_the_wrong_type_cost_linear_work():
+    # Each entry was looked up in the list of the bad ones: 11 s for a 1 MiB meta.
+    n = 3000
+    headers = {_CountedKey(f"k{i}"): 1 for i in range(n)} | {"ok": ["1"]}
+    _CountedKey.compared = 0
+    assert usable_fields({"name": "x", "headers": headers})["headers"] == {"ok": ["1"]}
+    assert _CountedKey.compared < n
+
+
+def test_a_field_given_thousands_of_times_is_merged_with_linear_work(monkeypatch):
+    # Each repeat of `options`, `link`, `headers` or `metadata` copied all the ones before had set (Go
+    # decodes into the one it holds): 4 to 12 s for a 1 MiB meta. Counted: the entries adr20 copies.
+    copied = [0]
+
+    class CountingType(type):
+        def __instancecheck__(cls, obj: object) -> bool:
+            return isinstance(obj, builtins.dict)
+
+    class CountingDict(builtins.dict, metaclass=CountingType):  # type: ignore[type-arg]
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            copied[0] += sum(len(a) for a in args if hasattr(a, "__len__"))
+            return builtins.dict(*args, **kwargs)
+
+    n = 2000
+    big = ",".join(f'"k{i}":["1"]' for i in range(n))
+    for field, text in (("options", f'"options":{{{big}}}' + ',"Options":{}' * n),
+                        ("link", f'"options":{{"link":{{"bucket":"o",{big}}}' + ',"LINK":{}' * n + "}"),
+                        ("headers", f'"headers":{{{big}}}' + ',"Headers":{}' * n),
+                        ("metadata", f'"metadata":{{{big}}}' + ',"METADATA":{}' * n)):
+        data = raw(*BASE, extra="," + text)
+        monkeypatch.setattr(adr20, "dict", CountingDict, raising=False)
+        copied[0] = 0
+        doc = load_meta(data)[0]
+        monkeypatch.undo()
+        assert copied[0] < 10 * n, field
+        merged = doc["options"]["link"] if field == "link" else doc[field]
+        assert "k0" in merged and f"k{n - 1}" in merged
+
+
+def _deeper(frames: int, call: Any) -> Any:
+    return call() if frames <= 0 else _deeper(frames - 1, call)
+
+
+@pytest.mark.parametrize("levels", [65, 300, 480])
+def test_what_a_deep_value_reads_as_does_not_depend_on_the_stack(levels):
+    # It was kept as written where Python's parser and the walks after it had the stack for it, cut
+    # elsewhere: a rewrite stored it whole, the next read of that rewrite (deeper in the stack, or with an
+    # escape to walk) cut it, and the next rewrite stored another meta.
+    data = raw(*BASE, ("nuid", "abc"), extra=',"junk":' + '{"a":' * levels + '"\\u003e"' + "}" * levels)
+    doc = load_meta(data)[0]
+    assert _deeper(400, lambda: load_meta(data)[0]) == doc
+    assert meta_json(doc).count(b"{") == 64  # (the meta and 63 levels: the 64th, 65 deep, is [])
+    rewritten = meta_json(doc)
+    assert _deeper(400, lambda: meta_json(load_meta(rewritten)[0])) == rewritten
