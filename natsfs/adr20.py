@@ -94,6 +94,7 @@ from .errors import (
     OutcomeUnknown,
     OverStreamLimits,
     ReadOnly,
+    StoredButSkipped,
     TooBig,
     Unavailable,
     WrongLastMsgId,
@@ -977,6 +978,27 @@ def _read_meta(text: str) -> tuple[dict[str, Any], str | None]:
     return _go_struct(raw, _META_FIELDS, _STRICT_META_TYPES, "", wrong, None), (wrong[0] if wrong else None)
 
 
+def skipped_wildcard_nuid(bucket: str, msg: StoredMsg) -> tuple[str, str] | None:
+    """(name, nuid) of a meta this mount skips (`parse_meta` refused it) that nats.go reads, on its name's
+    own subject, with a wildcard nuid (`wildcard_nuid`): another client's Delete or Put of that name would
+    purge by that wildcard, so the mount rewrites it as well (`ObjectStore.defuse_wildcard_nuid`). None
+    for anything else."""
+    try:
+        doc, why = load_meta(msg.data)
+    except (ValueError, RecursionError):  # (`MetaNotJSON`; and whatever else refusing bad bytes may raise)
+        return None
+    name, nuid = doc.get("name"), doc.get("nuid")
+    if why is not None or not isinstance(name, str) or not name or not wildcard_nuid(nuid):
+        return None
+    try:
+        if msg.subject != meta_subject(bucket, name):
+            return None
+    except NatsFSError:  # (a name no subject can carry)
+        return None
+    assert isinstance(nuid, str)
+    return name, nuid
+
+
 def load_meta(data: bytes | bytearray) -> tuple[dict[str, Any], str | None]:
     """The meta document in `data` as nats.go's `json.Unmarshal` reads it (see above), and why nats.go
     could not read it at all: the first value of the wrong JSON type for a field that decides what the
@@ -1652,8 +1674,12 @@ class ObjectStore:
         headers = {ROLLUP: "sub", MSG_ID: msg_id or new_nuid()}
         if expected_revision is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_revision)
-        return parse_meta(bucket, await self._publish_settled(bucket, subject, data, headers, expected_revision,
-                                                              timestamp=timestamp, after=after))
+        stored = await self._publish_settled(bucket, subject, data, headers, expected_revision, timestamp=timestamp,
+                                             after=after)
+        try:
+            return parse_meta(bucket, stored)
+        except MalformedMeta as e:  # (only a rewrite of another client's meta, fields kept, stores one)
+            raise StoredButSkipped(str(e)) from None
 
     async def _publish_settled(self, bucket: str, subject: str, data: bytes, headers: dict[str, str],
                                expected_revision: int | None, *, timestamp: bool = True,

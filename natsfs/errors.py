@@ -209,6 +209,11 @@ class MalformedMeta(NatsFSError):
     """A meta message that is not valid ADR-20 (bad JSON, missing nuid, ...)."""
 
     errno = _errno.EIO
+
+
+class StoredButSkipped(MalformedMeta):
+    """A meta this mount stored is one it skips when it reads it (another client's meta, rewritten with
+    its other fields kept: see `ObjectStore.defuse_wildcard_nuid`): stored, and shown as before, not at all."""
     log_level = logging.WARNING
 
 

@@ -72,11 +72,12 @@ from .adr20 import (
     meta_subject,
     parse_digest,
     parse_meta,
+    skipped_wildcard_nuid,
     stream_name,
     wildcard_nuid,
 )
 from .chunk_cache import place_checking_gaps
-from .errors import Conflict, MalformedMeta, NameTooLong, NatsFSError
+from .errors import Conflict, MalformedMeta, NameTooLong, NatsFSError, StoredButSkipped
 from .names import placement
 from .streams import StoredMsg, literal_subject
 
@@ -219,6 +220,8 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     tombstones: dict[str, tuple[ObjectInfo, str]] = {}  # subject -> (info, the subject)
     ignored_fields: dict[str, list[str]] = {}  # subject -> the fields of its live meta a mount ignores
     referenced: set[str] = set()  # nuids a meta that is not a tombstone names
+    # (finding, name, revision) of metas a mount skips and nats.go reads, whose nuid is a wildcard.
+    skipped_wildcards: list[tuple[Finding, str, int]] = []
     for m in metas:
         token = m.subject.rsplit(".", 1)[-1]
         held = _doc_nuid(m)
@@ -232,7 +235,11 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
             if held is not None and wildcard_nuid(held[0]):
                 why += (f"; another client's Put or Delete of this name would purge $O.{bucket}.C.{held[0]}: "
                         "every chunk in the bucket")
-            report.findings.append(Finding(BAD_META, m.subject, why, basis={m.subject: m.seq}))
+            wild = skipped_wildcard_nuid(bucket, m)  # (nats.go reads it: a repair rewrites it as a mount does)
+            f = Finding(BAD_META, m.subject, why, repairable=wild is not None, basis={m.subject: m.seq})
+            report.findings.append(f)
+            if wild is not None:
+                skipped_wildcards.append((f, wild[0], m.seq))
             continue
         if decode_token(token) is None:
             report.findings.append(Finding(BAD_NAME, info.name, "its meta subject is not base64 of UTF-8",
@@ -297,7 +304,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                                            basis={shown[i.name][0]: i.revision for i in infos}))
     dangerous: list[tuple[Finding, str, int]] = []  # (finding, tombstone subject, its revision)
     # (finding, name, revision) of metas whose wildcard nuid a repair rewrites on a fresh one.
-    wildcards: list[tuple[Finding, str, int]] = []
+    wildcards: list[tuple[Finding, str, int]] = list(skipped_wildcards)
     chunked = sorted(i.name for i in live.values() if i.nuid and i.link is None)
     others = f" ({_short(chunked[0])!r} and {len(chunked) - 1} more)" if chunked else " (none now)"
 
@@ -430,8 +437,11 @@ async def _repair(finding: Finding, action: Awaitable[None]) -> None:
 
 async def _rewrite_wildcard_nuid(store: ObjectStore, bucket: str, name: str, revision: int) -> None:
     """The mount's rewrite of a meta with a wildcard nuid (`ObjectStore.defuse_wildcard_nuid`)."""
-    if await store.defuse_wildcard_nuid(bucket, name, revision) is None:
-        raise Conflict(f"{bucket}/{name} changed since it was read")
+    try:
+        if await store.defuse_wildcard_nuid(bucket, name, revision) is None:
+            raise Conflict(f"{bucket}/{name} changed since it was read")
+    except StoredButSkipped:
+        pass  # (a meta a mount skips, rewritten with its other fields kept: stored, and skipped as before)
 
 
 async def _check_orphan(store: ObjectStore, report: Report, stream: str, subject: str, count: int, grace_s: float,

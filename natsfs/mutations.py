@@ -60,6 +60,7 @@ from .errors import (
     NotFound,
     NotPermitted,
     ReadOnly,
+    StoredButSkipped,
     Unavailable,
     single_error,
     single_errors,
@@ -502,6 +503,7 @@ class Mutations:
                     # would fail that change as another client's (ESTALE). Its upload stores a fresh nuid;
                     # else a later pass rewrites it.
                     continue
+                skipped = False  # the rewrite stored a meta this mount skips (nats.go reads it), as before it
                 try:
                     with self.own_meta_change(bucket, name):  # (an upload starting meanwhile waits for it)
                         rewritten = await self.store.defuse_wildcard_nuid(bucket, name, revision)
@@ -520,6 +522,8 @@ class Mutations:
                              bucket, len(index.wildcard_nuids), e)
                     index.wildcard_nuids.clear()
                     break
+                except StoredButSkipped:
+                    rewritten, skipped = None, True
                 except NatsFSError as e:
                     log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, name, e)
                     continue
@@ -527,21 +531,22 @@ class Mutations:
                     # (Rewritten, or changed meanwhile: the watch brings what the name holds now.)
                     del index.wildcard_nuids[name]
                 key = (bucket, name)
-                if rewritten is None:
+                if rewritten is None and not skipped:
                     if key not in self._defuse_lost:
                         self._defuse_lost.add(key)
                         log.info("bucket %s: %r changed before its nuid %r could be rewritten; left as it is "
                                  "now", bucket, name, nuid)
                     continue
-                self._apply(bucket, rewritten)
+                if rewritten is not None:
+                    self._apply(bucket, rewritten)
                 first = key not in self._defused
                 self._defused[key] += 1
                 if first and warned >= _DEFUSE_WARNINGS:
                     unwarned.append(name)
                     continue
                 warned += first
-                what = ("the tombstone" if rewritten.deleted else "the link" if rewritten.link is not None
-                        else "the object")
+                what = ("the meta (skipped here, read by nats.go)" if rewritten is None else "the tombstone"
+                        if rewritten.deleted else "the link" if rewritten.link is not None else "the object")
                 times = self._defused[key]
                 log.log(logging.WARNING if first else logging.INFO if times == 2 else logging.DEBUG,
                         "bucket %s: %s %r carried the nuid %r, which another client's Delete or Put of that name "

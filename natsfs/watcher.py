@@ -28,7 +28,15 @@ from collections.abc import Callable
 
 import trio
 
-from .adr20 import ObjectStore, decode_token, meta_filter, meta_subject, parse_meta, stream_name
+from .adr20 import (
+    ObjectStore,
+    decode_token,
+    meta_filter,
+    meta_subject,
+    parse_meta,
+    skipped_wildcard_nuid,
+    stream_name,
+)
 from .config import Config
 from .errors import MalformedMeta, NatsFSError, NotFound
 from .index import BucketIndex, changed_paths
@@ -200,6 +208,9 @@ class BucketWatcher:
         except MalformedMeta as e:
             log.warning("bucket %s: skipping malformed meta: %s", self.bucket, e)
             self._malformed(index, m)
+            wild = skipped_wildcard_nuid(self.bucket, m)
+            if wild is not None:  # (nats.go reads it: rewritten like any other, `index.wildcard_nuids`)
+                index.wildcard_nuids[wild[0]] = (m.seq, wild[1])
             return
         except Exception:
             # Bad input is normal input: one meta must never stop the bucket's index.

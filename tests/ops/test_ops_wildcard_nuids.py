@@ -335,3 +335,40 @@ def test_a_file_open_for_writing_survives_another_mounts_rewrite_of_its_wildcard
         assert usable_nuid(doc["nuid"]) and doc["size"] == 4
 
     ops_env(body, setup=bucket_with_objects, settle_interval=3600)
+
+
+def test_a_meta_this_mount_skips_but_nats_go_reads_is_rewritten_too(ops_env, caplog):
+    """A meta natsfs does not show (its size claims bytes its zero chunks cannot hold) that nats.go reads,
+    with the nuid `*`: nats.go's Delete of that name would purge every chunk of the bucket. The mount
+    rewrites it with every other field kept (still skipped here: it is what it was), expecting the
+    revision it read, one WARNING; nats.go's Delete then purges only the fresh nuid."""
+    fields = {"nuid": "*", "size": 5, "chunks": 0, "description": "odd"}
+
+    async def body(env: Env) -> None:
+        await env.lookup("b/keep1")
+        chunks_before = {s: n for s, n in env.streams.subjects("OBJ_b").items() if ".C." in s}
+        await env.streams.publish(meta_subject("b", "odd"), meta("b", "odd", fields), {ROLLUP: "sub"})
+        await env.settle()
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await env.lookup("b/odd")
+        assert e.value.errno == errno.ENOENT  # (skipped here, before and after)
+        await env.fs.mut.defuse_wildcard_nuids()
+        await env.settle()
+        doc, _ = await meta_of(env, "odd")
+        assert usable_nuid(doc["nuid"])
+        assert {k: v for k, v in doc.items() if k != "nuid"} == \
+            {k: v for k, v in json.loads(meta("b", "odd", fields)).items() if k != "nuid"}
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await env.lookup("b/odd")
+        assert e.value.errno == errno.ENOENT
+        await env.fs.mut.defuse_wildcard_nuids()  # (nothing left to rewrite: no second line)
+        await delete_object(env.streams, "b", "odd")
+        await env.settle()
+        assert {s: n for s, n in env.streams.subjects("OBJ_b").items() if s in chunks_before} == chunks_before
+        assert await env.cat("b/keep1") == b"one" * 1000
+
+    caplog.set_level(logging.INFO, logger="natsfs")
+    ops_env(body, setup=bucket_with_objects, settle_interval=3600)
+    lines = [r for r in caplog.records if "carried the nuid" in r.getMessage()]
+    assert [(r.levelno, r.getMessage().split("'")[1]) for r in lines] == [(logging.WARNING, "odd")]
+    assert "skipped here, read by nats.go" in lines[0].getMessage()

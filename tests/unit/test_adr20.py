@@ -18,6 +18,7 @@ from natsfs.adr20 import (
     meta_subject,
     parse_digest,
     parse_meta,
+    skipped_wildcard_nuid,
     usable_fields,
     valid_bucket_name,
 )
@@ -509,3 +510,18 @@ def test_a_wildcard_nuid_names_no_chunks_of_a_live_object_either(nuid):
     for bad in ({"nuid": nuid, "size": 5, "chunks": 0}, {"nuid": "a.b", "size": 0, "chunks": 0}):
         with pytest.raises(MalformedMeta):
             parse_meta("b", msg("x", {"name": "x", "bucket": "b"} | bad))
+
+
+@pytest.mark.parametrize("data, expected", [
+    (b"not json", None),
+    (b"\xef\xbb\xbf{}", None),
+    (b'{"name": "odd", "bucket": "b", "nuid": "*", "size": 5, "chunks": 0}', ("odd", "*")),
+    (b'{"name": "odd", "nuid": "abc", "NUID": "x.>", "size": 5}', ("odd", "x.>")),
+    (b'{"name": "odd", "nuid": "abc", "size": 5}', None),
+    (b'{"name": "odd", "nuid": "*", "size": "5"}', None),  # (nats.go cannot read it: no Delete by it)
+    (b'{"name": "other", "nuid": "*"}', None),  # (on another name's subject: an alias, read by no name)
+    (b"[" * 20000 + b"]" * 20000, None),
+])
+def test_a_skipped_meta_is_rewritten_only_when_nats_go_reads_a_wildcard_nuid_on_its_own_subject(data, expected):
+    msg = StoredMsg(7, meta_subject("b", "odd"), {"Nats-Rollup": "sub"}, data, TS)
+    assert skipped_wildcard_nuid("b", msg) == expected

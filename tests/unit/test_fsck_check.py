@@ -515,3 +515,32 @@ def test_a_meta_whose_nuid_is_a_wildcard_is_dangerous_and_rewritten_as_a_mount_d
         assert await read(store, "more") == b"more bytes" * 300
 
     run(body)
+
+
+def test_a_meta_a_mount_skips_but_nats_go_reads_with_a_wildcard_nuid_is_rewritten_too():
+    """A meta a mount skips (its size claims bytes its zero chunks cannot hold) is still read by nats.go,
+    whose Delete of that name would purge `$O.b.C.*` for its nuid `*`. fsck reports it as a bad meta that
+    `--repair` rewrites as a mount does (every other field kept, a fresh nuid): still a bad meta after,
+    and nats.go's Delete then purges only the fresh nuid."""
+    async def body(ms, store, clock):
+        await put_object(ms, "b", "good", b"good bytes", chunk_size=CHUNK)
+        fields = {"name": "odd", "bucket": "b", "nuid": "*", "size": 5, "chunks": 0, "description": "odd"}
+        await ms.publish(meta_subject("b", "odd"), json.dumps(fields).encode(), {ROLLUP: "sub"})
+        report = await fsck.check_bucket(store, "b")
+        [bad] = [f for f in report.findings if f.kind == fsck.BAD_META]
+        assert bad.repairable and "would purge" in bad.detail
+        chunks = {s: n for s, n in ms.subjects(stream_name("b")).items() if ".C." in s}
+        report = await fsck.check_bucket(store, "b", repair=True)
+        [bad] = [f for f in report.findings if f.kind == fsck.BAD_META]
+        assert bad.repaired
+        doc = json.loads((await ms.last_msg(stream_name("b"), meta_subject("b", "odd"))).data)
+        assert usable_nuid(doc["nuid"]) and {k: v for k, v in doc.items() if k != "nuid"} == \
+            {k: v for k, v in fields.items() if k != "nuid"}
+        report = await fsck.check_bucket(store, "b")
+        [bad] = [f for f in report.findings if f.kind == fsck.BAD_META]
+        assert not bad.repairable  # (still skipped by a mount, no longer dangerous)
+        await delete_object(ms, "b", "odd")
+        assert {s: n for s, n in ms.subjects(stream_name("b")).items() if s in chunks} == chunks
+        assert await read(store, "good") == b"good bytes"
+
+    run(body)
