@@ -71,6 +71,17 @@ async def meta_of(env: Env, name: str) -> tuple[dict, int]:
     return json.loads(msg.data), msg.seq
 
 
+async def write_close_and_read(env: Env, fi: Any, name: str) -> None:
+    """Write "mine" through the handle `fi` of b/`name`, close it: stored, on a fresh nuid."""
+    await env.ops.write(fi.fh, 0, b"mine")
+    await env.ops.flush(fi.fh)
+    await env.ops.release(fi.fh)
+    await env.settle()
+    assert await env.cat(f"b/{name}") == b"mine"
+    doc, _ = await meta_of(env, name)
+    assert usable_nuid(doc["nuid"]) and doc["size"] == 4
+
+
 async def rewritten(env: Env, name: str) -> dict:
     """The meta of `name` once the mount rewrote its tombstone (a bounded wait for that outcome)."""
     with trio.fail_after(30):
@@ -282,13 +293,7 @@ def test_a_file_open_for_writing_survives_the_rewrite_of_its_names_wildcard_nuid
         await env.fs.mut.defuse_wildcard_nuids()
         fi = opened[0]
         await env.settle()
-        await env.ops.write(fi.fh, 0, b"mine")
-        await env.ops.flush(fi.fh)
-        await env.ops.release(fi.fh)
-        await env.settle()
-        assert await env.cat(f"b/{name}") == b"mine"
-        doc, _ = await meta_of(env, name)
-        assert usable_nuid(doc["nuid"]) and doc["size"] == 4
+        await write_close_and_read(env, fi, name)
 
     ops_env(body, setup=bucket_with_objects, settle_interval=3600)
 
@@ -326,13 +331,7 @@ def test_a_file_open_for_writing_survives_another_mounts_rewrite_of_its_wildcard
         other = ObjectStore(env.streams)  # (another mount's store, over the same server)
         assert await other.defuse_wildcard_nuid("b", name, revision) is not None
         await env.settle()
-        await env.ops.write(fi.fh, 0, b"mine")
-        await env.ops.flush(fi.fh)
-        await env.ops.release(fi.fh)
-        await env.settle()
-        assert await env.cat(f"b/{name}") == b"mine"
-        doc, _ = await meta_of(env, name)
-        assert usable_nuid(doc["nuid"]) and doc["size"] == 4
+        await write_close_and_read(env, fi, name)
 
     ops_env(body, setup=bucket_with_objects, settle_interval=3600)
 
