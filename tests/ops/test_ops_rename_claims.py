@@ -270,6 +270,15 @@ def rename_paused_after_marker(monkeypatch: pytest.MonkeyPatch, b: Env, old: byt
     return claimed, go, results, scope
 
 
+async def only_b_renamed(a: Any, b: Any) -> None:
+    """B's rename of x to y0 is the one done: both mounts show y0 whole, and the bucket holds nothing else."""
+    await a.settle()
+    assert sorted(await check_bucket(a)) == ["y0/", "y0/f0", "y0/f1", "y0/f2", "y0/f3"]
+    for mount in (a, b):
+        assert await names(mount) == ["y0"]
+        assert await mount.cat("y0/f3") == DATA + b"\x03"
+
+
 def test_a_directory_rename_after_anothers_claim_of_its_marker_moves_nothing(ops_env, monkeypatch, tmp_path):
     """A CI run: B's rename of x claimed x's marker, and A learned of it (its view of x: no marker, the
     files B had yet to move) before A renamed x itself. A moved the files (no marker to claim, so nothing
@@ -288,11 +297,7 @@ def test_a_directory_rename_after_anothers_claim_of_its_marker_moves_nothing(ops
         while not results:
             await trio.sleep(0.01)
         assert results == [0]
-        await a.settle()
-        assert sorted(await check_bucket(a)) == ["y0/", "y0/f0", "y0/f1", "y0/f2", "y0/f3"]
-        for mount in (a, b):
-            assert await names(mount) == ["y0"]
-            assert await mount.cat("y0/f3") == DATA + b"\x03"
+        await only_b_renamed(a, b)
 
     ops_env(body, setup=bucket_b, bucket="b")
 
@@ -362,10 +367,6 @@ def test_a_claim_of_the_marker_that_comes_while_a_directory_rename_starts_moves_
         while not b_results[0]:
             await trio.sleep(0.01)
         assert b_results[0] == [0]
-        await a.settle()
-        assert sorted(await check_bucket(a)) == ["y0/", "y0/f0", "y0/f1", "y0/f2", "y0/f3"]
-        for mount in (a, b):
-            assert await names(mount) == ["y0"]
-            assert await mount.cat("y0/f3") == DATA + b"\x03"
+        await only_b_renamed(a, b)
 
     ops_env(body, setup=bucket_b, bucket="b")
