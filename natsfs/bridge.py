@@ -919,6 +919,23 @@ class _TrioReads:
             raise Unavailable(f"{subject}: not sent ({e})") from None
         return token
 
+    async def check_answering(self, timeout: float) -> None:
+        """Before a request: `NoConnection` at once, instead of a wait of its own, when a request has
+        waited `timeout` (the request timeout) without the server sending anything at all since, and
+        the server does not answer a PING within `ANSWER_PROBE_S` either (stopped, or a network that
+        drops packets without a reset: the connection stays up and nothing comes). One `read(2)` the
+        kernel sends as two requests, or a read's next try, must not each wait a whole deadline for
+        such a server. Anything it sends ends that verdict."""
+        conn = self.nc
+        if conn is None or conn.is_closed:
+            return  # (`send` says so)
+        silent = conn.silent_for()
+        if silent < timeout:
+            return
+        if await conn.answers(ANSWER_PROBE_S):
+            return
+        raise NoConnection(f"the server has not answered for {silent:.0f}s")
+
     def open_deliveries(self) -> Deliveries:
         """A fresh subject of this connection for a consumer's deliveries (`Bridge.open_deliveries`).
         It is under the reply inbox's prefix but one token deeper, so the inbox's `<prefix>.*`
@@ -1601,6 +1618,7 @@ class Bridge:
             if callable(payload):
                 payload = payload(self._asked(max_bytes, held))
             if isinstance(link, _TrioReads):
+                await link.check_answering(self.request_timeout)
                 msgs = await link.request_many(subject, payload, timeout or self.request_timeout)
             else:
                 msgs = await self.run_on_loop(self._request_many(link, subject, payload,
@@ -1638,6 +1656,7 @@ class Bridge:
             if callable(payload):
                 payload = payload(self._asked(max_bytes, sub.reserved))
             if isinstance(link, _TrioReads):
+                await link.check_answering(self.request_timeout)
                 sub.stream_token = link.send(subject, payload, sub)
             else:
                 sub.stream_token = await self.run_on_loop(link.send(subject, payload, None, sub,
@@ -2065,6 +2084,10 @@ async def _send_range(link: _Link, req: dict[str, Any], s: _WorkerSession) -> di
         return {"error": s.failed}
     return {"chunks": acks.sent, "bytes": end - start, "most_in_flight": s.most_in_flight}
 
+
+# A server that sent nothing for a whole request timeout while a request waited (`_TrioReads
+# .check_answering`) is given this long to answer a PING before a request fails without waiting.
+ANSWER_PROBE_S = 2.0
 
 # The upload worker's exit status when it could connect to no server (EX_TEMPFAIL): an outage the daemon's
 # own connection reports, not a death of the worker to log (see uploader.UploadWorker).

@@ -88,7 +88,8 @@ GAP_CHECKS = 16
 # long before the read fails: a cluster elects a new leader within about ten seconds. A read request
 # gets one deadline for everything it waits for, `max(request timeout, FETCH_RETRY_S)` from its start
 # (see `ChunkCache.read`); a fetch that found no connection at all (`NoConnection`, after waiting the
-# request timeout for one) is not asked again.
+# request timeout for one), or a server that has sent nothing for a request timeout and does not answer
+# a PING (`NoConnection` too, from `_TrioReads.check_answering`), is not asked again.
 FETCH_RETRY_S = 15.0
 _FETCH_PAUSE_S = 0.25
 GAP_SCAN_LIMIT = 100_000

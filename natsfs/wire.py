@@ -41,6 +41,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -66,6 +67,8 @@ CONTROL_READ_AFTER_LARGE = 2048
 # A control line longer than this is a protocol error (the server's INFO in a large cluster is the
 # longest line a client gets; the server's own limit for lines it reads is 4 KiB).
 MAX_CONTROL_LINE = 1024 * 1024
+# `TrioWireConnection.answers` looks this often whether the server said anything.
+_ANSWER_POLL_S = 0.02
 # Client pings: one every this many seconds, and the connection is taken as dead when two in a row
 # go unanswered (as the nats-py connection is configured by the bridge).
 PING_INTERVAL = 30.0
@@ -799,12 +802,40 @@ class TrioWireConnection(_ConnectionState):
         self._unyielded = 0  # bytes read since the reader last let other tasks run
         self._incoming: ssl.MemoryBIO | None = None  # (TLS: what the socket brought, not yet decrypted)
         self._next_sid = int(INBOX_SID)  # (`subscribe`'s sids follow the inbox's)
+        # Whether the server still answers (`silent_for`): when it last sent anything, and since when a
+        # request sent after that has been waiting for it to say anything at all.
+        self.heard_at = -math.inf
+        self._waiting_since: float | None = None
 
     def publish(self, subject: str, payload: bytes = b"", reply: str = "",
                 headers: dict[str, str] | None = None) -> None:
         """Send a request now (what the socket does not take waits for `run`); `WireError` if the
         connection is closed or the message too large."""
         self._protocol.publish(subject, payload, reply, headers)
+        if reply and (self._waiting_since is None or self.heard_at >= self._waiting_since):
+            self._waiting_since = trio.current_time()
+
+    def silent_for(self) -> float:
+        """How long a request has been waiting without the server sending anything at all since it
+        was sent (0 when the server spoke after the oldest such request, or none waits)."""
+        since = self._waiting_since
+        if since is None or self.heard_at >= since:
+            return 0.0
+        return trio.current_time() - since
+
+    async def answers(self, timeout: float) -> bool:
+        """Whether the server sends anything (the PONG to a PING sent now, or any other bytes)
+        within `timeout`."""
+        heard = self.heard_at
+        try:
+            self._protocol.write_control(b"PING\r\n")
+        except WireError:
+            return False
+        with trio.move_on_after(timeout):
+            while self.heard_at == heard:
+                await trio.sleep(_ANSWER_POLL_S)
+            return True
+        return False
 
     def subscribe(self, subject: str, sink: DeliverySink) -> int:
         """Subscribe `subject` (not under the reply inbox) for `sink`; its sid. `WireError` if the
@@ -862,6 +893,7 @@ class TrioWireConnection(_ConnectionState):
                 protocol.eof_received()
                 self._end(None)
                 return False
+            self.heard_at = trio.current_time()
             if protocol.closed or self._closed_sock:
                 return False
             self._unyielded += handed
