@@ -107,6 +107,22 @@ def _nuid_rewritten(base: ObjectInfo, doc: dict[str, Any]) -> bool:
             == (base.size, base.chunks, base.digest))
 
 
+def _rewrite_of(base: ObjectInfo, now: ObjectInfo | None) -> ObjectInfo | None:
+    """`now` (the name's current meta) when it is `base`, whose nuid was a wildcard, rewritten on a fresh nuid
+    and nothing else (`ObjectStore.defuse_wildcard_nuid`: this mount's background pass, another mount's or
+    `natsfs fsck --repair`'s), with `base`'s mtime as shown; else None (another client's change)."""
+    if (now is None or not base.wildcard_nuid or now.wildcard_nuid or not now.nuid or now.deleted
+            or now.name != base.name or now.revision <= base.revision):
+        return None
+    if ((now.size, now.chunks, now.digest, now.link, now.attrs, now.chunk_size)
+            != (base.size, base.chunks, base.digest, base.link, base.attrs, base.chunk_size)):
+        return None
+    return dataclasses.replace(now, mtime_ns=base.mtime_ns)
+
+
+# Times a rename is tried again after a rewrite of a wildcard nuid (of its source, of its target) landed
+# between its read of the name and the publish that expects that revision (`Mutations.rename_object`).
+_REWRITE_RETRIES = 3
 # Names whose wildcard nuid one pass rewrites with a WARNING line each (per bucket); the rest of that
 # pass's are summed up in one more line (`Mutations.defuse_wildcard_nuids`).
 _DEFUSE_WARNINGS = 10
@@ -991,12 +1007,24 @@ class Mutations:
         info = await self._on_canonical(bucket, info)
         if target is not None:
             target = await self._on_canonical(bucket, target)
-        new_info, _claim = await self.store.rename(
-            bucket, info.name, new_name, expected_revision=info.revision, expected_nuid=info.nuid,
-            target_revision=target.revision if target is not None else 0,
-            change=_rename_change(info, extra_metadata),
-            target_change=_rename_change(target) if target is not None else None,
-            stored=lambda stored: self._apply(bucket, stored))
+        for attempt in range(_REWRITE_RETRIES + 1):
+            try:
+                new_info, _claim = await self.store.rename(
+                    bucket, info.name, new_name, expected_revision=info.revision, expected_nuid=info.nuid,
+                    target_revision=target.revision if target is not None else 0,
+                    change=_rename_change(info, extra_metadata),
+                    target_change=_rename_change(target) if target is not None else None,
+                    stored=lambda stored: self._apply(bucket, stored))
+                break
+            except Conflict:
+                # A rewrite of the source's or the target's wildcard nuid landed meanwhile: it changed
+                # nothing but the nuid, so the rename moves the name's content as it is now, as on a
+                # local disk (the claim refused took its new meta back first). Any other change stays
+                # a conflict.
+                again = await self._rewritten_since(bucket, info, target) if attempt < _REWRITE_RETRIES else None
+                if again is None:
+                    raise
+                info, target = again
         if index is not None:
             # A hidden alias of the old name on the same nuid (an `adopt_alias` cut short, or a copy)
             # would show at the old name once its canonical subject is empty: it moves too.
@@ -1009,6 +1037,34 @@ class Mutations:
                 and not self._shared_nuid(index, target)):
             await self.store.purge_chunks_later_if_needed(bucket, target.nuid, target.name)
         return new_info
+
+    async def _rewritten_since(self, bucket: str, info: ObjectInfo, target: ObjectInfo | None
+                               ) -> tuple[ObjectInfo, ObjectInfo | None] | None:
+        """After a rename of `info` over `target` was refused as a conflict: the two as stored now when
+        at least one of them is the same as read but for a wildcard nuid rewritten since (`_rewrite_of`;
+        a target may also be the one the refused rename stored back, same nuid), and the other is
+        unchanged; else None."""
+        now = await self.store.get_info(bucket, info.name)
+        source = _rewrite_of(info, now)
+        changed = source is not None
+        if source is None:
+            if now is None or now.revision != info.revision:
+                return None
+            source = info
+        if target is None:
+            return (source, None) if changed else None
+        held = await self.store.get_info(bucket, target.name)
+        replaced = _rewrite_of(target, held)
+        if (replaced is None and held is not None and not held.deleted and held.revision != target.revision
+                and target.nuid and held.nuid == target.nuid
+                and (held.size, held.digest, held.link) == (target.size, target.digest, target.link)):
+            replaced = dataclasses.replace(held, mtime_ns=target.mtime_ns)  # (stored back by the refused rename)
+        if replaced is None:
+            if held is None or held.revision != target.revision:
+                return None
+            replaced = target
+        changed = changed or replaced is not target
+        return (source, replaced) if changed else None
 
     async def rename_dir(self, bucket: str, old_rel: Path, directory: Dir, new_rel: Path,
                          target: Dir | None, extra_metadata: dict[str, dict[str, str]] | None = None) -> None:
