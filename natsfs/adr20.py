@@ -381,6 +381,20 @@ def wildcard_nuid(nuid: object) -> bool:
     return isinstance(nuid, str) and any(token in ("*", ">") for token in nuid.split("."))
 
 
+def defused(original: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether `current` (what a meta subject holds now, `ObjectStore.get_meta_doc`) is `original` (the raw
+    meta read there before), whose nuid was a wildcard, rewritten on a fresh nuid by
+    `ObjectStore.defuse_wildcard_nuid` (a mount's, another fsck's) and changed in nothing else: a tombstone
+    rewritten as a tombstone of the same name, a live meta or a link with every other field kept."""
+    nuid = current.get("nuid")
+    if not wildcard_nuid(original.get("nuid")) or not isinstance(nuid, str) or not usable_nuid(nuid):
+        return False
+    if original.get("deleted") is True:
+        return current.get("deleted") is True and current.get("name") == original.get("name")
+    return ({k: v for k, v in current.items() if k != "nuid"}
+            == {k: v for k, v in usable_fields(original).items() if k != "nuid"})
+
+
 def wildcard_reach(bucket: str, nuid: str) -> str:
     """What a purge by the chunk subject of a wildcard nuid would remove, in words (for log lines)."""
     if nuid in ("*", ">"):

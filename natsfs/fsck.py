@@ -67,7 +67,9 @@ from .adr20 import (
     ObjectStore,
     chunk_subject,
     decode_token,
+    defused,
     format_digest,
+    load_meta,
     meta_doc_of,
     meta_subject,
     parse_digest,
@@ -213,6 +215,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     await store.bucket_status(bucket)  # NotFound for a bucket that does not exist
     report = Report(bucket)
     metas = await _meta_messages(store, bucket)
+    read_first = {m.subject: m.data for m in metas}  # (what a repair's rewrite is read back against)
     # By meta subject, not by name: a name's meta under an alias subject (unpadded base64 of an old
     # client) is another meta, and must not hide what the canonical subject holds.
     canonical: dict[str, ObjectInfo] = {}  # name -> the live meta on its canonical subject
@@ -395,7 +398,10 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
         for f, name, revision in wildcards:
             if id(f) not in stale:
                 # Expecting the revision read, as a mount does: a meta stored under the name since stays.
-                await _repair(f, _rewrite_wildcard_nuid(store, bucket, name, revision))
+                subject = meta_subject(bucket, name)
+                if not await _repair(f, _rewrite_wildcard_nuid(store, bucket, name, revision, read_first[subject])):
+                    report.changed += 1  # (read back: another meta, no wildcard nuid: changed while checked)
+                    report.findings.remove(f)
 
     # Live objects: chunks and sizes (and digests).
     # (A live object with a wildcard nuid has no chunks of its own to check: it is reported above.)
@@ -424,24 +430,47 @@ def _short(name: str) -> str:
     return name[:60] + ("..." if len(name) > 60 else "")
 
 
-async def _repair(finding: Finding, action: Awaitable[None]) -> None:
+async def _repair(finding: Finding, action: Awaitable[str | None]) -> bool:
     """Run one repair; a refusal (a sealed bucket, `deny_purge`) is noted on the finding, and the
-    check goes on."""
+    check goes on. An action may note how it was done (returned), or find the finding void (False)."""
     try:
-        await action
+        how = await action
+    except _Void:
+        return False
     except NatsFSError as e:
         finding.detail += f" (repair failed: {e})"
-        return
+        return True
+    if how:
+        finding.detail += f" ({how})"
     finding.repaired = True
+    return True
 
 
-async def _rewrite_wildcard_nuid(store: ObjectStore, bucket: str, name: str, revision: int) -> None:
-    """The mount's rewrite of a meta with a wildcard nuid (`ObjectStore.defuse_wildcard_nuid`)."""
+class _Void(Exception):
+    """(`_repair`) The meta a finding came from changed, and the problem with it: no finding any more."""
+
+
+async def _rewrite_wildcard_nuid(store: ObjectStore, bucket: str, name: str, revision: int,
+                                 read: bytes | bytearray) -> str | None:
+    """The mount's rewrite of a meta with a wildcard nuid (`ObjectStore.defuse_wildcard_nuid`), `read` at
+    `revision`. Refused (the name holds another revision now), the name's meta is read back: the same
+    meta on a fresh nuid is this very rewrite, made meanwhile by a mount (or another fsck): repaired all
+    the same. Another meta without a wildcard nuid makes the finding void (`_Void`: changed while
+    checked); one with a wildcard nuid again is a repair that failed (`Conflict`), still a danger."""
     try:
-        if await store.defuse_wildcard_nuid(bucket, name, revision) is None:
-            raise Conflict(f"{bucket}/{name} changed since it was read")
+        if await store.defuse_wildcard_nuid(bucket, name, revision) is not None:
+            return None
     except StoredButSkipped:
-        pass  # (a meta a mount skips, rewritten with its other fields kept: stored, and skipped as before)
+        return None  # (a meta a mount skips, rewritten with its other fields kept: stored, and skipped as before)
+    try:
+        now = await store.get_meta_doc(bucket, name)
+    except MalformedMeta:
+        raise _Void() from None  # (not JSON now: neither this rewrite, nor a wildcard nuid)
+    if now is not None and defused(load_meta(read)[0], now[0]):
+        return "rewritten meanwhile by a mount or another fsck: read back"
+    if now is None or not wildcard_nuid(now[0].get("nuid")):
+        raise _Void()
+    raise Conflict(f"{bucket}/{name} changed since it was read")
 
 
 async def _check_orphan(store: ObjectStore, report: Report, stream: str, subject: str, count: int, grace_s: float,
