@@ -508,12 +508,16 @@ class Mutations:
         them (one INFO line per bucket and pass, for `natsfs fsck`)."""
         for bucket in self.ns.loaded_buckets():
             index = self.ns.loaded_index(bucket)
-            if index is None or not index.wildcard_nuids:
+            if index is None or not (index.wildcard_nuids or index.alias_wildcards):
                 continue
             if self.known_sealed(bucket):
                 continue  # (nothing can be written there; read again when it changes)
             warned, unwarned = 0, []
-            for name, (revision, nuid) in list(index.wildcard_nuids.items()):
+            # (name, revision, nuid, "") of names; (name its meta carries, revision, nuid, subject) of aliases.
+            targets = [(name, revision, nuid, "") for name, (revision, nuid) in index.wildcard_nuids.items()]
+            targets += [(name, revision, nuid, subject)
+                        for subject, (revision, nuid, name) in index.alias_wildcards.items()]
+            for name, revision, nuid, alias in targets:
                 if (bucket, name) in self._own_meta or self._staged_named(bucket, name):
                     # This mount is changing the name itself (a file open for writing, a chmod): the rewrite
                     # would fail that change as another client's (ESTALE). Its upload stores a fresh nuid;
@@ -522,8 +526,11 @@ class Mutations:
                 skipped = False  # the rewrite stored a meta this mount skips (nats.go reads it), as before it
                 try:
                     with self.own_meta_change(bucket, name):  # (an upload starting meanwhile waits for it)
-                        rewritten = await self.store.defuse_wildcard_nuid(bucket, name, revision)
-                        if rewritten is not None:
+                        if alias:
+                            rewritten = await self.store.defuse_wildcard_alias(bucket, alias, revision)
+                        else:
+                            rewritten = await self.store.defuse_wildcard_nuid(bucket, name, revision)
+                        if rewritten is not None and not alias:
                             for sf in self._staged_named(bucket, name):  # (opened meanwhile: based on it)
                                 if sf.base is not None and sf.base_revision == revision:
                                     sf.rebase(rewritten)
@@ -531,44 +538,57 @@ class Mutations:
                                     sf.replace(rewritten)
                 except (ReadOnly, NotPermitted, JetStreamAPIError) as e:
                     if isinstance(e, JetStreamAPIError) and e.code != 400:
-                        log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, name, e)
+                        log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, alias or name, e)
                         continue
                     log.info("bucket %s: cannot rewrite %d meta(s) whose nuid is a wildcard (%s); "
                              "another client's Delete or Put of those names would purge every chunk",
-                             bucket, len(index.wildcard_nuids), e)
+                             bucket, len(index.wildcard_nuids) + len(index.alias_wildcards), e)
                     index.wildcard_nuids.clear()
+                    index.alias_wildcards.clear()
                     break
                 except StoredButSkipped:
                     rewritten, skipped = None, True
                 except NatsFSError as e:
-                    log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, name, e)
+                    log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, alias or name, e)
                     continue
-                if index.wildcard_nuids.get(name, (0, ""))[0] == revision:
-                    # (Rewritten, or changed meanwhile: the watch brings what the name holds now.)
+                # (Rewritten, or changed meanwhile: the watch brings what the name holds now.)
+                if alias and index.alias_wildcards.get(alias, (0, "", ""))[0] == revision:
+                    del index.alias_wildcards[alias]
+                elif not alias and index.wildcard_nuids.get(name, (0, ""))[0] == revision:
                     del index.wildcard_nuids[name]
-                key = (bucket, name)
+                key = (bucket, alias or name)
                 if rewritten is None and not skipped:
                     if key not in self._defuse_lost:
                         self._defuse_lost.add(key)
                         log.info("bucket %s: %r changed before its nuid %r could be rewritten; left as it is "
-                                 "now", bucket, name, nuid)
+                                 "now", bucket, alias or name, nuid)
                     continue
                 if rewritten is not None:
-                    self._apply(bucket, rewritten)
+                    if alias:
+                        index.apply_alias(alias, rewritten)
+                    else:
+                        self._apply(bucket, rewritten)
                 first = key not in self._defused
                 self._defused[key] += 1
                 if first and warned >= _DEFUSE_WARNINGS:
-                    unwarned.append(name)
+                    unwarned.append(alias or name)
                     continue
                 warned += first
+                times = self._defused[key]
+                level = logging.WARNING if first else logging.INFO if times == 2 else logging.DEBUG
+                again = "" if times != 2 else " (again: later rewrites of this name are logged at DEBUG)"
+                if alias:
+                    log.log(level, "bucket %s: the meta on %s (named %r, not the name that subject is for; %s) "
+                            "carried the nuid %r, which another client's Delete or Put of the name that subject is "
+                            "for would purge as %s: rewritten in place on a fresh nuid%s", bucket, alias, name,
+                            "skipped here, read by nats.go" if rewritten is None else "an alias", nuid,
+                            wildcard_reach(bucket, nuid), again)
+                    continue
                 what = ("the meta (skipped here, read by nats.go)" if rewritten is None else "the tombstone"
                         if rewritten.deleted else "the link" if rewritten.link is not None else "the object")
-                times = self._defused[key]
-                log.log(logging.WARNING if first else logging.INFO if times == 2 else logging.DEBUG,
-                        "bucket %s: %s %r carried the nuid %r, which another client's Delete or Put of that name "
-                        "would purge as %s: rewritten on a fresh nuid%s", bucket, what, name, nuid,
-                        wildcard_reach(bucket, nuid), "" if times != 2 else " (again: later rewrites of this "
-                        "name are logged at DEBUG)")
+                log.log(level, "bucket %s: %s %r carried the nuid %r, which another client's Delete or Put of that "
+                        "name would purge as %s: rewritten on a fresh nuid%s", bucket, what, name, nuid,
+                        wildcard_reach(bucket, nuid), again)
             if unwarned:
                 shown = ", ".join(repr(n) for n in unwarned[:5]) + (" ..." if len(unwarned) > 5 else "")
                 log.warning("bucket %s: %d more metas whose nuid was a wildcard rewritten on a fresh nuid: %s",
