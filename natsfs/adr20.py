@@ -381,6 +381,20 @@ def wildcard_nuid(nuid: object) -> bool:
     return isinstance(nuid, str) and any(token in ("*", ">") for token in nuid.split("."))
 
 
+def defused(original: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether `current` (what a meta subject holds now, `ObjectStore.get_meta_doc`) is `original` (the raw
+    meta read there before), whose nuid was a wildcard, rewritten on a fresh nuid by
+    `ObjectStore.defuse_wildcard_nuid` (a mount's, another fsck's) and changed in nothing else: a tombstone
+    rewritten as a tombstone of the same name, a live meta or a link with every other field kept."""
+    nuid = current.get("nuid")
+    if not wildcard_nuid(original.get("nuid")) or not isinstance(nuid, str) or not usable_nuid(nuid):
+        return False
+    if original.get("deleted") is True:
+        return current.get("deleted") is True and current.get("name") == original.get("name")
+    return ({k: v for k, v in current.items() if k != "nuid"}
+            == {k: v for k, v in usable_fields(original).items() if k != "nuid"})
+
+
 def wildcard_reach(bucket: str, nuid: str) -> str:
     """What a purge by the chunk subject of a wildcard nuid would remove, in words (for log lines)."""
     if nuid in ("*", ">"):
@@ -976,6 +990,46 @@ def _read_meta(text: str) -> tuple[dict[str, Any], str | None]:
         raise MetaNotJSON("is not a JSON object")
     wrong: list[str] = []
     return _go_struct(raw, _META_FIELDS, _STRICT_META_TYPES, "", wrong, None), (wrong[0] if wrong else None)
+
+
+def read_by_a_name(bucket: str, subject: str) -> bool:
+    """Whether `subject` is the meta subject nats.go reads for some object name X (`$O.<bucket>.M.` +
+    padded URL-safe base64 of X's bytes, any bytes: Go's names need not be UTF-8): its `Put(X)` and
+    `Delete(X)` read the last meta there (`GetInfo`, which never checks the meta's own `name`) and purge
+    `$O.<bucket>.C.` + the nuid it holds."""
+    prefix = f"$O.{bucket}.M."
+    token = subject[len(prefix):] if subject.startswith(prefix) else ""
+    if not token or "." in token:
+        return False
+    try:
+        raw = base64.b64decode(token.encode("ascii"), altchars=b"-_", validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        return False
+    return bool(raw) and base64.urlsafe_b64encode(raw).decode("ascii") == token
+
+
+def alias_wildcard_nuid(bucket: str, msg: StoredMsg) -> tuple[str, str] | None:
+    """(its name, "" when that is no string; its nuid) of a meta under a subject that is not its own name's
+    canonical one (an alias shown here when its token is no UTF-8 name's; else skipped here as under
+    "another name's subject") that nats.go reads, when its nuid holds a wildcard (`wildcard_nuid`) and the
+    subject is the one nats.go's `Put(X)` and `Delete(X)` read for some name X (`read_by_a_name`): they
+    would purge by that wildcard, every chunk of the bucket, so the mount rewrites it in place
+    (`ObjectStore.defuse_wildcard_alias`), its own name and every other field kept. None for anything else."""
+    try:
+        doc, why = load_meta(msg.data)
+    except (ValueError, RecursionError):  # (`MetaNotJSON`; and whatever else refusing bad bytes may raise)
+        return None
+    name, nuid = doc.get("name"), doc.get("nuid")
+    if why is not None or not wildcard_nuid(nuid) or not read_by_a_name(bucket, msg.subject):
+        return None
+    if isinstance(name, str) and name:
+        try:
+            if msg.subject == meta_subject(bucket, name):
+                return None  # (its name's own subject: see `skipped_wildcard_nuid`, `ObjectInfo.wildcard_nuid`)
+        except NatsFSError:
+            pass
+    assert isinstance(nuid, str)
+    return (name if isinstance(name, str) else ""), nuid
 
 
 def skipped_wildcard_nuid(bucket: str, msg: StoredMsg) -> tuple[str, str] | None:
@@ -1654,15 +1708,16 @@ class ObjectStore:
     # ---------------------------------------------------------------- writes
     async def publish_meta(self, bucket: str, doc: dict[str, Any], *, expected_revision: int | None = None,
                            msg_id: str = "", timestamp: bool = True, after: ChunkMsg | None = None,
-                           replaces: tuple[str, int | None] | None = None) -> ObjectInfo:
-        """Publish a meta with `Nats-Rollup: sub` and `Nats-Msg-Id` (`msg_id`, or a fresh one); with
+                           replaces: tuple[str, int | None] | None = None, subject: str = "") -> ObjectInfo:
+        """Publish a meta with `Nats-Rollup: sub` and `Nats-Msg-Id` (`msg_id`, or a fresh one), on its
+        name's meta subject (or `subject`: an alias rewritten in place); with
         `expected_revision`, only if the name's meta subject still ends at that sequence (0: never
         written), else `Conflict`. An ambiguous outcome is settled (see `_publish_settled`). With
         `after`, the version's one chunk goes in the same round trip, right before it (`_publish_after`).
         Its size is checked first (`check_meta_size`) against the meta it replaces: `replaces` (meta
         subject, revision: a rename's old name), by default what its own subject holds at
         `expected_revision`."""
-        subject = self._meta_subject(bucket, doc["name"])
+        subject = subject or self._meta_subject(bucket, doc["name"])
         asked, doc = doc, without_wildcard_nuid(doc)
         data = meta_json(doc)
         # (A fresh nuid in place of a wildcard grows the meta by a few bytes: --max-meta-bytes judges the
@@ -2381,6 +2436,23 @@ class ObjectStore:
         rewritten = claim_doc(bucket, name, doc) if doc.get("deleted") is True else usable_fields(doc)
         try:
             return await self.publish_meta(bucket, rewritten, expected_revision=revision, timestamp=False)
+        except Conflict:
+            return None
+
+    async def defuse_wildcard_alias(self, bucket: str, subject: str, revision: int) -> ObjectInfo | None:
+        """Rewrite the alias on `subject` at `revision` (`alias_wildcard_nuid`: nats.go's Put and Delete of
+        the name that subject is for would purge by its wildcard nuid) in place, on a fresh nuid that holds
+        no chunks, expecting that revision: every other field kept, its own `name` (another name's) and a
+        tombstone's `deleted` too. None when the subject holds something else now (nothing written);
+        `StoredButSkipped` for an alias this mount skips (stored, skipped as before). Shared by the mount
+        (`Mutations.defuse_wildcard_nuids`) and `natsfs fsck --repair`."""
+        msg = await self.streams.last_msg(stream_name(bucket), subject)
+        if msg is None or msg.seq != revision or alias_wildcard_nuid(bucket, msg) is None:
+            return None
+        doc = usable_fields(load_meta(msg.data)[0])
+        try:
+            return await self.publish_meta(bucket, dict(doc, nuid=new_nuid()), expected_revision=revision,
+                                           timestamp=False, subject=subject)
         except Conflict:
             return None
 

@@ -65,9 +65,12 @@ import trio
 from .adr20 import (
     ObjectInfo,
     ObjectStore,
+    alias_wildcard_nuid,
     chunk_subject,
     decode_token,
+    defused,
     format_digest,
+    load_meta,
     meta_doc_of,
     meta_subject,
     parse_digest,
@@ -212,7 +215,13 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     stream = stream_name(bucket)
     await store.bucket_status(bucket)  # NotFound for a bucket that does not exist
     report = Report(bucket)
+
+    def reach_of(nuid: str) -> str:
+        return f"$O.{bucket}.C.{nuid}: every chunk in the bucket" if nuid in ("*", ">") else \
+            f"every chunk subject $O.{bucket}.C.{nuid} matches"
+
     metas = await _meta_messages(store, bucket)
+    read_first = {m.subject: m.data for m in metas}  # (what a repair's rewrite is read back against)
     # By meta subject, not by name: a name's meta under an alias subject (unpadded base64 of an old
     # client) is another meta, and must not hide what the canonical subject holds.
     canonical: dict[str, ObjectInfo] = {}  # name -> the live meta on its canonical subject
@@ -220,8 +229,9 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
     tombstones: dict[str, tuple[ObjectInfo, str]] = {}  # subject -> (info, the subject)
     ignored_fields: dict[str, list[str]] = {}  # subject -> the fields of its live meta a mount ignores
     referenced: set[str] = set()  # nuids a meta that is not a tombstone names
-    # (finding, name, revision) of metas a mount skips and nats.go reads, whose nuid is a wildcard.
-    skipped_wildcards: list[tuple[Finding, str, int]] = []
+    # (finding, name, subject, revision) of metas nats.go reads by a name whose nuid is a wildcard, which a
+    # mount skips, or which are aliases (on another name's subject: rewritten there, `defuse_wildcard_alias`).
+    skipped_wildcards: list[tuple[Finding, str, str, int]] = []
     for m in metas:
         token = m.subject.rsplit(".", 1)[-1]
         held = _doc_nuid(m)
@@ -236,10 +246,17 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                 why += (f"; another client's Put or Delete of this name would purge $O.{bucket}.C.{held[0]}: "
                         "every chunk in the bucket")
             wild = skipped_wildcard_nuid(bucket, m)  # (nats.go reads it: a repair rewrites it as a mount does)
-            f = Finding(BAD_META, m.subject, why, repairable=wild is not None, basis={m.subject: m.seq})
+            alias = alias_wildcard_nuid(bucket, m) if wild is None else None
+            if alias is not None:
+                why += (f"; another client's Put or Delete of the name this subject is for would purge "
+                        f"{reach_of(alias[1])}")
+            f = Finding(BAD_META, m.subject, why, repairable=wild is not None or alias is not None,
+                        basis={m.subject: m.seq})
             report.findings.append(f)
             if wild is not None:
-                skipped_wildcards.append((f, wild[0], m.seq))
+                skipped_wildcards.append((f, wild[0], m.subject, m.seq))
+            elif alias is not None:
+                skipped_wildcards.append((f, alias[0], m.subject, m.seq))
             continue
         if decode_token(token) is None:
             report.findings.append(Finding(BAD_NAME, info.name, "its meta subject is not base64 of UTF-8",
@@ -251,6 +268,13 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                 report.findings.append(Finding(BAD_NAME, info.name[:60] + "...", str(e), basis={m.subject: m.seq}))
         if m.subject != meta_subject(bucket, info.name):
             aliases[info.name][m.subject] = info
+            if info.wildcard_nuid and (alias := alias_wildcard_nuid(bucket, m)) is not None:
+                f = Finding(WILDCARD_META, m.subject, f"an alias of {_short(info.name)!r} carrying the nuid "
+                            f"{alias[1]!r}, a wildcard: another client's Put or Delete of the name this subject "
+                            f"is for would purge {reach_of(alias[1])}", repairable=True,
+                            basis={m.subject: m.seq})
+                report.findings.append(f)
+                skipped_wildcards.append((f, info.name, m.subject, m.seq))
         elif not info.deleted:
             canonical[info.name] = info
         if info.deleted:
@@ -304,7 +328,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                                            basis={shown[i.name][0]: i.revision for i in infos}))
     dangerous: list[tuple[Finding, str, int]] = []  # (finding, tombstone subject, its revision)
     # (finding, name, revision) of metas whose wildcard nuid a repair rewrites on a fresh one.
-    wildcards: list[tuple[Finding, str, int]] = list(skipped_wildcards)
+    wildcards: list[tuple[Finding, str, str, int]] = list(skipped_wildcards)
     chunked = sorted(i.name for i in live.values() if i.nuid and i.link is None)
     others = f" ({_short(chunked[0])!r} and {len(chunked) - 1} more)" if chunked else " (none now)"
 
@@ -322,7 +346,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                         f"a Delete or Put of this name by another client would purge {reach(info.wildcard_nuid)}",
                         repairable=True, basis={subject: info.revision})
             report.findings.append(f)
-            wildcards.append((f, info.name, info.revision))
+            wildcards.append((f, info.name, subject, info.revision))
     for t, subject in tombstones.values():
         wildcard = t.wildcard_nuid
         if wildcard and chunked and subject == meta_subject(bucket, t.name):
@@ -332,7 +356,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
                         f"this name by another client would purge {reach(wildcard)}", repairable=True,
                         basis={subject: t.revision})
             report.findings.append(f)
-            wildcards.append((f, t.name, t.revision))
+            wildcards.append((f, t.name, subject, t.revision))
             continue
         # (A live meta of the same name under another subject is no other owner: purging this
         # tombstone would only bring that name back.)
@@ -392,10 +416,14 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
             if id(f) not in stale:
                 # Up to the tombstone's revision: a meta stored under the name since stays.
                 await _repair(f, store.streams.purge_subject(stream, subject, before_seq=revision + 1))
-        for f, name, revision in wildcards:
-            if id(f) not in stale:
-                # Expecting the revision read, as a mount does: a meta stored under the name since stays.
-                await _repair(f, _rewrite_wildcard_nuid(store, bucket, name, revision))
+        for f, name, subject, revision in wildcards:
+            if id(f) in stale:
+                continue
+            # Expecting the revision read, as a mount does: a meta stored under the name since stays.
+            if not await _repair(f, _rewrite_wildcard_nuid(store, bucket, name, subject, revision,
+                                                           read_first[subject])):
+                report.changed += 1  # (read back: another meta, no wildcard nuid: changed while checked)
+                report.findings.remove(f)
 
     # Live objects: chunks and sizes (and digests).
     # (A live object with a wildcard nuid has no chunks of its own to check: it is reported above.)
@@ -424,24 +452,50 @@ def _short(name: str) -> str:
     return name[:60] + ("..." if len(name) > 60 else "")
 
 
-async def _repair(finding: Finding, action: Awaitable[None]) -> None:
+async def _repair(finding: Finding, action: Awaitable[str | None]) -> bool:
     """Run one repair; a refusal (a sealed bucket, `deny_purge`) is noted on the finding, and the
-    check goes on."""
+    check goes on. An action may note how it was done (returned), or find the finding void (False)."""
     try:
-        await action
+        how = await action
+    except _Void:
+        return False
     except NatsFSError as e:
         finding.detail += f" (repair failed: {e})"
-        return
+        return True
+    if how:
+        finding.detail += f" ({how})"
     finding.repaired = True
+    return True
 
 
-async def _rewrite_wildcard_nuid(store: ObjectStore, bucket: str, name: str, revision: int) -> None:
-    """The mount's rewrite of a meta with a wildcard nuid (`ObjectStore.defuse_wildcard_nuid`)."""
+class _Void(Exception):
+    """(`_repair`) The meta a finding came from changed, and the problem with it: no finding any more."""
+
+
+async def _rewrite_wildcard_nuid(store: ObjectStore, bucket: str, name: str, subject: str, revision: int,
+                                 read: bytes | bytearray) -> str | None:
+    """The mount's rewrite of a meta with a wildcard nuid (`ObjectStore.defuse_wildcard_nuid`), `read` at
+    `revision`. Refused (the name holds another revision now), the name's meta is read back: the same
+    meta on a fresh nuid is this very rewrite, made meanwhile by a mount (or another fsck): repaired all
+    the same. Another meta without a wildcard nuid makes the finding void (`_Void`: changed while
+    checked); one with a wildcard nuid again is a repair that failed (`Conflict`), still a danger."""
+    alias = subject != meta_subject(bucket, name)  # (rewritten in place, on that subject)
     try:
-        if await store.defuse_wildcard_nuid(bucket, name, revision) is None:
-            raise Conflict(f"{bucket}/{name} changed since it was read")
+        if alias and await store.defuse_wildcard_alias(bucket, subject, revision) is not None:
+            return None
+        if not alias and await store.defuse_wildcard_nuid(bucket, name, revision) is not None:
+            return None
     except StoredButSkipped:
-        pass  # (a meta a mount skips, rewritten with its other fields kept: stored, and skipped as before)
+        return None  # (a meta a mount skips, rewritten with its other fields kept: stored, and skipped as before)
+    try:
+        now = await store.get_meta_doc(bucket, name, subject)
+    except MalformedMeta:
+        raise _Void() from None  # (not JSON now: neither this rewrite, nor a wildcard nuid)
+    if now is not None and defused(load_meta(read)[0], now[0]):
+        return "rewritten meanwhile by a mount or another fsck: read back"
+    if now is None or not wildcard_nuid(now[0].get("nuid")):
+        raise _Void()
+    raise Conflict(f"{bucket}/{name} changed since it was read")
 
 
 async def _check_orphan(store: ObjectStore, report: Report, stream: str, subject: str, count: int, grace_s: float,

@@ -125,6 +125,10 @@ class BucketIndex:
         # the name would purge every chunk of the bucket; the layer above rewrites them on a fresh nuid
         # (`natsfs.mutations.Mutations.defuse_wildcard_nuids`).
         self.wildcard_nuids: dict[str, tuple[int, str]] = {}
+        # Aliases (parsed or skipped) whose nuid holds a wildcard, on a subject nats.go's Put and Delete of
+        # some name read (`adr20.alias_wildcard_nuid`): subject -> (revision, that nuid, the name the meta
+        # carries). Rewritten in place like those above (`Mutations.defuse_wildcard_nuids`).
+        self.alias_wildcards: dict[str, tuple[int, str, str]] = {}
         # Directory markers a rename claimed (a tombstone on a fresh nuid replaced the live marker): marker
         # name -> (the claim's revision, when it was applied here, monotonic). See `renamed_away`.
         self.claimed_markers: dict[str, tuple[int, float]] = {}
@@ -304,6 +308,7 @@ class BucketIndex:
             return self._drop_alias(subject)
 
     def _drop_alias(self, subject: str) -> bool:
+        self.alias_wildcards.pop(subject, None)
         name = self._alias_name.pop(subject, None)
         if name is None:
             return False
@@ -553,6 +558,7 @@ class BucketIndex:
         self._tomb_by_nuid.clear()
         self.shared_tombstones.clear()
         self.wildcard_nuids.clear()
+        self.alias_wildcards.clear()
         self.claimed_markers.clear()
         self.purged.clear()
         self.malformed.clear()

@@ -107,6 +107,22 @@ def _nuid_rewritten(base: ObjectInfo, doc: dict[str, Any]) -> bool:
             == (base.size, base.chunks, base.digest))
 
 
+def _rewrite_of(base: ObjectInfo, now: ObjectInfo | None) -> ObjectInfo | None:
+    """`now` (the name's current meta) when it is `base`, whose nuid was a wildcard, rewritten on a fresh nuid
+    and nothing else (`ObjectStore.defuse_wildcard_nuid`: this mount's background pass, another mount's or
+    `natsfs fsck --repair`'s), with `base`'s mtime as shown; else None (another client's change)."""
+    if (now is None or not base.wildcard_nuid or now.wildcard_nuid or not now.nuid or now.deleted
+            or now.name != base.name or now.revision <= base.revision):
+        return None
+    if ((now.size, now.chunks, now.digest, now.link, now.attrs, now.chunk_size)
+            != (base.size, base.chunks, base.digest, base.link, base.attrs, base.chunk_size)):
+        return None
+    return dataclasses.replace(now, mtime_ns=base.mtime_ns)
+
+
+# Times a rename is tried again after a rewrite of a wildcard nuid (of its source, of its target) landed
+# between its read of the name and the publish that expects that revision (`Mutations.rename_object`).
+_REWRITE_RETRIES = 3
 # Names whose wildcard nuid one pass rewrites with a WARNING line each (per bucket); the rest of that
 # pass's are summed up in one more line (`Mutations.defuse_wildcard_nuids`).
 _DEFUSE_WARNINGS = 10
@@ -492,12 +508,16 @@ class Mutations:
         them (one INFO line per bucket and pass, for `natsfs fsck`)."""
         for bucket in self.ns.loaded_buckets():
             index = self.ns.loaded_index(bucket)
-            if index is None or not index.wildcard_nuids:
+            if index is None or not (index.wildcard_nuids or index.alias_wildcards):
                 continue
             if self.known_sealed(bucket):
                 continue  # (nothing can be written there; read again when it changes)
             warned, unwarned = 0, []
-            for name, (revision, nuid) in list(index.wildcard_nuids.items()):
+            # (name, revision, nuid, "") of names; (name its meta carries, revision, nuid, subject) of aliases.
+            targets = [(name, revision, nuid, "") for name, (revision, nuid) in index.wildcard_nuids.items()]
+            targets += [(name, revision, nuid, subject)
+                        for subject, (revision, nuid, name) in index.alias_wildcards.items()]
+            for name, revision, nuid, alias in targets:
                 if (bucket, name) in self._own_meta or self._staged_named(bucket, name):
                     # This mount is changing the name itself (a file open for writing, a chmod): the rewrite
                     # would fail that change as another client's (ESTALE). Its upload stores a fresh nuid;
@@ -506,8 +526,11 @@ class Mutations:
                 skipped = False  # the rewrite stored a meta this mount skips (nats.go reads it), as before it
                 try:
                     with self.own_meta_change(bucket, name):  # (an upload starting meanwhile waits for it)
-                        rewritten = await self.store.defuse_wildcard_nuid(bucket, name, revision)
-                        if rewritten is not None:
+                        if alias:
+                            rewritten = await self.store.defuse_wildcard_alias(bucket, alias, revision)
+                        else:
+                            rewritten = await self.store.defuse_wildcard_nuid(bucket, name, revision)
+                        if rewritten is not None and not alias:
                             for sf in self._staged_named(bucket, name):  # (opened meanwhile: based on it)
                                 if sf.base is not None and sf.base_revision == revision:
                                     sf.rebase(rewritten)
@@ -515,44 +538,57 @@ class Mutations:
                                     sf.replace(rewritten)
                 except (ReadOnly, NotPermitted, JetStreamAPIError) as e:
                     if isinstance(e, JetStreamAPIError) and e.code != 400:
-                        log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, name, e)
+                        log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, alias or name, e)
                         continue
                     log.info("bucket %s: cannot rewrite %d meta(s) whose nuid is a wildcard (%s); "
                              "another client's Delete or Put of those names would purge every chunk",
-                             bucket, len(index.wildcard_nuids), e)
+                             bucket, len(index.wildcard_nuids) + len(index.alias_wildcards), e)
                     index.wildcard_nuids.clear()
+                    index.alias_wildcards.clear()
                     break
                 except StoredButSkipped:
                     rewritten, skipped = None, True
                 except NatsFSError as e:
-                    log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, name, e)
+                    log.debug("bucket %s: rewriting the meta of %r failed (%s); retrying", bucket, alias or name, e)
                     continue
-                if index.wildcard_nuids.get(name, (0, ""))[0] == revision:
-                    # (Rewritten, or changed meanwhile: the watch brings what the name holds now.)
+                # (Rewritten, or changed meanwhile: the watch brings what the name holds now.)
+                if alias and index.alias_wildcards.get(alias, (0, "", ""))[0] == revision:
+                    del index.alias_wildcards[alias]
+                elif not alias and index.wildcard_nuids.get(name, (0, ""))[0] == revision:
                     del index.wildcard_nuids[name]
-                key = (bucket, name)
+                key = (bucket, alias or name)
                 if rewritten is None and not skipped:
                     if key not in self._defuse_lost:
                         self._defuse_lost.add(key)
                         log.info("bucket %s: %r changed before its nuid %r could be rewritten; left as it is "
-                                 "now", bucket, name, nuid)
+                                 "now", bucket, alias or name, nuid)
                     continue
                 if rewritten is not None:
-                    self._apply(bucket, rewritten)
+                    if alias:
+                        index.apply_alias(alias, rewritten)
+                    else:
+                        self._apply(bucket, rewritten)
                 first = key not in self._defused
                 self._defused[key] += 1
                 if first and warned >= _DEFUSE_WARNINGS:
-                    unwarned.append(name)
+                    unwarned.append(alias or name)
                     continue
                 warned += first
+                times = self._defused[key]
+                level = logging.WARNING if first else logging.INFO if times == 2 else logging.DEBUG
+                again = "" if times != 2 else " (again: later rewrites of this name are logged at DEBUG)"
+                if alias:
+                    log.log(level, "bucket %s: the meta on %s (named %r, not the name that subject is for; %s) "
+                            "carried the nuid %r, which another client's Delete or Put of the name that subject is "
+                            "for would purge as %s: rewritten in place on a fresh nuid%s", bucket, alias, name,
+                            "skipped here, read by nats.go" if rewritten is None else "an alias", nuid,
+                            wildcard_reach(bucket, nuid), again)
+                    continue
                 what = ("the meta (skipped here, read by nats.go)" if rewritten is None else "the tombstone"
                         if rewritten.deleted else "the link" if rewritten.link is not None else "the object")
-                times = self._defused[key]
-                log.log(logging.WARNING if first else logging.INFO if times == 2 else logging.DEBUG,
-                        "bucket %s: %s %r carried the nuid %r, which another client's Delete or Put of that name "
-                        "would purge as %s: rewritten on a fresh nuid%s", bucket, what, name, nuid,
-                        wildcard_reach(bucket, nuid), "" if times != 2 else " (again: later rewrites of this "
-                        "name are logged at DEBUG)")
+                log.log(level, "bucket %s: %s %r carried the nuid %r, which another client's Delete or Put of that "
+                        "name would purge as %s: rewritten on a fresh nuid%s", bucket, what, name, nuid,
+                        wildcard_reach(bucket, nuid), again)
             if unwarned:
                 shown = ", ".join(repr(n) for n in unwarned[:5]) + (" ..." if len(unwarned) > 5 else "")
                 log.warning("bucket %s: %d more metas whose nuid was a wildcard rewritten on a fresh nuid: %s",
@@ -991,12 +1027,24 @@ class Mutations:
         info = await self._on_canonical(bucket, info)
         if target is not None:
             target = await self._on_canonical(bucket, target)
-        new_info, _claim = await self.store.rename(
-            bucket, info.name, new_name, expected_revision=info.revision, expected_nuid=info.nuid,
-            target_revision=target.revision if target is not None else 0,
-            change=_rename_change(info, extra_metadata),
-            target_change=_rename_change(target) if target is not None else None,
-            stored=lambda stored: self._apply(bucket, stored))
+        for attempt in range(_REWRITE_RETRIES + 1):
+            try:
+                new_info, _claim = await self.store.rename(
+                    bucket, info.name, new_name, expected_revision=info.revision, expected_nuid=info.nuid,
+                    target_revision=target.revision if target is not None else 0,
+                    change=_rename_change(info, extra_metadata),
+                    target_change=_rename_change(target) if target is not None else None,
+                    stored=lambda stored: self._apply(bucket, stored))
+                break
+            except Conflict:
+                # A rewrite of the source's or the target's wildcard nuid landed meanwhile: it changed
+                # nothing but the nuid, so the rename moves the name's content as it is now, as on a
+                # local disk (the claim refused took its new meta back first). Any other change stays
+                # a conflict.
+                again = await self._rewritten_since(bucket, info, target) if attempt < _REWRITE_RETRIES else None
+                if again is None:
+                    raise
+                info, target = again
         if index is not None:
             # A hidden alias of the old name on the same nuid (an `adopt_alias` cut short, or a copy)
             # would show at the old name once its canonical subject is empty: it moves too.
@@ -1009,6 +1057,34 @@ class Mutations:
                 and not self._shared_nuid(index, target)):
             await self.store.purge_chunks_later_if_needed(bucket, target.nuid, target.name)
         return new_info
+
+    async def _rewritten_since(self, bucket: str, info: ObjectInfo, target: ObjectInfo | None
+                               ) -> tuple[ObjectInfo, ObjectInfo | None] | None:
+        """After a rename of `info` over `target` was refused as a conflict: the two as stored now when
+        at least one of them is the same as read but for a wildcard nuid rewritten since (`_rewrite_of`;
+        a target may also be the one the refused rename stored back, same nuid), and the other is
+        unchanged; else None."""
+        now = await self.store.get_info(bucket, info.name)
+        source = _rewrite_of(info, now)
+        changed = source is not None
+        if source is None:
+            if now is None or now.revision != info.revision:
+                return None
+            source = info
+        if target is None:
+            return (source, None) if changed else None
+        held = await self.store.get_info(bucket, target.name)
+        replaced = _rewrite_of(target, held)
+        if (replaced is None and held is not None and not held.deleted and held.revision != target.revision
+                and target.nuid and held.nuid == target.nuid
+                and (held.size, held.digest, held.link) == (target.size, target.digest, target.link)):
+            replaced = dataclasses.replace(held, mtime_ns=target.mtime_ns)  # (stored back by the refused rename)
+        if replaced is None:
+            if held is None or held.revision != target.revision:
+                return None
+            replaced = target
+        changed = changed or replaced is not target
+        return (source, replaced) if changed else None
 
     async def rename_dir(self, bucket: str, old_rel: Path, directory: Dir, new_rel: Path,
                          target: Dir | None, extra_metadata: dict[str, dict[str, str]] | None = None) -> None:

@@ -30,6 +30,7 @@ import trio
 
 from .adr20 import (
     ObjectStore,
+    alias_wildcard_nuid,
     decode_token,
     meta_filter,
     meta_subject,
@@ -211,6 +212,8 @@ class BucketWatcher:
             wild = skipped_wildcard_nuid(self.bucket, m)
             if wild is not None:  # (nats.go reads it: rewritten like any other, `index.wildcard_nuids`)
                 index.wildcard_nuids[wild[0]] = (m.seq, wild[1])
+            elif (alias := alias_wildcard_nuid(self.bucket, m)) is not None:
+                index.alias_wildcards[m.subject] = (m.seq, alias[1], alias[0])  # (after `_malformed`)
             return
         except Exception:
             # Bad input is normal input: one meta must never stop the bucket's index.
@@ -237,7 +240,14 @@ class BucketWatcher:
                          "subject holds nothing", self.bucket, m.subject, m.seq, name,
                          meta_subject(self.bucket, name))
             index.apply_alias(m.subject, info)
+            alias = alias_wildcard_nuid(self.bucket, m) if info.wildcard_nuid else None
+            if alias is not None:  # (nats.go's Put and Delete of the name this subject is for read it)
+                index.alias_wildcards[m.subject] = (m.seq, alias[1], alias[0])
+            elif index.alias_wildcards:
+                index.alias_wildcards.pop(m.subject, None)
             return
+        if index.alias_wildcards:
+            index.alias_wildcards.pop(m.subject, None)
         index.apply(info)
 
     def _ignored(self, why: str) -> None:

@@ -15,6 +15,8 @@ import errno
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 from helpers import create_bucket, nats_py_get, nats_py_put, stored_layout, wait_for, with_nats
@@ -135,3 +137,56 @@ def test_fsck_repair_rewrites_wildcard_nuids_as_the_mount_does(nats_url, bucket_
         now = stored_layout(nats_url, b, name)
         assert now["seqs"] == before[name]["seqs"] and now["stored_digest_ok"]
         assert nats_py_get(nats_url, b, name) == payload
+
+
+# `natsfs fsck` in a process of its own that, once it has read the metas twice and is about to repair,
+# says so (the file `ready`) and waits for the file `go` (at most a minute): what a mount does meanwhile
+# lands exactly between fsck's check and its repair.
+PAUSED_FSCK = """
+import pathlib, runpy, sys, trio
+from natsfs.adr20 import ObjectStore
+here = pathlib.Path(sys.argv[1])
+defuse = ObjectStore.defuse_wildcard_nuid
+
+async def paused(self, *args, **kwargs):
+    (here / "ready").touch()
+    with trio.fail_after(60):
+        while not (here / "go").exists():
+            await trio.sleep(0.05)
+    return await defuse(self, *args, **kwargs)
+
+ObjectStore.defuse_wildcard_nuid = paused
+sys.argv = ["natsfs", *sys.argv[2:]]
+runpy.run_module("natsfs", run_name="__main__")
+"""
+
+
+def test_fsck_repair_racing_a_mounts_rewrite_of_the_same_name_counts_it_repaired(nats_url, bucket_name, mounter,
+                                                                                 tmp_path):
+    """fsck --repair found the wildcard nuids, then a mount rewrote them before fsck's own rewrite: fsck's
+    rewrite (expecting the revision it read) is refused, and reading the names back it finds the same
+    metas on fresh nuids: repaired (by the mount), not "changed since it was read", exit 0."""
+    b = bucket_name
+    create_bucket(nats_url, b)
+    nats_py_put(nats_url, b, "keep1", b"one" * 100_000, create=False)
+    wild = publish_wild(nats_url, b)
+    fsck_proc = subprocess.Popen([sys.executable, "-c", PAUSED_FSCK, str(tmp_path), "fsck", b, "--server", nats_url,
+                                  "--repair"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: (tmp_path / "ready").exists() or fsck_proc.poll() is not None, timeout=60)
+        assert fsck_proc.poll() is None, fsck_proc.communicate()
+        m = mounter(nats_url)
+        assert "keep1" in os.listdir(m.path / b)  # (the bucket's index is loaded: its rewrites start)
+        for name in wild:
+            assert wait_for(lambda name=name: re.fullmatch(r"[A-Za-z0-9_-]+", meta(nats_url, b, name)["nuid"]),
+                            timeout=30), name
+        (tmp_path / "go").touch()
+        out, err = fsck_proc.communicate(timeout=120)
+    finally:
+        if fsck_proc.poll() is None:
+            fsck_proc.kill()
+            fsck_proc.communicate()
+    assert fsck_proc.returncode == 0, out + err
+    assert "changed since it was read" not in out
+    assert out.count("[repaired]") == len(wild), out
+    check_rewritten(nats_url, b, wild)

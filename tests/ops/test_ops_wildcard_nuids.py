@@ -371,3 +371,61 @@ def test_a_meta_this_mount_skips_but_nats_go_reads_is_rewritten_too(ops_env, cap
     lines = [r for r in caplog.records if "carried the nuid" in r.getMessage()]
     assert [(r.levelno, r.getMessage().split("'")[1]) for r in lines] == [(logging.WARNING, "odd")]
     assert "skipped here, read by nats.go" in lines[0].getMessage()
+
+
+# Aliases another client wrote: meta subject (the canonical subject of another name) -> the meta there.
+ALIASES: dict[str, dict[str, Any]] = {
+    meta_subject("b", "x"): {"name": "y", "nuid": "*", "description": "kept"},  # live, skipped here (another name's)
+    "$O.b.M.__4=": {"name": "w", "nuid": "*"},  # shown as w (its token is no UTF-8 name's), Go's name b"\xff\xfe"
+    meta_subject("b", "t"): {"name": "ghost", "nuid": ">", "deleted": True},  # a tombstone (Delete reads it too)
+    meta_subject("b", "s"): {"name": "z", "nuid": "*", "size": 5, "chunks": 0},  # skipped here, read by nats.go
+}
+
+
+def test_an_alias_with_a_wildcard_nuid_on_a_subject_nats_go_reads_by_name_is_rewritten_in_place(ops_env, caplog):
+    """nats.go's Put(X) and Delete(X) read the last meta on X's subject (`GetInfo`, which never checks its
+    `name`) and purge the nuid it holds: an alias there (a meta named Y) with the nuid `*` would have them
+    purge every chunk of the bucket. The mount rewrites it in place on a fresh nuid, every other field
+    (its own name, a tombstone's `deleted`) kept, expecting the revision it read; one WARNING each. An
+    alias on a subject no name's is (unpadded base64) is left alone: nothing reads it by name."""
+    unpadded = meta_subject("b", "alias").rstrip("=")
+
+    async def body(env: Env) -> None:
+        await env.lookup("b/keep1")
+        chunks_before = {s: n for s, n in env.streams.subjects("OBJ_b").items() if ".C." in s}
+        written: dict[str, tuple[dict, int]] = {}
+        for subject, fields in {**ALIASES, unpadded: {"name": "alias2", "nuid": "*"}}.items():
+            doc = json.loads(meta("b", fields["name"], fields))
+            written[subject] = (doc, await env.streams.publish(subject, json.dumps(doc).encode(), {ROLLUP: "sub"}))
+        await env.settle()
+        await env.fs.mut.defuse_wildcard_nuids()
+        await env.settle()
+        for subject, (doc, seq) in written.items():
+            msg = await env.streams.last_msg("OBJ_b", subject)
+            now = json.loads(msg.data)
+            if subject == unpadded:
+                assert msg.seq == seq and now == doc
+                continue
+            assert msg.seq > seq and usable_nuid(now["nuid"]) and now["nuid"] not in chunks_before, subject
+            assert {**now, "nuid": doc["nuid"]} == doc, subject
+        assert await env.cat("b/w") == b""  # (shown from its alias, as before)
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await env.lookup("b/y")  # (skipped here, as before)
+        assert e.value.errno == errno.ENOENT
+        # nats.go's Delete of x and s, and Put of x, s and t: only the fresh nuids are purged.
+        await delete_object(env.streams, "b", "x")
+        await delete_object(env.streams, "b", "s")
+        for name in ("x", "s", "t"):
+            await put_object(env.streams, "b", name, b"theirs")
+        await env.settle()
+        assert {s: n for s, n in env.streams.subjects("OBJ_b").items() if s in chunks_before} == chunks_before
+        assert await env.cat("b/keep1") == b"one" * 1000
+        assert await env.cat("b/keep2") == b"two" * 1000
+        assert await env.cat("b/x") == b"theirs"
+
+    caplog.set_level(logging.INFO, logger="natsfs")
+    ops_env(body, setup=bucket_with_objects, settle_interval=3600)
+    lines = [r for r in caplog.records if "carried the nuid" in r.getMessage()]
+    assert sorted((r.levelno, r.getMessage().split(" ")[5]) for r in lines) == \
+        sorted((logging.WARNING, s) for s in ALIASES)
+    assert "(named 'y', not the name that subject is for; skipped here, read by nats.go)" in lines[0].getMessage()
