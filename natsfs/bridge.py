@@ -33,11 +33,12 @@ thread, which took 0.1-0.13 ms off each request's round trip on the test machine
 (random 4 KiB reads 0.77-0.83 -> 0.61-0.71 ms p50) and 5-10 % off the daemon's CPU per MiB of a cold
 read. A `_Link` on the asyncio thread drives it instead where the trio one cannot be made (or with
 `trio_reads=False`).
-The trio thread's lean connection also takes the deliveries of one-shot headers-only consumers (the
-chunk-size scans of `JetStreams.subject_index`: `Bridge.open_deliveries`, `Deliveries`), off the main
-connection and without a message object per delivery; what they mean is `jetstream`'s to check. They
-hold no reply budget: the consumer's flow control, answered by the reader as it parses it, bounds what
-waits unread for them, and a loss with only deliveries in flight is no kick.
+The trio thread's lean connection also takes the deliveries of one-shot headers-only pull consumers
+(the chunk-size scans of `JetStreams.subject_index`: `Bridge.open_deliveries`, `Deliveries`), off the
+main connection and without a message object per delivery; their pull requests go from it too. What
+they mean, and how much the requests ask for, is `jetstream`'s to decide: they hold no reply budget
+(each scan asks for at most 512 KiB at a time, whatever the reader does), and a loss with only
+deliveries in flight is no kick.
 
 Nothing outside this module (and `natsfs.wire`, which only it imports) imports asyncio or nats; nats
 exceptions become `natsfs.errors`, and nats-py internals are reached only through `natsfs.natscompat`.
@@ -895,9 +896,8 @@ class _TrioReads:
                                         f"to {d.subject}", kind=kind, subject=d.subject))
                     return
         if kind == "publish":
-            for d in list(self.deliveries.values()):
-                if wanted in d.requests_to:
-                    del self.deliveries[d.subject]
+            for d in self.deliveries.values():
+                if wanted in d.requests_to:  # (kept: a refusal of its next request is its too)
                     log.debug("the server refused a request to %s (of a scan)", subject)
                     d.fail(NotPermitted(f"permission denied: the NATS server does not let this user publish "
                                         f"to {subject}", kind=kind, subject=subject))
@@ -1717,10 +1717,11 @@ class Bridge:
         return f"_INBOX.{os.urandom(11).hex()}"
 
     def open_deliveries(self) -> Deliveries:
-        """A subject on the trio thread's lean connection for the deliveries of a one-shot push
-        consumer (a headers-only scan), subscribed now; `Unavailable` when there is no such connection
-        (none is used, it is driven by the asyncio thread, or it is being replaced): the caller then
-        scans over the main connection. Close it when done."""
+        """A subject on the trio thread's lean connection for the deliveries of a one-shot pull
+        consumer (a headers-only scan; its requests sent with `Deliveries.request`), subscribed now;
+        `Unavailable` when there is no such connection (none is used, it is driven by the asyncio
+        thread, or it is being replaced): the caller then scans over the main connection. Close it
+        when done."""
         reads = self._reads
         if not isinstance(reads, _TrioReads):
             raise Unavailable("no lean connection of the trio thread")

@@ -17,9 +17,11 @@ the stream's leader and carry subject and sequence but no count of the messages 
 counts (natsfs.chunk_cache).
 
 Headers-only scans (`subject_index`: the sequence and size of every chunk of a version) go over the
-bridge's lean connection when the trio thread drives one: a one-shot consumer delivers there, its
-deliveries checked from their reply subjects in one compiled match each (`_take_deliveries`). Any doubt,
-a lost connection or a refusal sends the scan to the ordered consumer over the main connection.
+bridge's lean connection when the trio thread drives one: a one-shot pull consumer delivers there what
+byte-bounded requests from that connection ask for (so a slow reader never has more than a few hundred
+KiB waiting on the server), its deliveries checked from their reply subjects in one compiled match each
+(`_take_deliveries`). Any doubt, a lost connection or a refusal sends the scan to the ordered consumer
+over the main connection.
 
 Users without direct-get permission. A server that refuses `$JS.API.DIRECT.GET.<stream>` to the user
 (a permissions violation, `NotPermitted`) gets the same `STREAM.MSG.GET` requests instead, from then on
@@ -762,6 +764,7 @@ async def _take_deliveries(deliveries: Deliveries, stream: str, consumer: str, s
     The deliveries are pulled: requests of `SCAN_REQUEST_BYTES` each (`max_bytes`), and a new one only
     once what is asked for and not yet delivered is at most `SCAN_REQUESTS - 1` requests' worth, so the
     server never holds more than `SCAN_REQUESTS` of them for this scan, however slowly it is read.
+    (The first one alone until the server answered: a refused request is refused once.)
     The bytes are counted as the server counts them (subject, reply subject, header block and payload
     of each delivery); a request ends when its bytes are used up to the last one (silently), or with a
     status that says what it left unused (`Nats-Pending-Bytes`: "409 Message Size Exceeds MaxBytes"
@@ -777,13 +780,15 @@ async def _take_deliveries(deliveries: Deliveries, stream: str, consumer: str, s
     out: list[tuple[int, int]] = []
     last = 0  # the stream sequence of the last delivery
     cseq = 0
+    requests = 1
     while True:
-        while asked <= (SCAN_REQUESTS - 1) * SCAN_REQUEST_BYTES:
+        while asked <= (requests - 1) * SCAN_REQUEST_BYTES:
             deliveries.request(pull, ask)
             asked += SCAN_REQUEST_BYTES
         rows, statuses = await deliveries.next(timeout)
         if not rows and not statuses:
             raise Unavailable(f"scan of {subject}: no deliveries for {timeout:g}s")
+        requests = SCAN_REQUESTS
         for delivered_subject, reply, size, nbytes in rows:
             m = ack.fullmatch(reply)
             if m is None:

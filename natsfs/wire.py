@@ -27,7 +27,7 @@ contains a credential.
 calling task, so a read's request and replies never cross to the asyncio thread. The handshake and
 the CONNECT fields and TLS are the same (TLS through an `ssl.SSLObject` over memory buffers, which
 decrypts straight into the buffers the protocol offers). It also subscribes subjects of its own beside
-the inbox (`TrioWireConnection.subscribe`) for the deliveries of a JetStream push consumer (a headers-only
+the inbox (`TrioWireConnection.subscribe`) for the deliveries of a JetStream pull consumer (a headers-only
 scan: thousands of ~150-byte messages), handed with their reply subjects to a `DeliverySink`: a run of
 plain headers-only frames is parsed one regular-expression match each (`_HEADERS_ONLY`, whose byte counts
 are checked against what matched) and handed over as one list, anything else as a reply is.
@@ -115,7 +115,7 @@ OnRefused = Callable[[str, str], None]
 
 class DeliverySink(Protocol):
     """Where the messages on a subscription of the connection's own besides its reply inbox go (the
-    deliveries of a JetStream push consumer: `TrioWireConnection.subscribe`), with their reply subjects
+    deliveries of a JetStream consumer: `TrioWireConnection.subscribe`), with their reply subjects
     (a delivery's `$JS.ACK...` subject says its stream and consumer sequences and what is pending)."""
 
     def headers_only(self, rows: list[tuple[bytes, bytes, int, int]]) -> None:

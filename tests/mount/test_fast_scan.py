@@ -148,19 +148,22 @@ def test_a_scan_cut_by_a_kicked_lean_connection_never_yields_a_partial_layout(tm
         server.stop()
 
 
-def test_a_user_who_may_not_subscribe_to_the_scan_subject_gets_the_same_answer(tmp_path, caplog):
-    """The server refuses the lean connection's subscription for the deliveries (a permissions
-    violation): the scan is made over the main connection, with the same answer, and so are later
-    ones, without asking again; nothing is logged above INFO."""
+@pytest.mark.parametrize("denied", [
+    'publish: { allow: [">"] }, subscribe: { allow: [">"], deny: ["_INBOX.*.d.*"] }',
+    'publish: { allow: [">"], deny: ["$JS.API.CONSUMER.MSG.NEXT.>"] }, subscribe: { allow: [">"] }',
+], ids=["subscribe", "pull"])
+def test_a_user_who_may_not_subscribe_to_the_scan_subject_gets_the_same_answer(tmp_path, caplog, denied):
+    """The server refuses the lean connection's subscription for the deliveries, or its pull requests
+    (a permissions violation): the scan is made over the main connection, with the same answer, and so
+    are later ones, without asking again; nothing is logged above INFO."""
     conf = """
 authorization {
   users: [
     { user: admin, password: admin }
-    { user: noscan, password: noscan,
-      permissions: { publish: { allow: [">"] }, subscribe: { allow: [">"], deny: ["_INBOX.*.d.*"] } } }
+    { user: noscan, password: noscan, permissions: { DENIED } }
   ]
 }
-"""
+""".replace("DENIED", denied)
     server = own_server(tmp_path, conf)
     admin = server.url.replace("nats://", "nats://admin:admin@")
     try:

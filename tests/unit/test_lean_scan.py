@@ -37,6 +37,7 @@ class FakeDeliveries:
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.asked = 0
         self.most_asked = 0
+        self.sent_by_answer: list[int] = []  # requests sent by each `next`
 
     def request(self, subject: str, payload: bytes) -> None:
         body = json.loads(payload)
@@ -46,6 +47,7 @@ class FakeDeliveries:
 
     async def next(self, timeout: float) -> tuple[list[Delivery], list[Status]]:
         await trio.lowlevel.checkpoint()
+        self.sent_by_answer.append(len(self.requests))
         if not self.batches:
             raise Unavailable("deliveries to _INBOX.x.d.1: connection to NATS lost (kicked)")
         batch = self.batches.pop(0)
@@ -110,7 +112,8 @@ def status(code: str, description: str, unused: int | None = None) -> Status:
 def test_deliveries_are_pulled_a_few_requests_at_a_time_whatever_comes():
     """Requests of `SCAN_REQUEST_BYTES` to this consumer, a new one only once what was asked for and not
     yet delivered (or given up by a request that ended) leaves room for it: never more than
-    `SCAN_REQUESTS` requests' worth asked for at once. Heartbeats change nothing."""
+    `SCAN_REQUESTS` requests' worth asked for at once, and the first alone until the server answered
+    (a refused one is refused once). Heartbeats change nothing."""
     per = len(S) + len(v1(1000, 1000, 1000)) + HEADER_BYTES  # (the bytes of one delivery, about)
     n = 4 * SCAN_REQUESTS * SCAN_REQUEST_BYTES // per
     batches: list[Any] = []
@@ -123,6 +126,7 @@ def test_deliveries_are_pulled_a_few_requests_at_a_time_whatever_comes():
     got = take(deliveries=d)
     assert got == [(1000 + i, i % 7) for i in range(1, n + 1)]
     assert d.most_asked <= SCAN_REQUESTS * SCAN_REQUEST_BYTES
+    assert d.sent_by_answer[:2] == [1, SCAN_REQUESTS]  # (one alone until the server answered)
     assert len(d.requests) > 4 * SCAN_REQUESTS
     assert {subject for subject, _ in d.requests} == {"$JS.API.CONSUMER.MSG.NEXT.OBJ_b.scan"}
     assert all(body["max_bytes"] == SCAN_REQUEST_BYTES and body["batch"] > 0 and set(body) == {"batch", "max_bytes"}
@@ -144,7 +148,8 @@ def test_a_status_other_than_a_heartbeat_or_a_request_s_end_is_a_doubt(end, why)
 def test_a_request_that_ends_with_its_bytes_unused_is_asked_again():
     """A request ended by a status that says what it left (`Nats-Pending-Bytes`) makes room for a new
     one; the scan goes on to the end."""
-    d = FakeDeliveries(([(S, v1(3, 1, 2), 10)], [status("408", "Request Timeout", SCAN_REQUEST_BYTES - 1)]),
+    first = len(S) + len(v1(3, 1, 2)) + HEADER_BYTES  # (what the first delivery took of its request)
+    d = FakeDeliveries(([(S, v1(3, 1, 2), 10)], [status("408", "Request Timeout", SCAN_REQUEST_BYTES - first)]),
                        ([], [status("409", "Batch Completed", 5)]), [(S, v1(4, 2, 1), 1), (S, v1(9, 3, 0), 2)])
     assert take(deliveries=d) == [(3, 10), (4, 1), (9, 2)]
     assert len(d.requests) == SCAN_REQUESTS + 1
