@@ -1,11 +1,12 @@
 """The chunk-size scan over the lean connection (`JetStreams._lean_index`: a one-shot headers-only
-consumer delivering to the trio thread's connection) against a real nats-server: it returns exactly
-what the ordered consumer over the main connection returns, for chunks of unequal sizes, chunks
-interleaved with other objects' chunks, chunks with headers of their own (which the server keeps in
-its headers-only deliveries); a scan cut by a lost lean connection raises instead of returning what
-came before, and
-`subject_index` then answers in full over the main connection; a user who may not subscribe to its
-delivery subject gets the same answer the other way; no consumer is left behind."""
+pull consumer delivering to the trio thread's connection what its byte-bounded requests ask for)
+against a real nats-server: it returns exactly what the ordered consumer over the main connection
+returns, for chunks of unequal sizes, chunks interleaved with other objects' chunks, chunks with
+headers of their own (which the server keeps in its headers-only deliveries); a scan cut by a lost
+lean connection raises instead of returning what came before, and `subject_index` then answers in
+full over the main connection; a user who may not subscribe to its delivery subject, or send its pull
+requests, gets the same answer the other way; a reader that stops reading mid-scan is not dropped by
+a small `max_pending`; no consumer is left behind."""
 
 from __future__ import annotations
 
@@ -192,9 +193,9 @@ authorization {
 
 
 def test_a_scan_of_many_small_messages_stays_within_a_small_max_pending(tmp_path, caplog):
-    """40,000 empty chunks: the server sends their deliveries (about 6 MB) faster than the reader parses
-    them, past a `max_pending` of 2 MB, unless the flow control holds it back: the scan answers it and
-    ends over the same lean connection, with the ordered scan's answer."""
+    """40,000 empty chunks: the server would send their deliveries (about 6 MB) faster than the reader
+    parses them, past a `max_pending` of 2 MB, but sends only what the scan's pull requests ask for: the
+    scan ends over the same lean connection, with the ordered scan's answer."""
     server = own_server(tmp_path, KICKABLE)
     url = server.url
     count = 40_000
