@@ -33,11 +33,12 @@ thread, which took 0.1-0.13 ms off each request's round trip on the test machine
 (random 4 KiB reads 0.77-0.83 -> 0.61-0.71 ms p50) and 5-10 % off the daemon's CPU per MiB of a cold
 read. A `_Link` on the asyncio thread drives it instead where the trio one cannot be made (or with
 `trio_reads=False`).
-The trio thread's lean connection also takes the deliveries of one-shot headers-only consumers (the
-chunk-size scans of `JetStreams.subject_index`: `Bridge.open_deliveries`, `Deliveries`), off the main
-connection and without a message object per delivery; what they mean is `jetstream`'s to check. They
-hold no reply budget: the consumer's flow control, answered by the reader as it parses it, bounds what
-waits unread for them, and a loss with only deliveries in flight is no kick.
+The trio thread's lean connection also takes the deliveries of one-shot headers-only pull consumers
+(the chunk-size scans of `JetStreams.subject_index`: `Bridge.open_deliveries`, `Deliveries`), off the
+main connection and without a message object per delivery; their pull requests go from it too. What
+they mean, and how much the requests ask for, is `jetstream`'s to decide: they hold no reply budget
+(each scan asks for at most 512 KiB at a time, whatever the reader does), and a loss with only
+deliveries in flight is no kick.
 
 Nothing outside this module (and `natsfs.wire`, which only it imports) imports asyncio or nats; nats
 exceptions become `natsfs.errors`, and nats-py internals are reached only through `natsfs.natscompat`.
@@ -685,30 +686,35 @@ class _TrioCollector:
             self.done.set()
 
 
-# A delivery of a consumer scan: (subject, reply subject, `Nats-Msg-Size`), None for the size when the
-# message was no headers-only delivery with a readable size.
-Delivery = tuple[bytes, bytes, int | None]
+# A delivery of a consumer scan: (subject, reply subject, `Nats-Msg-Size`, header bytes), None for the
+# size when the message was no headers-only delivery with a readable size; the header bytes are its
+# header block's and payload's as sent (what a pull request's `max_bytes` counts besides the subjects).
+Delivery = tuple[bytes, bytes, int | None, int]
+# A status message on a scan's subject (no delivery): (code, description, headers), e.g. ("409",
+# "Message Size Exceeds MaxBytes", {... "Nats-Pending-Bytes": "63"}).
+Status = tuple[str, str, dict[str, str]]
 
 
 class Deliveries:
-    """What a JetStream push consumer delivers to a subject of the trio thread's lean connection
-    (`Bridge.open_deliveries`): a one-shot headers-only scan, read without crossing to the asyncio
-    thread and without a message object per delivery (`wire.DeliverySink`). The reader answers the
-    consumer's flow-control requests as it parses them, so once everything before them is taken: the
-    server never runs more than its flow-control window ahead, and a scan of many small messages,
-    which the server sends faster than Python parses them, cannot pile up past the server's
-    `max_pending` and get the connection dropped. Heartbeats are ignored (a stalled consumer is
-    resumed). `next` raises once the connection is lost (after handing over what came before), or
-    when the server refused the subscription."""
+    """What a JetStream pull consumer delivers to a subject of the trio thread's lean connection
+    (`Bridge.open_deliveries`): a one-shot headers-only scan, its pull requests sent from that
+    connection with this subject for their replies (`request`), read without crossing to the asyncio
+    thread and without a message object per delivery (`wire.DeliverySink`). What the server may send
+    is what the requests asked for (their `max_bytes`), so it is the caller's to bound: nothing here
+    answers anything. Status messages (heartbeats, the end of a request) are handed over apart from
+    the deliveries. `next` raises once the connection is lost (after handing over what came before),
+    or when the server refused the subscription or a request."""
 
     def __init__(self, reads: _TrioReads, conn: wire.TrioWireConnection, subject: str):
         self.subject = subject
         self._reads = reads
         self._conn = conn
         self._rows: list[Delivery] = []
+        self._statuses: list[Status] = []
         self._wake = trio.Event()
         self.error: Unavailable | NotPermitted | None = None
         self._sid: int | None = None
+        self.requests_to: set[str] = set()  # subjects requests were sent to (a refusal names one)
 
     def _open(self) -> None:
         try:
@@ -717,25 +723,34 @@ class Deliveries:
             raise Unavailable(f"subscribe to {self.subject}: {e}") from None
         self._reads.deliveries[self.subject] = self
 
+    def request(self, subject: str, payload: bytes) -> None:
+        """Send a request whose replies come here (a pull request); `Unavailable` if it certainly was
+        not sent. A refusal of the server fails `next` with `NotPermitted`."""
+        if self.error is not None:
+            raise self.error
+        self.requests_to.add(subject.lower())
+        try:
+            self._conn.publish(subject, payload, reply=self.subject)
+        except wire.WireError as e:
+            raise Unavailable(f"{subject}: not sent ({e})") from None
+
     # ---- wire.DeliverySink (the reader's task)
-    def headers_only(self, rows: list[tuple[bytes, bytes, int]]) -> None:
+    def headers_only(self, rows: list[tuple[bytes, bytes, int, int]]) -> None:
         self._rows += rows
         self._wake.set()
 
-    def message(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes | bytearray) -> None:
-        if headers is not None and headers.get("Status") == "100" and not data and not reply.startswith("$JS.ACK."):
-            # Flow control (a request, answered on its `$JS.FC` reply subject) or a heartbeat (which
-            # names a stalled consumer's resume subject, if it is stalled): no delivery. (A delivery,
-            # whatever headers its message has, comes with a `$JS.ACK` reply: it is a row, for the
-            # caller to judge; nothing is published to a subject another client's headers name.)
-            for answer in (reply, headers.get("Nats-Consumer-Stalled")):
-                if answer and answer.startswith("$JS.FC."):
-                    with contextlib.suppress(wire.WireError):
-                        self._conn.publish(answer)
+    def message(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes | bytearray,
+                header_size: int) -> None:
+        if headers is not None and "Status" in headers and not data and not reply:
+            # (A delivery, whatever headers its message has, comes with a `$JS.ACK` reply: it is a row,
+            # for the caller to judge.)
+            self._statuses.append((headers["Status"], headers.get("Description", ""), headers))
+            self._wake.set()
             return
         size = headers.get("Nats-Msg-Size") if headers and "Status" not in headers and not data else None
         self._rows.append((subject.encode(), reply.encode(),
-                           int(size) if size is not None and size.isdigit() and len(size) < 19 else None))
+                           int(size) if size is not None and size.isdigit() and len(size) < 19 else None,
+                           header_size + len(data)))
         self._wake.set()
 
     def fail(self, error: Unavailable | NotPermitted) -> None:
@@ -744,17 +759,18 @@ class Deliveries:
         self._wake.set()
 
     # ---- the scan's task
-    async def next(self, timeout: float) -> list[Delivery]:
-        """The deliveries that came since the last call, waiting up to `timeout` s for one (an empty
-        list when none came)."""
+    async def next(self, timeout: float) -> tuple[list[Delivery], list[Status]]:
+        """The deliveries and status messages that came since the last call, waiting up to `timeout` s
+        for one (empty lists when none came)."""
         with trio.move_on_after(timeout):
-            while not self._rows and self.error is None:
+            while not self._rows and not self._statuses and self.error is None:
                 self._wake = trio.Event()
                 await self._wake.wait()
         rows, self._rows = self._rows, []
-        if not rows and self.error is not None:
+        statuses, self._statuses = self._statuses, []
+        if not rows and not statuses and self.error is not None:
             raise self.error
-        return rows
+        return rows, statuses
 
     def close(self) -> None:
         """Unsubscribe (the caller deletes its consumer)."""
@@ -880,6 +896,12 @@ class _TrioReads:
                                         f"to {d.subject}", kind=kind, subject=d.subject))
                     return
         if kind == "publish":
+            for d in self.deliveries.values():
+                if wanted in d.requests_to:  # (kept: a refusal of its next request is its too)
+                    log.debug("the server refused a request to %s (of a scan)", subject)
+                    d.fail(NotPermitted(f"permission denied: the NATS server does not let this user publish "
+                                        f"to {subject}", kind=kind, subject=subject))
+                    return
             for token, waiter in self.waiters.items():
                 if waiter.subject.lower() == wanted:
                     del self.waiters[token]
@@ -1714,10 +1736,11 @@ class Bridge:
         return f"_INBOX.{os.urandom(11).hex()}"
 
     def open_deliveries(self) -> Deliveries:
-        """A subject on the trio thread's lean connection for the deliveries of a one-shot push
-        consumer (a headers-only scan), subscribed now; `Unavailable` when there is no such connection
-        (none is used, it is driven by the asyncio thread, or it is being replaced): the caller then
-        scans over the main connection. Close it when done."""
+        """A subject on the trio thread's lean connection for the deliveries of a one-shot pull
+        consumer (a headers-only scan; its requests sent with `Deliveries.request`), subscribed now;
+        `Unavailable` when there is no such connection (none is used, it is driven by the asyncio
+        thread, or it is being replaced): the caller then scans over the main connection. Close it
+        when done."""
         reads = self._reads
         if not isinstance(reads, _TrioReads):
             raise Unavailable("no lean connection of the trio thread")

@@ -17,9 +17,11 @@ the stream's leader and carry subject and sequence but no count of the messages 
 counts (natsfs.chunk_cache).
 
 Headers-only scans (`subject_index`: the sequence and size of every chunk of a version) go over the
-bridge's lean connection when the trio thread drives one: a one-shot consumer delivers there, its
-deliveries checked from their reply subjects in one compiled match each (`_take_deliveries`). Any doubt,
-a lost connection or a refusal sends the scan to the ordered consumer over the main connection.
+bridge's lean connection when the trio thread drives one: a one-shot pull consumer delivers there what
+byte-bounded requests from that connection ask for (so a slow reader never has more than a few hundred
+KiB waiting on the server), its deliveries checked from their reply subjects in one compiled match each
+(`_take_deliveries`). Any doubt, a lost connection or a refusal sends the scan to the ordered consumer
+over the main connection.
 
 Users without direct-get permission. A server that refuses `$JS.API.DIRECT.GET.<stream>` to the user
 (a permissions violation, `NotPermitted`) gets the same `STREAM.MSG.GET` requests instead, from then on
@@ -90,6 +92,12 @@ from .streams import (
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+# A headers-only scan over the lean connection (`_lean_index`) pulls its deliveries in requests of this
+# many bytes (as the server counts them: subject, reply subject and headers of each, about 150 bytes a
+# chunk), at most `SCAN_REQUESTS` of them asked for and not yet delivered: the server never holds more
+# than that for the scan, however slowly it is read, so it stays far below any `max_pending`.
+SCAN_REQUEST_BYTES = 256 * 1024
+SCAN_REQUESTS = 2
 # A consumer that has sent neither data nor heartbeat for this long is presumed gone and re-created.
 STALL_S = 3.5
 # The least rate (bytes/s) at which the server is expected to store a committed batch: the commit's ack
@@ -647,23 +655,21 @@ class JetStreams:
         return await self._ordered_index(stream, subject)
 
     async def _lean_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
-        """`subject_index` by a one-shot headers-only push consumer delivering to the trio thread's
-        lean connection (`Bridge.open_deliveries`, which answers its flow control), no acks, deleted
-        at the end. Proven as the ordered consumer's scan is (`_take_deliveries`); `_ScanDoubt` for
-        anything else, `Unavailable` when the connection is lost before the last delivery came."""
+        """`subject_index` by a one-shot headers-only pull consumer whose deliveries go to the trio
+        thread's lean connection (`Bridge.open_deliveries`), no acks, deleted at the end; its pull
+        requests are byte-bounded (`_take_deliveries`). Proven as the ordered consumer's scan is;
+        `_ScanDoubt` for anything else, `Unavailable` when the connection is lost before the last
+        delivery came."""
         self.calls["lean_scans"] += 1
         deliveries = self.bridge.open_deliveries()
         name = ""
         try:
             config: dict[str, Any] = {
-                "deliver_subject": deliveries.subject,
                 "filter_subject": subject,
                 "deliver_policy": "all",
-                "ack_policy": "none",
+                "ack_policy": "none",  # (a pull consumer may have none on a limits stream, as buckets are)
                 "replay_policy": "instant",
                 "headers_only": True,
-                "flow_control": True,  # (see `Deliveries`; the server wants heartbeats with it)
-                "idle_heartbeat": int(HEARTBEAT_S * 1e9),
                 "mem_storage": True,
                 "num_replicas": 1,
                 "inactive_threshold": int(30e9),  # (deleted below; this if that is lost)
@@ -748,22 +754,42 @@ class _ScanDoubt(Unavailable):
 
 async def _take_deliveries(deliveries: Deliveries, stream: str, consumer: str, subject: str, timeout: float
                            ) -> list[tuple[int, int]]:
-    """What `_lean_index` proves of the deliveries of its consumer (`deliver_policy` all): (stream
+    """What `_lean_index` proves of the deliveries of its pull consumer (`deliver_policy` all): (stream
     sequence, `Nats-Msg-Size`) of each, in order, up to the one that leaves nothing pending. Each must
     be the next one of this consumer (its reply subject, `_ack_pattern`: this stream and consumer,
     consumer sequences 1, 2, 3... without a gap, stream sequences rising), on `subject`, with a size;
-    `_ScanDoubt` otherwise. `Unavailable` when none came for `timeout` s or the connection was lost
-    before the last one. (A few microseconds a delivery: thousands come for a large object.)"""
+    `_ScanDoubt` otherwise. `Unavailable` when nothing came for `timeout` s or the connection was lost
+    before the last one. (A few microseconds a delivery: thousands come for a large object.)
+
+    The deliveries are pulled: requests of `SCAN_REQUEST_BYTES` each (`max_bytes`), and a new one only
+    once what is asked for and not yet delivered is at most `SCAN_REQUESTS - 1` requests' worth, so the
+    server never holds more than `SCAN_REQUESTS` of them for this scan, however slowly it is read.
+    (The first one alone until the server answered: a refused request is refused once.)
+    The bytes are counted as the server counts them (subject, reply subject, header block and payload
+    of each delivery); a request ends when its bytes are used up to the last one (silently), or with a
+    status that says what it left unused (`Nats-Pending-Bytes`: "409 Message Size Exceeds MaxBytes"
+    when the next delivery does not fit in what it has left, "409 Batch Completed", "408 Request
+    Timeout"). A request that ends with all of its bytes unused met a delivery larger than a whole
+    request (a chunk message with headers of over 256 KiB): `_ScanDoubt`, as is any other status but a
+    heartbeat (the consumer deleted, a leader change, a limit of the server's)."""
     want_subject = subject.encode()
     ack = _ack_pattern(stream, consumer)
+    ask = json.dumps({"batch": SCAN_REQUEST_BYTES // 64, "max_bytes": SCAN_REQUEST_BYTES}).encode()
+    pull = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+    asked = 0  # bytes asked for and not yet delivered (or given up by their request)
     out: list[tuple[int, int]] = []
     last = 0  # the stream sequence of the last delivery
     cseq = 0
+    requests = 1
     while True:
-        rows = await deliveries.next(timeout)
-        if not rows:
+        while asked <= (requests - 1) * SCAN_REQUEST_BYTES:
+            deliveries.request(pull, ask)
+            asked += SCAN_REQUEST_BYTES
+        rows, statuses = await deliveries.next(timeout)
+        if not rows and not statuses:
             raise Unavailable(f"scan of {subject}: no deliveries for {timeout:g}s")
-        for delivered_subject, reply, size in rows:
+        requests = SCAN_REQUESTS
+        for delivered_subject, reply, size, nbytes in rows:
             m = ack.fullmatch(reply)
             if m is None:
                 raise _ScanDoubt(f"a delivery with the reply subject {reply!r}")
@@ -778,6 +804,18 @@ async def _take_deliveries(deliveries: Deliveries, stream: str, consumer: str, s
             out.append((sseq, size))
             if (m[3] or m[6]) == b"0":  # nothing pending after it
                 return out
+            asked -= len(delivered_subject) + len(reply) + nbytes
+        for code, description, headers in statuses:
+            if code == "100":
+                continue  # (a heartbeat)
+            unused = headers.get("Nats-Pending-Bytes", "")
+            if code not in ("408", "409") or not unused.isdigit():
+                raise _ScanDoubt(f"status {code} {description}".rstrip())
+            if int(unused) >= SCAN_REQUEST_BYTES:
+                raise _ScanDoubt(f"a delivery larger than a whole request ({code} {description})")
+            asked -= int(unused)
+        if asked < 0:  # (never: the server's count and this one differ)
+            raise _ScanDoubt(f"{-asked} bytes delivered beyond what was asked for")
 
 
 def _ack_pattern(stream: str, consumer: str) -> re.Pattern[bytes]:

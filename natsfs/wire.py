@@ -27,7 +27,7 @@ contains a credential.
 calling task, so a read's request and replies never cross to the asyncio thread. The handshake and
 the CONNECT fields and TLS are the same (TLS through an `ssl.SSLObject` over memory buffers, which
 decrypts straight into the buffers the protocol offers). It also subscribes subjects of its own beside
-the inbox (`TrioWireConnection.subscribe`) for the deliveries of a JetStream push consumer (a headers-only
+the inbox (`TrioWireConnection.subscribe`) for the deliveries of a JetStream pull consumer (a headers-only
 scan: thousands of ~150-byte messages), handed with their reply subjects to a `DeliverySink`: a run of
 plain headers-only frames is parsed one regular-expression match each (`_HEADERS_ONLY`, whose byte counts
 are checked against what matched) and handed over as one list, anything else as a reply is.
@@ -118,19 +118,20 @@ OnRefused = Callable[[str, str], None]
 
 class DeliverySink(Protocol):
     """Where the messages on a subscription of the connection's own besides its reply inbox go (the
-    deliveries of a JetStream push consumer: `TrioWireConnection.subscribe`), with their reply subjects
+    deliveries of a JetStream consumer: `TrioWireConnection.subscribe`), with their reply subjects
     (a delivery's `$JS.ACK...` subject says its stream and consumer sequences and what is pending)."""
 
-    def headers_only(self, rows: list[tuple[bytes, bytes, int]]) -> None:
+    def headers_only(self, rows: list[tuple[bytes, bytes, int, int]]) -> None:
         """Headers-only deliveries (subject, reply, `Nats-Msg-Size`: the size of the message each stands
-        for) whose whole header block is that size, as the server sends them for messages without
-        headers: the common case, parsed in one regular-expression match each (see `_HEADERS_ONLY`),
-        handed over a run at a time. The list is the sink's to keep."""
+        for, and the frame's header bytes) whose whole header block is that size, as the server sends
+        them for messages without headers: the common case, parsed in one regular-expression match each
+        (see `_HEADERS_ONLY`), handed over a run at a time. The list is the sink's to keep."""
 
-    def message(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes | bytearray) -> None:
+    def message(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes | bytearray,
+                header_size: int) -> None:
         """Any other message (more headers, a payload, a status), parsed as a reply is, except that a
         repeated header keeps its last value (the server appends `Nats-Msg-Size` to the message's own
-        headers, which may hold one too)."""
+        headers, which may hold one too); `header_size`: the bytes of its header block as sent."""
 
 
 # A headers-only delivery of a message without headers of its own, in one piece: `HMSG <subject> <sid>
@@ -250,7 +251,7 @@ class WireProtocol(asyncio.BufferedProtocol):
         # message it belongs to.
         self._target: memoryview | None = None
         self._target_pos = 0
-        self._target_msg: tuple[str, dict[str, str] | None, bytearray, bytes, str] | None = None
+        self._target_msg: tuple[str, dict[str, str] | None, bytearray, bytes, str, int] | None = None
         self._skip = 0  # bytes of a payload's trailing CRLF still to come
         self._read_size = CONTROL_BUFFER  # the most one read into the control buffer asks for
         self.transport: asyncio.Transport | None = None
@@ -356,7 +357,7 @@ class WireProtocol(asyncio.BufferedProtocol):
         buf, end, match, deliveries = self._buf, self._end, _HEADERS_ONLY.match, self.deliveries
         pos = start
         sink: DeliverySink | None = None
-        rows: list[tuple[bytes, bytes, int]] = []
+        rows: list[tuple[bytes, bytes, int, int]] = []
         while (m := match(buf, pos, end)) is not None:
             subject, sid, reply, header_size, total, size = m.groups()
             to = deliveries.get(sid)
@@ -367,7 +368,7 @@ class WireProtocol(asyncio.BufferedProtocol):
                     sink.headers_only(rows)
                     rows = []
                 sink = to
-            rows.append((subject, reply, int(size)))
+            rows.append((subject, reply, int(size), _HEADERS_ONLY_FIXED + len(size)))
             pos = m.end()
         if sink is None:
             return False
@@ -451,7 +452,7 @@ class WireProtocol(asyncio.BufferedProtocol):
         if size == 0:
             self._start = start
             self._skip = 2
-            self._dispatch(subject, headers, b"", sid, reply)
+            self._dispatch(subject, headers, b"", sid, reply, header_size)
             return True
         data = payload_buffer(size)  # (not zero-filled: `have` bytes now, the rest straight from the socket)
         data[:have] = self._view[start : start + have]
@@ -459,22 +460,22 @@ class WireProtocol(asyncio.BufferedProtocol):
         self._read_size = CONTROL_READ_AFTER_LARGE if size >= CONTROL_BUFFER else CONTROL_BUFFER
         if have < size:
             self._target, self._target_pos = memoryview(data), have
-            self._target_msg = (subject, headers, data, sid, reply)
+            self._target_msg = (subject, headers, data, sid, reply, header_size)
             return False
         self._skip = 2
-        self._dispatch(subject, headers, data, sid, reply)
+        self._dispatch(subject, headers, data, sid, reply, header_size)
         return True
 
     def _finish_target(self) -> None:
         assert self._target_msg is not None
-        subject, headers, data, sid, reply = self._target_msg
+        subject, headers, data, sid, reply, header_size = self._target_msg
         self._target, self._target_msg = None, None
         self._start = self._end = 0
         self._skip = 2
-        self._dispatch(subject, headers, data, sid, reply)
+        self._dispatch(subject, headers, data, sid, reply, header_size)
 
     def _dispatch(self, subject: str, headers: dict[str, str] | None, data: bytes | bytearray, sid: bytes,
-                  reply: str) -> None:
+                  reply: str, header_size: int) -> None:
         """A whole message: the reply inbox's to `on_msg`, a delivery to its sink; one for a subscription
         since ended (`TrioWireConnection.unsubscribe`: the server may have sent it before it knew) is dropped."""
         if sid == INBOX_SID:
@@ -482,7 +483,7 @@ class WireProtocol(asyncio.BufferedProtocol):
             return
         sink = self.deliveries.get(sid)
         if sink is not None:
-            sink.message(subject, reply, headers, data)
+            sink.message(subject, reply, headers, data, header_size)
 
     # ---- sending
     def write_control(self, line: bytes) -> None:

@@ -1,11 +1,12 @@
 """The chunk-size scan over the lean connection (`JetStreams._lean_index`: a one-shot headers-only
-consumer delivering to the trio thread's connection) against a real nats-server: it returns exactly
-what the ordered consumer over the main connection returns, for chunks of unequal sizes, chunks
-interleaved with other objects' chunks, chunks with headers of their own (which the server keeps in
-its headers-only deliveries); a scan cut by a lost lean connection raises instead of returning what
-came before, and
-`subject_index` then answers in full over the main connection; a user who may not subscribe to its
-delivery subject gets the same answer the other way; no consumer is left behind."""
+pull consumer delivering to the trio thread's connection what its byte-bounded requests ask for)
+against a real nats-server: it returns exactly what the ordered consumer over the main connection
+returns, for chunks of unequal sizes, chunks interleaved with other objects' chunks, chunks with
+headers of their own (which the server keeps in its headers-only deliveries); a scan cut by a lost
+lean connection raises instead of returning what came before, and `subject_index` then answers in
+full over the main connection; a user who may not subscribe to its delivery subject, or send its pull
+requests, gets the same answer the other way; a reader that stops reading mid-scan is not dropped by
+a small `max_pending`; no consumer is left behind."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from test_transport import KICKABLE, own_server
 from natsfs.bridge import Bridge, Deliveries, _TrioReads
 from natsfs.errors import Unavailable
 from natsfs.jetstream import JetStreams
+from natsfs.wire import TrioWireConnection
 
 BUCKET = "scan"
 STREAM = f"OBJ_{BUCKET}"
@@ -108,10 +110,10 @@ def test_a_scan_cut_by_a_kicked_lean_connection_never_yields_a_partial_layout(tm
         sizes = uneven_and_interleaved(url)
         cut: list[int] = []
 
-        async def first_deliveries_then_kick(self: Deliveries, timeout: float) -> list[Any]:
-            rows = await real_next(self, timeout)
+        async def first_deliveries_then_kick(self: Deliveries, timeout: float) -> tuple[list[Any], list[Any]]:
+            rows, statuses = await real_next(self, timeout)
             if cut:
-                return rows
+                return rows, statuses
             # The connection is lost when only the first few deliveries came (the rest are dropped here,
             # as if they had not arrived yet): the kick is sent and seen before they are handed on.
             cut.append(len(rows))
@@ -120,7 +122,8 @@ def test_a_scan_cut_by_a_kicked_lean_connection_never_yields_a_partial_layout(tm
                 while self.error is None:
                     await trio.sleep(0.01)
             self._rows.clear()  # (nor had any that came meanwhile)
-            return rows[:3]
+            self._statuses.clear()
+            return rows[:3], []
 
         real_next = Deliveries.next
         monkeypatch.setattr(Deliveries, "next", first_deliveries_then_kick)
@@ -146,19 +149,22 @@ def test_a_scan_cut_by_a_kicked_lean_connection_never_yields_a_partial_layout(tm
         server.stop()
 
 
-def test_a_user_who_may_not_subscribe_to_the_scan_subject_gets_the_same_answer(tmp_path, caplog):
-    """The server refuses the lean connection's subscription for the deliveries (a permissions
-    violation): the scan is made over the main connection, with the same answer, and so are later
-    ones, without asking again; nothing is logged above INFO."""
+@pytest.mark.parametrize("denied", [
+    'publish: { allow: [">"] }, subscribe: { allow: [">"], deny: ["_INBOX.*.d.*"] }',
+    'publish: { allow: [">"], deny: ["$JS.API.CONSUMER.MSG.NEXT.>"] }, subscribe: { allow: [">"] }',
+], ids=["subscribe", "pull"])
+def test_a_user_who_may_not_subscribe_to_the_scan_subject_gets_the_same_answer(tmp_path, caplog, denied):
+    """The server refuses the lean connection's subscription for the deliveries, or its pull requests
+    (a permissions violation): the scan is made over the main connection, with the same answer, and so
+    are later ones, without asking again; nothing is logged above INFO."""
     conf = """
 authorization {
   users: [
     { user: admin, password: admin }
-    { user: noscan, password: noscan,
-      permissions: { publish: { allow: [">"] }, subscribe: { allow: [">"], deny: ["_INBOX.*.d.*"] } } }
+    { user: noscan, password: noscan, permissions: { DENIED } }
   ]
 }
-"""
+""".replace("DENIED", denied)
     server = own_server(tmp_path, conf)
     admin = server.url.replace("nats://", "nats://admin:admin@")
     try:
@@ -187,9 +193,9 @@ authorization {
 
 
 def test_a_scan_of_many_small_messages_stays_within_a_small_max_pending(tmp_path, caplog):
-    """40,000 empty chunks: the server sends their deliveries (about 6 MB) faster than the reader parses
-    them, past a `max_pending` of 2 MB, unless the flow control holds it back: the scan answers it and
-    ends over the same lean connection, with the ordered scan's answer."""
+    """40,000 empty chunks: the server would send their deliveries (about 6 MB) faster than the reader
+    parses them, past a `max_pending` of 2 MB, but sends only what the scan's pull requests ask for: the
+    scan ends over the same lean connection, with the ordered scan's answer."""
     server = own_server(tmp_path, KICKABLE)
     url = server.url
     count = 40_000
@@ -229,3 +235,81 @@ def test_a_scan_of_many_small_messages_stays_within_a_small_max_pending(tmp_path
         trio.run(main)
     finally:
         server.stop()
+
+
+def test_a_scan_whose_reader_stops_reading_is_not_dropped_by_a_small_max_pending(tmp_path, monkeypatch, caplog):
+    """The lean connection's reader stops reading for a while in the middle of a scan (a starved
+    process), with far more than the server's 2 MB `max_pending` still to come (15,000 chunks with
+    2 KiB of headers each: 30 MB of deliveries): the server sends only what the scan asked for, which
+    is far less, so it never drops the connection; the scan ends over the same lean connection with
+    the ordered scan's answer, without falling back to the main one."""
+    server = own_server(tmp_path, KICKABLE)
+    url = server.url
+    count, pad = 15_000, "x" * 2048
+    try:
+        create_bucket(url, BUCKET)
+
+        async def publish_fast(nc: Any, js: Any) -> None:
+            for _ in range(count):
+                await nc.publish(subject("padded"), b"abc", headers={"X-Pad": pad})
+            await nc.flush()
+
+        with_nats(url, publish_fast)
+
+        async def stored(nc: Any, js: Any) -> int:
+            return (await js.stream_info(STREAM)).state.messages
+
+        assert wait_for(lambda: with_nats(url, stored) == count, timeout=60)
+
+        # The reader stops once the scan has 4,000 deliveries (8 MB: past any flow-control window's
+        # start), for long enough that the server could send everything else meanwhile.
+        delivered = [0]
+        stalled: list[float] = []
+        real_message, real_headers_only = Deliveries.message, Deliveries.headers_only
+        real_receive = TrioWireConnection._receive_once
+
+        def counted_message(self: Deliveries, *args: Any) -> None:
+            delivered[0] += 1
+            real_message(self, *args)
+
+        def counted_headers_only(self: Deliveries, rows: list[Any]) -> None:
+            delivered[0] += len(rows)
+            real_headers_only(self, rows)
+
+        async def starved(self: TrioWireConnection) -> bool:
+            if delivered[0] >= 4000 and not stalled:
+                stalled.append(trio.current_time())
+                await trio.sleep(STARVED_S)
+            return await real_receive(self)
+
+        monkeypatch.setattr(Deliveries, "message", counted_message)
+        monkeypatch.setattr(Deliveries, "headers_only", counted_headers_only)
+        monkeypatch.setattr(TrioWireConnection, "_receive_once", starved)
+
+        async def main() -> None:
+            bridge = Bridge([url], request_timeout=30)
+            await bridge.connect()
+            js = JetStreams(bridge)
+            try:
+                reads = bridge._reads
+                assert isinstance(reads, _TrioReads) and reads.nc is not None
+                lean = reads.nc
+                caplog.set_level(logging.DEBUG, logger="natsfs.jetstream")
+                got = await js.subject_index(STREAM, subject("padded"))
+                assert not [r for r in caplog.records if "over the main one" in r.getMessage()]
+                assert reads.nc is lean and not lean.is_closed and js.calls["lean_scans"] == 1
+                assert stalled  # (the reader did stop)
+                # What the ordered scan answers (the stream holds these messages alone). (Not asked of it
+                # here: its push consumer over the main connection outruns nats-py past a 2 MB
+                # `max_pending` with deliveries this large, and gets that connection dropped, more than once.)
+                assert got == [(seq, 3) for seq in range(1, count + 1)]
+                assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            finally:
+                await bridge.close()
+
+        trio.run(main)
+    finally:
+        server.stop()
+
+
+STARVED_S = 3.0

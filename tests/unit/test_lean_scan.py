@@ -6,13 +6,15 @@ before the last delivery fails the scan instead of ending it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 import trio
 
+from natsfs.bridge import Delivery, Status
 from natsfs.errors import Unavailable
-from natsfs.jetstream import _ScanDoubt, _take_deliveries
+from natsfs.jetstream import SCAN_REQUEST_BYTES, SCAN_REQUESTS, _ScanDoubt, _take_deliveries
 
 SUBJECT = "$O.b.C.n"
 
@@ -26,22 +28,44 @@ def v2(sseq: int, cseq: int, pending: int) -> bytes:
 
 
 class FakeDeliveries:
-    """Hands over the given batches, then fails as a lost connection does."""
+    """Hands over the given batches (rows of (subject, reply, size), each of `HEADER_BYTES` header bytes,
+    or (rows, statuses)), then fails as a lost connection does; notes the pull requests sent and the
+    bytes they asked for and not yet delivered (as the server counts them) after each."""
 
-    def __init__(self, *batches: list[tuple[bytes, bytes, int | None]]) -> None:
+    def __init__(self, *batches: Any) -> None:
         self.batches = list(batches)
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.asked = 0
+        self.most_asked = 0
+        self.sent_by_answer: list[int] = []  # requests sent by each `next`
 
-    async def next(self, timeout: float) -> list[tuple[bytes, bytes, int | None]]:
+    def request(self, subject: str, payload: bytes) -> None:
+        body = json.loads(payload)
+        self.requests.append((subject, body))
+        self.asked += body["max_bytes"]
+        self.most_asked = max(self.most_asked, self.asked)
+
+    async def next(self, timeout: float) -> tuple[list[Delivery], list[Status]]:
         await trio.lowlevel.checkpoint()
+        self.sent_by_answer.append(len(self.requests))
         if not self.batches:
             raise Unavailable("deliveries to _INBOX.x.d.1: connection to NATS lost (kicked)")
-        return self.batches.pop(0)
+        batch = self.batches.pop(0)
+        rows, statuses = batch if isinstance(batch, tuple) else (batch, [])
+        out = [(s, r, n, HEADER_BYTES) for s, r, n in rows]
+        self.asked -= sum(len(s) + len(r) + hb for s, r, _, hb in out)
+        for _, _, headers in statuses:
+            self.asked -= int(headers.get("Nats-Pending-Bytes", 0))
+        return out, statuses
 
 
-def take(*batches: list[tuple[bytes, bytes, int | None]]) -> list[tuple[int, int]]:
+HEADER_BYTES = 30
+
+
+def take(*batches: Any, deliveries: FakeDeliveries | None = None) -> list[tuple[int, int]]:
     async def main() -> list[tuple[int, int]]:
-        deliveries: Any = FakeDeliveries(*batches)
-        return await _take_deliveries(deliveries, "OBJ_b", "scan", SUBJECT, 5.0)
+        d: Any = deliveries or FakeDeliveries(*batches)
+        return await _take_deliveries(d, "OBJ_b", "scan", SUBJECT, 5.0)
 
     return trio.run(main)
 
@@ -76,3 +100,56 @@ def test_anything_else_is_a_doubt(rows, why):
 def test_a_connection_lost_before_the_last_delivery_fails_the_scan():
     with pytest.raises(Unavailable, match="connection to NATS lost"):
         take([(S, v1(3, 1, 2), 10), (S, v1(4, 2, 1), 10)])
+
+
+def status(code: str, description: str, unused: int | None = None) -> Status:
+    headers = {"Status": code, "Description": description}
+    if unused is not None:
+        headers |= {"Nats-Pending-Messages": "10", "Nats-Pending-Bytes": str(unused)}
+    return code, description, headers
+
+
+def test_deliveries_are_pulled_a_few_requests_at_a_time_whatever_comes():
+    """Requests of `SCAN_REQUEST_BYTES` to this consumer, a new one only once what was asked for and not
+    yet delivered (or given up by a request that ended) leaves room for it: never more than
+    `SCAN_REQUESTS` requests' worth asked for at once, and the first alone until the server answered
+    (a refused one is refused once). Heartbeats change nothing."""
+    per = len(S) + len(v1(1000, 1000, 1000)) + HEADER_BYTES  # (the bytes of one delivery, about)
+    n = 4 * SCAN_REQUESTS * SCAN_REQUEST_BYTES // per
+    batches: list[Any] = []
+    for start in range(1, n + 1, 500):
+        rows = [(S, v1(1000 + i, i, n - i), i % 7) for i in range(start, min(start + 500, n + 1))]
+        batches.append((rows, [status("100", "Idle Heartbeat")]))
+        if len(batches) % 3 == 0:  # a request ends with a few bytes its next delivery did not fit in
+            batches.append(([], [status("409", "Message Size Exceeds MaxBytes", 40)]))
+    d = FakeDeliveries(*batches)
+    got = take(deliveries=d)
+    assert got == [(1000 + i, i % 7) for i in range(1, n + 1)]
+    assert d.most_asked <= SCAN_REQUESTS * SCAN_REQUEST_BYTES
+    assert d.sent_by_answer[:2] == [1, SCAN_REQUESTS]  # (one alone until the server answered)
+    assert len(d.requests) > 4 * SCAN_REQUESTS
+    assert {subject for subject, _ in d.requests} == {"$JS.API.CONSUMER.MSG.NEXT.OBJ_b.scan"}
+    assert all(body["max_bytes"] == SCAN_REQUEST_BYTES and body["batch"] > 0 and set(body) == {"batch", "max_bytes"}
+               for _, body in d.requests)
+
+
+@pytest.mark.parametrize("end, why", [
+    (status("409", "Message Size Exceeds MaxBytes", SCAN_REQUEST_BYTES), "larger than a whole request"),
+    (status("409", "Consumer Deleted"), "409 Consumer Deleted"),
+    (status("409", "Leadership Change"), "409 Leadership Change"),
+    (status("404", "No Messages"), "404 No Messages"),
+    (status("409", "Exceeded MaxRequestBatch of 10"), "Exceeded MaxRequestBatch"),
+])
+def test_a_status_other_than_a_heartbeat_or_a_request_s_end_is_a_doubt(end, why):
+    with pytest.raises(_ScanDoubt, match=why):
+        take(([(S, v1(3, 1, 2), 10)], [end]))
+
+
+def test_a_request_that_ends_with_its_bytes_unused_is_asked_again():
+    """A request ended by a status that says what it left (`Nats-Pending-Bytes`) makes room for a new
+    one; the scan goes on to the end."""
+    first = len(S) + len(v1(3, 1, 2)) + HEADER_BYTES  # (what the first delivery took of its request)
+    d = FakeDeliveries(([(S, v1(3, 1, 2), 10)], [status("408", "Request Timeout", SCAN_REQUEST_BYTES - first)]),
+                       ([], [status("409", "Batch Completed", 5)]), [(S, v1(4, 2, 1), 1), (S, v1(9, 3, 0), 2)])
+    assert take(deliveries=d) == [(3, 10), (4, 1), (9, 2)]
+    assert len(d.requests) == SCAN_REQUESTS + 1

@@ -366,22 +366,24 @@ def test_the_trio_driver_reads_sends_what_the_socket_did_not_take_and_ends_once(
 
 
 class Sink:
-    """A `DeliverySink` that notes what it was handed, both ways alike: (subject, reply, Nats-Msg-Size)
-    for a headers-only delivery whose only header is the size, else (subject, reply, headers, data)."""
+    """A `DeliverySink` that notes what it was handed, both ways alike: (subject, reply, Nats-Msg-Size,
+    header bytes) for a headers-only delivery whose only header is the size, else (subject, reply,
+    headers, data, header bytes)."""
 
     def __init__(self) -> None:
         self.got: list[tuple[Any, ...]] = []
         self.runs = 0  # lists handed over by the one-match path
 
-    def headers_only(self, rows: list[tuple[bytes, bytes, int]]) -> None:
+    def headers_only(self, rows: list[tuple[bytes, bytes, int, int]]) -> None:
         self.runs += 1
-        self.got += [(s.decode(), r.decode(), n) for s, r, n in rows]
+        self.got += [(s.decode(), r.decode(), n, hb) for s, r, n, hb in rows]
 
-    def message(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes | bytearray) -> None:
+    def message(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes | bytearray,
+                header_size: int) -> None:
         if headers is not None and list(headers) == ["Nats-Msg-Size"] and not data:
-            self.got.append((subject, reply, int(headers["Nats-Msg-Size"])))
+            self.got.append((subject, reply, int(headers["Nats-Msg-Size"]), header_size))
         else:
-            self.got.append((subject, reply, headers, bytes(data)))
+            self.got.append((subject, reply, headers, bytes(data), header_size))
 
 
 def delivery(subject: str, sid: int, reply: str, headers: bytes) -> bytes:
@@ -394,8 +396,8 @@ def ack(seq: int, pending: int) -> str:
 
 # A scan's deliveries on sid 2 among a request's replies on the inbox (sid 1): plain headers-only frames
 # (the one-match path), one whose message had headers of its own, one whose header value is the text of
-# a whole plain frame (only the byte counts tell it is not one), a flow-control request, and a delivery
-# for a sid nobody subscribed (dropped).
+# a whole plain frame (only the byte counts tell it is not one), a status message, and a delivery for a
+# sid nobody subscribed (dropped). Each handed over with its header block's length.
 FAKE_FRAME = delivery("$O.b.C.n", 2, ack(99, 0), b"NATS/1.0\r\nNats-Msg-Size: 1\r\n\r\n").decode()
 FAKE_FRAME = FAKE_FRAME.replace("\r\n", " ").strip()  # (a header value has no CRLF)
 DELIVERIES = b"".join([
@@ -411,13 +413,16 @@ DELIVERIES = b"".join([
 ])
 
 DELIVERED = [
-    ("$O.b.C.n", ack(1, 5), 131072),
-    ("$O.b.C.n", ack(2, 4), 0),
-    ("$O.b.C.n", ack(3, 3), {"X-Own": "yes", "Nats-Msg-Size": "7"}, b""),
-    ("$O.b.C.n", ack(4, 2), {"X-Text": FAKE_FRAME, "Nats-Msg-Size": "5"}, b""),
-    ("_INBOX.x.d.2", "$JS.FC.OBJ_b.scan.Ab1", {"Status": "100", "Description": "FlowControl Request"}, b""),
-    ("$O.b.C.n", ack(5, 1), 1000),
-    ("$O.b.C.n", ack(6, 0), 3),
+    ("$O.b.C.n", ack(1, 5), 131072, len(b"NATS/1.0\r\nNats-Msg-Size: 131072\r\n\r\n")),
+    ("$O.b.C.n", ack(2, 4), 0, len(b"NATS/1.0\r\nNats-Msg-Size: 0\r\n\r\n")),
+    ("$O.b.C.n", ack(3, 3), {"X-Own": "yes", "Nats-Msg-Size": "7"}, b"",
+     len(b"NATS/1.0\r\nX-Own: yes\r\nNats-Msg-Size: 7\r\n\r\n")),
+    ("$O.b.C.n", ack(4, 2), {"X-Text": FAKE_FRAME, "Nats-Msg-Size": "5"}, b"",
+     len(f"NATS/1.0\r\nX-Text: {FAKE_FRAME}\r\nNats-Msg-Size: 5\r\n\r\n")),
+    ("_INBOX.x.d.2", "$JS.FC.OBJ_b.scan.Ab1", {"Status": "100", "Description": "FlowControl Request"}, b"",
+     len(b"NATS/1.0 100 FlowControl Request\r\n\r\n")),
+    ("$O.b.C.n", ack(5, 1), 1000, len(b"NATS/1.0\r\nNats-Msg-Size: 1000\r\n\r\n")),
+    ("$O.b.C.n", ack(6, 0), 3, len(b"NATS/1.0\r\nNats-Msg-Size: 3\r\n\r\n")),
 ]
 
 
@@ -450,7 +455,7 @@ def test_a_headers_only_frame_whose_counts_do_not_match_goes_to_the_general_pars
     h = Harness()
     h.protocol.deliveries[b"2"] = sink = Sink()
     h.feed(odd, len(odd))
-    assert sink.got == [("$O.b.C.n", ack(1, 0), {"Nats-Msg-Size": "12"}, b"data")] and sink.runs == 0
+    assert sink.got == [("$O.b.C.n", ack(1, 0), {"Nats-Msg-Size": "12"}, b"data", len(headers))] and sink.runs == 0
 
 
 def test_a_delivery_whose_message_had_a_size_header_of_its_own_gets_the_servers():
@@ -461,5 +466,5 @@ def test_a_delivery_whose_message_had_a_size_header_of_its_own_gets_the_servers(
     h = Harness()
     h.protocol.deliveries[b"2"] = sink = Sink()
     h.feed(stream, len(stream))
-    assert sink.got == [("$O.b.C.n", ack(1, 0), {"Nats-Msg-Size": "100", "X-A": "1"}, b"")]
+    assert sink.got == [("$O.b.C.n", ack(1, 0), {"Nats-Msg-Size": "100", "X-A": "1"}, b"", len(own))]
     assert h.msgs == [("_INBOX.x.1", {"K": "1"}, b"")]
