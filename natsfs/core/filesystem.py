@@ -2521,6 +2521,7 @@ class Filesystem:
             # nothing, or it was detached), and the objects moved under a path no directory holds
             # split the tree (the renamed directory's contents under a second top directory).
             await self._check_parent(new)
+            await self._journal_moving(old, new)
             with self._moving(old, new):
                 with self.files.changing(old, new), self._own_removal(old), self._own_removal(new):
                     replaced = await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
@@ -2538,6 +2539,28 @@ class Filesystem:
             self._dir_mtimes[new + moved[len(old):]] = self._dir_mtimes.pop(moved)
         self._entries_changed(old[:-1])
         self._entries_changed(new[:-1])
+
+    async def _journal_moving(self, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+        """Write-back mode: pending files at or under `old` whose stored version the rename moves on the
+        server (rewrites of stored objects) get their record again with `moving_to` (the new name), synced
+        before the rename publishes: a crash before their records under the new names are synced then
+        replays each where the rename left its stored version (see `WriteBack.settle_moves`)."""
+        if self.writeback is None:
+            return
+        records = []
+        for sf in self.staging.all():
+            if sf.path[: len(old)] != old or sf.unlinked or sf.base is None:
+                continue
+            record = self.writeback.journal.pending.get(sf.entry_id)
+            if record is not None:
+                name = "/".join(self.ns.split(new + sf.path[len(old):])[1])
+                records.append({**record, "moving_to": name})
+        if records:
+            try:
+                await self.writeback.moving(records)
+            except OSError as e:
+                raise NatsFSError(f"rename: the write-back journal could not record it ({e}); nothing moved",
+                                  errno=e.errno or errno.EIO) from None
 
     async def _rename(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...], rel_old: tuple[str, ...],
                       rel_new: tuple[str, ...], src: Node, dst: Node | None) -> list[StagedFile]:
