@@ -78,7 +78,7 @@ from ..names import NAME_MAX, placement
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from ..openers import Openers, ProcOpeners
 from ..secrecy import redact_urls
-from ..staging import StagedFile, StagedVersion, Staging, WriteState
+from ..staging import StagedFile, StagedVersion, Staging, WriteState, version_entry
 from ..status import recent_problems
 from ..streams import Payload
 from .openfiles import OpenFileTable
@@ -2541,20 +2541,26 @@ class Filesystem:
         self._entries_changed(new[:-1])
 
     async def _journal_moving(self, old: tuple[str, ...], new: tuple[str, ...]) -> None:
-        """Write-back mode: pending files at or under `old` whose stored version the rename moves on the
-        server (rewrites of stored objects) get their record again with `moving_to` (the new name), synced
+        """Write-back mode: pending files at or under `old` whose rename changes the bucket (a rewrite of a
+        stored object: that version moves; a file renamed over an object, which it replaces at its first
+        upload: that object is deleted) get their record again with `moving_to` (the new name), synced
         before the rename publishes: a crash before their records under the new names are synced then
-        replays each where the rename left its stored version (see `WriteBack.settle_moves`)."""
+        replays each where the rename left it (see `WriteBack.settle_moves`)."""
         if self.writeback is None:
             return
         records = []
         for sf in self.staging.all():
-            if sf.path[: len(old)] != old or sf.unlinked or sf.base is None:
+            if sf.path[: len(old)] != old or sf.unlinked or (sf.base is None and sf.replaces is None):
                 continue
             record = self.writeback.journal.pending.get(sf.entry_id)
             if record is not None:
-                name = "/".join(self.ns.split(new + sf.path[len(old):])[1])
-                records.append({**record, "moving_to": name})
+                path = new + sf.path[len(old):]
+                # (A file that replaces an object at its first upload replaces the one at its new name then.)
+                name = "/".join(self.ns.split(path)[1])
+                target = await self._index_info(path) if sf.base is None and path == new else None
+                if target is not None and target.name != name:
+                    target = None  # (another name's object shown there: the rename deletes it)
+                records.append({**record, "moving_to": name, "moving_replaces": version_entry(target)})
         if records:
             try:
                 await self.writeback.moving(records)

@@ -251,18 +251,31 @@ class WriteBack:
         settled = []
         for entry in moving:
             bucket, new, base = str(entry["bucket"]), str(entry["moving_to"]), entry.get("base")
+            replaces, target = entry.get("replaces"), entry.get("moving_replaces")
             try:
-                got = await self.fs.mut.store.get_meta_doc(bucket, new)
+                if base is not None:
+                    # The rename moved the stored version: the new name holds its nuid.
+                    got = await self.fs.mut.store.get_meta_doc(bucket, new)
+                    moved = got is not None and not got[0].get("deleted") and got[0].get("nuid") == base["nuid"]
+                else:
+                    # The rename deleted the object the file was to replace under its old name.
+                    got = await self.fs.mut.store.get_meta_doc(bucket, str(entry["name"]))
+                    moved = replaces is not None and (got is None or got[1] != replaces["revision"])
             except NatsFSError as e:  # (left as it is: the next mount settles it)
                 log.warning("%s/%s: cannot tell whether its rename to %s was stored (%s); replayed under its "
                             "old name", bucket, entry["name"], new, e)
                 continue
-            entry = {k: v for k, v in entry.items() if k != "moving_to"}
-            if (base is not None and got is not None and not got[0].get("deleted")
-                    and got[0].get("nuid") == base["nuid"]):
+            entry = {k: v for k, v in entry.items() if k not in ("moving_to", "moving_replaces", "replaces")}
+            if replaces is not None and not moved:
+                entry["replaces"] = replaces
+            if moved:
                 log.info("%s/%s: renamed to %s when an earlier run died; replayed under the new name", bucket,
                          entry["name"], new)
-                entry = {**entry, "name": new, "base": {**base, "revision": got[1]}, "base_revision": got[1]}
+                entry["name"] = new
+                if base is not None and got is not None:
+                    entry |= {"base": {**base, "revision": got[1]}, "base_revision": got[1]}
+                elif target is not None:
+                    entry["replaces"] = target
             settled.append(entry)
         if settled:
             await futures.run_on_thread(lambda: self.journal.record_many(settled))

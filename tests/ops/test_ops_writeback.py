@@ -632,3 +632,33 @@ def test_a_crash_before_a_pending_rewrites_rename_reached_the_bucket_replays_it_
     monkeypatch.undo()
     ops_env(second, bucket="b", streams=ms, write_back=0.0)
     assert not lost_found(tmp_path).exists()
+
+
+@pytest.mark.expect_log("rename: the staged bytes could not be made durable")
+def test_a_crash_after_an_atomic_saves_pending_file_was_renamed_replays_it_under_the_new_name(
+        ops_env, tmp_path, monkeypatch):
+    """A new file renamed over a stored object (pending: it replaces that object at its upload), then
+    renamed on, which deletes that object at once: the daemon dies before the record under the new name
+    is synced. The replay stores the acknowledged bytes under the new name (was: under the old name,
+    where the deleted object made it a conflict: in lost+found, stored under neither name)."""
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "tmp", b"NEW")
+        await env.ops.rename(ROOT, b"tmp", ROOT, b"old.txt", 0, None)
+        _die_after_the_rename_is_stored(monkeypatch)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.rename(ROOT, b"old.txt", ROOT, b"new.txt", 0, None)
+        info = await env.store.get_info("b", "old.txt")
+        assert info is not None and info.deleted  # (the object it replaced is gone already)
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "new.txt") == b"NEW"
+        info = await env.store.get_info("b", "old.txt")
+        assert info is not None and info.deleted
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    monkeypatch.undo()
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
