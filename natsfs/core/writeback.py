@@ -234,10 +234,11 @@ class WriteBack:
         return [*(sf for sf, _, _ in self._queue.values()), *running]
 
     async def moving(self, records: list[dict[str, Any]]) -> None:
-        """A rename is about to move the stored versions of these pending files on the server (their
+        """A rename is about to change the bucket for these pending files (their
         records, each with `moving_to`: the name it gets): durable before the rename publishes anything,
         so that a replay after a crash in the middle knows where the file went (`settle_moves`). The
-        rename's own records (under the new names) follow once it is done. `OSError` as `_record`."""
+        rename's own records (under the new names) follow once it is done; a rename that fails writes the
+        records as they were again. `OSError` as `_record`."""
         await self._record(records)
 
     async def settle_moves(self) -> None:

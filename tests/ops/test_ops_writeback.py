@@ -619,6 +619,7 @@ def test_a_crash_before_a_pending_rewrites_rename_reached_the_bucket_replays_it_
             raise Unavailable("the daemon dies here")
 
         monkeypatch.setattr(env.fs.mut, "rename_object", dies)
+        _die_after_the_rename_is_stored(monkeypatch)  # (the failed rename's own cleanup is not written)
         with pytest.raises(pyfuse3.FUSEError):
             await env.ops.rename(ROOT, b"old.txt", ROOT, b"new.txt", 0, None)
         assert [r.get("moving_to") for r in journal_of(env).pending.values()] == ["new.txt"]
@@ -662,3 +663,25 @@ def test_a_crash_after_an_atomic_saves_pending_file_was_renamed_replays_it_under
     monkeypatch.undo()
     ops_env(second, bucket="b", streams=ms, write_back=0.0)
     assert not lost_found(tmp_path).exists()
+
+
+@pytest.mark.expect_log("rename: the server does not answer")
+def test_a_failed_rename_of_a_pending_rewrite_leaves_its_record_naming_no_move(ops_env, monkeypatch):
+    """The record written before the rename (`moving_to`) is written again as it was when the rename
+    fails: a later replay never takes another client's change for that rename."""
+    async def body(env: Env):
+        fi = await env.ops.open((await env.lookup("old.txt")).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+        await env.ops.write(fi.fh, 0, b"rewritten, pending")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+
+        async def refused(*args: Any, **kwargs: Any) -> None:
+            raise Unavailable("the server does not answer")
+
+        monkeypatch.setattr(env.fs.mut, "rename_object", refused)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.rename(ROOT, b"old.txt", ROOT, b"new.txt", 0, None)
+        assert [(r["name"], r.get("moving_to")) for r in journal_of(env).pending.values()] == [("old.txt", None)]
+        assert await env.cat("old.txt") == b"rewritten, pending"
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=LATER)
