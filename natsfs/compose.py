@@ -112,6 +112,8 @@ class Built:
         await self.namespace.start(nursery)
         nursery.start_soon(self.store.follow_stream_updates)
         self.cache.start(nursery)
+        if self.fs.writeback is not None:
+            await self.fs.writeback.settle_moves()
         self.fs.start(nursery)
 
 

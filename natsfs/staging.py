@@ -393,7 +393,7 @@ def restore_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _version_entry(info: ObjectInfo | None) -> dict[str, Any] | None:
+def version_entry(info: ObjectInfo | None) -> dict[str, Any] | None:
     """What the write-back journal keeps of a stored version (the `ObjectInfo` fields of `resume`)."""
     if info is None:
         return None
@@ -593,10 +593,10 @@ class StagedFile:
         """What the write-back journal keeps of it: all an upload after a crash needs (plain data);
         `data`, the whole content of a small file, makes the record alone durable (no spool sync)."""
         inline = {} if data is None else {"data": base64.b64encode(data).decode()}
-        replaces = {} if self.replaces is None else {"replaces": _version_entry(self.replaces)}
+        replaces = {} if self.replaces is None else {"replaces": version_entry(self.replaces)}
         return inline | replaces | {
             "id": self.entry_id, "bucket": self.bucket, "name": self.name, "state": self.state.value,
-            "copied": self.copied, "size": self.size, "base": _version_entry(self.base),
+            "copied": self.copied, "size": self.size, "base": version_entry(self.base),
             "base_revision": self.base_revision, "mode": self.mode, "uid": self.uid, "gid": self.gid,
             "mtime_ns": self.mtime_ns, "mtime_explicit": self.mtime_explicit,
             "xattrs": [[k, None if v is None else base64.b64encode(v).decode()] for k, v in self.xattr_changes],

@@ -78,7 +78,7 @@ from ..names import NAME_MAX, placement
 from ..namespace import BUCKET, DIR, FILE, LINK, ROOT, Namespace, Node
 from ..openers import Openers, ProcOpeners
 from ..secrecy import redact_urls
-from ..staging import StagedFile, StagedVersion, Staging, WriteState
+from ..staging import StagedFile, StagedVersion, Staging, WriteState, version_entry
 from ..status import recent_problems
 from ..streams import Payload
 from .openfiles import OpenFileTable
@@ -2521,9 +2521,20 @@ class Filesystem:
             # nothing, or it was detached), and the objects moved under a path no directory holds
             # split the tree (the renamed directory's contents under a second top directory).
             await self._check_parent(new)
+            intended = await self._journal_moving(old, new)
             with self._moving(old, new):
                 with self.files.changing(old, new), self._own_removal(old), self._own_removal(new):
-                    replaced = await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
+                    try:
+                        replaced = await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
+                    except BaseException:
+                        if intended and self.writeback is not None:
+                            # Failed: the records name no move again (a replay must not take another
+                            # client's change for the rename's), unless a close wrote a newer one.
+                            pending = self.writeback.journal.pending
+                            again = [r for r in intended if pending.get(r["id"], {}).get("moving_to")]
+                            with trio.CancelScope(shield=True), contextlib.suppress(OSError):
+                                await self.writeback.moving(again)
+                        raise
                 staged_moved = self._move_staged(bucket, old, new)
                 self.inodes.move(old, new)
         if self.writeback is not None:
@@ -2538,6 +2549,37 @@ class Filesystem:
             self._dir_mtimes[new + moved[len(old):]] = self._dir_mtimes.pop(moved)
         self._entries_changed(old[:-1])
         self._entries_changed(new[:-1])
+
+    async def _journal_moving(self, old: tuple[str, ...], new: tuple[str, ...]) -> list[dict[str, Any]]:
+        """Write-back mode: pending files at or under `old` whose rename changes the bucket (a rewrite of a
+        stored object: that version moves; a file renamed over an object, which it replaces at its first
+        upload: that object is deleted) get their record again with `moving_to` (the new name), synced
+        before the rename publishes: a crash before their records under the new names are synced then
+        replays each where the rename left it (see `WriteBack.settle_moves`). Returns the records as they
+        were (written again if the rename fails)."""
+        if self.writeback is None:
+            return []
+        records, before = [], []
+        for sf in self.staging.all():
+            if sf.path[: len(old)] != old or sf.unlinked or (sf.base is None and sf.replaces is None):
+                continue
+            record = self.writeback.journal.pending.get(sf.entry_id)
+            if record is not None:
+                path = new + sf.path[len(old):]
+                # (A file that replaces an object at its first upload replaces the one at its new name then.)
+                name = "/".join(self.ns.split(path)[1])
+                target = await self._index_info(path) if sf.base is None and path == new else None
+                if target is not None and target.name != name:
+                    target = None  # (another name's object shown there: the rename deletes it)
+                records.append({**record, "moving_to": name, "moving_replaces": version_entry(target)})
+                before.append(record)
+        if records:
+            try:
+                await self.writeback.moving(records)
+            except OSError as e:
+                raise NatsFSError(f"rename: the write-back journal could not record it ({e}); nothing moved",
+                                  errno=e.errno or errno.EIO) from None
+        return before
 
     async def _rename(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...], rel_old: tuple[str, ...],
                       rel_new: tuple[str, ...], src: Node, dst: Node | None) -> list[StagedFile]:

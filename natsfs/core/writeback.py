@@ -233,6 +233,54 @@ class WriteBack:
         running = [sf for key, sf in self._running.items() if key not in self._queue]
         return [*(sf for sf, _, _ in self._queue.values()), *running]
 
+    async def moving(self, records: list[dict[str, Any]]) -> None:
+        """A rename is about to change the bucket for these pending files (their
+        records, each with `moving_to`: the name it gets): durable before the rename publishes anything,
+        so that a replay after a crash in the middle knows where the file went (`settle_moves`). The
+        rename's own records (under the new names) follow once it is done; a rename that fails writes the
+        records as they were again. `OSError` as `_record`."""
+        await self._record(records)
+
+    async def settle_moves(self) -> None:
+        """Before `resume`: records an earlier run left with `moving_to` (it died while the rename of the
+        pending file ran, before the record under the new name was synced). The rename reached the
+        bucket when the new name holds the file's stored version (its nuid): the record moves there,
+        based on that meta; otherwise it stays under its old name. Without it the replay put the bytes
+        a close had acknowledged under the old name, where the rename's claim refused them as another
+        client's change (lost+found), and the new name kept the older stored version."""
+        moving = [entry for entry in self.journal.pending.values() if entry.get("moving_to")]
+        settled = []
+        for entry in moving:
+            bucket, new, base = str(entry["bucket"]), str(entry["moving_to"]), entry.get("base")
+            replaces, target = entry.get("replaces"), entry.get("moving_replaces")
+            try:
+                if base is not None:
+                    # The rename moved the stored version: the new name holds its nuid.
+                    got = await self.fs.mut.store.get_meta_doc(bucket, new)
+                    moved = got is not None and not got[0].get("deleted") and got[0].get("nuid") == base["nuid"]
+                else:
+                    # The rename deleted the object the file was to replace under its old name.
+                    got = await self.fs.mut.store.get_meta_doc(bucket, str(entry["name"]))
+                    moved = replaces is not None and (got is None or got[1] != replaces["revision"])
+            except NatsFSError as e:  # (left as it is: the next mount settles it)
+                log.warning("%s/%s: cannot tell whether its rename to %s was stored (%s); replayed under its "
+                            "old name", bucket, entry["name"], new, e)
+                continue
+            entry = {k: v for k, v in entry.items() if k not in ("moving_to", "moving_replaces", "replaces")}
+            if replaces is not None and not moved:
+                entry["replaces"] = replaces
+            if moved:
+                log.info("%s/%s: renamed to %s when an earlier run died; replayed under the new name", bucket,
+                         entry["name"], new)
+                entry["name"] = new
+                if base is not None and got is not None:
+                    entry |= {"base": {**base, "revision": got[1]}, "base_revision": got[1]}
+                elif target is not None:
+                    entry["replaces"] = target
+            settled.append(entry)
+        if settled:
+            await futures.run_on_thread(lambda: self.journal.record_many(settled))
+
     # ------------------------------------------------------------------ replay
     def resume(self) -> None:
         """Queue every upload an earlier run of this mount left in the journal (before serving)."""

@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import pytest
@@ -549,3 +550,138 @@ def test_a_close_the_local_disk_could_not_journal_is_uploaded_at_its_release(ops
             f"b/second.txt: {why}; it is uploaded without a write-back record (a crash before the upload loses it)"]
 
     ops_env(body, setup=bucket_b, bucket="b", write_back=0.0)
+
+
+def _die_after_the_rename_is_stored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon dies once the rename is in the bucket, before the records under the new names are synced
+    (every journal sync after the rename's `moving_to` records fails; the test's body then returns)."""
+    original = writeback.WriteBack._sync_records
+
+    async def sync(self: writeback.WriteBack, records: list[dict[str, Any]]) -> None:
+        if not all(r.get("moving_to") for r in records):
+            raise OSError(errno.EIO, "the daemon dies here")
+        await original(self, records)
+
+    monkeypatch.setattr(writeback.WriteBack, "_sync_records", sync)
+
+
+@pytest.mark.expect_log("rename: the staged bytes could not be made durable")
+def test_a_crash_after_a_pending_rewrite_was_renamed_replays_it_under_the_new_name(ops_env, tmp_path, monkeypatch):
+    """A stored object rewritten (closed, pending), then renamed (file and directory): the daemon dies once
+    the rename is stored in the bucket, before the record under the new name is synced. The replay stores
+    the acknowledged bytes under the new name (was: under the old name, refused as another client's change
+    into lost+found, while the new name kept the older version)."""
+    ms = MemoryStreams()
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await bucket_b(ms, store)
+        await put_object(ms, "b", "d/in.txt", b"old inner")
+
+    async def first(env: Env):
+        for name in ("old.txt", "d/in.txt"):
+            fi = await env.ops.open((await env.lookup(name)).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+            await env.ops.write(fi.fh, 0, b"rewritten " + name.split("/")[-1].encode())
+            await env.ops.flush(fi.fh)
+            await env.ops.release(fi.fh)
+        _die_after_the_rename_is_stored(monkeypatch)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.rename(ROOT, b"old.txt", ROOT, b"new.txt", 0, None)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.rename(ROOT, b"d", ROOT, b"e", 0, None)
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "new.txt") == b"rewritten old.txt"
+        assert await stored(env, "e/in.txt") == b"rewritten in.txt"
+        for gone in ("old.txt", "d/in.txt"):
+            info = await env.store.get_info("b", gone)
+            assert info is None or info.deleted
+        assert await env.cat("new.txt") == b"rewritten old.txt"
+
+    ops_env(first, setup=setup, bucket="b", streams=ms, write_back=LATER)
+    monkeypatch.undo()
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+
+
+@pytest.mark.expect_log("rename: the daemon dies here")
+def test_a_crash_before_a_pending_rewrites_rename_reached_the_bucket_replays_it_under_the_old_name(
+        ops_env, tmp_path, monkeypatch):
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        fi = await env.ops.open((await env.lookup("old.txt")).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+        await env.ops.write(fi.fh, 0, b"rewritten, pending")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+
+        async def dies(*args: Any, **kwargs: Any) -> None:
+            raise Unavailable("the daemon dies here")
+
+        monkeypatch.setattr(env.fs.mut, "rename_object", dies)
+        _die_after_the_rename_is_stored(monkeypatch)  # (the failed rename's own cleanup is not written)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.rename(ROOT, b"old.txt", ROOT, b"new.txt", 0, None)
+        assert [r.get("moving_to") for r in journal_of(env).pending.values()] == ["new.txt"]
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "old.txt") == b"rewritten, pending"
+        assert await env.store.get_info("b", "new.txt") is None
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    monkeypatch.undo()
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+
+
+@pytest.mark.expect_log("rename: the staged bytes could not be made durable")
+def test_a_crash_after_an_atomic_saves_pending_file_was_renamed_replays_it_under_the_new_name(
+        ops_env, tmp_path, monkeypatch):
+    """A new file renamed over a stored object (pending: it replaces that object at its upload), then
+    renamed on, which deletes that object at once: the daemon dies before the record under the new name
+    is synced. The replay stores the acknowledged bytes under the new name (was: under the old name,
+    where the deleted object made it a conflict: in lost+found, stored under neither name)."""
+    ms = MemoryStreams()
+
+    async def first(env: Env):
+        await write_file(env, ROOT, "tmp", b"NEW")
+        await env.ops.rename(ROOT, b"tmp", ROOT, b"old.txt", 0, None)
+        _die_after_the_rename_is_stored(monkeypatch)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.rename(ROOT, b"old.txt", ROOT, b"new.txt", 0, None)
+        info = await env.store.get_info("b", "old.txt")
+        assert info is not None and info.deleted  # (the object it replaced is gone already)
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "new.txt") == b"NEW"
+        info = await env.store.get_info("b", "old.txt")
+        assert info is not None and info.deleted
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    monkeypatch.undo()
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+
+
+@pytest.mark.expect_log("rename: the server does not answer")
+def test_a_failed_rename_of_a_pending_rewrite_leaves_its_record_naming_no_move(ops_env, monkeypatch):
+    """The record written before the rename (`moving_to`) is written again as it was when the rename
+    fails: a later replay never takes another client's change for that rename."""
+    async def body(env: Env):
+        fi = await env.ops.open((await env.lookup("old.txt")).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+        await env.ops.write(fi.fh, 0, b"rewritten, pending")
+        await env.ops.flush(fi.fh)
+        await env.ops.release(fi.fh)
+
+        async def refused(*args: Any, **kwargs: Any) -> None:
+            raise Unavailable("the server does not answer")
+
+        monkeypatch.setattr(env.fs.mut, "rename_object", refused)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.rename(ROOT, b"old.txt", ROOT, b"new.txt", 0, None)
+        assert [(r["name"], r.get("moving_to")) for r in journal_of(env).pending.values()] == [("old.txt", None)]
+        assert await env.cat("old.txt") == b"rewritten, pending"
+
+    ops_env(body, setup=bucket_b, bucket="b", write_back=LATER)
