@@ -2481,8 +2481,10 @@ class ObjectStore:
             return None
         doc = usable_fields(load_meta(msg.data)[0])
         try:
-            return await self.publish_meta(bucket, dict(doc, nuid=new_nuid()), expected_revision=revision,
-                                           timestamp=False, subject=subject)
+            # (Its wildcard nuid given as it is: `publish_meta` stores a fresh one, and judges the few bytes
+            # that adds as not growing the meta, as for any rewrite of a wildcard nuid.)
+            return await self.publish_meta(bucket, doc, expected_revision=revision, timestamp=False,
+                                           subject=subject)
         except Conflict:
             return None
 
