@@ -286,10 +286,15 @@ class Mutations:
         subject = index.odd_subjects.get(info.name) if index is not None else None
         if index is None or subject is None:
             return info
+        changed = Conflict(f"{bucket}/{info.name} changed since it was read")
         held = index.objects.get(info.name)
-        if held is None or held.revision != info.revision:
-            raise Conflict(f"{bucket}/{info.name} changed since it was read")
         mtime_ns = info.mtime_ns
+        if held is None or held.revision != info.revision:
+            # (The in-place rewrite of the alias's wildcard nuid, seen here already, is no change.)
+            rewrite = await self.store.wildcard_rewrite_of(bucket, info, subject)
+            if rewrite is None:
+                raise changed
+            info = rewrite
 
         def keep_mtime(doc: dict[str, Any]) -> None:
             # The meta's new message would otherwise give the file a new mtime.
@@ -299,7 +304,15 @@ class Mutations:
         try:
             moved = await self.store.adopt_alias(bucket, info.name, subject, info.revision, keep)
         except Conflict:
-            raise Conflict(f"{bucket}/{info.name} changed since it was read") from None
+            # The alias's wildcard nuid rewritten in place meanwhile (another mount's, `fsck --repair`'s), and
+            # nothing else changed: moved as it is now, on the fresh nuid (once: anything else is a change).
+            rewrite = await self.store.wildcard_rewrite_of(bucket, info, subject)
+            if rewrite is None:
+                raise changed from None
+            try:
+                moved = await self.store.adopt_alias(bucket, info.name, subject, rewrite.revision, keep)
+            except Conflict:
+                raise changed from None
         log.info("bucket %s: %r moved from %s to its canonical meta subject before a change", bucket, info.name,
                  subject)
         index.apply(moved)
