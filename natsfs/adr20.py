@@ -391,8 +391,16 @@ def defused(original: dict[str, Any], current: dict[str, Any]) -> bool:
         return False
     if original.get("deleted") is True:
         return current.get("deleted") is True and current.get("name") == original.get("name")
-    return ({k: v for k, v in current.items() if k != "nuid"}
-            == {k: v for k, v in usable_fields(original).items() if k != "nuid"})
+    return fields_but_nuid(current) == fields_but_nuid(original)
+
+
+def fields_but_nuid(doc: dict[str, Any]) -> bytes:
+    """The meta `doc` (as `load_meta` reads it: each field under its canonical key, the last of Go's
+    case-insensitive duplicates) as a rewrite stores it, without its nuid: every other field, byte for byte
+    (its `mtime` too). A rewrite of a wildcard nuid (`ObjectStore.defuse_wildcard_nuid`, `..._alias`)
+    keeps all of them, so a meta with the same is that meta rewritten; any other client's change (a Put of
+    the same bytes, a header, a description) differs at least in its `mtime`."""
+    return meta_json({k: v for k, v in usable_fields(doc).items() if k != "nuid"})
 
 
 def wildcard_reach(bucket: str, nuid: str) -> str:
@@ -556,6 +564,9 @@ class ObjectInfo:
     # every chunk of the bucket (see `ObjectStore.defuse_wildcard_nuid`). Such a live object has no
     # chunks that can be read (none can be published to its subject as its own).
     wildcard_nuid: str = ""
+    # With a wildcard nuid only: the meta's other fields as stored (`fields_but_nuid`), to tell its rewrite
+    # on a fresh nuid (the same fields) from another client's change (`ObjectStore.wildcard_rewrite_of`).
+    wildcard_fields: bytes = b""
 
 
 @dataclass
@@ -1161,7 +1172,7 @@ def parse_meta(bucket: str, msg: StoredMsg, ignored: Ignored | None = None) -> O
     return ObjectInfo(
         bucket=bucket, name=name, nuid=nuid, size=size, chunks=chunks, digest=digest, mtime_ns=mtime_ns,
         revision=msg.seq, link=link, deleted=deleted, chunk_size=chunk_size, attrs=attrs,
-        meta_bytes=len(msg.data), wildcard_nuid=wild,
+        meta_bytes=len(msg.data), wildcard_nuid=wild, wildcard_fields=fields_but_nuid(doc) if wild else b"",
     )
 
 
@@ -1628,6 +1639,25 @@ class ObjectStore:
         if msg is None:
             return None
         return parse_meta(bucket, msg)
+
+    async def wildcard_rewrite_of(self, bucket: str, base: ObjectInfo, subject: str = "") -> ObjectInfo | None:
+        """The live meta now on `base`'s subject (or `subject`: an alias) when it is `base`, a live meta or
+        a link whose nuid was a wildcard, rewritten since on a fresh nuid with every other field kept
+        (`defuse_wildcard_nuid`, `defuse_wildcard_alias`: any mount's, `natsfs fsck --repair`'s): the same
+        `fields_but_nuid`. None for anything else (another client's change, a tombstone, nothing)."""
+        if not base.wildcard_nuid or not base.wildcard_fields or base.deleted:
+            return None
+        msg = await self.streams.last_msg(stream_name(bucket), subject or self._meta_subject(bucket, base.name))
+        if msg is None or msg.seq <= base.revision:
+            return None
+        try:
+            now = parse_meta(bucket, msg)
+            doc = load_meta(msg.data)[0]
+        except (MalformedMeta, MetaNotJSON):
+            return None
+        if now.deleted or now.wildcard_nuid or not now.nuid or fields_but_nuid(doc) != base.wildcard_fields:
+            return None
+        return now
 
     async def get_meta_doc(self, bucket: str, name: str, subject: str | None = None
                            ) -> tuple[dict[str, Any], int] | None:
@@ -2451,8 +2481,10 @@ class ObjectStore:
             return None
         doc = usable_fields(load_meta(msg.data)[0])
         try:
-            return await self.publish_meta(bucket, dict(doc, nuid=new_nuid()), expected_revision=revision,
-                                           timestamp=False, subject=subject)
+            # (Its wildcard nuid given as it is: `publish_meta` stores a fresh one, and judges the few bytes
+            # that adds as not growing the meta, as for any rewrite of a wildcard nuid.)
+            return await self.publish_meta(bucket, doc, expected_revision=revision, timestamp=False,
+                                           subject=subject)
         except Conflict:
             return None
 

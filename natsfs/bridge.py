@@ -956,6 +956,8 @@ class _TrioReads:
             return
         if await conn.answers(ANSWER_PROBE_S):
             return
+        if self.nc is not conn or conn.is_closed:
+            return  # (it ended meanwhile: the request waits for the next connection, as after any loss)
         raise NoConnection(f"the server has not answered for {silent:.0f}s")
 
     def open_deliveries(self) -> Deliveries:

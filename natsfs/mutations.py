@@ -37,6 +37,7 @@ from .adr20 import (
     PutSession,
     check_same_object,
     chunk_subject,
+    fields_but_nuid,
     format_digest,
     meta_json,
     metadata_of,
@@ -98,26 +99,12 @@ def _digest_of_file(fd: int, size: int) -> bytes:
 
 def _nuid_rewritten(base: ObjectInfo, doc: dict[str, Any]) -> bool:
     """Whether `doc`, stored under the name after `base`, a file whose nuid was a wildcard, is `base` rewritten
-    on a fresh nuid (`ObjectStore.defuse_wildcard_nuid`, by another mount or `natsfs fsck --repair`): the
-    same bytes, not another client's version."""
+    on a fresh nuid (`ObjectStore.defuse_wildcard_nuid`, by another mount or `natsfs fsck --repair`): every
+    other field the same (`fields_but_nuid`), not another client's version (even of the same bytes)."""
     return (bool(base.wildcard_nuid) and base.link is None and (bool(base.digest) or not base.size)
             and doc.get("deleted") is not True
             and usable_nuid(str(doc.get("nuid") or "")) and doc.get("name") == base.name
-            and (doc.get("size") or 0, doc.get("chunks") or 0, doc.get("digest") or "")
-            == (base.size, base.chunks, base.digest))
-
-
-def _rewrite_of(base: ObjectInfo, now: ObjectInfo | None) -> ObjectInfo | None:
-    """`now` (the name's current meta) when it is `base`, whose nuid was a wildcard, rewritten on a fresh nuid
-    and nothing else (`ObjectStore.defuse_wildcard_nuid`: this mount's background pass, another mount's or
-    `natsfs fsck --repair`'s), with `base`'s mtime as shown; else None (another client's change)."""
-    if (now is None or not base.wildcard_nuid or now.wildcard_nuid or not now.nuid or now.deleted
-            or now.name != base.name or now.revision <= base.revision):
-        return None
-    if ((now.size, now.chunks, now.digest, now.link, now.attrs, now.chunk_size)
-            != (base.size, base.chunks, base.digest, base.link, base.attrs, base.chunk_size)):
-        return None
-    return dataclasses.replace(now, mtime_ns=base.mtime_ns)
+            and fields_but_nuid(doc) == base.wildcard_fields)
 
 
 # Times a rename is tried again after a rewrite of a wildcard nuid (of its source, of its target) landed
@@ -299,10 +286,15 @@ class Mutations:
         subject = index.odd_subjects.get(info.name) if index is not None else None
         if index is None or subject is None:
             return info
+        changed = Conflict(f"{bucket}/{info.name} changed since it was read")
         held = index.objects.get(info.name)
-        if held is None or held.revision != info.revision:
-            raise Conflict(f"{bucket}/{info.name} changed since it was read")
         mtime_ns = info.mtime_ns
+        if held is None or held.revision != info.revision:
+            # (The in-place rewrite of the alias's wildcard nuid, seen here already, is no change.)
+            rewrite = await self.store.wildcard_rewrite_of(bucket, info, subject)
+            if rewrite is None:
+                raise changed
+            info = rewrite
 
         def keep_mtime(doc: dict[str, Any]) -> None:
             # The meta's new message would otherwise give the file a new mtime.
@@ -312,7 +304,15 @@ class Mutations:
         try:
             moved = await self.store.adopt_alias(bucket, info.name, subject, info.revision, keep)
         except Conflict:
-            raise Conflict(f"{bucket}/{info.name} changed since it was read") from None
+            # The alias's wildcard nuid rewritten in place meanwhile (another mount's, `fsck --repair`'s), and
+            # nothing else changed: moved as it is now, on the fresh nuid (once: anything else is a change).
+            rewrite = await self.store.wildcard_rewrite_of(bucket, info, subject)
+            if rewrite is None:
+                raise changed from None
+            try:
+                moved = await self.store.adopt_alias(bucket, info.name, subject, rewrite.revision, keep)
+            except Conflict:
+                raise changed from None
         log.info("bucket %s: %r moved from %s to its canonical meta subject before a change", bucket, info.name,
                  subject)
         index.apply(moved)
@@ -1027,21 +1027,31 @@ class Mutations:
         info = await self._on_canonical(bucket, info)
         if target is not None:
             target = await self._on_canonical(bucket, target)
+        stored_new: list[ObjectInfo] = []  # (what a try stored under the new name: its meta, an undo)
+
+        def stored(meta: ObjectInfo) -> None:
+            if meta.name == new_name:
+                stored_new.append(meta)
+            self._apply(bucket, meta)
+
         for attempt in range(_REWRITE_RETRIES + 1):
+            stored_new.clear()
             try:
                 new_info, _claim = await self.store.rename(
                     bucket, info.name, new_name, expected_revision=info.revision, expected_nuid=info.nuid,
                     target_revision=target.revision if target is not None else 0,
                     change=_rename_change(info, extra_metadata),
                     target_change=_rename_change(target) if target is not None else None,
-                    stored=lambda stored: self._apply(bucket, stored))
+                    stored=stored)
                 break
             except Conflict:
                 # A rewrite of the source's or the target's wildcard nuid landed meanwhile: it changed
                 # nothing but the nuid, so the rename moves the name's content as it is now, as on a
                 # local disk (the claim refused took its new meta back first). Any other change stays
                 # a conflict.
-                again = await self._rewritten_since(bucket, info, target) if attempt < _REWRITE_RETRIES else None
+                undone = stored_new[1] if target is not None and len(stored_new) > 1 else None
+                again = (await self._rewritten_since(bucket, info, target, undone) if attempt < _REWRITE_RETRIES
+                         else None)
                 if again is None:
                     raise
                 info, target = again
@@ -1058,32 +1068,37 @@ class Mutations:
             await self.store.purge_chunks_later_if_needed(bucket, target.nuid, target.name)
         return new_info
 
-    async def _rewritten_since(self, bucket: str, info: ObjectInfo, target: ObjectInfo | None
-                               ) -> tuple[ObjectInfo, ObjectInfo | None] | None:
+    async def _rewritten_since(self, bucket: str, info: ObjectInfo, target: ObjectInfo | None,
+                               undone: ObjectInfo | None) -> tuple[ObjectInfo, ObjectInfo | None] | None:
         """After a rename of `info` over `target` was refused as a conflict: the two as stored now when
-        at least one of them is the same as read but for a wildcard nuid rewritten since (`_rewrite_of`;
-        a target may also be the one the refused rename stored back, same nuid), and the other is
-        unchanged; else None."""
-        now = await self.store.get_info(bucket, info.name)
-        source = _rewrite_of(info, now)
+        at least one of them is the same as read but for a wildcard nuid rewritten since (every other
+        field kept: `ObjectStore.wildcard_rewrite_of`), and the other is unchanged (a target may also be
+        `undone`, the very meta the refused rename stored back there, nothing written since); else None
+        (another client changed either, even keeping its nuid)."""
+        source = await self.store.wildcard_rewrite_of(bucket, info)
         changed = source is not None
-        if source is None:
+        if source is not None:
+            source = dataclasses.replace(source, mtime_ns=info.mtime_ns)
+        else:
+            now = await self.store.get_info(bucket, info.name)
             if now is None or now.revision != info.revision:
                 return None
             source = info
         if target is None:
             return (source, None) if changed else None
-        held = await self.store.get_info(bucket, target.name)
-        replaced = _rewrite_of(target, held)
-        if (replaced is None and held is not None and not held.deleted and held.revision != target.revision
-                and target.nuid and held.nuid == target.nuid
-                and (held.size, held.digest, held.link) == (target.size, target.digest, target.link)):
-            replaced = dataclasses.replace(held, mtime_ns=target.mtime_ns)  # (stored back by the refused rename)
+        replaced = await self.store.wildcard_rewrite_of(bucket, target)
         if replaced is None:
-            if held is None or held.revision != target.revision:
+            held = await self.store.get_info(bucket, target.name)
+            if held is None or held.deleted:
                 return None
-            replaced = target
-        changed = changed or replaced is not target
+            if undone is not None and held.revision == undone.revision:
+                replaced = held  # (stored back by the refused rename, as it read it)
+            elif held.revision == target.revision:
+                replaced = target
+            else:
+                return None
+        replaced = dataclasses.replace(replaced, mtime_ns=target.mtime_ns)
+        changed = changed or replaced.revision != target.revision
         return (source, replaced) if changed else None
 
     async def rename_dir(self, bucket: str, old_rel: Path, directory: Dir, new_rel: Path,

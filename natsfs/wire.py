@@ -834,6 +834,8 @@ class TrioWireConnection(_ConnectionState):
             return False
         with trio.move_on_after(timeout):
             while self.heard_at == heard:
+                if self.is_closed:
+                    return False  # (ended meanwhile: nothing more will come)
                 await trio.sleep(_ANSWER_POLL_S)
             return True
         return False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import trio
 from gowriters import delete_object, js_put_object, put_object
 
@@ -609,5 +610,29 @@ def test_an_alias_with_a_wildcard_nuid_on_a_subject_nats_go_reads_by_name_is_rew
         await js_put_object(ms, "b", "t", b"theirs")
         assert {s: n for s, n in ms.subjects(stream_name("b")).items() if s in chunks} == chunks
         assert await read(store, "good") == b"good bytes"
+
+    run(body)
+
+
+@pytest.mark.parametrize("odd", [{"description": ""}, {"headers": {}}, {"Metadata": {"k": "w"}},
+                                 {"options": None}])
+def test_a_rewrite_read_back_is_repaired_whatever_the_original_meta_held_that_it_drops(odd):
+    """A mount's rewrite stores the meta as nats.go writes it (an empty field left out, a case variant of a
+    key under its own name): read back by the repair, that is still the same meta on a fresh nuid."""
+    async def body(ms, store, clock):
+        await put_object(ms, "b", "good", b"good bytes", chunk_size=CHUNK)
+        doc = {"name": "mounts", "bucket": "b", "size": 0, "chunks": 0, "nuid": "*", "metadata": {"k": "v"}} | odd
+        await ms.publish(meta_subject("b", "mounts"), json.dumps(doc).encode(), {ROLLUP: "sub"})
+        defuse = store.defuse_wildcard_nuid
+
+        async def meanwhile(bucket: str, name: str, revision: int, *args, **kwargs):
+            assert await ObjectStore(ms).defuse_wildcard_nuid(bucket, name, revision) is not None
+            return await defuse(bucket, name, revision, *args, **kwargs)
+
+        store.defuse_wildcard_nuid = meanwhile
+        report = await fsck.check_bucket(store, "b", repair=True)
+        found = {f.where: f for f in report.findings}
+        assert found["mounts"].repaired and "read back" in found["mounts"].detail, found["mounts"].detail
+        assert report.changed == 0 and kinds(report, left=True) == []
 
     run(body)
