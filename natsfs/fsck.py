@@ -349,7 +349,7 @@ async def check_bucket(store: ObjectStore, bucket: str, *, repair: bool = False,
             wildcards.append((f, info.name, subject, info.revision))
     for t, subject in tombstones.values():
         wildcard = t.wildcard_nuid
-        if wildcard and chunked and subject == meta_subject(bucket, t.name):
+        if wildcard and subject == meta_subject(bucket, t.name):
             # (A mount ignores such a nuid; nats.go's Delete and nats.js's put of the name purge
             # `$O.<bucket>.C.` + nuid, which this one makes a filter matching every chunk subject.)
             f = Finding(SHARED_TOMBSTONE, t.name, f"carries the nuid {wildcard!r}, a wildcard: a Delete or Put of "

@@ -518,6 +518,27 @@ def test_a_meta_whose_nuid_is_a_wildcard_is_dangerous_and_rewritten_as_a_mount_d
     run(body)
 
 
+def test_a_tombstone_with_a_wildcard_nuid_is_dangerous_while_the_bucket_holds_no_chunks_yet():
+    """Its danger is the chunks stored later: nats.go's Delete of the name purges `$O.b.C.*` whenever it
+    comes. So fsck reports it (and rewrites it) in a bucket with no chunk yet too, instead of calling
+    the bucket clean."""
+    async def body(ms, store, clock):
+        doc = {"name": "bomb", "bucket": "b", "nuid": "*", "size": 0, "chunks": 0, "deleted": True}
+        await ms.publish(meta_subject("b", "bomb"), json.dumps(doc).encode(), {ROLLUP: "sub"})
+        report = await fsck.check_bucket(store, "b")
+        assert kinds(report, left=True) == [(fsck.SHARED_TOMBSTONE, "bomb")]
+        assert "the chunks of every object in the bucket (none now)" in report.findings[0].detail
+        report = await fsck.check_bucket(store, "b", repair=True)
+        assert report.problems_left == [] and all(f.repaired for f in report.findings)
+        assert (await fsck.check_bucket(store, "b")).findings == []
+        # Objects stored since, then nats.js's put of the tombstone's name: only its fresh nuid goes.
+        await put_object(ms, "b", "later", b"later bytes" * 300, chunk_size=CHUNK)
+        await js_put_object(ms, "b", "bomb", b"theirs")
+        assert await read(store, "later") == b"later bytes" * 300
+
+    run(body)
+
+
 def test_a_meta_a_mount_skips_but_nats_go_reads_with_a_wildcard_nuid_is_rewritten_too():
     """A meta a mount skips (its size claims bytes its zero chunks cannot hold) is still read by nats.go,
     whose Delete of that name would purge `$O.b.C.*` for its nuid `*`. fsck reports it as a bad meta that
