@@ -1591,7 +1591,9 @@ class Bridge:
         wanted = subject.lower()
         for sub in list(self._pulled.values()):
             if wanted in sub.requests_to:
-                sub.refuse(refusal(kind, subject))
+                # (Not logged here: the consumer catches up another way, and says so.)
+                sub.refuse(NotPermitted(f"permission denied: the NATS server does not let this user publish to "
+                                        f"{subject}", kind=kind, subject=subject))
                 return True
         return False
 

@@ -8,6 +8,7 @@ too (proven by stream sequence)."""
 from __future__ import annotations
 
 import base64
+import logging
 from typing import Any
 
 import pytest
@@ -159,3 +160,52 @@ def test_an_ordered_scan_whose_reader_starves_is_not_dropped(padded, monkeypatch
 
     trio.run(main)
     assert "Slow Consumer" not in padded.log_file.read_text(errors="replace")
+
+
+def test_a_user_refused_pull_requests_catches_up_by_push(tmp_path, caplog):
+    """The server refuses the user the pull requests (`$JS.API.CONSUMER.MSG.NEXT`) but lets it create
+    consumers: the watch catches up by push instead, with every meta, then follows live puts; nothing
+    is logged above INFO."""
+    conf = """
+authorization {
+  users: [
+    { user: admin, password: admin }
+    { user: nopull, password: nopull,
+      permissions: { publish: { allow: [">"], deny: ["$JS.API.CONSUMER.MSG.NEXT.>"] }, subscribe: { allow: [">"] } } }
+  ]
+}
+"""
+    server = own_server(tmp_path, conf)
+    admin = server.url.replace("nats://", "nats://admin:admin@")
+    try:
+        create_bucket(admin, BUCKET)
+        before = publish_metas(admin, [f"n{i}" for i in range(50)])
+
+        async def main() -> None:
+            bridge = Bridge([server.url.replace("nats://", "nats://nopull:nopull@")])
+            await bridge.connect()
+            js = JetStreams(bridge)
+            try:
+                w = await js.watch(STREAM, f"$O.{BUCKET}.M.>")
+                seqs: list[int] = []
+                with trio.fail_after(60):
+                    while True:
+                        batch = await w.next_batch(timeout=1.0)
+                        seqs += [m.seq for m in batch.msgs]
+                        if batch.caught_up:
+                            break
+                assert seqs == before and STREAM in js._pulls_refused
+                after = await trio.to_thread.run_sync(publish_metas, admin, ["later"])
+                with trio.fail_after(30):
+                    while len(seqs) < len(before) + 1:
+                        seqs += [m.seq for m in (await w.next_batch(timeout=1.0)).msgs]
+                assert seqs == before + after and bridge.reconnects == 0
+                await w.close()
+            finally:
+                await bridge.close()
+
+        caplog.clear()
+        trio.run(main)
+        assert not [r.getMessage() for r in caplog.records if r.levelno > logging.INFO]
+    finally:
+        server.stop()
