@@ -1704,13 +1704,15 @@ class ObjectStore:
         lists a meta whose nuid names no subject, or one under another name's subject). Counting only the
         objects this mount shows had `rmdir` of a bucket that looked empty delete such objects."""
         watch = await self.watch_metas(bucket)
-        live = 0
+        live: dict[str, bool] = {}  # by subject: the watch may deliver older metas of a subject first
         try:
             while True:
                 batch = await watch.next_batch(timeout=5.0)
-                live += sum(1 for m in batch.msgs if not _delete_marker(m.data))
+                if batch.reset:
+                    live.clear()
+                live.update((m.subject, not _delete_marker(m.data)) for m in batch.msgs)
                 if batch.caught_up:
-                    return live
+                    return sum(live.values())
         finally:
             await watch.close()
 

@@ -264,7 +264,8 @@ class _Link:
                  on_lost: Callable[[str], None] = lambda reason: None,
                  on_restored: Callable[[], None] = lambda: None,
                  restore: Callable[[Any], Awaitable[None]] | None = None,
-                 after_msg: Callable[[int], Awaitable[None] | None] | None = None,
+                 after_msg: Callable[[int, bytes, int], Awaitable[None] | None] | None = None,
+                 unclaimed_refusal: Callable[[str, str], bool] = lambda kind, subject: False,
                  quiet: bool = False, lean: bool = False):
         self.servers = list(servers)
         self.name = name
@@ -274,6 +275,7 @@ class _Link:
         self._on_restored = on_restored
         self._restore = restore
         self._after_msg = after_msg
+        self._unclaimed_refusal = unclaimed_refusal
         self._log_level = logging.DEBUG if quiet else logging.WARNING
         # Lean: the client is a `wire.WireConnection` (requests and their replies only), not nats-py.
         self.lean = lean
@@ -455,6 +457,8 @@ class _Link:
                     self.waiters.pop(token, None)
                     waiter.refuse(refusal(kind, waiter.subject))
                     return
+            if self._unclaimed_refusal(kind, subject):  # (a pull request of a consumer's)
+                return
         refusal(kind, subject)  # (nothing waits on it: logged, once per kind)
 
     def _fail_all(self, reason: str) -> None:
@@ -1102,6 +1106,12 @@ class Subscription:
         # Paced: answer flow-control requests when `next_batch` takes what came before them, not on
         # arrival, and keep the backlog short (see _PACE_HIGH).
         self.paced = False
+        # Pulled: the deliveries of a pull consumer, asked for by `pull`; the bytes of those read from
+        # the socket so far, as the server counts them against the requests' `max_bytes` (written by the
+        # asyncio thread, read by trio), and the subjects requests went to (a refusal names one).
+        self.pulled = False
+        self.received_bytes = 0
+        self.requests_to: set[str] = set()
         self._drained: asyncio.Event | None = None
         # Pacing starts with trio's first `next_batch`: until then nobody takes the backlog, and holding
         # the reader up would also hold up the reply that lets trio start (a consumer's CREATE answer
@@ -1197,6 +1207,23 @@ class Subscription:
             if batch:
                 self._bridge.call_on_loop(self._set_drained)
         return batch
+
+    async def pull(self, subject: str, payload: bytes) -> None:
+        """Send a request whose replies come to this subscription (a pull consumer's request for more
+        deliveries); `Unavailable` if it certainly was not sent. A refusal for the user's permissions
+        fails `next_batch` with `NotPermitted`."""
+        self.requests_to.add(subject.lower())
+
+        async def send() -> None:
+            nc = self._bridge.current_client()
+            if nc is None:
+                raise Unavailable(f"{subject}: not sent, no connection to NATS")
+            try:
+                await nc.publish(subject, payload, reply=self.subject)
+            except nats.errors.Error as e:
+                raise Unavailable(f"{subject}: not sent ({e})") from None
+
+        await self._bridge.run_on_loop(send())
 
     def _release(self, n: int) -> None:
         """Give back reply budget held for replies now handed over."""
@@ -1319,6 +1346,7 @@ class Bridge:
         self._token: trio.lowlevel.TrioToken | None = None
         self._subs: set[Subscription] = set()  # restored on every new connection
         self._paced: dict[int, Subscription] = {}  # by nats-py subscription id
+        self._pulled: dict[int, Subscription] = {}  # ... and those of pull consumers' deliveries
         self._budget = _ByteBudget(reply_budget)  # of the connection that carries reads
         # ... and of the main connection while the lean one is being replaced (never shrunk)
         self._fallback_budget = _ByteBudget(min(FALLBACK_REPLY_BUDGET, reply_budget))
@@ -1354,7 +1382,8 @@ class Bridge:
         ready.wait()
         self._link = _Link(self.servers, name=self.name, connect_timeout=self.connect_timeout,
                            auth=self.auth, on_lost=self._lost,
-                           on_restored=self._restored, restore=self._restore, after_msg=self._after_msg)
+                           on_restored=self._restored, restore=self._restore, after_msg=self._after_msg,
+                           unclaimed_refusal=self._pull_refused)
         try:
             await self.run_on_loop(self._link.open())
             await self._open_reads()
@@ -1529,18 +1558,46 @@ class Bridge:
     async def _restore(self, nc: Any) -> None:
         """Subscribe every live subscription again on a new client."""
         self._paced.clear()
+        self._pulled.clear()
         for sub in list(self._subs):
             if sub.closed:
                 continue
             sub.nats_sub = await nc.subscribe(sub.subject, cb=sub.on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
-            if sub.paced:
-                self._paced[natscompat.subscription_id(sub.nats_sub)] = sub
+            self._note_kind(sub)
 
-    def _after_msg(self, sid: int) -> Awaitable[None] | None:
+    def _note_kind(self, sub: Subscription) -> None:
+        sid = natscompat.subscription_id(sub.nats_sub)
+        if sub.paced:
+            self._paced[sid] = sub
+        if sub.pulled:
+            self._pulled[sid] = sub
+
+    def _after_msg(self, sid: int, reply: bytes, size: int) -> Awaitable[None] | None:
         """Let a paced subscription's backlog hold up the connection's reader for a moment: the rest
-        waits in the socket and (bounded by the consumer's flow control) on the server."""
+        waits in the socket and (bounded by the consumer's flow control) on the server. Count the bytes
+        of a pull consumer's delivery (not of a status message: those come without a reply subject) as
+        read from the socket: what its pull requests asked for that the server no longer holds."""
         sub = self._paced.get(sid)
-        return sub.wait_drained() if sub is not None else None
+        if sub is not None:
+            return sub.wait_drained()
+        sub = self._pulled.get(sid)
+        if sub is not None and reply.startswith(b"$JS.ACK."):
+            sub.received_bytes += size
+        return None
+
+    def _pull_refused(self, kind: str, subject: str) -> bool:
+        """The server refused a message on `subject` that no request waits for: if it is a pull request
+        of a consumer's (`Subscription.pull`), that subscription fails (`NotPermitted`); True then."""
+        if kind != "publish":
+            return False
+        wanted = subject.lower()
+        for sub in list(self._pulled.values()):
+            if wanted in sub.requests_to:
+                # (Not logged here: the consumer catches up another way, and says so.)
+                sub.refuse(NotPermitted(f"permission denied: the NATS server does not let this user publish to "
+                                        f"{subject}", kind=kind, subject=subject))
+                return True
+        return False
 
     # ------------------------------------------------------------------ plumbing
     def call_in_trio(self, fn: Callable[[], None]) -> None:
@@ -1586,6 +1643,7 @@ class Bridge:
         self._subs.discard(sub)
         if sub.nats_sub is not None:
             self._paced.pop(natscompat.subscription_id(sub.nats_sub), None)
+            self._pulled.pop(natscompat.subscription_id(sub.nats_sub), None)
 
     def _link_now(self) -> _Link:
         if self._link is None:
@@ -1713,13 +1771,15 @@ class Bridge:
         an ack, or an error as `js_publish` raises it."""
         return await self.run_on_loop(self._link_now().js_publish_many(msgs, window, timeout or self.request_timeout))
 
-    async def subscribe(self, subject: str, *, paced: bool = False) -> Subscription:
+    async def subscribe(self, subject: str, *, paced: bool = False, pulled: bool = False) -> Subscription:
         """Messages on `subject`, in batches (`Subscription.next_batch`), on every connection from now on
         until unsubscribed. `paced`: for a JetStream push consumer with flow control, whose backlog is
-        kept short (see `_PACE_HIGH`)."""
+        kept short (see `_PACE_HIGH`); `pulled`: for the deliveries of a pull consumer, whose requests
+        go out with `Subscription.pull` and whose bytes are counted as read (`received_bytes`)."""
         link = self._link_now()
         sub = Subscription(self, subject)
         sub.paced = paced
+        sub.pulled = pulled
 
         async def do() -> None:
             nc = await link.client(self.request_timeout)
@@ -1727,8 +1787,7 @@ class Bridge:
                 sub.nats_sub = await nc.subscribe(subject, cb=sub.on_msg, pending_bytes_limit=0, pending_msgs_limit=0)
             except nats.errors.Error as e:
                 raise Unavailable(f"subscribe to {subject}: {e}") from None
-            if paced:
-                self._paced[natscompat.subscription_id(sub.nats_sub)] = sub
+            self._note_kind(sub)
             self._subs.add(sub)
 
         await self.run_on_loop(do())

@@ -98,6 +98,12 @@ HEARTBEAT_S = 1.0
 # than that for the scan, however slowly it is read, so it stays far below any `max_pending`.
 SCAN_REQUEST_BYTES = 256 * 1024
 SCAN_REQUESTS = 2
+# An ordered consumer over the main connection (`_ConsumerStream`: a watch's snapshot, the ordered scans)
+# catches up the same way: a pull consumer asked for this many bytes a request, at most
+# `CATCHUP_REQUESTS` requests' worth asked for and not yet read from the socket; only once it delivered
+# what leaves nothing pending is the live push consumer (flow control) made, from the next sequence.
+CATCHUP_REQUEST_BYTES = SCAN_REQUEST_BYTES
+CATCHUP_REQUESTS = 2
 # A consumer that has sent neither data nor heartbeat for this long is presumed gone and re-created.
 STALL_S = 3.5
 # The least rate (bytes/s) at which the server is expected to store a committed batch: the commit's ack
@@ -207,6 +213,9 @@ class JetStreams:
         # The server refused a scan over the lean connection (its subscription, or the consumer): scans go
         # over the main connection from then on (`subject_index`).
         self._lean_scans_refused = False
+        # Streams whose consumers the server refuses this user pull requests of: their ordered consumers
+        # catch up as push consumers, as they all did before (`_ConsumerStream`).
+        self._pulls_refused: set[str] = set()
         # Open watches and scans, told when the connection is replaced (their consumers may be gone).
         self._watches: weakref.WeakSet[_ConsumerStream] = weakref.WeakSet()
         previous = bridge.on_reconnect
@@ -690,7 +699,8 @@ class JetStreams:
     async def _ordered_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
         """`subject_index` by an ordered consumer over the main connection (re-created on gaps, stalls
         and reconnects)."""
-        scan = _ConsumerStream(self.bridge, stream, subject, deliver_policy="all", headers_only=True)
+        scan = _ConsumerStream(self.bridge, stream, subject, deliver_policy="all", headers_only=True,
+                               pulls_refused=self._pulls_refused)
         await scan.start()
         self._watches.add(scan)
         out: list[tuple[int, int]] = []
@@ -717,7 +727,7 @@ class JetStreams:
         if stop_seq <= start_seq:
             return []
         scan = _ConsumerStream(self.bridge, stream, "", deliver_policy="by_start_sequence", headers_only=True,
-                               start_seq=start_seq)
+                               start_seq=start_seq, pulls_refused=self._pulls_refused)
         await scan.start()
         out: list[int] = []
         try:
@@ -742,7 +752,8 @@ class JetStreams:
 
     async def watch(self, stream: str, filter_subject: str, *, last_per_subject: bool = True) -> _ConsumerStream:
         w = _ConsumerStream(self.bridge, stream, filter_subject,
-                            deliver_policy="last_per_subject" if last_per_subject else "all", floors=self.floors)
+                            deliver_policy="last_per_subject" if last_per_subject else "all", floors=self.floors,
+                            pulls_refused=self._pulls_refused)
         await w.start(stream_created_ns=(await self.stream_info(stream)).created_ns)
         self._watches.add(w)
         return w
@@ -985,7 +996,7 @@ def _direct_msg(m: Msg, *, full: bool = True) -> StoredMsg:
 
 
 class _ConsumerStream:
-    """An ordered push consumer: delivers every message in order, re-created on gaps and stalls.
+    """An ordered consumer: delivers every message in order, re-created on gaps and stalls.
 
     After a re-creation it resumes at the stream sequence after the last one delivered, so the
     consumer of this stream never sees a message twice or misses one. When resuming is not sound
@@ -993,10 +1004,22 @@ class _ConsumerStream:
     a server restarted with a memory store does) it starts over from the beginning and the next batch
     says `reset`. Server and connection trouble never escapes `next_batch`: it is logged and retried
     with a backoff while the batches come back empty; only a stream that is gone raises `NotFound`.
+
+    Each consumer catches up by pulling (`_ask`): a pull consumer (no acks) whose deliveries come to a
+    subscription of its own, asked for in requests of `CATCHUP_REQUEST_BYTES`, a new one only once what
+    is asked for and not yet read from the socket is at most `CATCHUP_REQUESTS - 1` requests' worth
+    (the bytes counted as the server counts them, `Subscription.received_bytes`). So however slowly
+    the daemon reads (a starved process, a bucket of 100 000 metas at mount), the server never holds
+    more than that for it, far below a small `max_pending`; a push consumer's flow-control window
+    grows to 32 MiB. Once a delivery leaves nothing pending (or there was nothing to deliver) the
+    next `next_batch` replaces it with the live push consumer from the sequence after the last
+    delivery taken: a hand-over like any resume, by stream sequence. The ordered scans end before
+    that. A user the server refuses pull requests (`pulls_refused`, per stream) catches up by push.
     """
 
     def __init__(self, bridge: Bridge, stream: str, filter_subject: str, *, deliver_policy: str,
-                 headers_only: bool = False, start_seq: int = 0, floors: dict[str, int] | None = None):
+                 headers_only: bool = False, start_seq: int = 0, floors: dict[str, int] | None = None,
+                 pulls_refused: set[str] | None = None):
         self.bridge = bridge
         self.floors = floors  # raised to every sequence delivered (see JetStreams.floors)
         self.stream = stream
@@ -1019,6 +1042,12 @@ class _ConsumerStream:
         self._failure_said = False  # a failed re-creation of this streak was said at WARNING
         self._retry_at = 0.0
         self._closed = False
+        self._pulls_refused = pulls_refused if pulls_refused is not None else set()
+        self._pulling = False  # the consumer is a pull consumer catching up
+        self._handover = False  # ... that caught up: the live push consumer is made at the next call
+        self._asked = 0  # bytes its requests asked for (less those they left unused)
+        self._answered = False  # the server answered one of its requests
+        self._request_bytes = CATCHUP_REQUEST_BYTES
 
     def idle_for(self) -> float:
         return time.monotonic() - self._last_activity
@@ -1053,7 +1082,8 @@ class _ConsumerStream:
             return False
         return True
 
-    async def _create(self, *, resume: bool) -> None:
+    async def _create(self, *, resume: bool, pull: bool = True) -> None:
+        pull = pull and self.stream not in self._pulls_refused
         if self._sub is not None:
             await self._drop()
         if resume and self._last_sseq and not await self._resume_is_sound():
@@ -1063,18 +1093,17 @@ class _ConsumerStream:
             self.caught_up = False
             self.resets += 1
         inbox = self.bridge.new_inbox()
-        self._sub = await self.bridge.subscribe(inbox, paced=True)
+        self._sub = await self.bridge.subscribe(inbox, paced=not pull, pulled=pull)
         config: dict[str, Any] = {
-            "deliver_subject": inbox,
             "filter_subject": self.filter_subject,
-            "ack_policy": "none",
+            "ack_policy": "none",  # (a pull consumer may have none on a limits stream, as buckets are)
             "replay_policy": "instant",
-            "flow_control": True,
-            "idle_heartbeat": int(HEARTBEAT_S * 1e9),
             "mem_storage": True,
             "num_replicas": 1,
             "inactive_threshold": int(30e9),
         }
+        if not pull:
+            config.update({"deliver_subject": inbox, "flow_control": True, "idle_heartbeat": int(HEARTBEAT_S * 1e9)})
         if self.headers_only:
             config["headers_only"] = True
         if resume and self._last_sseq:
@@ -1082,6 +1111,14 @@ class _ConsumerStream:
             config["opt_start_seq"] = self._last_sseq + 1
         else:
             config["deliver_policy"] = self.deliver_policy
+            if pull and self.deliver_policy == "last_per_subject":
+                # (A pull consumer delivering the last message per subject loses one each time a request
+                # ends for a message that does not fit in what it has left, nats-server 2.15: 229 of
+                # 3000 metas never came. Every message of the subjects instead, in order, as a resumed
+                # consumer delivers them anyway: the last one of each subject is applied last. An
+                # Object Store subject holds one meta, published with rollup; a client that writes
+                # metas without it has its older ones applied first.)
+                config["deliver_policy"] = "all"
             if self.deliver_policy == "by_start_sequence":
                 config["opt_start_seq"] = self.start_seq
         try:
@@ -1097,8 +1134,47 @@ class _ConsumerStream:
         self._consumer = info["name"]
         self._cseq = 0
         self._last_activity = time.monotonic()
+        self._pulling, self._handover = pull, False
+        self._asked, self._answered, self._request_bytes = 0, False, CATCHUP_REQUEST_BYTES
         if int(info.get("num_pending", 0)) == 0 and not (resume and self._last_sseq):
             self.caught_up = True
+        if pull and int(info.get("num_pending", 0)) == 0:
+            self.caught_up = True  # (everything up to now was delivered, resumed or not)
+            self._handover = True
+
+    async def _ask(self) -> None:
+        """Pull requests, byte-bounded (see the class): a new one only while what is asked for and not
+        yet read is at most `CATCHUP_REQUESTS - 1` requests' worth; the first one alone until the server
+        answered (a refused request is refused once), and so is one for a delivery larger than a
+        request (`_request_ended`)."""
+        sub = self._sub
+        assert sub is not None
+        one = self._request_bytes
+        ahead = (CATCHUP_REQUESTS - 1) * one if self._answered and one == CATCHUP_REQUEST_BYTES else 0
+        subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self._consumer}"
+        if self._asked < sub.received_bytes:  # (never: the server's count and this one differ)
+            log.debug("watch %s: %d bytes read beyond what was asked for", self.filter_subject,
+                      sub.received_bytes - self._asked)
+            self._asked = sub.received_bytes
+        while self._asked - sub.received_bytes <= ahead:
+            await sub.pull(subject, json.dumps({"batch": max(one // 64, 1), "max_bytes": one}).encode())
+            self._asked += one
+
+    def _request_ended(self, m: Msg) -> bool:
+        """A pull request's status: True for the end of a request ("408 Request Timeout", "409 Message
+        Size Exceeds MaxBytes" / "Batch Completed", with the bytes it left unused, given back here). A
+        request that ends with all of its bytes unused met a delivery larger than a request: the next
+        one asks for the largest message the server takes, alone. False for anything else (the consumer
+        deleted, a leader change, no responders): the caller re-creates the consumer."""
+        headers = m.headers or {}
+        unused = headers.get("Nats-Pending-Bytes", "")
+        if m.status not in ("408", "409") or not unused.isdigit():
+            return False
+        self._asked -= int(unused)
+        self._answered = True
+        if m.status == "409" and int(unused) >= self._request_bytes:
+            self._request_bytes = max(self._request_bytes, self.bridge.max_payload + 64 * 1024)
+        return True
 
     async def _drop(self) -> None:
         sub, name = self._sub, self._consumer
@@ -1117,15 +1193,16 @@ class _ConsumerStream:
         with trio.CancelScope(shield=True):
             await self._drop()
 
-    async def recreate(self) -> None:
-        """Resume from the last delivered sequence with a fresh consumer (after a gap, stall or reconnect)."""
-        await self._create(resume=bool(self._last_sseq))
+    async def recreate(self, *, pull: bool = True) -> None:
+        """Resume from the last delivered sequence with a fresh consumer (after a gap, stall or reconnect;
+        `pull` False: the live push consumer, once caught up)."""
+        await self._create(resume=bool(self._last_sseq), pull=pull)
 
-    async def _try_recreate(self, why: str) -> bool:
+    async def _try_recreate(self, why: str, *, pull: bool = True) -> bool:
         """Re-create the consumer; False (logged, retried later with a backoff) when the server is not
         answering. `NotFound` (the stream is gone) is raised."""
         try:
-            await self.recreate()
+            await self.recreate(pull=pull)
         except NotFound:
             raise
         except NatsFSError as e:
@@ -1163,17 +1240,44 @@ class _ConsumerStream:
             if not await self._try_recreate("reconnected" if self._stale else "no consumer"):
                 out.caught_up = self.caught_up
                 return out
+        # Caught up by pulling, and said so: the live push consumer from the next sequence (a scan ends
+        # before this).
+        if self._handover and self._caught_up_reported and not await self._try_recreate("caught up", pull=False):
+            out.caught_up = self.caught_up
+            return out
         if self._pending_reset:
             self._pending_reset = False
             out.reset = True
         assert self._sub is not None
         if self.caught_up and not self._caught_up_reported:
             wait = 0  # an empty snapshot: say so at once instead of after a wait for messages
-        msgs = await self._sub.next_batch(wait)
+        if self._pulling and not self._handover:
+            try:
+                await self._ask()
+            except Unavailable as e:  # (the connection is lost: the consumer is re-created on the next one)
+                log.debug("watch %s: pull request not sent: %s", self.filter_subject, e)
+        try:
+            msgs = await self._sub.next_batch(wait)
+        except NotPermitted as e:
+            # (Only a pull request's refusal ends a subscription's batches so.)
+            self._pulls_refused.add(self.stream)
+            log.info("watch %s: the server refuses this user pull requests (%s); catching up by push instead",
+                     self.filter_subject, e)
+            await self._try_recreate("pull requests refused", pull=False)
+            out.caught_up = self.caught_up and not self._pending_reset
+            return out
         if msgs:
             self._last_activity = time.monotonic()
         for m in msgs:
             if m.status is not None:
+                if self._pulling and m.status != "100":
+                    if not self._request_ended(m):
+                        log.info("watch %s: pull request answered %s %s; re-creating the consumer",
+                                 self.filter_subject, m.status, (m.headers or {}).get("Description", ""))
+                        await self._try_recreate("pull status")
+                        out.caught_up = self.caught_up and not self._pending_reset
+                        return out
+                    continue
                 if m.status == "100":
                     last_c = (m.headers or {}).get("Nats-Last-Consumer")
                     if last_c is not None and int(last_c) != self._cseq:
@@ -1198,8 +1302,13 @@ class _ConsumerStream:
                 self.floors[self.stream] = sseq
             # (Nats-Msg-Size only comes with headers-only deliveries, where it is wanted.)
             out.msgs.append(StoredMsg(sseq, m.subject, m.headers or None, m.data, ts))
+            if self._pulling:
+                self._answered = True
+                self._request_bytes = CATCHUP_REQUEST_BYTES
             if pending == 0:
                 self.caught_up = True
+                if self._pulling:
+                    self._handover = True  # (what comes after it in this batch is taken too)
         if self.caught_up:
             out.caught_up = True
             self._caught_up_reported = True

@@ -1,7 +1,8 @@
 """Every use of nats-py internals, in one place, checked once at start-up.
 
 natsfs relies on a few things nats-py does not offer as API: the socket read size (a module global),
-a hook into its message dispatch (to pace a subscription whose consumer falls behind), the server's
+a hook into its message dispatch (to pace a subscription whose consumer falls behind, and to count
+the bytes of a pull consumer's deliveries as the server counts them), the server's
 INFO as sent (its limits), a subscription's id, the queue of publishes waiting for a flush (a
 closed client never answers them), its transport and queue of bytes for the server (large
 payloads are queued, or written by the upload worker, without being copied into their frames), and a
@@ -181,14 +182,16 @@ def subscription_id(sub: Any) -> int:
     return int(sub._id)
 
 
-def hook_messages(nc: Any, after: Callable[[int], Awaitable[None] | None]) -> None:
-    """Call `after(sid)` once each message has been handed to its subscription, in the connection's
-    reader: a returned awaitable is awaited there, holding the reader (and the socket) for that long."""
+def hook_messages(nc: Any, after: Callable[[int, bytes, int], Awaitable[None] | None]) -> None:
+    """Call `after(sid, reply, size)` once each message has been handed to its subscription, in the
+    connection's reader: `size` is what the server counts of it against a pull request's `max_bytes`
+    (subject, reply subject, header block as sent, payload). A returned awaitable is awaited there,
+    holding the reader (and the socket) for that long."""
     process = nc._process_msg
 
     async def process_msg(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
         await process(sid, subject, reply, data, headers)
-        waiting = after(sid)
+        waiting = after(sid, reply, len(subject) + len(reply) + len(headers or b"") + len(data))
         if waiting is not None:
             await waiting
 

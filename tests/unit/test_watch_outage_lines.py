@@ -39,7 +39,7 @@ def _stalled_watch(monkeypatch: pytest.MonkeyPatch, failure: Exception) -> tuple
     watch._last_activity = time.monotonic() - 60
     outcomes: list[Exception | None] = [failure, failure, None]
 
-    async def recreate() -> None:
+    async def recreate(*, pull: bool = True) -> None:
         outcome = outcomes.pop(0)
         watch._sub = None  # (as `_create`: the old subscription is dropped first)
         if outcome is not None:
