@@ -1644,6 +1644,16 @@ class ObjectStore:
         # A field of the wrong type (metadata that is a list, ...) is absent for every rewrite.
         return usable_fields(doc), msg.seq
 
+    async def meta_msg_id(self, bucket: str, name: str) -> str | None:
+        """The `Nats-Msg-Id` the current meta of `name` was published with ("" without one; None: the
+        name was never used). A write-back replay tells by it whether a tombstone or a rename's meta
+        there is the one the run that died published for a call it did not finish (see
+        `WriteBack.settle_moves`)."""
+        msg = await self.streams.last_msg(stream_name(bucket), self._meta_subject(bucket, name))
+        if msg is None:
+            return None
+        return (msg.headers or {}).get(MSG_ID, "")
+
     async def watch_metas(self, bucket: str):  # -> Watch
         return await self.streams.watch(stream_name(bucket), meta_filter(bucket), last_per_subject=True)
 
@@ -2243,14 +2253,14 @@ class ObjectStore:
                                            timestamp=timestamp, replaces=replaces)
 
     async def delete(self, bucket: str, name: str, *, expected_revision: int | None = None,
-                     expected_nuid: str = "", purge_chunks: bool = True, shared: bool = False
-                     ) -> ObjectInfo | None:
+                     expected_nuid: str = "", purge_chunks: bool = True, shared: bool = False,
+                     msg_id: str = "") -> ObjectInfo | None:
         """ADR-20 delete: a tombstone meta (rollup), then purge of the object's chunks. When another live
         name `shared` the nuid (a rename interrupted between its steps), no tombstone may carry it (other
         clients purge the nuid they find under a deleted name): the tombstone gets a fresh nuid instead
         (`claim_doc`) and no chunk is purged. Either tombstone expects the revision read, so of the
         writes that expect it (this delete, another client's, a rename's claim of the name) exactly one
-        is stored (`Conflict` for the others)."""
+        is stored (`Conflict` for the others). `msg_id`: the tombstone's `Nats-Msg-Id` (see `meta_msg_id`)."""
         current = await self._doc_at(bucket, name, expected_revision)
         if current is None:
             raise NotFound(f"{bucket}/{name}")
@@ -2263,10 +2273,10 @@ class ObjectStore:
         nuid = str(doc.get("nuid") or "")
         if shared and nuid:
             return await self.publish_meta(bucket, claim_doc(bucket, name, doc), expected_revision=revision,
-                                           timestamp=False)
+                                           msg_id=msg_id, timestamp=False)
         # (A tombstone's time is shown nowhere: not read back.)
         info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision,
-                                       timestamp=False)
+                                       msg_id=msg_id, timestamp=False)
         options = doc.get("options")
         is_link = isinstance(options, dict) and isinstance(options.get("link"), dict)
         # (An empty object has no chunks, and a link none of its own: deleting it leaves its target and
@@ -2279,7 +2289,8 @@ class ObjectStore:
                      expected_nuid: str = "", target_revision: int = 0,
                      change: Callable[[dict[str, Any]], None] | None = None,
                      target_change: Callable[[dict[str, Any]], None] | None = None,
-                     stored: Callable[[ObjectInfo], None] | None = None) -> tuple[ObjectInfo, ObjectInfo]:
+                     stored: Callable[[ObjectInfo], None] | None = None, msg_id: str = ""
+                     ) -> tuple[ObjectInfo, ObjectInfo]:
         """Metadata-only rename (same nuid, no data moved), in nats.go's UpdateMeta order, the old name
         taken by a claim instead of a purge:
         1. the meta under the new name (rollup; expects the target's revision, so another client's
@@ -2294,7 +2305,8 @@ class ObjectStore:
         nuid belongs to whoever won), and `NotFound` (the old name holds a tombstone or nothing) or
         `Conflict` (another meta) is raised. A crash between the steps leaves the object under both
         names. `stored` is called with every meta this stores (the new one, the claim, an undo), as it
-        is stored. Returns (new info, the claim). The caller purges a replaced target's chunks."""
+        is stored; `msg_id` is the new meta's `Nats-Msg-Id` (see `meta_msg_id`). Returns (new info, the
+        claim). The caller purges a replaced target's chunks."""
         doc, revision = await self._live_doc(bucket, old, expected_revision, expected_nuid)
         self.check_name(bucket, new)
         moved = _moved_doc(doc, new, change)
@@ -2306,7 +2318,7 @@ class ObjectStore:
         try:
             # (Not read back for its timestamp: a renamed file keeps its mtime in natsfs.mtime_ns, and a
             # directory marker's or link's new time is now, as this machine's clock has it.)
-            new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=False,
+            new_info = await self.publish_replacing(bucket, moved, target_revision, True, msg_id, timestamp=False,
                                                     replaces=(meta_subject(bucket, old), revision))
             if stored is not None:
                 stored(new_info)

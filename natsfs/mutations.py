@@ -155,6 +155,18 @@ def _rename_change(info: ObjectInfo, extra_metadata: dict[str, str] | None = Non
     return change
 
 
+def attempt_msg_id(msg_id: str, attempt: int) -> str:
+    """The `Nats-Msg-Id` of one attempt of a write asked to carry `msg_id` ("": a fresh one): each attempt
+    its own (a second one with the same id would be taken for a duplicate of the first and not stored),
+    all of them recognisable by `is_attempt_of`."""
+    return f"{msg_id}.{attempt}" if msg_id else ""
+
+
+def is_attempt_of(stored_id: str | None, msg_id: str) -> bool:
+    """Was `stored_id` (`ObjectStore.meta_msg_id`) published by an attempt of a write given `msg_id`?"""
+    return bool(msg_id) and stored_id is not None and stored_id.rsplit(".", 1)[0] == msg_id
+
+
 class Mutations:
     def __init__(self, namespace: Namespace, store: ObjectStore, staging: Staging, config: Config):
         self.ns = namespace
@@ -848,10 +860,11 @@ class Mutations:
                  sf.bucket, sf.name, info.revision)
         return info
 
-    async def delete(self, bucket: str, info: ObjectInfo, *, keep_chunks: bool = False) -> None:
+    async def delete(self, bucket: str, info: ObjectInfo, *, keep_chunks: bool = False, msg_id: str = "") -> None:
         """Delete an object (or link): tombstone, then purge its chunks unless another name shares them
         or `keep_chunks` (handles of this mount still read them: see `purge_unused`). A name sharing its
-        nuid with another live name gets no tombstone (see `ObjectStore.delete`)."""
+        nuid with another live name gets no tombstone (see `ObjectStore.delete`). `msg_id`: the
+        tombstone's `Nats-Msg-Id` (see `ObjectStore.meta_msg_id`)."""
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
         current = await self._on_canonical(bucket, info)
@@ -860,7 +873,8 @@ class Mutations:
             try:
                 tomb = await self.store.delete(bucket, current.name, expected_revision=current.revision,
                                                expected_nuid=current.nuid,
-                                               purge_chunks=not keep_chunks and not shared, shared=shared)
+                                               purge_chunks=not keep_chunks and not shared, shared=shared,
+                                               msg_id=attempt_msg_id(msg_id, attempt))
                 break
             except Conflict:
                 # Changed since we listed it: delete what is there now (rm means "this name").
@@ -872,6 +886,25 @@ class Mutations:
             self._apply(bucket, tomb)
         elif index is not None:
             index.remove_if(current.name, current.revision)
+
+    async def finish_claim(self, bucket: str, name: str, nuid: str) -> bool:
+        """A rename of `name` cut between its two publishes (the moved meta stored under the new name, the
+        old name not claimed yet: both hold `nuid`): the old name's claim is published now, as the rename
+        would have (a tombstone on a fresh nuid, expecting the revision read; no chunk purged: the new name
+        holds them). True when claimed; False when the name no longer holds `nuid` (another client's
+        change, or claimed already): nothing is written then."""
+        await self.check_writable(bucket)
+        got = await self.store.get_meta_doc(bucket, name)
+        if got is None or got[0].get("deleted") or not nuid or got[0].get("nuid") != nuid:
+            return False
+        try:
+            claim = await self.store.delete(bucket, name, expected_revision=got[1], expected_nuid=nuid,
+                                            purge_chunks=False, shared=True)
+        except (Conflict, NotFound):
+            return False  # (changed meanwhile: not this rename's to take)
+        if claim is not None:
+            self._apply(bucket, claim)
+        return True
 
     async def purge_unused(self, bucket: str, nuid: str) -> None:
         """Purge the chunks of a deleted or replaced version once nothing here reads them and no live
@@ -1012,7 +1045,7 @@ class Mutations:
     # ------------------------------------------------------------------ renames
     async def rename_object(self, bucket: str, info: ObjectInfo, new_name: str,
                             target: ObjectInfo | None, *, keep_target_chunks: bool = False,
-                            extra_metadata: dict[str, str] | None = None) -> ObjectInfo:
+                            extra_metadata: dict[str, str] | None = None, msg_id: str = "") -> ObjectInfo:
         """Metadata-only rename; replaces `target` (a live object at the new name) as POSIX requires.
 
         Order (see adr20.ObjectStore.rename): new meta, then the claim of the old name (a tombstone on a
@@ -1020,7 +1053,8 @@ class Mutations:
         between leaves the object reachable under one name or both, and at worst orphaned chunks of the
         replaced target, never a loss. A claim refused (another client deleted or renamed the old name
         meanwhile, `NotFound`; changed it, `Conflict`) takes the new meta back: nothing moved, no chunk
-        purged, and the replaced target stays.
+        purged, and the replaced target stays. `msg_id`: the new meta's `Nats-Msg-Id` (see
+        `ObjectStore.meta_msg_id`).
         """
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
@@ -1034,7 +1068,7 @@ class Mutations:
                     target_revision=target.revision if target is not None else 0,
                     change=_rename_change(info, extra_metadata),
                     target_change=_rename_change(target) if target is not None else None,
-                    stored=lambda stored: self._apply(bucket, stored))
+                    stored=lambda stored: self._apply(bucket, stored), msg_id=attempt_msg_id(msg_id, attempt))
                 break
             except Conflict:
                 # A rewrite of the source's or the target's wildcard nuid landed meanwhile: it changed
