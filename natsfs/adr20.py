@@ -76,6 +76,7 @@ from typing import Any, Protocol
 
 import trio
 
+from . import testpoints
 from .errors import (
     ERR_ATOMIC_DISABLED,
     ERR_BATCH_DUPLICATE_ID,
@@ -2274,16 +2275,38 @@ class ObjectStore:
         if shared and nuid:
             return await self.publish_meta(bucket, claim_doc(bucket, name, doc), expected_revision=revision,
                                            msg_id=msg_id, timestamp=False)
-        # (A tombstone's time is shown nowhere: not read back.)
-        info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision,
-                                       msg_id=msg_id, timestamp=False)
         options = doc.get("options")
         is_link = isinstance(options, dict) and isinstance(options.get("link"), dict)
         # (An empty object has no chunks, and a link none of its own: deleting it leaves its target and
         # anything its nuid may claim alone.)
-        if purge_chunks and nuid and not is_link and (doc.get("chunks") or doc.get("size")):
-            await self.purge_chunks_later_if_needed(bucket, nuid, name)
+        chunked = bool(nuid and not is_link and (doc.get("chunks") or doc.get("size")))
+        # Recorded first, as a put that replaces a version is (`note_replacing`): a daemon killed between
+        # the tombstone and the purge (this one, or the caller's later one without `purge_chunks`:
+        # `purge_deleted`) leaves the chunks to the next mount, which purges them unless a live name
+        # still holds them (they were left as orphans for `natsfs fsck --repair`).
+        noted = self.note_replacing(bucket, nuid, "", name) if chunked else False
+        try:
+            # (A tombstone's time is shown nowhere: not read back.)
+            info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision,
+                                           msg_id=msg_id, timestamp=False)
+        except BaseException as e:
+            if noted:
+                assert self.put_log is not None
+                if isinstance(e, (Conflict, NotFound)):
+                    self.put_log.finished(bucket, nuid)  # (not stored: the chunks are the name's still)
+                else:  # (settled later: purged if the tombstone turns out stored)
+                    self.put_log.failed(bucket, nuid, name, meta_unknown=True, purged=False)
+            raise
+        if testpoints.ACTIVE:
+            await testpoints.pause("delete.before_purge")
+        if chunked and purge_chunks:
+            await self.end_replacing(bucket, nuid, name, noted, stored=True)
         return info
+
+    async def purge_deleted(self, bucket: str, nuid: str) -> None:
+        """The purge a `delete` without `purge_chunks` left to its caller (the last close of a file this
+        mount held open), unless another live name holds the chunks; ends the record `delete` made."""
+        await self.end_replacing(bucket, nuid, "", self.put_log is not None, stored=True)
 
     async def rename(self, bucket: str, old: str, new: str, *, expected_revision: int | None = None,
                      expected_nuid: str = "", target_revision: int = 0,
@@ -2322,6 +2345,8 @@ class ObjectStore:
                                                     replaces=(meta_subject(bucket, old), revision))
             if stored is not None:
                 stored(new_info)
+            if testpoints.ACTIVE:
+                await testpoints.pause("rename.between_publishes")
             try:
                 claim = await self.publish_meta(bucket, claim_doc(bucket, old, doc), expected_revision=revision,
                                                 timestamp=False)
@@ -2578,6 +2603,8 @@ class ObjectStore:
         old version stays). A meta whose fate stays unknown counts as not stored here: if it turns out
         stored, the old chunks are left for `natsfs fsck` (the record is not kept: a pending record
         under the name would make a later close of the file take another client's change for its own)."""
+        if stored and testpoints.ACTIVE:
+            await testpoints.pause("put.before_purge")
         if stored:
             # The put is stored: nothing may turn that into a failure for its caller now (a close's
             # deadline, an interrupted write-back upload: the file would count as not stored, and its

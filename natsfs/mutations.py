@@ -912,7 +912,7 @@ class Mutations:
         index = self.ns.loaded_index(bucket)
         if index is not None and index.names_with_nuid(nuid):
             return
-        await self.store.purge_chunks_later_if_needed(bucket, nuid, "")
+        await self.store.purge_deleted(bucket, nuid)
 
     @contextlib.contextmanager
     def own_meta_change(self, bucket: str, name: str) -> Iterator[None]:

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from .. import xattrs
+from .. import testpoints, xattrs
 from ..adr20 import (
     ATTR_SYMLINK,
     ATTR_SYMLINK_SIG,
@@ -2318,6 +2318,8 @@ class Filesystem:
                 unlinked.append(sf)
             self._detach(path)
         self._entries_changed(path[:-1])
+        if testpoints.ACTIVE and stored is not None:
+            await testpoints.pause("unlink.deleted")
         await self._journal_unlinked(unlinked)
 
     def _removing_record(self, sf: StagedFile | None) -> tuple[str, list[dict[str, Any]]]:
@@ -2568,6 +2570,8 @@ class Filesystem:
                         raise
                 staged_moved = self._move_staged(bucket, old, new)
                 self.inodes.move(old, new)
+        if testpoints.ACTIVE:
+            await testpoints.pause("rename.stored")
         if self.writeback is not None:
             # A pending file replaced here replays no more after a crash: its record is closed in the same
             # sync as the moved file's new record, before it (one sync for an atomic save).

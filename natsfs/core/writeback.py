@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .. import futures
+from .. import futures, testpoints
 from ..errors import Conflict, NatsFSError, NotKept, Unavailable
 from ..journal import WriteBackJournal
 from ..mutations import is_attempt_of
@@ -498,6 +498,8 @@ class WriteBack:
                 return  # written again during the upload: its next close queues it again
         if self._attempts.pop(key, None):
             log.info("%s/%s: stored after the server answered again", sf.bucket, sf.name)
+        if testpoints.ACTIVE:
+            await testpoints.pause("upload.stored")
         await self._close_record(sf)
         if key not in self._queue:
             self.fs.upload_settled(sf)
