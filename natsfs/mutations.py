@@ -1061,6 +1061,48 @@ class Mutations:
         info = await self._on_canonical(bucket, info)
         if target is not None:
             target = await self._on_canonical(bucket, target)
+        # The replaced target's chunks are recorded in the put journal before anything is published (as a
+        # put's replaced version is): a daemon killed before their purge leaves them to the next mount,
+        # which purges them unless a live name still holds them (they were orphans for `fsck --repair`).
+        noted = ""
+        if (target is not None and target.link is None and target.nuid and target.nuid != info.nuid
+                and target.size and not self._shared_nuid(index, target)
+                and self.store.note_replacing(bucket, target.nuid, "", target.name)):
+            noted = target.nuid
+        try:
+            renamed = await self._rename_attempts(bucket, info, new_name, target, extra_metadata, msg_id)
+        except BaseException:
+            if noted:
+                assert self.store.put_log is not None and target is not None
+                if keep_target_chunks:
+                    self.store.put_log.finished(bucket, noted)
+                else:  # (settled: purged only if the rename turns out stored and no name holds them)
+                    self.store.put_log.failed(bucket, noted, target.name, meta_unknown=True, purged=False)
+            raise
+        new_info, info, target = renamed
+        if noted and (target is None or target.nuid != noted):
+            assert self.store.put_log is not None  # (the target renamed on a fresh nuid: not these chunks)
+            self.store.put_log.finished(bucket, noted)
+            noted = ""
+        # (With `keep_target_chunks` the record stays open: `purge_unused` ends it at their last close.)
+        if index is not None:
+            # A hidden alias of the old name on the same nuid (an `adopt_alias` cut short, or a copy)
+            # would show at the old name once its canonical subject is empty: it moves too.
+            for subject, alias in list(index.hidden_aliases(info.name)):
+                if alias.nuid == info.nuid:
+                    await self.store.purge_alias(bucket, subject, alias.revision)
+                    index.drop_alias(subject)
+        if (target is not None and target.link is None and target.nuid and target.nuid != info.nuid
+                and not keep_target_chunks
+                and not self._shared_nuid(index, target)):
+            await self.store.end_replacing(bucket, target.nuid, target.name, bool(noted), stored=True)
+        return new_info
+
+    async def _rename_attempts(self, bucket: str, info: ObjectInfo, new_name: str, target: ObjectInfo | None,
+                               extra_metadata: dict[str, str] | None, msg_id: str
+                               ) -> tuple[ObjectInfo, ObjectInfo, ObjectInfo | None]:
+        """`ObjectStore.rename`, again on the fresh nuid of a source or target whose wildcard nuid was
+        rewritten meanwhile; (the new meta, the source and the target as renamed)."""
         for attempt in range(_REWRITE_RETRIES + 1):
             try:
                 new_info, _claim = await self.store.rename(
@@ -1079,18 +1121,7 @@ class Mutations:
                 if again is None:
                     raise
                 info, target = again
-        if index is not None:
-            # A hidden alias of the old name on the same nuid (an `adopt_alias` cut short, or a copy)
-            # would show at the old name once its canonical subject is empty: it moves too.
-            for subject, alias in list(index.hidden_aliases(info.name)):
-                if alias.nuid == info.nuid:
-                    await self.store.purge_alias(bucket, subject, alias.revision)
-                    index.drop_alias(subject)
-        if (target is not None and target.link is None and target.nuid and target.nuid != info.nuid
-                and not keep_target_chunks
-                and not self._shared_nuid(index, target)):
-            await self.store.purge_chunks_later_if_needed(bucket, target.nuid, target.name)
-        return new_info
+        return new_info, info, target
 
     async def _rewritten_since(self, bucket: str, info: ObjectInfo, target: ObjectInfo | None
                                ) -> tuple[ObjectInfo, ObjectInfo | None] | None:

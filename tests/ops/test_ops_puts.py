@@ -598,3 +598,44 @@ def test_an_unlink_killed_between_its_tombstone_and_its_purge_leaves_no_orphan_c
 
     ops_env(first, setup=setup, streams=ms)
     ops_env(second, streams=ms, purge_check_delay=0.0)
+
+
+def test_a_rename_over_an_object_killed_before_the_purge_of_the_replaced_chunks_leaves_no_orphan(ops_env):
+    """The daemon dies between a rename's two publishes (the renamed meta replaced the target's, the old
+    name not claimed yet): the replaced target's chunks were recorded in the put journal first, and the
+    next mount purges them (they were orphans for `natsfs fsck --repair`); the renamed object keeps its."""
+    ms = MemoryStreams()
+    nuids: dict[str, str] = {}
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await one_bucket(ms, store)
+        for name in ("src", "dst"):
+            await put_object(ms, "b", name, name.encode() * 1000)
+            info = await store.get_info("b", name)
+            assert info is not None
+            nuids[name] = info.nuid
+
+    async def first(env: Env):
+        publish_meta = env.store.publish_meta
+
+        async def dies_before_the_claim(bucket: str, doc: dict[str, Any], **kwargs: Any) -> Any:
+            if doc.get("name") == "src" and doc.get("deleted"):
+                await trio.sleep_forever()
+            return await publish_meta(bucket, doc, **kwargs)
+
+        env.store.publish_meta = dies_before_the_claim  # type: ignore[method-assign]
+        b = (await env.lookup("b")).st_ino
+        env.nursery.start_soon(env.ops.rename, b, b"src", b, b"dst", 0, None)
+        with trio.fail_after(10):
+            while (info := await env.store.get_info("b", "dst")) is None or info.nuid != nuids["src"]:
+                await trio.sleep(0.01)
+
+    async def second(env: Env):
+        await env.fs.mut.settle_puts()
+        await env.fs.mut.settle_puts()
+        assert await env.store.chunk_index("b", nuids["dst"]) == []
+        assert await env.store.chunk_index("b", nuids["src"])
+        assert not env.fs.mut.journal.pending
+
+    ops_env(first, setup=setup, streams=ms)
+    ops_env(second, streams=ms, purge_check_delay=0.0)
