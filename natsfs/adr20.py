@@ -76,6 +76,7 @@ from typing import Any, Protocol
 
 import trio
 
+from . import testpoints
 from .errors import (
     ERR_ATOMIC_DISABLED,
     ERR_BATCH_DUPLICATE_ID,
@@ -1674,6 +1675,16 @@ class ObjectStore:
         # A field of the wrong type (metadata that is a list, ...) is absent for every rewrite.
         return usable_fields(doc), msg.seq
 
+    async def meta_msg_id(self, bucket: str, name: str) -> str | None:
+        """The `Nats-Msg-Id` the current meta of `name` was published with ("" without one; None: the
+        name was never used). A write-back replay tells by it whether a tombstone or a rename's meta
+        there is the one the run that died published for a call it did not finish (see
+        `WriteBack.settle_moves`)."""
+        msg = await self.streams.last_msg(stream_name(bucket), self._meta_subject(bucket, name))
+        if msg is None:
+            return None
+        return (msg.headers or {}).get(MSG_ID, "")
+
     async def watch_metas(self, bucket: str):  # -> Watch
         return await self.streams.watch(stream_name(bucket), meta_filter(bucket), last_per_subject=True)
 
@@ -2275,14 +2286,14 @@ class ObjectStore:
                                            timestamp=timestamp, replaces=replaces)
 
     async def delete(self, bucket: str, name: str, *, expected_revision: int | None = None,
-                     expected_nuid: str = "", purge_chunks: bool = True, shared: bool = False
-                     ) -> ObjectInfo | None:
+                     expected_nuid: str = "", purge_chunks: bool = True, shared: bool = False,
+                     msg_id: str = "") -> ObjectInfo | None:
         """ADR-20 delete: a tombstone meta (rollup), then purge of the object's chunks. When another live
         name `shared` the nuid (a rename interrupted between its steps), no tombstone may carry it (other
         clients purge the nuid they find under a deleted name): the tombstone gets a fresh nuid instead
         (`claim_doc`) and no chunk is purged. Either tombstone expects the revision read, so of the
         writes that expect it (this delete, another client's, a rename's claim of the name) exactly one
-        is stored (`Conflict` for the others)."""
+        is stored (`Conflict` for the others). `msg_id`: the tombstone's `Nats-Msg-Id` (see `meta_msg_id`)."""
         current = await self._doc_at(bucket, name, expected_revision)
         if current is None:
             raise NotFound(f"{bucket}/{name}")
@@ -2295,23 +2306,46 @@ class ObjectStore:
         nuid = str(doc.get("nuid") or "")
         if shared and nuid:
             return await self.publish_meta(bucket, claim_doc(bucket, name, doc), expected_revision=revision,
-                                           timestamp=False)
-        # (A tombstone's time is shown nowhere: not read back.)
-        info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision,
-                                       timestamp=False)
+                                           msg_id=msg_id, timestamp=False)
         options = doc.get("options")
         is_link = isinstance(options, dict) and isinstance(options.get("link"), dict)
         # (An empty object has no chunks, and a link none of its own: deleting it leaves its target and
         # anything its nuid may claim alone.)
-        if purge_chunks and nuid and not is_link and (doc.get("chunks") or doc.get("size")):
-            await self.purge_chunks_later_if_needed(bucket, nuid, name)
+        chunked = bool(nuid and not is_link and (doc.get("chunks") or doc.get("size")))
+        # Recorded first, as a put that replaces a version is (`note_replacing`): a daemon killed between
+        # the tombstone and the purge (this one, or the caller's later one without `purge_chunks`:
+        # `purge_deleted`) leaves the chunks to the next mount, which purges them unless a live name
+        # still holds them (they were left as orphans for `natsfs fsck --repair`).
+        noted = self.note_replacing(bucket, nuid, "", name) if chunked else False
+        try:
+            # (A tombstone's time is shown nowhere: not read back.)
+            info = await self.publish_meta(bucket, tombstone_doc(bucket, name, doc), expected_revision=revision,
+                                           msg_id=msg_id, timestamp=False)
+        except BaseException as e:
+            if noted:
+                assert self.put_log is not None
+                if isinstance(e, (Conflict, NotFound)):
+                    self.put_log.finished(bucket, nuid)  # (not stored: the chunks are the name's still)
+                else:  # (settled later: purged if the tombstone turns out stored)
+                    self.put_log.failed(bucket, nuid, name, meta_unknown=True, purged=False)
+            raise
+        if testpoints.ACTIVE:
+            await testpoints.pause("delete.before_purge")
+        if chunked and purge_chunks:
+            await self.end_replacing(bucket, nuid, name, noted, stored=True)
         return info
+
+    async def purge_deleted(self, bucket: str, nuid: str) -> None:
+        """The purge a `delete` without `purge_chunks` left to its caller (the last close of a file this
+        mount held open), unless another live name holds the chunks; ends the record `delete` made."""
+        await self.end_replacing(bucket, nuid, "", self.put_log is not None, stored=True)
 
     async def rename(self, bucket: str, old: str, new: str, *, expected_revision: int | None = None,
                      expected_nuid: str = "", target_revision: int = 0,
                      change: Callable[[dict[str, Any]], None] | None = None,
                      target_change: Callable[[dict[str, Any]], None] | None = None,
-                     stored: Callable[[ObjectInfo], None] | None = None) -> tuple[ObjectInfo, ObjectInfo]:
+                     stored: Callable[[ObjectInfo], None] | None = None, msg_id: str = ""
+                     ) -> tuple[ObjectInfo, ObjectInfo]:
         """Metadata-only rename (same nuid, no data moved), in nats.go's UpdateMeta order, the old name
         taken by a claim instead of a purge:
         1. the meta under the new name (rollup; expects the target's revision, so another client's
@@ -2326,7 +2360,8 @@ class ObjectStore:
         nuid belongs to whoever won), and `NotFound` (the old name holds a tombstone or nothing) or
         `Conflict` (another meta) is raised. A crash between the steps leaves the object under both
         names. `stored` is called with every meta this stores (the new one, the claim, an undo), as it
-        is stored. Returns (new info, the claim). The caller purges a replaced target's chunks."""
+        is stored; `msg_id` is the new meta's `Nats-Msg-Id` (see `meta_msg_id`). Returns (new info, the
+        claim). The caller purges a replaced target's chunks."""
         doc, revision = await self._live_doc(bucket, old, expected_revision, expected_nuid)
         self.check_name(bucket, new)
         moved = _moved_doc(doc, new, change)
@@ -2338,10 +2373,12 @@ class ObjectStore:
         try:
             # (Not read back for its timestamp: a renamed file keeps its mtime in natsfs.mtime_ns, and a
             # directory marker's or link's new time is now, as this machine's clock has it.)
-            new_info = await self.publish_replacing(bucket, moved, target_revision, True, timestamp=False,
+            new_info = await self.publish_replacing(bucket, moved, target_revision, True, msg_id, timestamp=False,
                                                     replaces=(meta_subject(bucket, old), revision))
             if stored is not None:
                 stored(new_info)
+            if testpoints.ACTIVE:
+                await testpoints.pause("rename.between_publishes")
             try:
                 claim = await self.publish_meta(bucket, claim_doc(bucket, old, doc), expected_revision=revision,
                                                 timestamp=False)
@@ -2600,6 +2637,8 @@ class ObjectStore:
         old version stays). A meta whose fate stays unknown counts as not stored here: if it turns out
         stored, the old chunks are left for `natsfs fsck` (the record is not kept: a pending record
         under the name would make a later close of the file take another client's change for its own)."""
+        if stored and testpoints.ACTIVE:
+            await testpoints.pause("put.before_purge")
         if stored:
             # The put is stored: nothing may turn that into a failure for its caller now (a close's
             # deadline, an interrupted write-back upload: the file would count as not stored, and its

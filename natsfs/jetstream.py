@@ -576,7 +576,8 @@ class JetStreams:
         m = reply.get("message") or {}
         try:
             headers = _parse_header_block(base64.b64decode(m["hdrs"])) if m.get("hdrs") else {}
-            kept = {k: v for k, v in headers.items() if not k.startswith("Nats-") or k == "Nats-Rollup"} or None
+            kept = {k: v for k, v in headers.items()
+                    if not k.startswith("Nats-") or k in ("Nats-Rollup", "Nats-Msg-Id")} or None
             when = m.get("time")
             return StoredMsg(int(m["seq"]), str(m.get("subject", subject)), kept,
                              base64.b64decode(m.get("data") or ""), parse_rfc3339_ns(when) if when else 0)

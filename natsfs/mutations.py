@@ -142,6 +142,18 @@ def _rename_change(info: ObjectInfo, extra_metadata: dict[str, str] | None = Non
     return change
 
 
+def attempt_msg_id(msg_id: str, attempt: int) -> str:
+    """The `Nats-Msg-Id` of one attempt of a write asked to carry `msg_id` ("": a fresh one): each attempt
+    its own (a second one with the same id would be taken for a duplicate of the first and not stored),
+    all of them recognisable by `is_attempt_of`."""
+    return f"{msg_id}.{attempt}" if msg_id else ""
+
+
+def is_attempt_of(stored_id: str | None, msg_id: str) -> bool:
+    """Was `stored_id` (`ObjectStore.meta_msg_id`) published by an attempt of a write given `msg_id`?"""
+    return bool(msg_id) and stored_id is not None and stored_id.rsplit(".", 1)[0] == msg_id
+
+
 class Mutations:
     def __init__(self, namespace: Namespace, store: ObjectStore, staging: Staging, config: Config):
         self.ns = namespace
@@ -848,10 +860,11 @@ class Mutations:
                  sf.bucket, sf.name, info.revision)
         return info
 
-    async def delete(self, bucket: str, info: ObjectInfo, *, keep_chunks: bool = False) -> None:
+    async def delete(self, bucket: str, info: ObjectInfo, *, keep_chunks: bool = False, msg_id: str = "") -> None:
         """Delete an object (or link): tombstone, then purge its chunks unless another name shares them
         or `keep_chunks` (handles of this mount still read them: see `purge_unused`). A name sharing its
-        nuid with another live name gets no tombstone (see `ObjectStore.delete`)."""
+        nuid with another live name gets no tombstone (see `ObjectStore.delete`). `msg_id`: the
+        tombstone's `Nats-Msg-Id` (see `ObjectStore.meta_msg_id`)."""
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
         current = await self._on_canonical(bucket, info)
@@ -860,7 +873,8 @@ class Mutations:
             try:
                 tomb = await self.store.delete(bucket, current.name, expected_revision=current.revision,
                                                expected_nuid=current.nuid,
-                                               purge_chunks=not keep_chunks and not shared, shared=shared)
+                                               purge_chunks=not keep_chunks and not shared, shared=shared,
+                                               msg_id=attempt_msg_id(msg_id, attempt))
                 break
             except Conflict:
                 # Changed since we listed it: delete what is there now (rm means "this name").
@@ -873,13 +887,32 @@ class Mutations:
         elif index is not None:
             index.remove_if(current.name, current.revision)
 
+    async def finish_claim(self, bucket: str, name: str, nuid: str) -> bool:
+        """A rename of `name` cut between its two publishes (the moved meta stored under the new name, the
+        old name not claimed yet: both hold `nuid`): the old name's claim is published now, as the rename
+        would have (a tombstone on a fresh nuid, expecting the revision read; no chunk purged: the new name
+        holds them). True when claimed; False when the name no longer holds `nuid` (another client's
+        change, or claimed already): nothing is written then."""
+        await self.check_writable(bucket)
+        got = await self.store.get_meta_doc(bucket, name)
+        if got is None or got[0].get("deleted") or not nuid or got[0].get("nuid") != nuid:
+            return False
+        try:
+            claim = await self.store.delete(bucket, name, expected_revision=got[1], expected_nuid=nuid,
+                                            purge_chunks=False, shared=True)
+        except (Conflict, NotFound):
+            return False  # (changed meanwhile: not this rename's to take)
+        if claim is not None:
+            self._apply(bucket, claim)
+        return True
+
     async def purge_unused(self, bucket: str, nuid: str) -> None:
         """Purge the chunks of a deleted or replaced version once nothing here reads them and no live
         name uses them (the last close of a file unlinked while open)."""
         index = self.ns.loaded_index(bucket)
         if index is not None and index.names_with_nuid(nuid):
             return
-        await self.store.purge_chunks_later_if_needed(bucket, nuid, "")
+        await self.store.purge_deleted(bucket, nuid)
 
     @contextlib.contextmanager
     def own_meta_change(self, bucket: str, name: str) -> Iterator[None]:
@@ -1012,7 +1045,7 @@ class Mutations:
     # ------------------------------------------------------------------ renames
     async def rename_object(self, bucket: str, info: ObjectInfo, new_name: str,
                             target: ObjectInfo | None, *, keep_target_chunks: bool = False,
-                            extra_metadata: dict[str, str] | None = None) -> ObjectInfo:
+                            extra_metadata: dict[str, str] | None = None, msg_id: str = "") -> ObjectInfo:
         """Metadata-only rename; replaces `target` (a live object at the new name) as POSIX requires.
 
         Order (see adr20.ObjectStore.rename): new meta, then the claim of the old name (a tombstone on a
@@ -1020,13 +1053,56 @@ class Mutations:
         between leaves the object reachable under one name or both, and at worst orphaned chunks of the
         replaced target, never a loss. A claim refused (another client deleted or renamed the old name
         meanwhile, `NotFound`; changed it, `Conflict`) takes the new meta back: nothing moved, no chunk
-        purged, and the replaced target stays.
+        purged, and the replaced target stays. `msg_id`: the new meta's `Nats-Msg-Id` (see
+        `ObjectStore.meta_msg_id`).
         """
         await self.check_writable(bucket)
         index = self.ns.loaded_index(bucket)
         info = await self._on_canonical(bucket, info)
         if target is not None:
             target = await self._on_canonical(bucket, target)
+        # The replaced target's chunks are recorded in the put journal before anything is published (as a
+        # put's replaced version is): a daemon killed before their purge leaves them to the next mount,
+        # which purges them unless a live name still holds them (they were orphans for `fsck --repair`).
+        noted = ""
+        if (target is not None and target.link is None and target.nuid and target.nuid != info.nuid
+                and target.size and not self._shared_nuid(index, target)
+                and self.store.note_replacing(bucket, target.nuid, "", target.name)):
+            noted = target.nuid
+        try:
+            renamed = await self._rename_attempts(bucket, info, new_name, target, extra_metadata, msg_id)
+        except BaseException:
+            if noted:
+                assert self.store.put_log is not None and target is not None
+                if keep_target_chunks:
+                    self.store.put_log.finished(bucket, noted)
+                else:  # (settled: purged only if the rename turns out stored and no name holds them)
+                    self.store.put_log.failed(bucket, noted, target.name, meta_unknown=True, purged=False)
+            raise
+        new_info, info, target = renamed
+        if noted and (target is None or target.nuid != noted):
+            assert self.store.put_log is not None  # (the target renamed on a fresh nuid: not these chunks)
+            self.store.put_log.finished(bucket, noted)
+            noted = ""
+        # (With `keep_target_chunks` the record stays open: `purge_unused` ends it at their last close.)
+        if index is not None:
+            # A hidden alias of the old name on the same nuid (an `adopt_alias` cut short, or a copy)
+            # would show at the old name once its canonical subject is empty: it moves too.
+            for subject, alias in list(index.hidden_aliases(info.name)):
+                if alias.nuid == info.nuid:
+                    await self.store.purge_alias(bucket, subject, alias.revision)
+                    index.drop_alias(subject)
+        if (target is not None and target.link is None and target.nuid and target.nuid != info.nuid
+                and not keep_target_chunks
+                and not self._shared_nuid(index, target)):
+            await self.store.end_replacing(bucket, target.nuid, target.name, bool(noted), stored=True)
+        return new_info
+
+    async def _rename_attempts(self, bucket: str, info: ObjectInfo, new_name: str, target: ObjectInfo | None,
+                               extra_metadata: dict[str, str] | None, msg_id: str
+                               ) -> tuple[ObjectInfo, ObjectInfo, ObjectInfo | None]:
+        """`ObjectStore.rename`, again on the fresh nuid of a source or target whose wildcard nuid was
+        rewritten meanwhile; (the new meta, the source and the target as renamed)."""
         stored_new: list[ObjectInfo] = []  # (what a try stored under the new name: its meta, an undo)
 
         def stored(meta: ObjectInfo) -> None:
@@ -1042,7 +1118,7 @@ class Mutations:
                     target_revision=target.revision if target is not None else 0,
                     change=_rename_change(info, extra_metadata),
                     target_change=_rename_change(target) if target is not None else None,
-                    stored=stored)
+                    stored=stored, msg_id=attempt_msg_id(msg_id, attempt))
                 break
             except Conflict:
                 # A rewrite of the source's or the target's wildcard nuid landed meanwhile: it changed
@@ -1055,18 +1131,7 @@ class Mutations:
                 if again is None:
                     raise
                 info, target = again
-        if index is not None:
-            # A hidden alias of the old name on the same nuid (an `adopt_alias` cut short, or a copy)
-            # would show at the old name once its canonical subject is empty: it moves too.
-            for subject, alias in list(index.hidden_aliases(info.name)):
-                if alias.nuid == info.nuid:
-                    await self.store.purge_alias(bucket, subject, alias.revision)
-                    index.drop_alias(subject)
-        if (target is not None and target.link is None and target.nuid and target.nuid != info.nuid
-                and not keep_target_chunks
-                and not self._shared_nuid(index, target)):
-            await self.store.purge_chunks_later_if_needed(bucket, target.nuid, target.name)
-        return new_info
+        return new_info, info, target
 
     async def _rewritten_since(self, bucket: str, info: ObjectInfo, target: ObjectInfo | None,
                                undone: ObjectInfo | None) -> tuple[ObjectInfo, ObjectInfo | None] | None:

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from .. import xattrs
+from .. import testpoints, xattrs
 from ..adr20 import (
     ATTR_SYMLINK,
     ATTR_SYMLINK_SIG,
@@ -41,6 +41,7 @@ from ..adr20 import (
     ObjectInfo,
     PosixAttrs,
     meta_subject,
+    new_nuid,
     set_posix_attrs,
     valid_bucket_name,
 )
@@ -2289,12 +2290,15 @@ class Filesystem:
             # inode) may register while the delete awaits, until the tombstone reaches the index, and
             # its version, purged under it, failed its reads ESTALE.
             kept = self._open_here(ino) or (stored is not None and stored.link is None and stored.size > 0)
+            # (A pending file's record names the tombstone first: see `_removing_record`.)
+            removed_by, records = self._removing_record(sf) if stored is not None else ("", [])
+            await self._journal_intent(records, "unlink")
             if ino is not None:
                 self._unlinked_nodes[ino] = node
             with self.files.changing(path), self._own_removal(path):
                 try:
                     if stored is not None:
-                        await self.mut.delete(bucket, stored, keep_chunks=kept)
+                        await self.mut.delete(bucket, stored, keep_chunks=kept, msg_id=removed_by)
                     elif sf is None or sf.ended:
                         raise NotFound("/".join(path))
                 except BaseException:
@@ -2314,7 +2318,35 @@ class Filesystem:
                 unlinked.append(sf)
             self._detach(path)
         self._entries_changed(path[:-1])
+        if testpoints.ACTIVE and stored is not None:
+            await testpoints.pause("unlink.deleted")
         await self._journal_unlinked(unlinked)
+
+    def _removing_record(self, sf: StagedFile | None) -> tuple[str, list[dict[str, Any]]]:
+        """Write-back mode: an unlink of a pending file, or a rename over it, is about to change its name
+        in the bucket (a tombstone; the renamed object's meta). Its record, again with `removed_by`: the
+        `Nats-Msg-Id` that change is published with (returned first), synced before it publishes (one
+        more sync, only for a pending file whose name holds an object). A daemon killed before the
+        record's `done` is synced then closes the record at the next mount instead of replaying it, if
+        the bucket holds that very change (`WriteBack.settle_moves`): the bytes of a file the program
+        removed are not kept in lost+found as if another client had changed it. ("", []): none."""
+        if self.writeback is None or sf is None or sf.ended or sf.unlinked:
+            return "", []
+        record = self.writeback.journal.pending.get(sf.entry_id)
+        if record is None:
+            return "", []
+        msg_id = new_nuid()
+        return msg_id, [{**record, "removed_by": msg_id}]
+
+    async def _journal_intent(self, records: list[dict[str, Any]], call: str) -> None:
+        """`WriteBack.moving`: the records naming what `call` is about to change in the bucket, synced."""
+        if not records or self.writeback is None:
+            return
+        try:
+            await self.writeback.moving(records)
+        except OSError as e:
+            raise NatsFSError(f"{call}: the write-back journal could not record it ({e}); nothing changed",
+                              errno=e.errno or errno.EIO) from None
 
     def _own_removal(self, path: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
         """This mount removes (or renames away, or over) the entry at `path`: a directory without a marker
@@ -2521,22 +2553,25 @@ class Filesystem:
             # nothing, or it was detached), and the objects moved under a path no directory holds
             # split the tree (the renamed directory's contents under a second top directory).
             await self._check_parent(new)
-            intended = await self._journal_moving(old, new)
+            intended, removed_by = await self._journal_moving(old, new)
             with self._moving(old, new):
                 with self.files.changing(old, new), self._own_removal(old), self._own_removal(new):
                     try:
-                        replaced = await self._rename(bucket, old, new, rel_old, rel_new, src, dst)
+                        replaced = await self._rename(bucket, old, new, rel_old, rel_new, src, dst, removed_by)
                     except BaseException:
                         if intended and self.writeback is not None:
                             # Failed: the records name no move again (a replay must not take another
                             # client's change for the rename's), unless a close wrote a newer one.
                             pending = self.writeback.journal.pending
-                            again = [r for r in intended if pending.get(r["id"], {}).get("moving_to")]
+                            again = [r for r in intended if pending.get(r["id"], {}).get("moving_to")
+                                     or pending.get(r["id"], {}).get("removed_by")]
                             with trio.CancelScope(shield=True), contextlib.suppress(OSError):
                                 await self.writeback.moving(again)
                         raise
                 staged_moved = self._move_staged(bucket, old, new)
                 self.inodes.move(old, new)
+        if testpoints.ACTIVE:
+            await testpoints.pause("rename.stored")
         if self.writeback is not None:
             # A pending file replaced here replays no more after a crash: its record is closed in the same
             # sync as the moved file's new record, before it (one sync for an atomic save).
@@ -2550,16 +2585,31 @@ class Filesystem:
         self._entries_changed(old[:-1])
         self._entries_changed(new[:-1])
 
-    async def _journal_moving(self, old: tuple[str, ...], new: tuple[str, ...]) -> list[dict[str, Any]]:
+    async def _journal_moving(self, old: tuple[str, ...], new: tuple[str, ...]
+                              ) -> tuple[list[dict[str, Any]], str]:
         """Write-back mode: pending files at or under `old` whose rename changes the bucket (a rewrite of a
         stored object: that version moves; a file renamed over an object, which it replaces at its first
         upload: that object is deleted) get their record again with `moving_to` (the new name), synced
         before the rename publishes: a crash before their records under the new names are synced then
-        replays each where the rename left it (see `WriteBack.settle_moves`). Returns the records as they
-        were (written again if the rename fails)."""
+        replays each where the rename left it (see `WriteBack.settle_moves`). A pending file the rename
+        replaces gets `removed_by` in the same sync (`_removing_record`). Returns the records as they
+        were (written again if the rename fails) and the `Nats-Msg-Id` of the meta the rename stores at
+        the new name ("": any)."""
         if self.writeback is None:
-            return []
-        records, before = [], []
+            return [], ""
+        dst_ino = self.inodes.known(new)
+        dst_sf = self.staging.get(dst_ino) if dst_ino is not None else None
+        removed_by = ""
+        records: list[dict[str, Any]] = []
+        if dst_sf is not None and dst_sf.path == new:
+            # Only when the rename publishes at the new name (see `_rename`): it moves a stored object
+            # there, or deletes the object there that this mount holds open. (An atomic save of a file
+            # not stored yet over a pending one publishes nothing: no sync more.)
+            src_sf = self.staging.at_path(old)
+            moves_object = (src_sf is None or src_sf.replaces is None) and await self._index_info(old) is not None
+            if moves_object or (self._open_here(dst_ino) and await self._index_info(new) is not None):
+                removed_by, records = self._removing_record(dst_sf)
+        before = [self.writeback.journal.pending[r["id"]] for r in records]
         for sf in self.staging.all():
             if sf.path[: len(old)] != old or sf.unlinked or (sf.base is None and sf.replaces is None):
                 continue
@@ -2573,17 +2623,14 @@ class Filesystem:
                     target = None  # (another name's object shown there: the rename deletes it)
                 records.append({**record, "moving_to": name, "moving_replaces": version_entry(target)})
                 before.append(record)
-        if records:
-            try:
-                await self.writeback.moving(records)
-            except OSError as e:
-                raise NatsFSError(f"rename: the write-back journal could not record it ({e}); nothing moved",
-                                  errno=e.errno or errno.EIO) from None
-        return before
+        await self._journal_intent(records, "rename")
+        return before, removed_by
 
     async def _rename(self, bucket: str, old: tuple[str, ...], new: tuple[str, ...], rel_old: tuple[str, ...],
-                      rel_new: tuple[str, ...], src: Node, dst: Node | None) -> list[StagedFile]:
-        """The rename in the bucket; returns the staged file it replaced (unlinked), if any."""
+                      rel_new: tuple[str, ...], src: Node, dst: Node | None, removed_by: str = ""
+                      ) -> list[StagedFile]:
+        """The rename in the bucket; returns the staged file it replaced (unlinked), if any. `removed_by`:
+        the `Nats-Msg-Id` of what it publishes at the new name (see `_removing_record`)."""
         if src.kind == DIR:
             if dst is not None and dst.kind != DIR:
                 raise NotADirectory("/".join(new))
@@ -2646,7 +2693,7 @@ class Filesystem:
                 stored = dataclasses.replace(stored, mtime_ns=written)
             signature = (await self._move_signatures(bucket, [(stored, old, new)])).get(stored.name)
             await self.mut.rename_object(bucket, stored, "/".join(rel_new), target, keep_target_chunks=target_open,
-                                         extra_metadata=signature)
+                                         extra_metadata=signature, msg_id=removed_by)
         elif target is not None and src_sf is not None and src_sf.base is None and not target_open:
             # A file that exists only in the staging area replaces an object (an atomic save: write a
             # temporary file, rename it over): its upload replaces that object, which other clients
@@ -2655,7 +2702,7 @@ class Filesystem:
         elif target is not None:
             # (The replaced object is open here: its handles keep reading it, its chunks are purged at
             # their last close.) Deleted now; the staged bytes are stored under the new name when closed.
-            await self.mut.delete(bucket, target, keep_chunks=target_open)
+            await self.mut.delete(bucket, target, keep_chunks=target_open, msg_id=removed_by)
         if shown_there is not None:
             await self.mut.delete(bucket, shown_there, keep_chunks=target_open)
             target = shown_there

@@ -38,9 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .. import futures
+from .. import futures, testpoints
 from ..errors import Conflict, NatsFSError, NotKept, Unavailable
 from ..journal import WriteBackJournal
+from ..mutations import is_attempt_of
 from ..staging import StagedFile, WriteState
 
 if TYPE_CHECKING:
@@ -242,14 +243,15 @@ class WriteBack:
         await self._record(records)
 
     async def settle_moves(self) -> None:
-        """Before `resume`: records an earlier run left with `moving_to` (it died while the rename of the
+        """Before `resume`: records an earlier run left with `removed_by` (`_settle_removals`), and those
+        with `moving_to` (it died while the rename of the
         pending file ran, before the record under the new name was synced). The rename reached the
         bucket when the new name holds the file's stored version (its nuid): the record moves there,
         based on that meta; otherwise it stays under its old name. Without it the replay put the bytes
         a close had acknowledged under the old name, where the rename's claim refused them as another
         client's change (lost+found), and the new name kept the older stored version."""
         moving = [entry for entry in self.journal.pending.values() if entry.get("moving_to")]
-        settled = []
+        settled, closed = await self._settle_removals()
         for entry in moving:
             bucket, new, base = str(entry["bucket"]), str(entry["moving_to"]), entry.get("base")
             replaces, target = entry.get("replaces"), entry.get("moving_replaces")
@@ -272,14 +274,58 @@ class WriteBack:
             if moved:
                 log.info("%s/%s: renamed to %s when an earlier run died; replayed under the new name", bucket,
                          entry["name"], new)
-                entry["name"] = new
                 if base is not None and got is not None:
                     entry |= {"base": {**base, "revision": got[1]}, "base_revision": got[1]}
+                    await self._finish_claim(bucket, str(entry["name"]), new, str(base["nuid"]))
                 elif target is not None:
                     entry["replaces"] = target
+                entry["name"] = new
             settled.append(entry)
-        if settled:
-            await futures.run_on_thread(lambda: self.journal.record_many(settled))
+        if settled or closed:
+            records = [{**entry, "op": "put"} for entry in settled] + [{"op": "done", "id": i} for i in closed]
+            await futures.run_on_thread(lambda: self.journal.commit(records))
+        for entry_id in closed:
+            (self.fs.staging.spool.dir / entry_id).unlink(missing_ok=True)
+
+    async def _finish_claim(self, bucket: str, old: str, new: str, nuid: str) -> None:
+        """The rename of a pending rewrite moved its stored version to `new`; if it was cut before its
+        claim of `old` (both names hold that version), the claim is published now: else the old name
+        kept the version the file's acknowledged close had replaced, beside the new name. A claim that
+        cannot be published leaves both names (one info line; nothing is lost: the replayed upload
+        purges no chunk another live name holds)."""
+        try:
+            if await self.fs.mut.finish_claim(bucket, old, nuid):
+                log.info("%s/%s: its rename to %s was cut short when an earlier run died; finished (the old "
+                         "name is claimed now)", bucket, old, new)
+        except NatsFSError as e:
+            log.info("%s/%s: its rename to %s may have been cut short when an earlier run died; the old name "
+                     "is left as it is (%s)", bucket, old, new, e)
+
+    async def _settle_removals(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """Records an earlier run left with `removed_by` (it died while an unlink of the pending file, or a
+        rename over it, ran, before its `done` record was synced): when the name's meta in the bucket is
+        the one that call published (its `Nats-Msg-Id`), the call reached the bucket and the record is
+        closed (returned second: nothing to replay, nothing to keep in lost+found); otherwise it is
+        replayed as any record (returned first, without the field): another client's change of the name
+        meanwhile is a conflict as ever, its bytes kept in lost+found. Without it the replay took the
+        run's own tombstone, or the meta the rename put there, for another client's change: the bytes of
+        a file the program had removed landed in lost+found with a warning that another client changed it."""
+        settled: list[dict[str, Any]] = []
+        closed: list[str] = []
+        for entry in [e for e in self.journal.pending.values() if e.get("removed_by")]:
+            bucket, name = str(entry["bucket"]), str(entry["name"])
+            try:
+                got = await self.fs.mut.store.meta_msg_id(bucket, name)
+            except NatsFSError as e:  # (replayed as it is: a conflict keeps its bytes in lost+found)
+                log.warning("%s/%s: cannot tell whether its unlink (or a rename over it) was stored when an "
+                            "earlier run died (%s); replayed", bucket, name, e)
+                continue
+            if is_attempt_of(got, str(entry["removed_by"])):
+                log.info("%s/%s: unlinked or renamed over when an earlier run died; not replayed", bucket, name)
+                closed.append(str(entry["id"]))
+            else:
+                settled.append({k: v for k, v in entry.items() if k != "removed_by"})
+        return settled, closed
 
     # ------------------------------------------------------------------ replay
     def resume(self) -> None:
@@ -452,6 +498,8 @@ class WriteBack:
                 return  # written again during the upload: its next close queues it again
         if self._attempts.pop(key, None):
             log.info("%s/%s: stored after the server answered again", sf.bucket, sf.name)
+        if testpoints.ACTIVE:
+            await testpoints.pause("upload.stored")
         await self._close_record(sf)
         if key not in self._queue:
             self.fs.upload_settled(sf)

@@ -551,3 +551,91 @@ def test_a_meta_still_queued_at_the_server_is_not_taken_for_unstored_and_its_chu
         assert not env.fs.mut.journal.pending
 
     ops_env(body, setup=one_bucket, purge_check_delay=0.0, flush_timeout=0.5)
+
+
+def test_an_unlink_killed_between_its_tombstone_and_its_purge_leaves_no_orphan_chunks(ops_env):
+    """The daemon dies once an unlink's tombstone is stored, before the deleted version's chunks are purged
+    (the task stops there and the run ends). The put journal recorded the purge first: the next mount
+    purges the chunks (they were orphans for `natsfs fsck --repair`); an unlink killed before its
+    tombstone leaves the live object's chunks alone."""
+    ms = MemoryStreams()
+    nuids: dict[str, str] = {}
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await one_bucket(ms, store)
+        for name in ("gone", "stays"):
+            await put_object(ms, "b", name, name.encode() * 1000)
+            info = await store.get_info("b", name)
+            assert info is not None
+            nuids[name] = info.nuid
+
+    async def first(env: Env):
+        async def dies(*args: Any, **kwargs: Any) -> None:
+            await trio.sleep_forever()
+
+        env.store.end_replacing = dies  # type: ignore[method-assign]
+        publish_meta = env.store.publish_meta
+
+        async def dies_before_tombstone(bucket: str, doc: dict[str, Any], **kwargs: Any) -> Any:
+            if doc.get("name") == "stays":
+                await trio.sleep_forever()
+            return await publish_meta(bucket, doc, **kwargs)
+
+        env.store.publish_meta = dies_before_tombstone  # type: ignore[method-assign]
+        for name in (b"gone", b"stays"):
+            env.nursery.start_soon(env.ops.unlink, (await env.lookup("b")).st_ino, name, None)
+        with trio.fail_after(10):
+            while not (info := await env.store.get_info("b", "gone")) or not info.deleted:
+                await trio.sleep(0.01)
+        assert await env.store.chunk_index("b", nuids["gone"])
+
+    async def second(env: Env):
+        await env.fs.mut.settle_puts()
+        await env.fs.mut.settle_puts()
+        assert await env.store.chunk_index("b", nuids["gone"]) == []
+        assert await env.store.chunk_index("b", nuids["stays"])
+        assert not env.fs.mut.journal.pending
+
+    ops_env(first, setup=setup, streams=ms)
+    ops_env(second, streams=ms, purge_check_delay=0.0)
+
+
+def test_a_rename_over_an_object_killed_before_the_purge_of_the_replaced_chunks_leaves_no_orphan(ops_env):
+    """The daemon dies between a rename's two publishes (the renamed meta replaced the target's, the old
+    name not claimed yet): the replaced target's chunks were recorded in the put journal first, and the
+    next mount purges them (they were orphans for `natsfs fsck --repair`); the renamed object keeps its."""
+    ms = MemoryStreams()
+    nuids: dict[str, str] = {}
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await one_bucket(ms, store)
+        for name in ("src", "dst"):
+            await put_object(ms, "b", name, name.encode() * 1000)
+            info = await store.get_info("b", name)
+            assert info is not None
+            nuids[name] = info.nuid
+
+    async def first(env: Env):
+        publish_meta = env.store.publish_meta
+
+        async def dies_before_the_claim(bucket: str, doc: dict[str, Any], **kwargs: Any) -> Any:
+            if doc.get("name") == "src" and doc.get("deleted"):
+                await trio.sleep_forever()
+            return await publish_meta(bucket, doc, **kwargs)
+
+        env.store.publish_meta = dies_before_the_claim  # type: ignore[method-assign]
+        b = (await env.lookup("b")).st_ino
+        env.nursery.start_soon(env.ops.rename, b, b"src", b, b"dst", 0, None)
+        with trio.fail_after(10):
+            while (info := await env.store.get_info("b", "dst")) is None or info.nuid != nuids["src"]:
+                await trio.sleep(0.01)
+
+    async def second(env: Env):
+        await env.fs.mut.settle_puts()
+        await env.fs.mut.settle_puts()
+        assert await env.store.chunk_index("b", nuids["dst"]) == []
+        assert await env.store.chunk_index("b", nuids["src"])
+        assert not env.fs.mut.journal.pending
+
+    ops_env(first, setup=setup, streams=ms)
+    ops_env(second, streams=ms, purge_check_delay=0.0)

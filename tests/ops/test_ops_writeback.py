@@ -10,11 +10,12 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pyfuse3
 import pytest
 import trio
-from gowriters import put_object
+from gowriters import delete_object, put_object
 from opskit import CTX, ROOT, Ctx, Env
 from test_ops_write import stored, write_file
 
@@ -554,11 +555,12 @@ def test_a_close_the_local_disk_could_not_journal_is_uploaded_at_its_release(ops
 
 def _die_after_the_rename_is_stored(monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon dies once the rename is in the bucket, before the records under the new names are synced
-    (every journal sync after the rename's `moving_to` records fails; the test's body then returns)."""
+    (every journal sync after the rename's `moving_to` and `removed_by` records fails; the test's body then
+    returns)."""
     original = writeback.WriteBack._sync_records
 
     async def sync(self: writeback.WriteBack, records: list[dict[str, Any]]) -> None:
-        if not all(r.get("moving_to") for r in records):
+        if not all(r.get("moving_to") or r.get("removed_by") for r in records):
             raise OSError(errno.EIO, "the daemon dies here")
         await original(self, records)
 
@@ -685,3 +687,250 @@ def test_a_failed_rename_of_a_pending_rewrite_leaves_its_record_naming_no_move(o
         assert await env.cat("old.txt") == b"rewritten, pending"
 
     ops_env(body, setup=bucket_b, bucket="b", write_back=LATER)
+
+
+def _die_before_the_done_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon dies once an unlink or a rename is in the bucket, before the `done` record of the pending
+    file it removed is synced (every journal sync holding a `done` fails; the test's body then returns)."""
+    original = writeback.WriteBack._sync_records
+
+    async def sync(self: writeback.WriteBack, records: list[dict[str, Any]]) -> None:
+        if any(r.get("op") == "done" for r in records):
+            raise OSError(errno.EIO, "the daemon dies here")
+        await original(self, records)
+
+    monkeypatch.setattr(writeback.WriteBack, "_sync_records", sync)
+
+
+async def _rewrite(env: Env, name: str, data: bytes) -> None:
+    fi = await env.ops.open((await env.lookup(name)).st_ino, os.O_WRONLY | os.O_TRUNC, None)
+    await env.ops.write(fi.fh, 0, data)
+    await env.ops.flush(fi.fh)
+    await env.ops.release(fi.fh)
+
+
+def _conflict_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "changed it meanwhile" in r.getMessage()]
+
+
+@pytest.mark.expect_log("the daemon dies here")
+def test_a_crash_after_the_tombstone_of_an_unlinked_pending_file_replays_nothing(ops_env, tmp_path, caplog):
+    """An unlink of a pending rewrite, and of a pending file saved over a stored object (which it replaces
+    at its upload): the daemon dies once the tombstone is stored, before the `done` record is synced. The
+    replay recognises the tombstone as this mount's own (its Nats-Msg-Id, named in the record before it
+    was published) and closes the record: nothing in lost+found, no warning that another client changed
+    the file (was: both)."""
+    ms = MemoryStreams()
+    kill = pytest.MonkeyPatch()  # (the kill point; undone for the next mount)
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await bucket_b(ms, store)
+        await put_object(ms, "b", "saved.txt", b"saved over")
+
+    async def first(env: Env):
+        await _rewrite(env, "old.txt", b"rewritten, pending")
+        await write_file(env, ROOT, "tmp", b"NEW")
+        await env.ops.rename(ROOT, b"tmp", ROOT, b"saved.txt", 0, None)
+        _die_before_the_done_record(kill)
+        for name in (b"old.txt", b"saved.txt"):
+            with pytest.raises(pyfuse3.FUSEError):
+                await env.ops.unlink(ROOT, name, None)
+        for name in ("old.txt", "saved.txt"):
+            info = await env.store.get_info("b", name)
+            assert info is not None and info.deleted
+        assert sorted(r["name"] for r in journal_of(env).pending.values()) == ["old.txt", "saved.txt"]
+
+    async def second(env: Env):
+        await replayed(env)
+        for name in ("old.txt", "saved.txt"):
+            info = await env.store.get_info("b", name)
+            assert info is not None and info.deleted
+        assert not {"old.txt", "saved.txt"} & set((await env.listdir(ROOT)).names)
+
+    ops_env(first, setup=setup, bucket="b", streams=ms, write_back=LATER)
+    kill.undo()
+    caplog.clear()
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+    assert not _conflict_lines(caplog)
+    assert list(spool_dir(tmp_path).iterdir()) == []
+
+
+@pytest.mark.expect_log("the daemon dies here")
+def test_a_crash_after_a_stored_file_was_renamed_over_a_pending_one_replays_nothing(ops_env, tmp_path, caplog):
+    """A stored object renamed over a pending rewrite, and over a pending new file: the daemon dies once the
+    rename is stored, before the pending file's `done` record is synced. The replay finds the rename's
+    meta at the name (its Nats-Msg-Id) and closes the record: the renamed object stays, nothing in
+    lost+found (was: the pending bytes there, with a warning that another client changed the file)."""
+    ms = MemoryStreams()
+    kill = pytest.MonkeyPatch()  # (the kill point; undone for the next mount)
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await bucket_b(ms, store)
+        await put_object(ms, "b", "a.txt", b"stored a")
+        await put_object(ms, "b", "c.txt", b"stored c")
+
+    async def first(env: Env):
+        await _rewrite(env, "old.txt", b"rewritten, pending")
+        await write_file(env, ROOT, "new.txt", b"new, pending")
+        _die_before_the_done_record(kill)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.rename(ROOT, b"a.txt", ROOT, b"old.txt", 0, None)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.rename(ROOT, b"c.txt", ROOT, b"new.txt", 0, None)
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "old.txt") == b"stored a"
+        assert await stored(env, "new.txt") == b"stored c"
+        assert await env.cat("old.txt") == b"stored a"
+        for name in ("a.txt", "c.txt"):
+            info = await env.store.get_info("b", name)
+            assert info is not None and info.deleted
+
+    ops_env(first, setup=setup, bucket="b", streams=ms, write_back=LATER)
+    kill.undo()
+    caplog.clear()
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+    assert not _conflict_lines(caplog)
+
+
+@pytest.mark.expect_log("the daemon dies here")
+def test_a_crash_in_an_unlink_of_a_pending_file_keeps_the_bytes_when_the_change_is_not_its_own(
+        ops_env, tmp_path, caplog):
+    """The record names the unlink's tombstone, but the bucket holds another client's change of the name:
+    killed before the tombstone was published (another client then deleted the file), and killed after it
+    (another client then stored the name again). Either way the replay is a conflict as ever: the bytes
+    are kept in lost+found, never dropped as if the unlink had removed them."""
+    ms = MemoryStreams()
+    kill = pytest.MonkeyPatch()  # (the kill point; undone for the next mount)
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await bucket_b(ms, store)
+        await put_object(ms, "b", "two.txt", b"stored two")
+
+    async def first(env: Env):
+        await _rewrite(env, "old.txt", b"pending one")
+        await _rewrite(env, "two.txt", b"pending two")
+        original = env.fs.mut.delete
+
+        async def dies_before(bucket: str, info: Any, **kwargs: Any) -> None:
+            if info.name == "old.txt":
+                raise Unavailable("the daemon dies here")
+            await original(bucket, info, **kwargs)
+
+        kill.setattr(env.fs.mut, "delete", dies_before)
+        _die_before_the_done_record(kill)
+        for name in (b"old.txt", b"two.txt"):
+            with pytest.raises(pyfuse3.FUSEError):
+                await env.ops.unlink(ROOT, name, None)
+        assert [bool(r.get("removed_by")) for r in journal_of(env).pending.values()] == [True, True]
+
+    async def other_client(ms: MemoryStreams, store: ObjectStore) -> None:
+        await delete_object(ms, "b", "old.txt")
+        await put_object(ms, "b", "two.txt", b"theirs")
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "two.txt") == b"theirs"
+        info = await env.store.get_info("b", "old.txt")
+        assert info is not None and info.deleted
+
+    ops_env(first, setup=setup, bucket="b", streams=ms, write_back=LATER)
+    kill.undo()
+    trio.run(other_client, ms, None)
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    kept = sorted(p.read_bytes() for p in (lost_found(tmp_path) / "b").iterdir())
+    assert kept == [b"pending one", b"pending two"]
+    assert len(_conflict_lines(caplog)) == 2
+
+
+def _die_before_the_claim(env: Env, monkeypatch: pytest.MonkeyPatch, old: str) -> None:
+    """The daemon dies between a rename's two publishes: the meta under the new name is stored, the claim
+    of the old name is not (and no journal sync after the rename's own `moving_to` records lands)."""
+    original = env.store.publish_meta
+
+    async def publish_meta(bucket: str, doc: dict[str, Any], **kwargs: Any) -> Any:
+        if doc.get("deleted") and doc.get("name") == old:
+            raise Unavailable("the daemon dies here")
+        return await original(bucket, doc, **kwargs)
+
+    monkeypatch.setattr(env.store, "publish_meta", publish_meta)
+    _die_after_the_rename_is_stored(monkeypatch)
+
+
+async def _live_metas_hold_their_chunks(env: Env) -> dict[str, str]:
+    """Every live object of the bucket reads back whole (its chunks are there); name -> nuid."""
+    out = {}
+    for name, info in (await env.store.live_objects("b")).items():
+        if info.size:
+            assert await stored(env, name) is not None
+        out[name] = info.nuid
+    return out
+
+
+@pytest.mark.expect_log("the daemon dies here", "could not be made durable")
+def test_a_crash_between_the_publishes_of_a_pending_rewrites_rename_finishes_it(ops_env, tmp_path):
+    """A pending rewrite renamed, cut between the rename's two publishes (the stored version under both
+    names, one nuid). The replay stores the acknowledged bytes under the new name, the old name's claim
+    is published then (the rename finished), and the replaced version's chunks are purged only once no
+    live name holds them: every live meta reads back whole, no name keeps the older version."""
+    ms = MemoryStreams()
+    kill = pytest.MonkeyPatch()  # (the kill point; undone for the next mount)
+
+    async def first(env: Env):
+        await _rewrite(env, "old.txt", b"rewritten, pending")
+        _die_before_the_claim(env, kill, "old.txt")
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.rename(ROOT, b"old.txt", ROOT, b"new.txt", 0, None)
+        old, new = await env.store.get_info("b", "old.txt"), await env.store.get_info("b", "new.txt")
+        assert old is not None and new is not None and not old.deleted and old.nuid == new.nuid
+
+    async def second(env: Env):
+        await replayed(env)
+        await env.settle()
+        assert await stored(env, "new.txt") == b"rewritten, pending"
+        assert await _live_metas_hold_their_chunks(env) == {"new.txt": ANY}
+        info = await env.store.get_info("b", "old.txt")
+        assert info is not None and info.deleted
+        assert await env.cat("new.txt") == b"rewritten, pending"
+        assert "old.txt" not in (await env.listdir(ROOT)).names
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    kill.undo()
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+
+
+@pytest.mark.expect_log("the daemon dies here", "could not be made durable")
+def test_a_crash_between_the_publishes_of_a_rename_over_a_pending_file_keeps_both_names_whole(
+        ops_env, tmp_path):
+    """A stored object renamed over a pending rewrite, cut between the rename's two publishes: both names
+    hold the stored object (one nuid, as documented for any rename cut there). The replay closes the
+    pending file's record (the rename's meta is at its name) and purges nothing: both names read back
+    whole, nothing in lost+found."""
+    ms = MemoryStreams()
+    kill = pytest.MonkeyPatch()  # (the kill point; undone for the next mount)
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await bucket_b(ms, store)
+        await put_object(ms, "b", "a.txt", b"stored a")
+
+    async def first(env: Env):
+        await _rewrite(env, "old.txt", b"rewritten, pending")
+        _die_before_the_claim(env, kill, "a.txt")
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.rename(ROOT, b"a.txt", ROOT, b"old.txt", 0, None)
+
+    async def second(env: Env):
+        await replayed(env)
+        await env.settle()
+        nuids = await _live_metas_hold_their_chunks(env)
+        assert set(nuids) == {"a.txt", "old.txt"} and nuids["a.txt"] == nuids["old.txt"]
+        assert await stored(env, "old.txt") == b"stored a"
+
+    ops_env(first, setup=setup, bucket="b", streams=ms, write_back=LATER)
+    kill.undo()
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
