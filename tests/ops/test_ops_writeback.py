@@ -581,10 +581,7 @@ def test_a_crash_after_a_pending_rewrite_was_renamed_replays_it_under_the_new_na
 
     async def first(env: Env):
         for name in ("old.txt", "d/in.txt"):
-            fi = await env.ops.open((await env.lookup(name)).st_ino, os.O_WRONLY | os.O_TRUNC, None)
-            await env.ops.write(fi.fh, 0, b"rewritten " + name.split("/")[-1].encode())
-            await env.ops.flush(fi.fh)
-            await env.ops.release(fi.fh)
+            await _rewrite(env, name, b"rewritten " + name.split("/")[-1].encode())
         _die_after_the_rename_is_stored(monkeypatch)
         with pytest.raises(pyfuse3.FUSEError):
             await env.ops.rename(ROOT, b"old.txt", ROOT, b"new.txt", 0, None)
