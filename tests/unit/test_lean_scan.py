@@ -65,7 +65,9 @@ HEADER_BYTES = 30
 def take(*batches: Any, deliveries: FakeDeliveries | None = None) -> list[tuple[int, int]]:
     async def main() -> list[tuple[int, int]]:
         d: Any = deliveries or FakeDeliveries(*batches)
-        return await _take_deliveries(d, "OBJ_b", "scan", SUBJECT, 5.0)
+        rows, complete = await _take_deliveries(d, "OBJ_b", "scan", SUBJECT, 5.0)
+        assert complete
+        return [(seq, size) for _, seq, size in rows if size is not None]
 
     return trio.run(main)
 
