@@ -23,6 +23,7 @@ from test_transport import KICKABLE, own_server
 from natsfs.adr20 import meta_doc, meta_json
 
 OBJECTS = 100_000
+CHUNKED = 30_000
 EMPTY_DIGEST = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(b"").digest()).decode()
 ABC_DIGEST = "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(b"abc").digest()).decode()
 
@@ -35,12 +36,13 @@ def meta_subject(bucket: str, name: str) -> str:
     return f"$O.{bucket}.M." + base64.urlsafe_b64encode(name.encode()).decode()
 
 
-def load(url: str, bucket: str, *, with_chunks: bool) -> None:
-    """OBJECTS objects, published without waiting for acks: empty ones, or of one 3-byte chunk each."""
+def load(url: str, bucket: str, objects: int, *, with_chunks: bool) -> None:
+    """Objects, published without waiting for acks: empty ones, or of one 3-byte chunk each (their nuids
+    of 64 characters: 30 000 chunk subjects are 2.4 MB as one listing)."""
 
     async def fn(nc: Any, js: Any) -> None:
-        for i in range(OBJECTS):
-            nuid = secrets.token_hex(11)
+        for i in range(objects):
+            nuid = secrets.token_hex(32 if with_chunks else 11)
             name = name_of(i)
             if with_chunks:
                 doc = meta_doc(name=name, bucket=bucket, nuid=nuid, size=3, chunks=1, digest=ABC_DIGEST)
@@ -57,7 +59,7 @@ def load(url: str, bucket: str, *, with_chunks: bool) -> None:
     async def stored(nc: Any, js: Any) -> int:
         return (await js.stream_info(f"OBJ_{bucket}")).state.messages
 
-    want = OBJECTS * (2 if with_chunks else 1)
+    want = objects * (2 if with_chunks else 1)
     assert wait_for(lambda: with_nats(url, stored) == want, timeout=120)
 
 
@@ -81,7 +83,7 @@ def test_a_forced_listing_of_many_metas_does_not_get_the_daemon_dropped(small_pe
     server never drops the daemon's connection (4.4 MB in one reply before)."""
     url, b = small_pending.url, "big"
     create_bucket(url, b)
-    load(url, b, with_chunks=False)
+    load(url, b, OBJECTS, with_chunks=False)
     m = mounter(url)
     last = m.path / b / name_of(OBJECTS - 1)
     assert wait_for(last.exists, timeout=180)  # (the snapshot comes in order: all of them are there)
@@ -103,14 +105,14 @@ def test_a_forced_listing_of_many_metas_does_not_get_the_daemon_dropped(small_pe
 
 
 def test_fsck_of_a_bucket_of_many_chunk_subjects_is_clean_without_a_drop(small_pending):
-    """fsck of a bucket of 100 000 one-chunk objects (as many chunk subjects, 3.6 MB as one listing)
+    """fsck of a bucket of 30 000 one-chunk objects (as many chunk subjects, 2.4 MB as one listing)
     against the 2 MB `max_pending` server: clean, no slow consumer."""
     url, b = small_pending.url, "chunky"
     create_bucket(url, b)
-    load(url, b, with_chunks=True)
+    load(url, b, CHUNKED, with_chunks=True)
     r = subprocess.run([sys.executable, "-m", "natsfs", "fsck", b, "--server", url],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    assert f"{OBJECTS} objects, 0 tombstones, {OBJECTS} chunk subjects: clean" in r.stdout, r.stdout[-3000:]
+    assert f"{CHUNKED} objects, 0 tombstones, {CHUNKED} chunk subjects: clean" in r.stdout, r.stdout[-3000:]
     assert not slow_consumers(small_pending)
     assert "lost the connection" not in r.stderr
