@@ -21,7 +21,8 @@ bridge's lean connection when the trio thread drives one: a one-shot pull consum
 byte-bounded requests from that connection ask for (so a slow reader never has more than a few hundred
 KiB waiting on the server), its deliveries checked from their reply subjects in one compiled match each
 (`_take_deliveries`). Any doubt, a lost connection or a refusal sends the scan to the ordered consumer
-over the main connection.
+over the main connection. So do listings of many subjects (`subject_counts`, `_scanned_counts`), whose
+`STREAM.INFO` reply would come in one piece of up to 100 000 subjects.
 
 Users without direct-get permission. A server that refuses `$JS.API.DIRECT.GET.<stream>` to the user
 (a permissions violation, `NotPermitted`) gets the same `STREAM.MSG.GET` requests instead, from then on
