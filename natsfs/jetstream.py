@@ -21,7 +21,8 @@ bridge's lean connection when the trio thread drives one: a one-shot pull consum
 byte-bounded requests from that connection ask for (so a slow reader never has more than a few hundred
 KiB waiting on the server), its deliveries checked from their reply subjects in one compiled match each
 (`_take_deliveries`). Any doubt, a lost connection or a refusal sends the scan to the ordered consumer
-over the main connection.
+over the main connection. So do listings of many subjects (`subject_counts`, `_scanned_counts`), whose
+`STREAM.INFO` reply would come in one piece of up to 100 000 subjects.
 
 Users without direct-get permission. A server that refuses `$JS.API.DIRECT.GET.<stream>` to the user
 (a permissions violation, `NotPermitted`) gets the same `STREAM.MSG.GET` requests instead, from then on
@@ -104,6 +105,13 @@ SCAN_REQUESTS = 2
 # what leaves nothing pending is the live push consumer (flow control) made, from the next sequence.
 CATCHUP_REQUEST_BYTES = SCAN_REQUEST_BYTES
 CATCHUP_REQUESTS = 2
+# `subject_counts` lists subjects (`STREAM.INFO`, one reply) only while their estimated reply stays under
+# `LISTING_MAX_BYTES`, at the filter's length and `LISTING_ENTRY_BYTES` more a subject (a meta subject's
+# name token is 32 characters for a 23-byte name; `"subject":count,` adds a few): about 10 000 metas.
+# Larger ones are scanned (a connection's `max_pending` may be a couple of MB, and the server drops the
+# connection as a slow consumer for one reply larger than that).
+LISTING_MAX_BYTES = 1024 * 1024
+LISTING_ENTRY_BYTES = 96
 # A consumer that has sent neither data nor heartbeat for this long is presumed gone and re-created.
 STALL_S = 3.5
 # The least rate (bytes/s) at which the server is expected to store a committed batch: the commit's ack
@@ -311,13 +319,32 @@ class JetStreams:
 
         (STREAM.INFO with a subjects filter and an offset past the end: the server still counts, but
         sends no subject names.)"""
+        return (await self._subject_total(stream, filter_subject))[0]
+
+    async def _subject_total(self, stream: str, filter_subject: str) -> tuple[int, int]:
+        """(`subject_count`, the stream's last sequence when counted)."""
         reply = await self._stream_api(stream, {"subjects_filter": filter_subject, "offset": 1 << 31})
-        return int(reply.get("total", 0))
+        return int(reply.get("total", 0)), int((reply.get("state") or {}).get("last_seq", 0))
 
     async def subject_counts(self, stream: str, filter_subject: str) -> tuple[dict[str, int], int, bool]:
-        """(message count per subject matching `filter_subject`, the stream's last sequence when listed,
-        whether the listing is one snapshot). Large listings come in pages of up to 100 000 subjects,
-        which are not one snapshot."""
+        """(message count per subject matching `filter_subject`, the stream's last sequence L when listed,
+        whether it is `complete`: a subject not counted held no message at some moment after the stream
+        ended at L, so a message on it at or below L is gone).
+
+        A listing whose reply could be large is a headers-only scan instead (`_scanned_counts`): the
+        server sends `STREAM.INFO`'s subjects in one reply of up to 100 000 of them (4.4 MB for 100 000
+        metas), whatever `max_pending` the server has for the connection, which drops it as a slow
+        consumer when the reply is larger. A single subject, or few, is listed."""
+        if ">" in filter_subject.split(".") or "*" in filter_subject.split("."):
+            total, last_seq = await self._subject_total(stream, filter_subject)
+            if total * (len(filter_subject) + LISTING_ENTRY_BYTES) > LISTING_MAX_BYTES:
+                return await self._scanned_counts(stream, filter_subject, last_seq)
+        return await self._listed_counts(stream, filter_subject)
+
+    async def _listed_counts(self, stream: str, filter_subject: str) -> tuple[dict[str, int], int, bool]:
+        """`subject_counts` by `STREAM.INFO` listings: one snapshot, or pages of up to 100 000 subjects
+        (not complete)."""
+        self.calls["subject_listings"] += 1
         counts: dict[str, int] = {}
         offset, pages, last_seq = 0, 0, 0
         while True:
@@ -331,6 +358,39 @@ class JetStreams:
             offset += len(page)
             if not page or offset >= int(reply.get("total", 0)):
                 return counts, last_seq, pages == 1
+
+    async def _scanned_counts(self, stream: str, filter_subject: str, last_seq: int
+                              ) -> tuple[dict[str, int], int, bool]:
+        """`subject_counts` by a headers-only scan of every message on `filter_subject` (a pull consumer,
+        `deliver_policy` all, byte-bounded requests: `_lean_scan` over the lean connection, else
+        `_ordered_scan` over the main one), begun once the stream ended at `last_seq`.
+
+        Complete when it ran until a delivery left nothing pending: a message at or below `last_seq`
+        not delivered was removed before the scan reached it, by a purge of its subject (which was then
+        empty) or by a newer message on it (a rollup), stored before the scan ended and so delivered
+        in turn or removed the same way. Not complete when other clients store faster than it reads:
+        it stops once it delivered as many messages after `last_seq` as before it (and 1000)."""
+        self.calls["subject_scans"] += 1
+        rows: list[tuple[bytes, int, int | None]] | None = None
+        complete = False
+        if self.bridge.reads_in_trio and not self._lean_scans_refused:
+            try:
+                rows, complete = await self._lean_scan(stream, filter_subject, last_seq=last_seq)
+            except _ScanDoubt as e:
+                log.info("scan of %s over the lean connection: %s; scanning again over the main one",
+                         filter_subject, e)
+            except NotPermitted as e:
+                self._lean_scans_refused = True
+                log.info("scans go over the main connection from now on: %s", e)
+            except NatsFSError as e:
+                log.debug("scan of %s over the lean connection: %s; scanning over the main one", filter_subject, e)
+        if rows is None:
+            rows, complete = await self._ordered_scan(stream, filter_subject, last_seq=last_seq)
+        counts: dict[str, int] = {}
+        for subject, _, _ in rows:
+            key = subject.decode(errors="surrogateescape")
+            counts[key] = counts.get(key, 0) + 1
+        return counts, last_seq, complete
 
     async def _stream_api(self, stream: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -665,17 +725,24 @@ class JetStreams:
         return await self._ordered_index(stream, subject)
 
     async def _lean_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
-        """`subject_index` by a one-shot headers-only pull consumer whose deliveries go to the trio
-        thread's lean connection (`Bridge.open_deliveries`), no acks, deleted at the end; its pull
-        requests are byte-bounded (`_take_deliveries`). Proven as the ordered consumer's scan is;
-        `_ScanDoubt` for anything else, `Unavailable` when the connection is lost before the last
-        delivery came."""
+        """`subject_index` by `_lean_scan` (each delivery on `subject`, with a size)."""
+        rows, _ = await self._lean_scan(stream, subject, sizes=True)
+        return [(seq, size) for _, seq, size in rows if size is not None]
+
+    async def _lean_scan(self, stream: str, filter_subject: str, *, sizes: bool = False, last_seq: int = 0
+                         ) -> tuple[list[tuple[bytes, int, int | None]], bool]:
+        """(subject, sequence, `Nats-Msg-Size`) of every message on `filter_subject`, by a one-shot
+        headers-only pull consumer whose deliveries go to the trio thread's lean connection
+        (`Bridge.open_deliveries`), no acks, deleted at the end; its pull requests are byte-bounded
+        (`_take_deliveries`), and whether it is complete (see there). Proven as the ordered consumer's
+        scan is; `_ScanDoubt` for anything else, `Unavailable` when the connection is lost before the
+        last delivery came."""
         self.calls["lean_scans"] += 1
         deliveries = self.bridge.open_deliveries()
         name = ""
         try:
             config: dict[str, Any] = {
-                "filter_subject": subject,
+                "filter_subject": filter_subject,
                 "deliver_policy": "all",
                 "ack_policy": "none",  # (a pull consumer may have none on a limits stream, as buckets are)
                 "replay_policy": "instant",
@@ -689,13 +756,42 @@ class JetStreams:
             if not name:
                 raise _ScanDoubt(f"consumer of {stream} created without a name")
             if int(info.get("num_pending", -1)) == 0:
-                return []  # (nothing on the subject)
-            return await _take_deliveries(deliveries, stream, name, subject, self.bridge.request_timeout)
+                return [], True  # (nothing on the subject)
+            return await _take_deliveries(deliveries, stream, name, filter_subject, self.bridge.request_timeout,
+                                          sizes=sizes, last_seq=last_seq)
         finally:
             deliveries.close()
             if name:
                 with trio.CancelScope(shield=True), trio.move_on_after(2), contextlib.suppress(NatsFSError):
                     await _api(self.bridge, f"CONSUMER.DELETE.{stream}.{name}")
+
+    async def _ordered_scan(self, stream: str, filter_subject: str, *, last_seq: int
+                            ) -> tuple[list[tuple[bytes, int, int | None]], bool]:
+        """`_lean_scan` (without sizes) by an ordered consumer over the main connection, which catches up
+        by byte-bounded pull requests (`_ConsumerStream`), re-created on gaps, stalls and reconnects."""
+        scan = _ConsumerStream(self.bridge, stream, filter_subject, deliver_policy="all", headers_only=True,
+                               pulls_refused=self._pulls_refused)
+        await scan.start()
+        self._watches.add(scan)
+        out: list[tuple[bytes, int, int | None]] = []
+        chase = _Chase(last_seq)
+        try:
+            while not scan.caught_up:
+                batch = await scan.next_batch(timeout=self.bridge.request_timeout)
+                if batch.reset:
+                    out.clear()
+                    chase = _Chase(last_seq)
+                for m in batch.msgs:
+                    out.append((m.subject.encode(errors="surrogateescape"), m.seq, None))
+                    if chase.beyond(m.seq):
+                        return out, False
+                if batch.caught_up:
+                    break
+                if not batch.msgs and scan.idle_for() > self.bridge.request_timeout:
+                    raise Unavailable(f"scan of {filter_subject} got no messages")
+        finally:
+            await scan.close()
+        return out, True
 
     async def _ordered_index(self, stream: str, subject: str) -> list[tuple[int, int]]:
         """`subject_index` by an ordered consumer over the main connection (re-created on gaps, stalls
@@ -764,14 +860,58 @@ class _ScanDoubt(Unavailable):
     """A scan's deliveries did not prove what it returns (the caller scans again another way)."""
 
 
-async def _take_deliveries(deliveries: Deliveries, stream: str, consumer: str, subject: str, timeout: float
-                           ) -> list[tuple[int, int]]:
-    """What `_lean_index` proves of the deliveries of its pull consumer (`deliver_policy` all): (stream
-    sequence, `Nats-Msg-Size`) of each, in order, up to the one that leaves nothing pending. Each must
-    be the next one of this consumer (its reply subject, `_ack_pattern`: this stream and consumer,
-    consumer sequences 1, 2, 3... without a gap, stream sequences rising), on `subject`, with a size;
-    `_ScanDoubt` otherwise. `Unavailable` when nothing came for `timeout` s or the connection was lost
-    before the last one. (A few microseconds a delivery: thousands come for a large object.)
+class _Chase:
+    """When a scan begun once its stream ended at `last_seq` gives up chasing what other clients store
+    meanwhile: once it delivered as many messages after `last_seq` as before it, and 1000 more (never
+    without a `last_seq`)."""
+
+    def __init__(self, last_seq: int) -> None:
+        self.last_seq = last_seq
+        self.before = self.after = 0
+
+    def beyond(self, seq: int) -> bool:
+        if not self.last_seq:
+            return False
+        if seq <= self.last_seq:
+            self.before += 1
+            return False
+        self.after += 1
+        return self.after > self.before + 1000
+
+
+def _subject_test(filter_subject: str) -> Callable[[bytes], bool]:
+    """Whether a delivery's subject matches `filter_subject` (NATS matching: `*` one token, `>` the rest)."""
+    want = filter_subject.encode()
+    tokens = want.split(b".")
+    if b"*" not in tokens and b">" not in tokens:
+        return want.__eq__
+    if b"*" not in tokens and tokens[-1] == b">":
+        prefix = want[:-1]
+        return lambda s: s.startswith(prefix) and len(s) > len(prefix)
+
+    def test(s: bytes) -> bool:
+        got = s.split(b".")
+        for i, tok in enumerate(tokens):
+            if tok == b">":
+                return len(got) > i
+            if i >= len(got) or (tok != b"*" and tok != got[i]):
+                return False
+        return len(got) == len(tokens)
+
+    return test
+
+
+async def _take_deliveries(deliveries: Deliveries, stream: str, consumer: str, subject: str, timeout: float,
+                           *, sizes: bool = True, last_seq: int = 0
+                           ) -> tuple[list[tuple[bytes, int, int | None]], bool]:
+    """What `_lean_scan` proves of the deliveries of its pull consumer (`deliver_policy` all): (subject,
+    stream sequence, `Nats-Msg-Size`) of each, in order, up to the one that leaves nothing pending
+    (complete), or the one past `last_seq` where it gives up chasing other clients' writes (`_Chase`:
+    not complete). Each must be the next one of this consumer (its reply subject, `_ack_pattern`: this
+    stream and consumer, consumer sequences 1, 2, 3... without a gap, stream sequences rising), on a
+    subject `subject` matches, with a size if `sizes`; `_ScanDoubt` otherwise. `Unavailable` when
+    nothing came for `timeout` s or the connection was lost before the last one. (A few microseconds
+    a delivery: thousands come for a large object.)
 
     The deliveries are pulled: requests of `SCAN_REQUEST_BYTES` each (`max_bytes`), and a new one only
     once what is asked for and not yet delivered is at most `SCAN_REQUESTS - 1` requests' worth, so the
@@ -784,12 +924,13 @@ async def _take_deliveries(deliveries: Deliveries, stream: str, consumer: str, s
     Timeout"). A request that ends with all of its bytes unused met a delivery larger than a whole
     request (a chunk message with headers of over 256 KiB): `_ScanDoubt`, as is any other status but a
     heartbeat (the consumer deleted, a leader change, a limit of the server's)."""
-    want_subject = subject.encode()
+    matches = _subject_test(subject)
     ack = _ack_pattern(stream, consumer)
     ask = json.dumps({"batch": SCAN_REQUEST_BYTES // 64, "max_bytes": SCAN_REQUEST_BYTES}).encode()
     pull = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
     asked = 0  # bytes asked for and not yet delivered (or given up by their request)
-    out: list[tuple[int, int]] = []
+    out: list[tuple[bytes, int, int | None]] = []
+    chase = _Chase(last_seq)
     last = 0  # the stream sequence of the last delivery
     cseq = 0
     requests = 1
@@ -810,12 +951,14 @@ async def _take_deliveries(deliveries: Deliveries, stream: str, consumer: str, s
                 raise _ScanDoubt(f"consumer sequence {delivered} after {cseq}")
             if sseq <= last:
                 raise _ScanDoubt(f"stream sequence {sseq} after {last}")
-            if delivered_subject != want_subject or size is None:
+            if not matches(delivered_subject) or (sizes and size is None):
                 raise _ScanDoubt(f"unexpected delivery {delivered_subject!r} seq {sseq}")
             cseq, last = delivered, sseq
-            out.append((sseq, size))
+            out.append((delivered_subject, sseq, size))
             if (m[3] or m[6]) == b"0":  # nothing pending after it
-                return out
+                return out, True
+            if chase.beyond(sseq):
+                return out, False
             asked -= len(delivered_subject) + len(reply) + nbytes
         for code, description, headers in statuses:
             if code == "100":

@@ -671,7 +671,7 @@ class MemoryStreams:
         return sum(1 for s in self._get(stream).by_subject if subject_matches(filter_subject, s))
 
     async def subject_counts(self, stream: str, filter_subject: str) -> tuple[dict[str, int], int, bool]:
-        """(messages per matching subject, last sequence, one snapshot) as `JetStreams.subject_counts`."""
+        """(messages per matching subject, last sequence, complete) as `JetStreams.subject_counts`."""
         await self._enter("subject_counts")
         st = self._get(stream)
         counts = {s: len(q) for s, q in st.by_subject.items() if subject_matches(filter_subject, s)}

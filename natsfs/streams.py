@@ -206,7 +206,9 @@ class Streams(Protocol):
         """How many subjects matching `filter_subject` hold messages, without listing them."""
 
     async def subject_counts(self, stream: str, filter_subject: str) -> tuple[dict[str, int], int, bool]:
-        """(messages per matching subject, the stream's last sequence, whether the listing is one snapshot)."""
+        """(messages per matching subject, the stream's last sequence L when listed, whether the listing is
+        complete: a subject not counted held no message at some moment after the stream ended at L, as in
+        one snapshot)."""
 
     async def publish_batch(self, batch_id: str,
                             messages: Callable[[], AsyncIterable[tuple[str, bytes, dict[str, str]]]]) -> int:

@@ -418,17 +418,17 @@ class BucketWatcher:
         if (*state, count, expected) == self._accepted:
             return 0
         self.stats["listings"] += 1
-        listed, listed_seq, one_snapshot = await streams.subject_counts(self.stream, filt)
+        listed, listed_seq, complete = await streams.subject_counts(self.stream, filt)
         if self.index is not index or self._side is not None:
             return 0
-        fixed = await self._repair(index, listed, listed_seq, one_snapshot, quiet)
+        fixed = await self._repair(index, listed, listed_seq, complete, quiet)
         if not fixed and settled and not self._unknown_before:
             # A difference nothing here explains (two subjects for one name): not worth a listing
             # every time, until the stream changes.
             self._accepted = (*state, count, expected)
         return fixed
 
-    async def _repair(self, index: BucketIndex, listed: dict[str, int], listed_seq: int, one_snapshot: bool,
+    async def _repair(self, index: BucketIndex, listed: dict[str, int], listed_seq: int, complete: bool,
                       quiet: bool) -> int:
         ours: dict[str, str] = {}
         for i, name in enumerate(list(index.objects)):
@@ -443,8 +443,8 @@ class BucketWatcher:
             held = index.objects.get(name)
             if held is None:
                 continue
-            if not (one_snapshot and held.revision <= listed_seq):
-                # Not covered by the listing (it came in pages, or the meta is newer): read it back.
+            if not (complete and held.revision <= listed_seq):
+                # Not covered by the listing (pages, a scan outrun by writes, or the meta is newer): read it back.
                 try:
                     if await self.store.streams.last_msg(self.stream, subject) is not None:
                         continue
@@ -461,7 +461,7 @@ class BucketWatcher:
             alias = index.alias_at(subject)
             if alias is None:
                 continue
-            if not (one_snapshot and alias.revision <= listed_seq):
+            if not (complete and alias.revision <= listed_seq):
                 try:
                     if await self.store.streams.last_msg(self.stream, subject) is not None:
                         continue

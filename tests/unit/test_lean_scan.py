@@ -65,7 +65,9 @@ HEADER_BYTES = 30
 def take(*batches: Any, deliveries: FakeDeliveries | None = None) -> list[tuple[int, int]]:
     async def main() -> list[tuple[int, int]]:
         d: Any = deliveries or FakeDeliveries(*batches)
-        return await _take_deliveries(d, "OBJ_b", "scan", SUBJECT, 5.0)
+        rows, complete = await _take_deliveries(d, "OBJ_b", "scan", SUBJECT, 5.0)
+        assert complete
+        return [(seq, size) for _, seq, size in rows if size is not None]
 
     return trio.run(main)
 
@@ -153,3 +155,36 @@ def test_a_request_that_ends_with_its_bytes_unused_is_asked_again():
                        ([], [status("409", "Batch Completed", 5)]), [(S, v1(4, 2, 1), 1), (S, v1(9, 3, 0), 2)])
     assert take(deliveries=d) == [(3, 10), (4, 1), (9, 2)]
     assert len(d.requests) == SCAN_REQUESTS + 1
+
+
+def counts_of(*batches: Any, filter_subject: str, last_seq: int = 0) -> tuple[list[tuple[bytes, int]], bool]:
+    async def main() -> tuple[list[tuple[bytes, int]], bool]:
+        rows, complete = await _take_deliveries(FakeDeliveries(*batches), "OBJ_b", "scan", filter_subject, 5.0,
+                                                sizes=False, last_seq=last_seq)
+        return [(s, seq) for s, seq, _ in rows], complete
+
+    return trio.run(main)
+
+
+def test_a_listing_scan_takes_every_subject_the_filter_matches_and_nothing_else():
+    """`subject_counts`' scan: any subject under `$O.b.M.>`, sizes not needed; up to nothing pending it
+    is complete. A subject outside the filter (or the filter's prefix alone) is a doubt."""
+    a, b = b"$O.b.M.YQ==", b"$O.b.M.Yg=="
+    got = counts_of([(a, v1(1, 1, 2), None), (b, v1(5, 2, 1), 3)], [(a, v1(7, 3, 0), None)],
+                    filter_subject="$O.b.M.>")
+    assert got == ([(a, 1), (b, 5), (a, 7)], True)
+    for wrong in (b"$O.b.C.x", b"$O.b.M", b"$O.b.MX.y"):
+        with pytest.raises(_ScanDoubt, match="unexpected delivery"):
+            counts_of([(wrong, v1(1, 1, 0), None)], filter_subject="$O.b.M.>")
+    assert counts_of([(b"$O.b.M.x", v1(1, 1, 0), None)], filter_subject="$O.*.M.x")[1]
+    with pytest.raises(_ScanDoubt, match="unexpected delivery"):
+        counts_of([(b"$O.b.M.x.y", v1(1, 1, 0), None)], filter_subject="$O.*.M.x")
+
+
+def test_a_listing_scan_that_chases_other_clients_writes_gives_up_not_complete():
+    """Begun once the stream ended at `last_seq` 2 (two messages before it), other clients keep storing:
+    the scan stops once it took 1002 more than those two after it, and says it is not complete."""
+    s = b"$O.b.M.x"
+    rows = [(s, v1(seq, seq, 5), None) for seq in range(1, 2000)]
+    got, complete = counts_of(rows, filter_subject="$O.b.M.>", last_seq=2)
+    assert not complete and len(got) == 2 + 1003 and got[-1] == (s, 1005)
