@@ -1304,6 +1304,17 @@ class _ConsumerStream:
             await sub.pull(subject, json.dumps({"batch": max(one // 64, 1), "max_bytes": one}).encode())
             self._asked += one
 
+    async def _pulled_everything(self) -> bool:
+        """A pull consumer that delivered nothing for `STALL_S`: True when the server says it has nothing
+        pending and delivered nothing more than was taken (so it caught up); False (a stall, or no
+        answer) otherwise."""
+        try:
+            info = await _api(self.bridge, f"CONSUMER.INFO.{self.stream}.{self._consumer}")
+        except NatsFSError:
+            return False
+        delivered = info.get("delivered") or {}
+        return int(info.get("num_pending", -1)) == 0 and int(delivered.get("consumer_seq", -1)) == self._cseq
+
     def _request_ended(self, m: Msg) -> bool:
         """A pull request's status: True for the end of a request ("408 Request Timeout", "409 Message
         Size Exceeds MaxBytes" / "Batch Completed", with the bytes it left unused, given back here). A
@@ -1456,6 +1467,14 @@ class _ConsumerStream:
         if self.caught_up:
             out.caught_up = True
             self._caught_up_reported = True
+        if (not msgs and not self._stale and self._pulling and not self._handover and self.idle_for() > HEARTBEAT_S
+                and await self._pulled_everything()):
+            # Messages it counted as pending were purged before it delivered them, the last one too (another
+            # client purged a tombstone, say): no delivery said "nothing pending". Caught up, not stalled
+            # (a pull consumer sends no heartbeat: it was taken for a stall, re-created with a warning).
+            self.caught_up = out.caught_up = self._handover = self._caught_up_reported = True
+            self._last_activity = time.monotonic()
+            return out
         if not msgs and not self._stale and self.idle_for() > STALL_S:
             # (No heartbeat while the connection is down is that outage, which the bridge says once.)
             log.log(logging.WARNING if self.bridge.connected else logging.DEBUG,

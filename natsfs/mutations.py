@@ -454,7 +454,9 @@ class Mutations:
         return True
 
     async def _nuid_in_use(self, bucket: str, nuid: str, name: str) -> bool:
-        """Does a live meta hold `nuid`: the put's own name, or another (renamed since)?"""
+        """Does a live meta hold `nuid`: the put's own name, or another (renamed since), or an alias subject
+        not shown (`_nuid_users`: a version a delete or rename of the run that died replaced may be one
+        whose chunks such an alias still names)?"""
         if name:
             try:
                 info = await self.store.get_info(bucket, name)
@@ -463,7 +465,7 @@ class Mutations:
             if info is not None and not info.deleted and info.nuid == nuid:
                 return True
         index = await self.ns.index(bucket)
-        return bool(index.names_with_nuid(nuid))
+        return bool(index.names_with_nuid(nuid) or index.hidden_alias_holders(nuid))
 
     def _unsettled_nuid(self, bucket: str, name: str) -> set[str]:
         return {n for (b, n), put in self.journal.pending.items() if b == bucket and put.name == name

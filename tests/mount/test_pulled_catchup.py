@@ -17,6 +17,7 @@ from helpers import create_bucket, wait_for, with_nats
 from test_transport import KICKABLE, own_server
 
 from natsfs import bridge as bridge_module
+from natsfs import jetstream as jetstream_module
 from natsfs.bridge import Bridge
 from natsfs.jetstream import JetStreams
 
@@ -207,5 +208,71 @@ authorization {
         caplog.clear()
         trio.run(main)
         assert not [r.getMessage() for r in caplog.records if r.levelno > logging.INFO]
+    finally:
+        server.stop()
+
+
+def test_a_catch_up_whose_last_pending_metas_are_purged_is_caught_up_not_stalled(tmp_path, monkeypatch, caplog):
+    """Another client purges the metas the watch still counted as pending (tombstones, say) before the
+    pull consumer delivered them, the stream's last one too: no delivery says "nothing pending", and a
+    pull consumer sends no heartbeat. The watch is caught up (the server says nothing is pending and
+    everything delivered was taken) and hands over to the live consumer; it was taken for a stall,
+    re-created with a "no heartbeat" warning."""
+    server = own_server(tmp_path)
+    url = server.url
+    try:
+        create_bucket(url, BUCKET)
+        names = [f"m{i}" for i in range(10)]
+        seqs_stored = publish_metas(url, names)
+        monkeypatch.setattr(jetstream_module, "CATCHUP_REQUEST_BYTES", len(PAD) + 512)  # (one meta a request)
+        real = bridge_module.Subscription.next_batch
+        purged: list[int] = []
+
+        async def next_batch(self: Any, timeout: float | None = None) -> list[Any]:
+            batch = await real(self, timeout)
+            delivered = [int(m.reply.split(".")[-4]) for m in batch if m.reply.startswith("$JS.ACK.")]
+            if delivered and not purged:
+                top = max(delivered)
+                purged.append(top)
+
+                async def purge(nc: Any, js: Any) -> None:
+                    for name, seq in zip(names, seqs_stored, strict=True):
+                        if seq > top:
+                            await js.purge_stream(STREAM, subject=meta(name))
+
+                await trio.to_thread.run_sync(lambda: with_nats(url, purge))
+            return batch
+
+        monkeypatch.setattr(bridge_module.Subscription, "next_batch", next_batch)
+
+        async def main() -> None:
+            bridge = Bridge([url], request_timeout=30)
+            await bridge.connect()
+            js = JetStreams(bridge)
+            try:
+                w = await js.watch(STREAM, f"$O.{BUCKET}.M.>")
+                seqs: list[int] = []
+                with trio.fail_after(60):
+                    while True:
+                        batch = await w.next_batch(timeout=1.0)
+                        seqs += [m.seq for m in batch.msgs]
+                        if batch.caught_up:
+                            break
+                assert purged and purged[0] < seqs_stored[-1]  # (the tail was purged before it was delivered)
+                assert seqs == [s for s in seqs_stored if s <= purged[0]]
+                after = publish_metas(url, ["after"])
+                with trio.fail_after(60):
+                    while len(seqs) < purged[0] + 1:
+                        seqs += [m.seq for m in (await w.next_batch(timeout=1.0)).msgs]
+                await trio.sleep(0.5)
+                seqs += [m.seq for m in (await w.next_batch(timeout=0.2)).msgs]
+                assert seqs == [*(s for s in seqs_stored if s <= purged[0]), *after]  # (once, across the hand-over)
+                await w.close()
+            finally:
+                await bridge.close()
+
+        with caplog.at_level(logging.INFO, logger="natsfs"):
+            trio.run(main)
+        assert not [r.getMessage() for r in caplog.records if "re-creat" in r.getMessage()]
     finally:
         server.stop()

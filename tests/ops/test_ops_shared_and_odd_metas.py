@@ -433,3 +433,60 @@ def test_metas_and_chunks_under_wildcard_subjects_never_make_the_mount_or_fsck_p
         assert {"$O.b.M.*", "$O.b.M.>", "$O.b.C.*"} <= set(env.streams.subjects(stream_name("b")))
 
     ops_env(body, setup=wildcard_metas)
+
+
+
+@pytest.mark.parametrize("how", ["rm", "mv"])
+def test_a_removal_killed_before_its_purge_leaves_the_chunks_a_hidden_alias_names(ops_env, how):
+    """The daemon dies once the unlink's tombstone of `victim.txt` is stored (or a rename over it stored
+    its meta there), before the purge: the put journal recorded the replaced version's nuid first, and
+    the next mount settles it. Its hidden alias (an `adopt_alias` cut short, or another client's copy)
+    still names those chunks: they stay, as they do when the call is not cut short
+    (`Mutations._nuid_users`). The settle purged them."""
+    import trio
+
+    ms = MemoryStreams()
+    nuids: dict[str, str] = {}
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await canonical_and_hidden_alias_on_one_nuid(ms, store)
+        for name in ("victim.txt", "other.txt"):
+            info = await store.get_info("b", name)
+            assert info is not None
+            nuids[name] = info.nuid
+
+    async def first(env: Env):
+        async def dies(*args: Any, **kwargs: Any) -> None:
+            await trio.sleep_forever()
+
+        env.store.end_replacing = dies  # type: ignore[method-assign]
+        env.fs.mut.purge_unused = dies  # type: ignore[method-assign]
+        publish_meta = env.store.publish_meta
+
+        async def dies_before_the_claim(bucket: str, doc: dict[str, Any], **kwargs: Any) -> Any:
+            if doc.get("name") == "other.txt" and doc.get("deleted"):
+                await trio.sleep_forever()
+            return await publish_meta(bucket, doc, **kwargs)
+
+        env.store.publish_meta = dies_before_the_claim  # type: ignore[method-assign]
+        b = (await env.lookup("b")).st_ino
+        if how == "rm":
+            env.nursery.start_soon(env.ops.unlink, b, b"victim.txt", None)
+        else:
+            env.nursery.start_soon(env.ops.rename, b, b"other.txt", b, b"victim.txt", 0, None)
+        with trio.fail_after(10):
+            while (info := await env.store.get_info("b", "victim.txt")) is not None and (
+                    not info.deleted and info.nuid == nuids["victim.txt"]):
+                await trio.sleep(0.01)
+        assert env.fs.mut.journal.active or env.fs.mut.journal.pending
+
+    async def second(env: Env):
+        assert env.fs.mut.journal.pending  # (the record the run that died left)
+        await env.fs.mut.settle_puts()
+        await env.fs.mut.settle_puts()
+        assert await env.store.chunk_index("b", nuids["victim.txt"])  # the alias still names them
+        assert await env.store.chunk_index("b", nuids["other.txt"])
+        assert not env.fs.mut.journal.pending
+
+    ops_env(first, setup=setup, streams=ms)
+    ops_env(second, streams=ms, purge_check_delay=0.0)
