@@ -769,6 +769,7 @@ class JetStreams:
                             ) -> tuple[list[tuple[bytes, int, int | None]], bool]:
         """`_lean_scan` (without sizes) by an ordered consumer over the main connection, which catches up
         by byte-bounded pull requests (`_ConsumerStream`), re-created on gaps, stalls and reconnects."""
+        self.calls["ordered_scans"] += 1
         scan = _ConsumerStream(self.bridge, stream, filter_subject, deliver_policy="all", headers_only=True,
                                pulls_refused=self._pulls_refused)
         await scan.start()

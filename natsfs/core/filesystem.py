@@ -2304,6 +2304,7 @@ class Filesystem:
                 except BaseException:
                     if ino is not None:
                         self._unlinked_nodes.pop(ino, None)
+                    await self._journal_removal_failed(records)
                     raise
             if ino is None:  # (a lookup may have made it while the delete awaited)
                 ino = self.inodes.known(path)
@@ -2337,6 +2338,22 @@ class Filesystem:
             return "", []
         msg_id = new_nuid()
         return msg_id, [{**record, "removed_by": msg_id}]
+
+    async def _journal_removal_failed(self, records: list[dict[str, Any]]) -> None:
+        """An unlink of a pending file whose record names its tombstone (`_removing_record`) failed: the
+        file stays, so its record names no removal again (unless a close wrote a newer one meanwhile).
+        A tombstone stored all the same (no answer, then none to the read-back either: `OutcomeUnknown`)
+        is then another change at the name for the replay, whose bytes it keeps in lost+found: never
+        taken for the unlink's, which closed the record and dropped the bytes of a file the program was
+        told had not been removed."""
+        if not records or self.writeback is None:
+            return
+        pending = self.writeback.journal.pending
+        again = [{k: v for k, v in r.items() if k != "removed_by"} for r in records
+                 if pending.get(r["id"], {}).get("removed_by") == r["removed_by"]]
+        if again:
+            with trio.CancelScope(shield=True), contextlib.suppress(OSError):
+                await self.writeback.moving(again)
 
     async def _journal_intent(self, records: list[dict[str, Any]], call: str) -> None:
         """`WriteBack.moving`: the records naming what `call` is about to change in the bucket, synced."""

@@ -116,3 +116,39 @@ def test_fsck_of_a_bucket_of_many_chunk_subjects_is_clean_without_a_drop(small_p
     assert f"{CHUNKED} objects, 0 tombstones, {CHUNKED} chunk subjects: clean" in r.stdout, r.stdout[-3000:]
     assert not slow_consumers(small_pending)
     assert "lost the connection" not in r.stderr
+
+
+@pytest.mark.parametrize("reads", ["lean_reads_off", "trio_reads_off"])
+def test_a_scanned_listing_over_the_main_connection_is_complete_without_a_drop(small_pending, reads):
+    """Without a lean connection of the trio thread (lean reads turned off: reads go through nats-py;
+    or that connection driven by the asyncio thread), `subject_counts` of 20 000 metas (2 MB as one
+    listing) scans over the main connection (`_ordered_scan`): every subject counted once, complete,
+    and the 2 MB `max_pending` server never drops the connection."""
+    import trio
+
+    from natsfs.bridge import Bridge
+    from natsfs.jetstream import JetStreams
+
+    url, b, objects = small_pending.url, "scanned", 20_000
+    create_bucket(url, b)
+    load(url, b, objects, with_chunks=False)
+
+    async def main() -> tuple[dict[str, int], bool, dict[str, int]]:
+        bridge = Bridge([url], request_timeout=5, lean_reads=reads != "lean_reads_off",
+                        trio_reads=reads != "trio_reads_off")
+        await bridge.connect()
+        try:
+            assert not bridge.reads_in_trio
+            js = JetStreams(bridge)
+            counts, last_seq, complete = await js.subject_counts(f"OBJ_{b}", f"$O.{b}.M.>")
+            assert last_seq == objects
+            return counts, complete, dict(js.calls)
+        finally:
+            await bridge.close()
+
+    counts, complete, calls = trio.run(main)
+    assert counts == {meta_subject(b, name_of(i)): 1 for i in range(objects)}
+    assert complete
+    assert calls.get("subject_scans") == 1 and calls.get("ordered_scans") == 1, calls
+    assert not calls.get("lean_scans") and not calls.get("subject_listings"), calls
+    assert not slow_consumers(small_pending)

@@ -19,10 +19,10 @@ from gowriters import delete_object, put_object
 from opskit import CTX, ROOT, Ctx, Env
 from test_ops_write import stored, write_file
 
-from natsfs.adr20 import ObjectStore
+from natsfs.adr20 import ObjectStore, meta_subject
 from natsfs.compose import WRITE_BACK_JOURNAL, spool_root
 from natsfs.core import writeback
-from natsfs.errors import Unavailable
+from natsfs.errors import Conflict, Unavailable
 from natsfs.journal import WriteBackJournal
 from natsfs.memstreams import MemoryStreams
 
@@ -819,6 +819,15 @@ def test_a_crash_in_an_unlink_of_a_pending_file_keeps_the_bytes_when_the_change_
 
         kill.setattr(env.fs.mut, "delete", dies_before)
         _die_before_the_done_record(kill)
+        # (Killed there, it syncs nothing more: not the record of a failed unlink, naming no tombstone again.)
+        sync = writeback.WriteBack._sync_records
+
+        async def dead_for_old(self: writeback.WriteBack, records: list[dict[str, Any]]) -> None:
+            if any(r.get("name") == "old.txt" and not r.get("removed_by") for r in records):
+                raise OSError(errno.EIO, "the daemon dies here")
+            await sync(self, records)
+
+        kill.setattr(writeback.WriteBack, "_sync_records", dead_for_old)
         for name in (b"old.txt", b"two.txt"):
             with pytest.raises(pyfuse3.FUSEError):
                 await env.ops.unlink(ROOT, name, None)
@@ -931,3 +940,91 @@ def test_a_crash_between_the_publishes_of_a_rename_over_a_pending_file_keeps_bot
     kill.undo()
     ops_env(second, bucket="b", streams=ms, write_back=0.0)
     assert not lost_found(tmp_path).exists()
+
+
+def test_a_failed_unlink_of_a_pending_file_replays_its_bytes_at_the_next_mount(ops_env, tmp_path, caplog):
+    """Unlinks of pending rewrites whose tombstone the bucket refuses: a conflict (twice: the unlink's own
+    retry too), and no answer until the publish gives up (nothing stored). The unlink fails, the file
+    stays, and its record (which named the tombstone) is replayed at the next mount: the acknowledged
+    bytes are uploaded to the name, never dropped, nothing in lost+found, no conflict warning."""
+    ms = MemoryStreams()
+
+    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
+        await bucket_b(ms, store)
+        await put_object(ms, "b", "two.txt", b"stored two")
+
+    async def first(env: Env):
+        await _rewrite(env, "old.txt", b"pending one")
+        await _rewrite(env, "two.txt", b"pending two")
+        env.streams.fail_next("publish", Conflict("wrong last sequence"), subject=meta_subject("b", "old.txt"),
+                              times=2)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.unlink(ROOT, b"old.txt", None)
+        env.store.settle_timeout = 0.2
+        env.streams.fail_next("publish", Unavailable("server gone"), subject=meta_subject("b", "two.txt"),
+                              times=1000)
+        with pytest.raises(pyfuse3.FUSEError):
+            await env.ops.unlink(ROOT, b"two.txt", None)
+        env.streams._faults.clear()
+        assert await env.cat("old.txt") == b"pending one"
+        assert await env.cat("two.txt") == b"pending two"
+        assert sorted(r["name"] for r in journal_of(env).pending.values()) == ["old.txt", "two.txt"]
+        # The daemon dies here, before the uploader's turn.
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "old.txt") == b"pending one"
+        assert await stored(env, "two.txt") == b"pending two"
+
+    ops_env(first, setup=setup, bucket="b", streams=ms, write_back=LATER)
+    caplog.clear()
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+    assert not _conflict_lines(caplog)
+    assert list(spool_dir(tmp_path).iterdir()) == []
+
+
+@pytest.mark.expect_log("may or may not be stored")
+def test_an_unlink_of_a_pending_file_whose_outcome_is_unknown_keeps_its_bytes(ops_env, tmp_path, caplog):
+    """An unlink of a pending rewrite whose tombstone is stored but neither its ack nor any read-back
+    answers (`OutcomeUnknown`): the unlink fails (EIO) and the file stays with its pending bytes. At the
+    next mount they are uploaded to the name, nothing in lost+found (was: the record still named the
+    tombstone, the replay took it for the unlink's and closed it: the bytes of a file the program was
+    told had not been removed were dropped, the name deleted)."""
+    ms = MemoryStreams()
+    cut = pytest.MonkeyPatch()
+
+    async def first(env: Env):
+        await _rewrite(env, "old.txt", b"pending one")
+        env.store.settle_timeout = 0.2
+        original = env.streams.publish
+
+        async def ack_lost(subject: str, data: bytes, headers: Any = None, **kw: Any) -> int:
+            seq = await original(subject, data, headers, **kw)
+            if subject == meta_subject("b", "old.txt"):  # (stored; no answer from here on)
+                env.streams.fail_next("last_msg", Unavailable("server gone"), times=1000)
+                raise Unavailable("ack lost")
+            return seq
+
+        cut.setattr(env.streams, "publish", ack_lost)
+        with pytest.raises(pyfuse3.FUSEError) as failed:
+            await env.ops.unlink(ROOT, b"old.txt", None)
+        assert failed.value.errno == errno.EIO
+        cut.undo()
+        env.streams._faults.clear()
+        assert await env.cat("old.txt") == b"pending one"
+        info = await env.store.get_info("b", "old.txt")
+        assert info is not None and info.deleted  # (the tombstone was stored all the same)
+        # The daemon dies here, before the uploader's turn.
+
+    async def second(env: Env):
+        await replayed(env)
+        assert await stored(env, "old.txt") == b"pending one"
+        assert await env.cat("old.txt") == b"pending one"
+
+    ops_env(first, setup=bucket_b, bucket="b", streams=ms, write_back=LATER)
+    caplog.clear()
+    ops_env(second, bucket="b", streams=ms, write_back=0.0)
+    assert not lost_found(tmp_path).exists()
+    assert not _conflict_lines(caplog)
+    assert list(spool_dir(tmp_path).iterdir()) == []
