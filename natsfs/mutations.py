@@ -756,7 +756,7 @@ class Mutations:
             sf.replace(await self._on_canonical(sf.bucket, sf.replaces))
         base_doc = None
         expected, old_nuid = sf.base_revision, sf.base.nuid if sf.base is not None else ""
-        replace_tombstone = sf.base is None
+        replace_tombstone, own_tombstone = sf.base is None, False
         replaced = sf.replaces if sf.base is None else None
         if replaced is not None:
             # Renamed over a stored object before this first upload: the put replaces that object (a new
@@ -793,10 +793,14 @@ class Mutations:
                     # Another mount (or `natsfs fsck --repair`) rewrote the wildcard nuid of the version this
                     # file was opened at, and nothing else: no conflict, this put replaces that rewrite.
                     expected, old_nuid = got[1], got_nuid
+                elif got is not None and got[1] != sf.base_revision and await self._own_failed_removal(sf, got[0]):
+                    # The tombstone of this mount's own unlink of the file, which failed (no answer, none to
+                    # the read-back) though it was stored: the file stayed, so this put replaces it.
+                    expected, own_tombstone = got[1], True
                 elif got is None or got[1] != sf.base_revision:
                     self._break_stream(sf)
                     raise Conflict(f"{sf.bucket}/{sf.name} was changed by another client since it was opened")
-                if sf.base.nuid and got_nuid != sf.base.nuid:
+                if sf.base.nuid and got_nuid != sf.base.nuid and not own_tombstone:
                     # The same revision holding another object: the stream was deleted and created again
                     # (its sequences start over) and another client's object got the revision the file
                     # was opened at. The server's expected-sequence check would let this put replace it.
@@ -846,6 +850,16 @@ class Mutations:
         finally:
             sf.reset_stream()
         return info, len(changes)
+
+    async def _own_failed_removal(self, sf: StagedFile, doc: dict[str, Any]) -> bool:
+        """Whether `doc`, the name's meta newer than `sf`'s base, is a tombstone (or a rename's claim)
+        this mount published for an unlink of `sf` that failed (`sf.failed_removal`, its `Nats-Msg-Id`).
+        The put log knows such a tombstone of a chunked object as this mount's own unsettled publish;
+        this covers the others (an empty object, a claim): else their bytes went to lost+found with a
+        warning that another client had changed the name."""
+        if not sf.failed_removal or doc.get("deleted") is not True:
+            return False
+        return is_attempt_of(await self.store.meta_msg_id(sf.bucket, sf.name), sf.failed_removal)
 
     async def _stored_by_earlier_run(self, sf: StagedFile) -> ObjectInfo | None:
         """A write-back upload replayed from the journal whose object the daemon that died had stored

@@ -503,6 +503,9 @@ class StagedFile:
         self.xattr_changes: list[tuple[str, bytes | None]] = []
         # Resumed from the write-back journal: its upload may have been stored by the run that died.
         self.resumed = False
+        # The `Nats-Msg-Id` of this mount's last unlink of it that failed (write-back: the tombstone of
+        # `Filesystem._removing_record`), which may have been stored all the same: its upload replaces it.
+        self.failed_removal = ""
         # Why the last store of it at a close failed: said again where its bytes end up in lost+found.
         self.store_failure: str | None = None
         # The operation whose store failed: "truncate" for a truncate(2) of a path no writer had open,

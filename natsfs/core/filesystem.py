@@ -2304,6 +2304,8 @@ class Filesystem:
                 except BaseException:
                     if ino is not None:
                         self._unlinked_nodes.pop(ino, None)
+                    if sf is not None and removed_by:
+                        sf.failed_removal = removed_by  # (its tombstone may be stored: `Mutations._upload`)
                     await self._journal_removal_failed(records)
                     raise
             if ino is None:  # (a lookup may have made it while the delete awaited)
