@@ -992,29 +992,10 @@ def test_an_unlink_of_a_pending_file_whose_outcome_is_unknown_keeps_its_bytes(op
     tombstone, the replay took it for the unlink's and closed it: the bytes of a file the program was
     told had not been removed were dropped, the name deleted)."""
     ms = MemoryStreams()
-    cut = pytest.MonkeyPatch()
 
     async def first(env: Env):
         await _rewrite(env, "old.txt", b"pending one")
-        env.store.settle_timeout = 0.2
-        original = env.streams.publish
-
-        async def ack_lost(subject: str, data: bytes, headers: Any = None, **kw: Any) -> int:
-            seq = await original(subject, data, headers, **kw)
-            if subject == meta_subject("b", "old.txt"):  # (stored; no answer from here on)
-                env.streams.fail_next("last_msg", Unavailable("server gone"), times=1000)
-                raise Unavailable("ack lost")
-            return seq
-
-        cut.setattr(env.streams, "publish", ack_lost)
-        with pytest.raises(pyfuse3.FUSEError) as failed:
-            await env.ops.unlink(ROOT, b"old.txt", None)
-        assert failed.value.errno == errno.EIO
-        cut.undo()
-        env.streams._faults.clear()
-        assert await env.cat("old.txt") == b"pending one"
-        info = await env.store.get_info("b", "old.txt")
-        assert info is not None and info.deleted  # (the tombstone was stored all the same)
+        await _unlink_whose_answers_are_lost(env, "old.txt")
         # The daemon dies here, before the uploader's turn.
 
     async def second(env: Env):
@@ -1030,95 +1011,59 @@ def test_an_unlink_of_a_pending_file_whose_outcome_is_unknown_keeps_its_bytes(op
     assert list(spool_dir(tmp_path).iterdir()) == []
 
 
+async def _unlink_whose_answers_are_lost(env: Env, name: str) -> None:
+    """Unlink `name` with its tombstone stored but neither its ack nor any read-back answering
+    (`OutcomeUnknown`): the unlink fails (EIO), the file stays with its pending bytes, the bucket holds
+    the tombstone."""
+    cut = pytest.MonkeyPatch()
+    env.store.settle_timeout = 0.2
+    original = env.streams.publish
+
+    async def ack_lost(subject: str, data: bytes, headers: Any = None, **kw: Any) -> int:
+        seq = await original(subject, data, headers, **kw)
+        if subject == meta_subject("b", name):  # (stored; no answer from here on)
+            env.streams.fail_next("last_msg", Unavailable("server gone"), times=1000)
+            raise Unavailable("ack lost")
+        return seq
+
+    cut.setattr(env.streams, "publish", ack_lost)
+    with pytest.raises(pyfuse3.FUSEError) as failed:
+        await env.ops.unlink(ROOT, name.encode(), None)
+    assert failed.value.errno == errno.EIO
+    cut.undo()
+    env.streams._faults.clear()
+    assert await env.cat(name) == b"pending one"
+    info = await env.store.get_info("b", name)
+    assert info is not None and info.deleted  # (the tombstone was stored all the same)
+
+
 @pytest.mark.expect_log("may or may not be stored")
+@pytest.mark.parametrize("old", [b"old content", b""], ids=["chunked", "empty"])
 def test_an_unlink_of_a_pending_file_whose_outcome_is_unknown_uploads_its_bytes_in_the_same_run(
-        ops_env, tmp_path, caplog):
+        ops_env, tmp_path, caplog, old):
     """As above, without a restart: the unlink fails (EIO), the file stays with its pending bytes and the
     bucket holds the tombstone. The uploader of the same run stores the acknowledged bytes under the
-    name over that tombstone (the put journal knows it as this mount's own publish whose outcome was
-    unknown, not another client's change), keeping the meta's description and metadata, the replaced
+    name over that tombstone (this mount's own publish whose outcome was unknown, not another client's
+    change: the put journal knows it; for an empty stored object, which the put log does not note, its
+    `Nats-Msg-Id` names it the failed unlink's, where the bytes went to lost+found with a warning that
+    another client had changed the name), keeping the meta's description and metadata, the replaced
     version's chunks purged: nothing in lost+found, no warning that another client changed it."""
-    cut = pytest.MonkeyPatch()
 
     async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
         await store.create_bucket("b", max_bytes=1 << 20)
-        await put_object(ms, "b", "old.txt", b"old content", description="theirs", metadata={"note": "kept"})
+        await put_object(ms, "b", "old.txt", old, description="theirs", metadata={"note": "kept"})
 
     async def body(env: Env):
         await _rewrite(env, "old.txt", b"pending one")
-        env.store.settle_timeout = 0.2
-        original = env.streams.publish
-
-        async def ack_lost(subject: str, data: bytes, headers: Any = None, **kw: Any) -> int:
-            seq = await original(subject, data, headers, **kw)
-            if subject == meta_subject("b", "old.txt"):  # (stored; no answer from here on)
-                env.streams.fail_next("last_msg", Unavailable("server gone"), times=1000)
-                raise Unavailable("ack lost")
-            return seq
-
-        cut.setattr(env.streams, "publish", ack_lost)
-        with pytest.raises(pyfuse3.FUSEError) as failed:
-            await env.ops.unlink(ROOT, b"old.txt", None)
-        assert failed.value.errno == errno.EIO
-        cut.undo()
-        env.streams._faults.clear()
-        assert await env.cat("old.txt") == b"pending one"
-        info = await env.store.get_info("b", "old.txt")
-        assert info is not None and info.deleted  # (the tombstone was stored all the same)
+        await _unlink_whose_answers_are_lost(env, "old.txt")
         await env.fs.shutdown(10)  # (the uploader's turn, in this run)
         assert journal_of(env).pending == {}
         assert await stored(env, "old.txt") == b"pending one"
         got = await env.store.get_meta_doc("b", "old.txt")
         assert got is not None and not got[0].get("deleted")
         assert (got[0].get("description"), got[0].get("metadata")) == ("theirs", {"note": "kept"})
-        assert chunk_count(env) == 1  # (the old version's chunks purged)
-        assert await env.cat("old.txt") == b"pending one"
-
-    ops_env(body, setup=setup, bucket="b", write_back=LATER)
-    assert not lost_found(tmp_path).exists()
-    assert not _conflict_lines(caplog)
-    assert list(spool_dir(tmp_path).iterdir()) == []
-
-
-@pytest.mark.expect_log("may or may not be stored")
-def test_an_unlink_of_a_pending_file_whose_outcome_is_unknown_uploads_its_bytes_in_the_same_run_also_when_empty(
-        ops_env, tmp_path, caplog):
-    """As above, the stored object empty (no chunks: the put log notes no tombstone of it): the tombstone
-    is recognised by its `Nats-Msg-Id` as the failed unlink's (was: the bytes went to lost+found with a
-    warning that another client had changed the name)."""
-    cut = pytest.MonkeyPatch()
-
-    async def setup(ms: MemoryStreams, store: ObjectStore) -> None:
-        await store.create_bucket("b", max_bytes=1 << 20)
-        await put_object(ms, "b", "old.txt", b"", description="theirs", metadata={"note": "kept"})
-
-    async def body(env: Env):
-        await _rewrite(env, "old.txt", b"pending one")
-        env.store.settle_timeout = 0.2
-        original = env.streams.publish
-
-        async def ack_lost(subject: str, data: bytes, headers: Any = None, **kw: Any) -> int:
-            seq = await original(subject, data, headers, **kw)
-            if subject == meta_subject("b", "old.txt"):  # (stored; no answer from here on)
-                env.streams.fail_next("last_msg", Unavailable("server gone"), times=1000)
-                raise Unavailable("ack lost")
-            return seq
-
-        cut.setattr(env.streams, "publish", ack_lost)
-        with pytest.raises(pyfuse3.FUSEError) as failed:
-            await env.ops.unlink(ROOT, b"old.txt", None)
-        assert failed.value.errno == errno.EIO
-        cut.undo()
-        env.streams._faults.clear()
-        assert await env.cat("old.txt") == b"pending one"
-        info = await env.store.get_info("b", "old.txt")
-        assert info is not None and info.deleted  # (the tombstone was stored all the same)
-        await env.fs.shutdown(10)  # (the uploader's turn, in this run)
-        assert journal_of(env).pending == {}
-        assert await stored(env, "old.txt") == b"pending one"
-        got = await env.store.get_meta_doc("b", "old.txt")
-        assert got is not None and not got[0].get("deleted")
-        assert (got[0].get("description"), got[0].get("metadata")) == ("theirs", {"note": "kept"})
+        if old:
+            assert chunk_count(env) == 1  # (the old version's chunks purged)
         assert await env.cat("old.txt") == b"pending one"
 
     ops_env(body, setup=setup, bucket="b", write_back=LATER)
